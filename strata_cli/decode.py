@@ -1,0 +1,133 @@
+"""The decode loop shared by `generate` (and later `serve-stdio` and `bench`).
+
+Each step runs one window [root, d1..dD] through the engine, keeps the longest verified prefix
+(spec.verify), emits its outputs, and commits exactly the inputs those outputs rest on. The
+window never exceeds the remaining token budget or the context (spec.safe_window); emission
+stops at the first end-of-sequence token, and nothing after it is committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+
+from .config import GenerateOptions, SpecOptions
+from .engine.sampling import Sampler
+from .engine.window import WindowEngine
+from .spec.safe_window import safe_window
+from .spec.suffix_drafter import EMPTY_PROPOSAL, SuffixDrafter
+from .spec.verify import greedy_keep, stop_at_eos
+from .telemetry import DecodeStats, WindowRecord
+
+FINISH_STOP = "stop"  # an end-of-sequence token
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_CONTEXT = "context"  # the context limit reached
+
+SAMPLING_IS_SERIAL = (
+    "temperature > 0: decoding serially; lossless speculative sampling is not implemented yet, "
+    "so --suffix-draft is ignored for sampled requests"
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Tokens one window emitted; `finish_reason` is set on the last step only."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take (empty, or longer than the context)."""
+
+
+def generate(
+    engine: WindowEngine,
+    prompt_ids: Sequence[int],
+    *,
+    options: GenerateOptions,
+    spec: SpecOptions,
+    eos_ids: Collection[int],
+    stats: DecodeStats | None = None,
+) -> Iterator[Step]:
+    """Generate from `prompt_ids`, one window per step.
+
+    Args:
+        engine: the window engine; it is reset first.
+        prompt_ids: the request's final token ids (at least one).
+        options: max_tokens, temperature, seed.
+        spec: max drafts per window (0 = serial) and the drafter's min_match.
+        eos_ids: ids that end generation (not emitted).
+        stats: telemetry sink (default: a private one).
+
+    Yields:
+        `Step`s; the last one carries the finish reason ("stop", "length" or "context").
+    """
+    stats = stats if stats is not None else DecodeStats()
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        raise PromptError("the prompt is empty")
+    if len(prompt_ids) > engine.max_context:
+        raise PromptError(
+            f"the prompt has {len(prompt_ids)} tokens but the context holds {engine.max_context}"
+        )
+    sampler = Sampler(options.temperature, options.seed) if options.temperature > 0 else None
+    max_drafts = spec.max_drafts
+    if sampler and max_drafts:
+        stats.note(SAMPLING_IS_SERIAL)
+        max_drafts = 0
+    drafter = SuffixDrafter(prompt_ids, min_match=spec.min_match) if max_drafts else None
+
+    engine.reset()
+    start = time.perf_counter()
+    engine.prefill(prompt_ids[:-1])
+    stats.record_prefill(len(prompt_ids) - 1, time.perf_counter() - start)
+
+    root, pos0, emitted = prompt_ids[-1], len(prompt_ids) - 1, 0
+    while True:
+        remaining = options.max_tokens - emitted
+        if remaining <= 0:
+            yield Step([], FINISH_LENGTH)
+            return
+        if engine.context_left(pos0) <= 0:
+            yield Step([], FINISH_CONTEXT)
+            return
+        start = time.perf_counter()
+        proposal = drafter.propose(max_drafts) if drafter else EMPTY_PROPOSAL
+        T = safe_window(
+            num_drafts=len(proposal.tokens),
+            remaining_tokens=remaining,
+            context_left=engine.context_left(pos0),
+            pos0=pos0,
+            block_cap=engine.needs_block_cap,
+        )
+        inputs = [root, *proposal.tokens[: T - 1]]
+        out = engine.run(inputs, pos0)
+        if sampler:
+            outputs, keep = [sampler(out.logits[0])], 1
+        else:
+            keep = greedy_keep(inputs, out.tokens)
+            outputs = out.tokens[:keep]
+        eos_at = stop_at_eos(outputs, eos_ids)
+        if eos_at is not None:
+            keep, outputs = eos_at + 1, outputs[:eos_at]
+        engine.commit(keep)
+        stats.record_window(
+            WindowRecord(
+                T=len(inputs),
+                keep=keep,
+                emitted=len(outputs),
+                seconds=time.perf_counter() - start,
+                match_length=proposal.match_length if len(inputs) > 1 else 0,
+            )
+        )
+        if eos_at is not None:
+            yield Step(outputs, FINISH_STOP)
+            return
+        if drafter:
+            drafter.extend(outputs)
+        emitted += len(outputs)
+        pos0 += keep
+        root = outputs[-1]
+        yield Step(outputs)

@@ -1,0 +1,1 @@
+"""The window engine: per-layer state, run/commit, and every rollback rule."""

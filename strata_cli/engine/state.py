@@ -1,0 +1,251 @@
+"""Per-layer state and its rollback rules (DESIGN.md, "State and its rollback rule").
+
+Every state implements one protocol, `LayerState`:
+
+- `begin(pos0, T, mode)` opens a window of `T` rows at absolute positions `pos0..pos0+T-1`;
+- the model layer then reads and writes the state through layer-specific calls
+  (`KVState.update_and_fetch`, `GDNState.conv_window` / `GDNState.recur`);
+- `commit(keep)` makes the state equal to serially processing the first `keep` rows;
+- `flush()` applies any deferred work, `snapshot()` / `restore()` save and bring back committed
+  state (MLX arrays are immutable, so a snapshot is a tuple of references), and `tensors()`
+  names the committed tensors, for checkpoints and for the rollback tests.
+
+Further rows of the state table (sparse-attention indexer tail, PLE history, logit processors)
+implement the same five calls, so the window contract never changes when they arrive.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import mlx.core as mx
+
+KV_STEP = 256  # KV buffers grow in steps of this many cells, so shapes change rarely
+
+
+class Mode(enum.Enum):
+    """How a window's rows reach committed state."""
+
+    WINDOW = "window"  # nothing commits until commit(keep)
+    PARTIAL = "partial"  # the root row (always kept) commits inside the run
+    COMMIT_ALL = "commit_all"  # prompt chunks: every row commits inside the run
+
+
+class LayerState(Protocol):
+    def begin(self, pos0: int, T: int, mode: Mode) -> None: ...
+    def commit(self, keep: int) -> None: ...
+    def flush(self) -> None: ...
+    def snapshot(self) -> tuple: ...
+    def restore(self, snap: tuple) -> None: ...
+    def tensors(self) -> dict[str, mx.array]: ...
+
+
+class KVState:
+    """Attention keys and values; positional rollback.
+
+    Cells past the committed length are stale: no mask ever reads them and later windows
+    overwrite them, so a window writes its rows straight into the buffer and commit only moves
+    the length. Writes go through `mx.slice_update`, which never changes an array another
+    reference (a snapshot) still holds.
+    """
+
+    def __init__(self):
+        self.keys: mx.array | None = None  # (B, H_kv, capacity, D)
+        self.values: mx.array | None = None
+        self.length = 0
+        self._window: tuple[int, int, Mode] | None = None
+
+    @property
+    def offset(self) -> int:
+        """Absolute position of the open window's first row (its rotary offset)."""
+        return self._window[0]
+
+    def begin(self, pos0: int, T: int, mode: Mode) -> None:
+        assert pos0 == self.length, (pos0, self.length)
+        self._window = (pos0, T, mode)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the window's (B, H_kv, T, D) keys and values; return cells 0..pos0+T-1."""
+        pos0, T, mode = self._window
+        end = pos0 + T
+        self._reserve(end, keys)
+        start = mx.array([pos0])
+        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        if mode is Mode.PARTIAL:
+            self.length = pos0 + 1
+        elif mode is Mode.COMMIT_ALL:
+            self.length = end
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _reserve(self, end: int, like: mx.array) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if end <= capacity:
+            return
+        B, H, _, D = like.shape
+        grown = -(-end // KV_STEP) * KV_STEP
+        fresh = mx.zeros((B, H, grown - capacity, D), dtype=like.dtype)
+        if self.keys is None:
+            self.keys, self.values = fresh, fresh
+        else:
+            self.keys = mx.concatenate([self.keys, fresh], axis=2)
+            self.values = mx.concatenate([self.values, fresh], axis=2)
+
+    def commit(self, keep: int) -> None:
+        pos0, T, mode = self._window
+        if mode is not Mode.COMMIT_ALL:
+            self.length = pos0 + keep
+        self._window = None
+
+    def flush(self) -> None:
+        pass
+
+    def snapshot(self) -> tuple:
+        return (self.keys, self.values, self.length)
+
+    def restore(self, snap: tuple) -> None:
+        self.keys, self.values, self.length = snap
+        self._window = None
+
+    def tensors(self) -> dict[str, mx.array]:
+        if self.keys is None:
+            return {}
+        return {
+            "keys": self.keys[..., : self.length, :],
+            "values": self.values[..., : self.length, :],
+        }
+
+
+@dataclass(frozen=True)
+class GDNRows:
+    """Per-row inputs of the gated-delta recurrence, after the causal conv.
+
+    Shapes: q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv).
+    """
+
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    g: mx.array
+    beta: mx.array
+
+    def __len__(self) -> int:
+        return self.q.shape[1]
+
+    def rows(self, start: int, stop: int) -> "GDNRows":
+        return GDNRows(*(a[:, start:stop] for a in (self.q, self.k, self.v, self.g, self.beta)))
+
+
+# scan(rows, state) -> (outputs (B, T, Hv, Dv), state after the last row)
+Scan = Callable[[GDNRows, mx.array], tuple[mx.array, mx.array]]
+
+
+class GDNState:
+    """Gated-delta-rule recurrent state `S` and the causal conv's input history.
+
+    A window computes its rows from the committed state without changing it and keeps each
+    row's recurrence inputs. `commit(keep)` folds only the kept rows into `S`: at once (eager),
+    or by recording them and prepending the fold to the next window's scan (lazy). When every
+    row is kept the run's own final state is the fold, so nothing is recomputed.
+    The conv history is the last K-1 raw conv inputs; updating it is a slice, so commit always
+    does it at once.
+    """
+
+    def __init__(self, conv_kernel: int, *, lazy: bool):
+        self.num_history = conv_kernel - 1
+        self.is_lazy = lazy
+        self.S: mx.array | None = None  # (B, Hv, Dk, Dv), float32
+        self.history: mx.array | None = None  # (B, K-1, C) raw conv inputs
+        self.pending: GDNRows | None = None  # kept rows not yet folded into S (lazy)
+        self._scan: Scan | None = None
+        self._window: tuple[int, int, Mode] | None = None
+        self._history0: mx.array | None = None
+        self._raw: mx.array | None = None
+        self._rows: GDNRows | None = None
+        self._final: mx.array | None = None
+
+    def begin(self, pos0: int, T: int, mode: Mode) -> None:
+        self._window = (pos0, T, mode)
+
+    def conv_window(self, raw: mx.array) -> mx.array:
+        """Prepend the committed history to the window's raw conv inputs (B, T, C)."""
+        B, T, C = raw.shape
+        if self.history is None:
+            self.history = mx.zeros((B, self.num_history, C), dtype=raw.dtype)
+        self._history0, self._raw = self.history, raw
+        mode = self._window[2]
+        if mode is Mode.COMMIT_ALL:
+            self.history = self._history_after(T)
+        elif mode is Mode.PARTIAL:
+            self.history = self._history_after(1)
+        return mx.concatenate([self._history0, raw], axis=1)
+
+    def _history_after(self, n: int) -> mx.array:
+        joined = mx.concatenate([self._history0, self._raw[:, :n]], axis=1)
+        return joined[:, joined.shape[1] - self.num_history :]
+
+    def recur(self, rows: GDNRows, scan: Scan) -> mx.array:
+        """Run the recurrence over the window's rows from committed state; returns outputs."""
+        self._scan = scan
+        S = self._start_state(rows)
+        mode = self._window[2]
+        if mode is Mode.COMMIT_ALL:
+            y, self.S = scan(rows, S)
+            return y
+        if mode is Mode.PARTIAL:
+            y0, self.S = scan(rows.rows(0, 1), S)
+            if len(rows) == 1:
+                self._rows, self._final = rows, self.S
+                return y0
+            y1, self._final = scan(rows.rows(1, len(rows)), self.S)
+            self._rows = rows
+            return mx.concatenate([y0, y1], axis=1)
+        y, self._final = scan(rows, S)
+        self._rows = rows
+        return y
+
+    def _start_state(self, rows: GDNRows) -> mx.array:
+        if self.S is None:
+            B, _, Hv, Dv = rows.v.shape
+            self.S = mx.zeros((B, Hv, rows.k.shape[-1], Dv), dtype=mx.float32)
+        self.flush()  # the lazy fold joins this window's graph
+        return self.S
+
+    def commit(self, keep: int) -> None:
+        pos0, T, mode = self._window
+        self._window = None
+        if mode is Mode.COMMIT_ALL:
+            return
+        self.history = self._history_after(keep)
+        start = 1 if mode is Mode.PARTIAL else 0
+        if keep == T:
+            self.S = self._final
+        elif keep > start:
+            kept = self._rows.rows(start, keep)
+            if self.is_lazy:
+                self.pending = kept
+            else:
+                _, self.S = self._scan(kept, self.S)
+        self._rows = self._final = self._raw = self._history0 = None
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            _, self.S = self._scan(self.pending, self.S)
+            self.pending = None
+
+    def snapshot(self) -> tuple:
+        self.flush()
+        return (self.S, self.history)
+
+    def restore(self, snap: tuple) -> None:
+        self.S, self.history = snap
+        self.pending = None
+        self._window = None
+
+    def tensors(self) -> dict[str, mx.array]:
+        self.flush()
+        if self.S is None:
+            return {}
+        return {"recurrent": self.S, "conv_history": self.history}

@@ -1,0 +1,182 @@
+"""WindowEngine: run a window of [root, d1..dD] in one forward pass, then commit a prefix.
+
+The contract (DESIGN.md, "The window contract"):
+
+- `run(tokens, pos0)` takes T = 1 + D tokens at positions pos0..pos0+T-1 and returns, for every
+  row i, the logits and the greedy token out[i], the prediction for position pos0+i+1. It does not
+  change committed state (in partial mode the root row, always kept, commits inside the run).
+- `commit(keep)`, 1 <= keep <= T, exactly once per run, leaves every state equal to serially
+  processing tokens[:keep].
+
+A transaction guard turns every misuse (a second run before commit, a second commit, a keep out
+of range, a window that does not start at the committed length) into a `WindowError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from ..config import PREFILL_CHUNK, EngineOptions
+from .state import GDNState, KVState, Mode
+
+
+class WindowError(RuntimeError):
+    """The window contract was broken by the caller."""
+
+
+@dataclass(frozen=True)
+class WindowOutput:
+    logits: mx.array  # (T, V) float32
+    tokens: list[int]  # greedy out[i] for each row
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    length: int
+    states: tuple
+
+
+def make_state(kind: str, params: dict, options: EngineOptions):
+    if kind == "kv":
+        return KVState()
+    if kind == "gdn":
+        return GDNState(params["conv_kernel"], lazy=options.fold == "lazy")
+    raise ValueError(f"unknown layer state kind {kind!r}")
+
+
+class WindowEngine:
+    """Owns every piece of per-request model state and the only rollback logic there is.
+
+    Args:
+        model: an MLX model with `state_kinds`, `config` and `__call__(tokens, states, last_only)`.
+        options: fold mode, partial mode and context limit (default `EngineOptions()`).
+    """
+
+    # This model family has no sparse-attention indexer tail, so windows need no 4-cell cap.
+    needs_block_cap = False
+
+    def __init__(self, model, options: EngineOptions | None = None):
+        self.model = model
+        self.options = options or EngineOptions()
+        model_limit = model.config.max_position_embeddings
+        self.max_context = min(self.options.max_context or model_limit, model_limit)
+        self.vocab_size = model.config.vocab_size
+        self.states = [make_state(kind, params, self.options) for kind, params in model.state_kinds]
+        self.length = 0  # committed positions
+        self._open: tuple[int, int] | None = None  # (pos0, T) of a run awaiting commit
+
+    # -- the window contract -------------------------------------------------------------------
+
+    def run(self, tokens: Sequence[int], pos0: int) -> WindowOutput:
+        """Process `tokens` at positions pos0.. and return every row's logits and greedy token."""
+        if self._open is not None:
+            raise WindowError(f"run() called again before commit() of the window at {self._open[0]}")
+        T = len(tokens)
+        self._check_window(tokens, pos0)
+        mode = Mode.PARTIAL if self.options.partial else Mode.WINDOW
+        logits = self._forward(tokens, pos0, mode)[0].astype(mx.float32)
+        greedy = mx.argmax(logits, axis=-1)
+        mx.eval(logits, greedy)
+        self._open = (pos0, T)
+        if mode is Mode.PARTIAL:
+            self.length = pos0 + 1
+        return WindowOutput(logits=logits, tokens=greedy.tolist())
+
+    def commit(self, keep: int) -> None:
+        """Commit the first `keep` inputs of the last run."""
+        if self._open is None:
+            raise WindowError("commit() without an open run (each run commits exactly once)")
+        pos0, T = self._open
+        if not isinstance(keep, int) or not 1 <= keep <= T:
+            raise WindowError(f"commit keep must be in 1..{T} for this window, got {keep!r}")
+        for state in self.states:
+            state.commit(keep)
+        self.length = pos0 + keep
+        self._open = None
+
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        *,
+        chunk: int = PREFILL_CHUNK,
+        progress: Callable[[int], None] | None = None,
+    ) -> mx.array | None:
+        """Process and commit `tokens` at the committed length, in chunks.
+
+        Prompt rows are always kept, so every state commits inside the run and nothing is
+        folded twice. Returns the last row's logits (V,), or None for no tokens.
+        """
+        if self._open is not None:
+            raise WindowError("prefill() while a run awaits commit()")
+        logits = None
+        for start in range(0, len(tokens), chunk):
+            piece = tokens[start : start + chunk]
+            self._check_window(piece, self.length)
+            logits = self._forward(piece, self.length, Mode.COMMIT_ALL, last_only=True)
+            for state in self.states:
+                state.commit(len(piece))
+            self.length += len(piece)
+            mx.eval(logits, self._committed_arrays())
+            if progress:
+                progress(len(piece))
+        return None if logits is None else logits[0, -1].astype(mx.float32)
+
+    # -- committed state -----------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """Committed state as references (pending lazy folds are flushed first)."""
+        self._require_closed("snapshot")
+        return Snapshot(self.length, tuple(state.snapshot() for state in self.states))
+
+    def restore(self, snap: Snapshot) -> None:
+        self._require_closed("restore")
+        for state, saved in zip(self.states, snap.states):
+            state.restore(saved)
+        self.length = snap.length
+
+    def reset(self) -> None:
+        """Forget everything: the next window starts at position 0."""
+        self.states = [make_state(kind, params, self.options) for kind, params in self.model.state_kinds]
+        self.length = 0
+        self._open = None
+
+    def state_tensors(self) -> list[dict[str, mx.array]]:
+        """Every layer's committed tensors (flushing lazy folds), for checkpoints and tests."""
+        self._require_closed("state_tensors")
+        return [state.tensors() for state in self.states]
+
+    def context_left(self, pos0: int) -> int:
+        """Positions still free at and after pos0."""
+        return self.max_context - pos0
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_window(self, tokens: Sequence[int], pos0: int) -> None:
+        T = len(tokens)
+        if T < 1:
+            raise WindowError("a window needs at least one token")
+        if pos0 != self.length:
+            raise WindowError(f"window starts at {pos0} but the committed length is {self.length}")
+        if pos0 + T > self.max_context:
+            raise WindowError(
+                f"window of {T} at position {pos0} exceeds the context limit of {self.max_context}"
+            )
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise WindowError(f"token ids {bad[:5]} are outside the vocabulary of {self.vocab_size}")
+
+    def _forward(self, tokens: Sequence[int], pos0: int, mode: Mode, *, last_only: bool = False):
+        T = len(tokens)
+        for state in self.states:
+            state.begin(pos0, T, mode)
+        return self.model(mx.array([list(tokens)]), self.states, last_only=last_only)
+
+    def _committed_arrays(self) -> list[mx.array]:
+        return [a for state in self.states for a in state.snapshot() if isinstance(a, mx.array)]
+
+    def _require_closed(self, what: str) -> None:
+        if self._open is not None:
+            raise WindowError(f"{what}() while a run awaits commit()")

@@ -1,0 +1,85 @@
+"""Sparse MoE block: softmax router, top-k, optional renormalisation, optional shared expert.
+
+Legend: N = tokens, E = experts, k = experts per token, H = hidden, I = expert hidden.
+Routing is exact: every token takes its own softmax top-k, whatever is resident.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import MLP
+
+
+def _gather_matmul(x: mx.array, w: mx.array, experts: mx.array) -> mx.array:
+    """x (M, 1, A) @ w[experts]ᵀ, with w (E, B, A) -> (M, 1, B); `experts` sorted ascending."""
+    if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
+    # MLX's CPU gather_mm takes float32 only: gather the matrices instead.
+    return x @ w[experts].swapaxes(-1, -2)
+
+
+class SwitchGLU(nn.Module):
+    """E stacked SwiGLU experts; `gate_proj`/`up_proj` are (E, I, H), `down_proj` (E, H, I)."""
+
+    def __init__(self, hidden_size: int, expert_size: int, num_experts: int):
+        super().__init__()
+        self.gate_proj = mx.zeros((num_experts, expert_size, hidden_size))
+        self.up_proj = mx.zeros((num_experts, expert_size, hidden_size))
+        self.down_proj = mx.zeros((num_experts, hidden_size, expert_size))
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
+        N, k = inds.shape
+        flat = inds.reshape(-1)
+        # Sorting by expert keeps each expert's rows together, so each is read once, in order.
+        order = mx.argsort(flat)
+        experts = flat[order]
+        xs = x[order // k][:, None, :]  # (N·k, 1, H)
+        h = nn.silu(_gather_matmul(xs, self.gate_proj, experts)) * _gather_matmul(
+            xs, self.up_proj, experts
+        )
+        out = _gather_matmul(h, self.down_proj, experts)  # (N·k, 1, H)
+        return out[mx.argsort(order)].reshape(N, k, -1)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        expert_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        shared_expert_size: int = 0,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(hidden_size, expert_size, num_experts)
+        if shared_expert_size:
+            self.shared_expert = MLP(hidden_size, shared_expert_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
+        weights = mx.take_along_axis(probs, inds, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return inds, weights
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        inds, weights = self.route(x)
+        picks = self.switch_mlp(x, inds)
+        y = (picks * weights[..., None].astype(picks.dtype)).sum(axis=1)
+        if "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.reshape(shape)

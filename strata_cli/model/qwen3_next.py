@@ -1,0 +1,189 @@
+"""Qwen3-Next: gated-delta-rule and gated full-attention layers, each followed by a sparse MoE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import ConfigError, ModelConfig
+from .attention import GatedAttention
+from .gdn import GatedDeltaNet
+from .layers import MLP, RMSNorm
+from .moe import SparseMoeBlock
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Qwen3NextConfig(ModelConfig):
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    full_attention_interval: int = 4
+    layer_types: tuple[str, ...] = ()
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    rope_scaling: Any = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "Qwen3NextConfig":
+        params = dict(params)
+        # transformers 5 nests rotary settings under rope_parameters.
+        rope = params.get("rope_parameters") or {}
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope and key not in params:
+                params[key] = rope[key]
+        if rope.get("rope_type", "default") != "default" or params.get("rope_scaling"):
+            raise ConfigError("rope scaling is not supported yet (only the default rotary embedding)")
+        n = params.get("num_hidden_layers", 0)
+        if not params.get("layer_types"):
+            interval = params.get("full_attention_interval", 4)
+            params["layer_types"] = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+        params["layer_types"] = tuple(params["layer_types"])
+        params["mlp_only_layers"] = tuple(params.get("mlp_only_layers") or ())
+        config = super().from_dict(params)
+        if len(config.layer_types) != config.num_hidden_layers or set(config.layer_types) - {LINEAR, FULL}:
+            raise ConfigError(
+                f"layer_types must list {config.num_hidden_layers} entries of "
+                f"{LINEAR!r}/{FULL!r}, got {list(config.layer_types)}"
+            )
+        return config
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            i not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+
+Config = Qwen3NextConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3NextConfig, index: int):
+        super().__init__()
+        self.is_linear = config.layer_types[index] == LINEAR
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(
+                hidden_size=config.hidden_size,
+                num_k_heads=config.linear_num_key_heads,
+                num_v_heads=config.linear_num_value_heads,
+                head_k_dim=config.linear_key_head_dim,
+                head_v_dim=config.linear_value_head_dim,
+                conv_kernel=config.linear_conv_kernel_dim,
+                eps=config.rms_norm_eps,
+            )
+        else:
+            self.self_attn = GatedAttention(
+                hidden_size=config.hidden_size,
+                num_heads=config.num_attention_heads,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                rotary_dim=int(config.head_dim * config.partial_rotary_factor),
+                rope_theta=config.rope_theta,
+                eps=config.rms_norm_eps,
+                bias=config.attention_bias,
+            )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(index):
+            self.mlp = SparseMoeBlock(
+                hidden_size=config.hidden_size,
+                expert_size=config.moe_intermediate_size,
+                num_experts=config.num_experts,
+                top_k=config.num_experts_per_tok,
+                norm_topk_prob=config.norm_topk_prob,
+                shared_expert_size=config.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def __call__(self, x: mx.array, state) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), state)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(nn.Module):
+    """Token ids in, logits out; per-layer state comes from the caller (the window engine)."""
+
+    def __init__(self, config: Qwen3NextConfig):
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    @property
+    def state_kinds(self) -> list[tuple[str, dict]]:
+        """What state each layer needs: ("gdn", {conv_kernel}) or ("kv", {})."""
+        return [
+            ("gdn", {"conv_kernel": self.config.linear_conv_kernel_dim}) if layer.is_linear else ("kv", {})
+            for layer in self.layers
+        ]
+
+    def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
+        h = self.model.embed_tokens(tokens)
+        for layer, state in zip(self.layers, states):
+            h = layer(h, state)
+        if last_only:
+            h = h[:, -1:]
+        h = self.model.norm(h)
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Map a Hugging Face checkpoint's tensors onto this module's parameters."""
+        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+        if self.config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}"
+            if "linear_attn" in layer:
+                key = f"{prefix}.linear_attn.conv1d.weight"
+                if key in weights and weights[key].ndim == 3:  # (C, 1, K) -> (C, K)
+                    weights[key] = weights[key].squeeze(1)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                stack_experts(weights, f"{prefix}.mlp", self.config.num_experts)
+        # Qwen3-Next's RMSNorms are zero-centred (they scale by 1 + weight); the gated one is not.
+        zero_centred = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
+        for k in list(weights):
+            if k == "model.norm.weight" or k.endswith(zero_centred):
+                weights[k] = weights[k].astype(mx.float32) + 1.0  # in float32: 1 + w rounds in bf16
+        return weights
+
+
+def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int) -> None:
+    """Per-expert `experts.E.{gate,up,down}_proj.weight` -> stacked `switch_mlp.*` (E, ...)."""
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        keys = [f"{prefix}.experts.{e}.{name}.weight" for e in range(num_experts)]
+        if all(k in weights for k in keys):
+            weights[f"{prefix}.switch_mlp.{name}"] = mx.stack([weights.pop(k) for k in keys])

@@ -1,0 +1,1 @@
+"""Speculative decoding helpers: drafting, window sizing, control and acceptance (plain Python)."""

@@ -1,0 +1,101 @@
+"""Text <-> token ids at the edges of strata, from a checkpoint's tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from .model.loader import ModelLoadError
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer plus the checkpoint's end-of-sequence ids."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"{tokenizer_file}: missing (a model directory needs tokenizer.json)")
+        try:
+            self._tok = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust library raises its own exception type
+            raise ModelLoadError(f"{tokenizer_file}: not a readable tokenizer ({e})") from None
+        self.eos_ids = frozenset(self._eos_ids(path))
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        ids: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            eos = _read_json(path / name).get("eos_token_id")
+            if eos is not None:
+                ids.update(eos if isinstance(eos, list) else [eos])
+        token = _read_json(path / "tokenizer_config.json").get("eos_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str) and self._tok.token_to_id(token) is not None:
+            ids.add(self._tok.token_to_id(token))
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+class StreamingDetokenizer:
+    """Turns a growing list of ids into text deltas, holding back an incomplete UTF-8 tail.
+
+    Byte-level BPE can split one character across tokens; decoding such a prefix yields U+FFFD,
+    so text is only released up to the last complete character. Decoding restarts from an anchor
+    at clean boundaries (keeping one token of left context, which space-prefixing decoders need),
+    so a long generation costs linear, not quadratic, time.
+    """
+
+    REANCHOR_AFTER = 32  # ids decoded since the anchor before a clean boundary moves it
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._anchor = 0
+        self._emitted = 0  # characters since the anchor already released
+
+    def _text(self) -> str:
+        if self._anchor == 0:
+            return self.tokenizer.decode(self.ids)
+        context = self.tokenizer.decode(self.ids[self._anchor - 1 : self._anchor])
+        return self.tokenizer.decode(self.ids[self._anchor - 1 :])[len(context) :]
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self._text()
+        end = len(text)
+        while end > self._emitted and text[end - 1] == "\ufffd":
+            end -= 1
+        delta = text[self._emitted : end]
+        self._emitted = end
+        if end == len(text) and len(self.ids) - self._anchor > self.REANCHOR_AFTER:
+            self._anchor, self._emitted = len(self.ids), 0
+        return delta
+
+    def finish(self) -> str:
+        """Release whatever is left, replacement characters included."""
+        text = self._text()
+        delta = text[self._emitted :]
+        self._emitted = len(text)
+        return delta

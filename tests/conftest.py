@@ -1,0 +1,19 @@
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _clean_strata_env(monkeypatch, tmp_path):
+    """No STRATA_* setting from the developer's shell leaks into a test; state dirs go to tmp."""
+    for name in list(os.environ):
+        if name.startswith("STRATA_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path / "strata-home"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from strata_cli.model.synthetic import random_model, tiny_qwen3_next_config
+
+    return random_model(tiny_qwen3_next_config(), seed=0)

@@ -1,0 +1,134 @@
+"""Forced rejection at every position: after commit(keep), state and next logits equal serial decoding.
+
+For T = 2..8, every keep in 1..T, pos0 % 4 in 0..3, lazy and eager fold, partial mode on and off:
+the window's inputs are the true sequence up to `keep` and wrong tokens after it, so every row
+past the rejection point must leave no trace.
+"""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from strata_cli.config import EngineOptions
+from strata_cli.engine.window import WindowEngine
+
+TOL = 1e-5
+SEQ_LEN = 40
+
+
+def max_state_diff(a: list[dict], b: list[dict]) -> float:
+    worst = 0.0
+    assert len(a) == len(b)
+    for layer_a, layer_b in zip(a, b):
+        assert layer_a.keys() == layer_b.keys()
+        for name in layer_a:
+            assert layer_a[name].shape == layer_b[name].shape, name
+            worst = max(worst, float(mx.abs(layer_a[name] - layer_b[name]).max()))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def serial(tiny_model):
+    """Serial T=1 decoding of a fixed sequence: logits and committed state after each token."""
+    rng = random.Random(1234)
+    seq = [rng.randrange(tiny_model.config.vocab_size) for _ in range(SEQ_LEN)]
+    engine = WindowEngine(tiny_model)
+    logits, states = [], []
+    for pos, token in enumerate(seq):
+        out = engine.run([token], pos)
+        engine.commit(1)
+        logits.append(out.logits[0])
+        states.append(engine.state_tensors())
+    return seq, logits, states
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+@pytest.mark.parametrize("fold", ["lazy", "eager"])
+@pytest.mark.parametrize("pos0", [8, 9, 10, 11], ids=lambda p: f"pos0%4={p % 4}")
+def test_forced_rejection_matches_serial(tiny_model, serial, fold, partial, pos0):
+    seq, serial_logits, serial_states = serial
+    vocab = tiny_model.config.vocab_size
+    engine = WindowEngine(tiny_model, EngineOptions(fold=fold, partial=partial))
+    engine.prefill(seq[:pos0])
+    start = engine.snapshot()
+    checked = 0
+    for T in range(2, 9):
+        for keep in range(1, T + 1):
+            engine.restore(start)
+            wrong = [(t + 1 + i) % vocab for i, t in enumerate(seq[pos0 + keep : pos0 + T])]
+            inputs = seq[pos0 : pos0 + keep] + wrong
+            out = engine.run(inputs, pos0)
+            # Rows up to the rejection saw only true inputs: they are serial rows.
+            for i in range(keep):
+                diff = float(mx.abs(out.logits[i] - serial_logits[pos0 + i]).max())
+                assert diff <= TOL, (T, keep, i, diff)
+            engine.commit(keep)
+            assert engine.length == pos0 + keep
+            diff = max_state_diff(engine.state_tensors(), serial_states[pos0 + keep - 1])
+            assert diff <= TOL, (T, keep, "state", diff)
+            nxt = pos0 + keep
+            out = engine.run([seq[nxt]], nxt)
+            diff = float(mx.abs(out.logits[0] - serial_logits[nxt]).max())
+            assert diff <= TOL, (T, keep, "next logits", diff)
+            engine.commit(1)
+            diff = max_state_diff(engine.state_tensors(), serial_states[nxt])
+            assert diff <= TOL, (T, keep, "state after next", diff)
+            checked += 1
+    assert checked == sum(range(2, 9))
+
+
+def test_wrong_rows_would_be_detected(tiny_model, serial):
+    """The comparison is sharp: committing a row whose input was wrong shows up at once."""
+    seq, _, serial_states = serial
+    engine = WindowEngine(tiny_model)
+    engine.prefill(seq[:8])
+    engine.run(seq[8:10] + [(seq[10] + 1) % tiny_model.config.vocab_size], 8)
+    engine.commit(3)
+    assert max_state_diff(engine.state_tensors(), serial_states[10]) > 1e-2
+
+
+@pytest.mark.parametrize("fold", ["lazy", "eager"])
+def test_chains_of_windows_match_serial(tiny_model, serial, fold):
+    """Many windows in a row (lazy folds carried from window to window) stay on the serial path."""
+    seq, serial_logits, serial_states = serial
+    rng = random.Random(7)
+    engine = WindowEngine(tiny_model, EngineOptions(fold=fold))
+    engine.prefill(seq[:3])
+    pos = 3
+    while pos < SEQ_LEN - 1:
+        T = min(rng.randint(1, 8), SEQ_LEN - pos)
+        keep = rng.randint(1, T)
+        inputs = seq[pos : pos + keep] + [0] * (T - keep)
+        out = engine.run(inputs, pos)
+        assert float(mx.abs(out.logits[0] - serial_logits[pos]).max()) <= TOL
+        engine.commit(keep)
+        pos += keep
+    assert max_state_diff(engine.state_tensors(), serial_states[pos - 1]) <= TOL
+
+
+def test_prefill_matches_one_uncached_forward(tiny_model, serial):
+    """Cached serial decoding equals a single window over the whole sequence."""
+    seq, serial_logits, _ = serial
+    engine = WindowEngine(tiny_model)
+    out = engine.run(seq, 0)
+    engine.commit(len(seq))
+    np.testing.assert_allclose(np.array(out.logits), np.stack([np.array(x) for x in serial_logits]), atol=1e-4)
+    last = WindowEngine(tiny_model).prefill(seq)
+    np.testing.assert_allclose(np.array(last), np.array(serial_logits[-1]), atol=1e-4)
+
+
+def test_snapshot_restore_round_trip(tiny_model, serial):
+    seq, serial_logits, _ = serial
+    engine = WindowEngine(tiny_model)
+    engine.prefill(seq[:20])
+    snap = engine.snapshot()
+    engine.run(seq[20:25], 20)
+    engine.commit(5)
+    engine.run([1, 2, 3], 25)
+    engine.commit(2)
+    engine.restore(snap)
+    assert engine.length == 20
+    out = engine.run([seq[20]], 20)
+    assert float(mx.abs(out.logits[0] - serial_logits[20]).max()) <= TOL
