@@ -50,6 +50,7 @@ def generate(
     spec: SpecOptions,
     eos_ids: Collection[int],
     stats: DecodeStats | None = None,
+    prefilled: int = 0,
 ) -> Iterator[Step]:
     """Generate from `prompt_ids`, one window per step.
 
@@ -60,6 +61,8 @@ def generate(
         spec: max drafts per window (0 = serial) and the drafter's min_match.
         eos_ids: ids that end generation (not emitted).
         stats: telemetry sink (default: a private one).
+        prefilled: how many leading prompt tokens the engine already holds as committed state
+            (restored from a checkpoint); 0 (default) resets the engine first.
 
     Yields:
         `Step`s; the last one carries the finish reason ("stop", "length" or "context").
@@ -79,10 +82,16 @@ def generate(
         max_drafts = 0
     drafter = SuffixDrafter(prompt_ids, min_match=spec.min_match) if max_drafts else None
 
-    engine.reset()
+    if prefilled == 0:
+        engine.reset()
+    elif not (engine.length == prefilled < len(prompt_ids)):
+        raise ValueError(
+            f"prefilled={prefilled} must equal the engine's committed length ({engine.length}) "
+            f"and leave the root unprocessed (prompt of {len(prompt_ids)} tokens)"
+        )
     start = time.perf_counter()
-    engine.prefill(prompt_ids[:-1])
-    stats.record_prefill(len(prompt_ids) - 1, time.perf_counter() - start)
+    engine.prefill(prompt_ids[prefilled:-1])
+    stats.record_prefill(len(prompt_ids) - 1 - prefilled, time.perf_counter() - start)
 
     root, pos0, emitted = prompt_ids[-1], len(prompt_ids) - 1, 0
     while True:
