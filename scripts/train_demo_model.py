@@ -1,0 +1,285 @@
+"""Train strata's embedded demo model: a small Qwen3-Next (GDN + attention + 16-expert MoE with a
+shared expert) on the Python standard library source, with its own byte-level BPE tokenizer.
+
+Three steps, the middle one on a GPU (PyTorch + transformers there):
+
+    python scripts/train_demo_model.py prepare --data .train-data      # here: split, tokenizer, token ids
+    python3 scripts/train_demo_model.py train --data .train-data --out OUT --minutes 7   # on the GPU
+    python scripts/train_demo_model.py install --checkpoint OUT --data .train-data      # here: into the package
+
+Data split: every stdlib *.py file (library and its tests), sorted by path; every 50th file is
+held out for evaluation, the rest is training data. The tokenizer is trained on the training
+split only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+HELD_OUT_EVERY = 50
+VOCAB_SIZE = 4096
+TOKENIZER_SAMPLE_BYTES = 8_000_000
+SEQ_LEN = 512
+SEED = 0
+
+MODEL_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    num_hidden_layers=6,
+    layer_types=[
+        "linear_attention", "linear_attention", "full_attention",
+        "linear_attention", "linear_attention", "full_attention",
+    ],
+    full_attention_interval=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    partial_rotary_factor=0.25,
+    rope_theta=10000.0,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    num_experts=16,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=256,
+    intermediate_size=512,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    router_aux_loss_coef=0.01,
+    output_router_logits=True,
+    eos_token_id=0,
+    pad_token_id=0,
+    bos_token_id=None,
+)
+
+
+# -- prepare (CPU, here) ---------------------------------------------------------------------------
+
+
+def split_files() -> tuple[list[Path], list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not {"site-packages", "__pycache__"} & set(p.parts))
+    held_out = files[::HELD_OUT_EVERY]
+    held = set(held_out)
+    return [f for f in files if f not in held], held_out
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None  # a handful of stdlib test files are deliberately not UTF-8
+
+
+def prepare(data: Path) -> None:
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from build_tokenizer import EOS_TOKEN, train_tokenizer
+
+    data.mkdir(parents=True, exist_ok=True)
+    train_files, val_files = split_files()
+    train_files = [f for f in train_files if read_text(f) is not None]
+    val_files = [f for f in val_files if read_text(f) is not None]
+    # Tokenizer: every k-th training file until the sample budget is reached.
+    total = sum(f.stat().st_size for f in train_files)
+    stride = max(1, total // TOKENIZER_SAMPLE_BYTES)
+    train_tokenizer(train_files[::stride], vocab_size=VOCAB_SIZE, out_dir=data)
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    eos = tok.token_to_id(EOS_TOKEN)
+    stats = {}
+    for name, files in (("train", train_files), ("val", val_files)):
+        ids: list[int] = []
+        for f in tqdm(files, desc=f"tokenizing {name}"):
+            ids.extend(tok.encode(read_text(f)).ids)
+            ids.append(eos)
+        np.asarray(ids, dtype=np.uint16).tofile(data / f"{name}.bin")
+        stats[name] = {"files": len(files), "tokens": len(ids), "bytes": sum(f.stat().st_size for f in files)}
+    stats["held_out_every"] = HELD_OUT_EVERY
+    stats["val_files"] = [str(f.relative_to(Path(sysconfig.get_paths()["stdlib"]))) for f in val_files]
+    (data / "split.json").write_text(json.dumps(stats, indent=1))
+    print(json.dumps({k: v for k, v in stats.items() if k != "val_files"}))
+
+
+# -- train (GPU) -----------------------------------------------------------------------------------
+
+
+def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator):
+    import torch
+
+    while True:
+        starts = rng.integers(0, len(tokens) - SEQ_LEN - 1, size=batch)
+        x = np.stack([tokens[s : s + SEQ_LEN] for s in starts]).astype(np.int64)
+        yield torch.from_numpy(x)
+
+
+def evaluate(model, tokens: np.ndarray, *, max_windows: int, batch: int, device) -> float:
+    """Mean next-token loss over consecutive SEQ_LEN windows of the held-out tokens."""
+    import torch
+
+    n = min(max_windows, (len(tokens) - 1) // SEQ_LEN)
+    windows = np.stack([tokens[i * SEQ_LEN : (i + 1) * SEQ_LEN + 1] for i in range(n)]).astype(np.int64)
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        for i in range(0, n, batch):
+            w = torch.from_numpy(windows[i : i + batch]).to(device)
+            logits = model(input_ids=w[:, :-1]).logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum"
+            )
+            total += loss.item()
+            count += w[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: str, max_steps: int | None) -> None:
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(SEED)
+    device = torch.device(device)
+    train_tokens = np.fromfile(data / "train.bin", dtype=np.uint16)
+    val_tokens = np.fromfile(data / "val.bin", dtype=np.uint16)
+    config = Qwen3NextConfig(**MODEL_CONFIG)
+    model = Qwen3NextForCausalLM(config).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda",
+    )
+    rng = np.random.default_rng(SEED)
+    stream = batches(train_tokens, batch, rng)
+    budget = minutes * 60
+    warmup, log = 100, []
+    start = time.time()
+    step, total_steps = 0, None
+    model.train()
+    while True:
+        elapsed = time.time() - start
+        if total_steps is None and step == 50:
+            # Size the cosine schedule to the time budget from the first steps' pace.
+            total_steps = int(budget / (elapsed / step))
+        if max_steps is not None:
+            total_steps = max_steps
+        if total_steps is not None and step >= total_steps or elapsed > 1.1 * budget:
+            break  # the time guard keeps a slow machine inside its budget
+        horizon = total_steps or 10**9
+        lr_now = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
+        for group in opt.param_groups:
+            group["lr"] = lr_now
+        x = next(stream).to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 100 == 0 or step == 1 or step == total_steps:
+            entry = {"step": step, "loss": round(loss.item(), 4), "lr": lr_now, "seconds": round(time.time() - start, 1)}
+            if step % 500 == 0:
+                entry["val_loss"] = round(evaluate(model, val_tokens, max_windows=64, batch=32, device=device), 4)
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+    train_seconds = time.time() - start
+    val_loss = evaluate(model, val_tokens, max_windows=10_000, batch=32, device=device)
+    summary = {
+        "parameters": params,
+        "steps": step,
+        "batch": batch,
+        "seq_len": SEQ_LEN,
+        "tokens_seen": step * batch * SEQ_LEN,
+        "train_tokens": int(len(train_tokens)),
+        "val_tokens": int(len(val_tokens)),
+        "train_minutes": round(train_seconds / 60, 2),
+        "peak_lr": lr,
+        "final_train_loss": log[-1]["loss"] if log else None,
+        "val_loss": round(val_loss, 4),
+        "val_perplexity": round(math.exp(val_loss), 3),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else device.type,
+        "torch": torch.__version__,
+    }
+    print(json.dumps(summary), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.output_router_logits = False
+    model.to(torch.bfloat16).save_pretrained(out, max_shard_size="12MB")
+    (out / "train_summary.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1))
+
+
+# -- install (CPU, here) ---------------------------------------------------------------------------
+
+
+def install(checkpoint: Path, data: Path, dest: Path) -> None:
+    """Copy the trained checkpoint and its tokenizer into the package."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in checkpoint.iterdir():
+        if f.suffix in (".json", ".safetensors") and f.name != "train_summary.json":
+            shutil.copyfile(f, dest / f.name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(data / name, dest / name)
+    config = json.loads((dest / "config.json").read_text())
+    # mlx-lm reads these at the top level; transformers 5 nests them under rope_parameters.
+    rope = config.get("rope_parameters") or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope:
+            config.setdefault(key, rope[key])
+    config.pop("output_router_logits", None)
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (dest / "train_summary.json").write_text((checkpoint / "train_summary.json").read_text())
+    size = sum(f.stat().st_size for f in dest.iterdir())
+    print(f"installed {dest}: {size / 1e6:.1f} MB")
+    if size > 20_000_000:
+        raise SystemExit(f"{dest} is {size / 1e6:.1f} MB, over the 20 MB budget")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="step", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--data", type=Path, default=Path(".train-data"))
+    t = sub.add_parser("train")
+    t.add_argument("--data", type=Path, default=Path(".train-data"))
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--minutes", type=float, default=7.0)
+    t.add_argument("--batch", type=int, default=64)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--device", default="cuda")
+    t.add_argument("--max-steps", type=int, default=None, help="fixed step count (smoke tests)")
+    i = sub.add_parser("install")
+    i.add_argument("--checkpoint", type=Path, required=True)
+    i.add_argument("--data", type=Path, default=Path(".train-data"))
+    i.add_argument("--dest", type=Path, default=Path("strata_cli/assets/demo"))
+    args = parser.parse_args()
+    if args.step == "prepare":
+        prepare(args.data)
+    elif args.step == "train":
+        train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps)
+    else:
+        install(args.checkpoint, args.data, args.dest)
+
+
+if __name__ == "__main__":
+    main()
