@@ -1,9 +1,15 @@
-"""Load a Hugging Face-format checkpoint directory: config.json, safetensors, tokenizer.json."""
+"""Load a checkpoint directory: config.json, safetensors, tokenizer.json.
+
+Reads the Hugging Face layout, the MLX-community layout (quantized or not) and strata's own
+(`strata convert`); see model/layout.py. Every problem becomes one `ModelLoadError` naming the
+file and what was expected.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -11,10 +17,16 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..config import ConfigError
+from .layout import LayoutError
+from .quant import Quantization, apply_to_load
 
 # model_type -> module in strata_cli.model
-ARCHITECTURES = {"qwen3_next": "qwen3_next"}
+ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# config.json key that marks strata's own layout (already sanitized), and its version.
+FORMAT_KEY = "strata_format"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 100_000_000  # a safetensors JSON header; larger means a corrupt length prefix
 
 
 class ModelLoadError(Exception):
@@ -49,14 +61,45 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(files: list[Path]) -> dict[str, mx.array]:
-    weights = {}
+def read_header(path: Path) -> dict:
+    """A safetensors file's header, checked against the file's size (catches truncation)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ModelLoadError(
+                f"{path}: not a safetensors file ({size} bytes, expected an 8-byte header length first)"
+            )
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise ModelLoadError(f"{path}: corrupt safetensors header (says {length} bytes of header, file has {size})")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ModelLoadError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
+    data = size - 8 - length
+    if max(ends, default=0) > data:
+        raise ModelLoadError(
+            f"{path}: truncated safetensors file (its header needs {max(ends)} bytes of tensor data, "
+            f"the file holds {data})"
+        )
+    return header
+
+
+def load_weights(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, Path]]:
+    """Every tensor of every file, and the file each came from."""
+    weights, sources = {}, {}
     for f in files:
+        read_header(f)
         try:
-            weights.update(mx.load(str(f)))
+            tensors = mx.load(str(f))
         except (RuntimeError, ValueError, OSError) as e:
             raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
-    return weights
+        weights.update(tensors)
+        sources.update(dict.fromkeys(tensors, f))
+    return weights, sources
 
 
 def stored_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
@@ -74,8 +117,10 @@ def choose_dtype(requested: str | None, stored: mx.Dtype) -> mx.Dtype:
     return stored
 
 
-def check_weights(model, weights: dict[str, mx.array], source: Path) -> None:
+def check_weights(model, weights: dict[str, mx.array], sources: dict[str, Path], path: Path) -> None:
     expected = dict(tree_flatten(model.parameters()))
+    files = set(sources.values())
+    source = files.pop() if len(files) == 1 else path
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing:
@@ -85,9 +130,62 @@ def check_weights(model, weights: dict[str, mx.array], source: Path) -> None:
     for name, value in weights.items():
         if value.shape != expected[name].shape:
             raise ModelLoadError(
-                f"{source}: tensor {name} has shape {tuple(value.shape)}, "
+                f"{_origin(name, sources, path)}: tensor {name} has shape {tuple(value.shape)}, "
                 f"expected {tuple(expected[name].shape)}"
             )
+
+
+def _origin(name: str, sources: dict[str, Path], path: Path) -> Path:
+    """The file a (possibly stacked or renamed) tensor came from, else the directory."""
+    for key in (name, f"{name}.weight"):
+        if key in sources:
+            return sources[key]
+    block = name.split(".switch_mlp.")[0] + "."
+    files = {f for k, f in sources.items() if k.startswith(block)}
+    return files.pop() if len(files) == 1 else path
+
+
+def read_quantization(params: dict) -> Quantization | None:
+    """The MLX `quantization` block, if any; other quantization schemes are refused."""
+    if "quantization" in params:
+        return Quantization.from_config(params["quantization"])
+    foreign = params.get("quantization_config")
+    if foreign:
+        method = foreign.get("quant_method") if isinstance(foreign, dict) else foreign
+        raise ConfigError(
+            f"quantization_config (quant_method {method!r}) is not supported: strata reads "
+            "unquantized checkpoints and MLX affine ones (a 'quantization' block)"
+        )
+    return None
+
+
+def is_strata_format(params: dict) -> bool:
+    """True for checkpoints `strata convert` wrote: their tensors need no sanitizing."""
+    version = params.get(FORMAT_KEY)
+    if version is None:
+        return False
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise ConfigError(f"{FORMAT_KEY} {version!r} is not one this strata reads (1..{FORMAT_VERSION})")
+    return True
+
+
+def _attach_streamed_experts(model, path: Path, *, dtype: mx.Dtype, options) -> None:
+    """Serve the routed experts from `path/experts/` when the checkpoint is streamed."""
+    from ..engine.expert_store import ExpertStoreError, is_streamed
+
+    if not is_streamed(path):
+        if options is not None and not options.is_default:
+            raise ConfigError(
+                f"expert cache options apply to a streamed checkpoint (strata convert --stream); "
+                f"{path} keeps its experts in safetensors"
+            )
+        return
+    from ..engine.experts import attach_streamed_experts
+
+    try:
+        attach_streamed_experts(model, path, dtype=dtype, options=options)
+    except ExpertStoreError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def _some(names: list[str], limit: int = 5) -> str:
@@ -95,12 +193,15 @@ def _some(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_model(path: str | Path, *, dtype: str | None = None):
+def load_model(path: str | Path, *, dtype: str | None = None, experts=None):
     """Build the model a checkpoint directory describes and load its weights.
 
     Args:
         path: directory with config.json and *.safetensors (sharded or not).
         dtype: "float32", "bfloat16", "float16", or None for the stored dtype (float32 on CPU).
+        experts: `StreamOptions` for a streamed checkpoint (`strata convert --stream`: its
+            experts are served from disk through `model.expert_cache`); None = defaults. Only a
+            streamed checkpoint takes non-default options.
 
     Returns:
         The model, with `model.config` set.
@@ -124,14 +225,25 @@ def load_model(path: str | Path, *, dtype: str | None = None):
     try:
         config = arch.Config.from_dict(params)
         model = arch.Model(config)
+        quantization = read_quantization(params)
+        is_strata = is_strata_format(params)
     except (ConfigError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
 
     files = weight_files(path)
-    weights = load_weights(files)
+    weights, sources = load_weights(files)
     stored = stored_dtype(weights)
-    weights = model.sanitize(weights)
-    check_weights(model, weights, files[0] if len(files) == 1 else path)
+    try:
+        if not is_strata:
+            weights = model.sanitize(weights)
+        if quantization is not None:
+            apply_to_load(model, quantization, weights)
+    except LayoutError as e:
+        raise ModelLoadError(f"{sources.get(e.tensor, path)}: {e}") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    _attach_streamed_experts(model, path, dtype=choose_dtype(dtype, stored), options=experts)
+    check_weights(model, weights, sources, path)
     target = choose_dtype(dtype, stored)
     weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()))

@@ -31,20 +31,69 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        N, k = inds.shape
-        flat = inds.reshape(-1)
-        # Sorting by expert keeps each expert's rows together, so each is read once, in order.
-        order = mx.argsort(flat)
-        experts = flat[order]
-        xs = x[order // k][:, None, :]  # (N·k, 1, H)
-        h = nn.silu(_gather_matmul(xs, self.gate_proj, experts)) * _gather_matmul(
-            xs, self.up_proj, experts
+        return _glu_by_expert(x, inds, lambda name, xs, experts: _gather_matmul(xs, self[name], experts))
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchGLU":
+        """The same experts, affine-quantized (what `nn.quantize` calls)."""
+        return QuantizedSwitchGLU(self, group_size=group_size, bits=bits, mode=mode)
+
+
+class QuantizedExperts(nn.Module):
+    """E quantized matrices (E, out, in) as mlx-lm stores them: packed `weight`, `scales`, `biases`."""
+
+    def __init__(self, weight: mx.array, *, group_size: int, bits: int, mode: str = "affine"):
+        super().__init__()
+        if mode != "affine":
+            raise ValueError(f"quantized experts support mode 'affine' only, got {mode!r}")
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, self.biases = mx.quantize(weight, group_size, bits, mode=mode)
+
+    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        """x (M, 1, in) @ dequantized weight[experts]ᵀ -> (M, 1, out); `experts` sorted."""
+        return mx.gather_qmm(
+            x, self.weight, self.scales, self.biases, rhs_indices=experts, transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=True,
         )
-        out = _gather_matmul(h, self.down_proj, experts)  # (N·k, 1, H)
-        return out[mx.argsort(order)].reshape(N, k, -1)
+
+
+class QuantizedSwitchGLU(nn.Module):
+    """`SwitchGLU` with quantized experts, run through `mx.gather_qmm`."""
+
+    def __init__(self, glu: SwitchGLU, *, group_size: int, bits: int, mode: str = "affine"):
+        super().__init__()
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self, name, QuantizedExperts(glu[name], group_size=group_size, bits=bits, mode=mode))
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
+        return _glu_by_expert(x, inds, lambda name, xs, experts: self[name](xs, experts))
+
+
+def _glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
+    """SwiGLU over each token's picked experts; `matmul(name, xs, experts)` does one projection.
+
+    Also the compute of streamed experts (engine/experts.py), with slot ids for `inds`: keeping
+    one code path is what makes them bit-identical to resident ones.
+    """
+    N, k = inds.shape
+    flat = inds.reshape(-1)
+    # Sorting by expert keeps each expert's rows together, so each is read once, in order.
+    order = mx.argsort(flat)
+    experts = flat[order]
+    xs = x[order // k][:, None, :]  # (N·k, 1, H)
+    h = nn.silu(matmul("gate_proj", xs, experts)) * matmul("up_proj", xs, experts)
+    out = matmul("down_proj", h, experts)  # (N·k, 1, H)
+    return out[mx.argsort(order)].reshape(N, k, -1)
 
 
 class SparseMoeBlock(nn.Module):
+    """Router, routed experts (`switch_mlp`) and optional shared expert.
+
+    Hook for streamed experts: `switch_mlp` is any module with the `(x (N, H), inds (N, k)) ->
+    (N, k, H)` contract; engine/experts.py swaps in a `StreamedSwitchGLU` that serves the experts
+    from disk through a bounded cache. Routing stays here, so it never depends on residency.
+    """
+
     def __init__(
         self,
         *,

@@ -12,7 +12,9 @@ from ..config import ConfigError, ModelConfig
 from .attention import GatedAttention
 from .gdn import GatedDeltaNet
 from .layers import MLP, RMSNorm
+from .layout import HF, detect_layout, stack_experts
 from .moe import SparseMoeBlock
+from .quant import router_overrides
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -161,7 +163,12 @@ class Model(nn.Module):
         return self.lm_head(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Map a Hugging Face checkpoint's tensors onto this module's parameters."""
+        """Map a Hugging Face or MLX-layout checkpoint's tensors onto this module's parameters.
+
+        Only a Hugging Face checkpoint needs the family transforms (1 + w norms, (C, 1, K) conv);
+        mlx-lm applied them before writing its layout.
+        """
+        is_hf = _is_hf_layout(weights)
         weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         if self.config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
@@ -169,21 +176,30 @@ class Model(nn.Module):
             prefix = f"model.layers.{i}"
             if "linear_attn" in layer:
                 key = f"{prefix}.linear_attn.conv1d.weight"
-                if key in weights and weights[key].ndim == 3:  # (C, 1, K) -> (C, K)
-                    weights[key] = weights[key].squeeze(1)
+                if key in weights and weights[key].ndim == 3:  # HF (C, 1, K), mlx-lm (C, K, 1) -> (C, K)
+                    weights[key] = weights[key].squeeze(1 if is_hf else 2)
             if isinstance(layer.mlp, SparseMoeBlock):
                 stack_experts(weights, f"{prefix}.mlp", self.config.num_experts)
+        if not is_hf:
+            return weights
         # Qwen3-Next's RMSNorms are zero-centred (they scale by 1 + weight); the gated one is not.
-        zero_centred = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
+        zero_centred = (
+            ".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight"
+        )
         for k in list(weights):
             if k == "model.norm.weight" or k.endswith(zero_centred):
                 weights[k] = weights[k].astype(mx.float32) + 1.0  # in float32: 1 + w rounds in bf16
         return weights
 
+    def quant_overrides(self, group_size: int):
+        """Per-layer quantization settings `strata convert` applies (mlx-lm's choice for this family)."""
+        return router_overrides(group_size)
 
-def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int) -> None:
-    """Per-expert `experts.E.{gate,up,down}_proj.weight` -> stacked `switch_mlp.*` (E, ...)."""
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        keys = [f"{prefix}.experts.{e}.{name}.weight" for e in range(num_experts)]
-        if all(k in weights for k in keys):
-            weights[f"{prefix}.switch_mlp.{name}"] = mx.stack([weights.pop(k) for k in keys])
+
+def _is_hf_layout(weights: dict[str, mx.array]) -> bool:
+    layout = detect_layout(weights)
+    if layout is not None:
+        return layout == HF
+    # No expert tensors: the conv weight tells, HF stores (C, 1, K) and mlx-lm (C, K, 1).
+    conv = next((v for k, v in weights.items() if k.endswith("conv1d.weight")), None)
+    return conv is None or conv.ndim != 3 or conv.shape[1] == 1

@@ -1,0 +1,110 @@
+"""Checkpoint layouts, and gathering per-expert tensors into stacked ones.
+
+Three layouts reach strata:
+
+- "hf": what transformers saves. Experts are stored per expert (`experts.E.gate_proj.weight`, or
+  Mixtral's `experts.E.w1.weight`) or fused (`experts.gate_up_proj` (E, 2I, H) and
+  `experts.down_proj` (E, H, I)); family-specific transforms (Qwen3-Next's zero-centred norms and
+  (C, 1, K) conv weights) are still to be applied.
+- "mlx": what mlx-lm writes (the MLX-community checkpoints). Experts are stacked as
+  `switch_mlp.{gate,up,down}_proj.weight`, quantized ones with `.scales` and `.biases`, and every
+  family transform has already been applied.
+- strata's own (`strata convert`): the modules' own parameter names; config.json says so, and the
+  loader applies no transform at all.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+HF, MLX = "hf", "mlx"
+GLU = ("gate_proj", "up_proj", "down_proj")
+QUANT_PARTS = ("scales", "biases")
+
+
+class LayoutError(ValueError):
+    """Tensors that do not form the expected layout; `tensor` names the one at fault, so the
+    loader can name the file it came from."""
+
+    def __init__(self, message: str, *, tensor: str):
+        super().__init__(message)
+        self.tensor = tensor
+
+
+def detect_layout(weights: dict[str, mx.array]) -> str | None:
+    """HF or MLX from the expert tensors; None when the checkpoint has no expert tensors."""
+    if any(".switch_mlp." in k for k in weights):
+        return MLX
+    if any(".experts." in k for k in weights):
+        return HF
+    return None
+
+
+def stack_experts(
+    weights: dict[str, mx.array],
+    prefix: str,
+    num_experts: int,
+    *,
+    names: dict[str, str] | None = None,
+) -> None:
+    """Put one MoE block's experts under stacked `{prefix}.switch_mlp.*` keys, in place.
+
+    Unquantized experts become `switch_mlp.{gate,up,down}_proj` (E, out, in), the names
+    `SwitchGLU` uses; quantized ones keep mlx-lm's `switch_mlp.<proj>.{weight,scales,biases}`,
+    the names `QuantizedSwitchGLU` uses.
+
+    Args:
+        weights: all tensors, changed in place.
+        prefix: the MoE block, e.g. "model.layers.3.mlp".
+        num_experts: E; a partial set of per-expert tensors is an error.
+        names: checkpoint name -> gate_proj/up_proj/down_proj for per-expert tensors
+            (default: the identity; Mixtral passes {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}).
+
+    Raises:
+        LayoutError: some experts' tensors are missing, or a fused tensor has an odd shape.
+    """
+    names = names or {n: n for n in GLU}
+    for source, proj in names.items():
+        for part in ("weight", *QUANT_PARTS):
+            keys = [f"{prefix}.experts.{e}.{source}.{part}" for e in range(num_experts)]
+            present = [k for k in keys if k in weights]
+            if not present:
+                continue
+            if len(present) < num_experts:
+                missing = next(k for k in keys if k not in weights)
+                raise LayoutError(
+                    f"missing tensor {missing} ({len(present)} of {num_experts} experts present)", tensor=missing
+                )
+            shape = weights[keys[0]].shape
+            for k in keys:
+                if weights[k].shape != shape:
+                    raise LayoutError(
+                        f"tensor {k} has shape {tuple(weights[k].shape)}, expected {tuple(shape)} "
+                        f"like {keys[0]}", tensor=k,
+                    )
+            weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack([weights.pop(k) for k in keys])
+    _split_fused(weights, prefix)
+    _name_unquantized(weights, prefix)
+
+
+def _split_fused(weights: dict[str, mx.array], prefix: str) -> None:
+    """transformers' in-memory layout: gate_up_proj (E, 2I, H) is [gate; up] along dim 1."""
+    fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
+    if fused is None:
+        return
+    if fused.ndim != 3 or fused.shape[1] % 2:
+        name = f"{prefix}.experts.gate_up_proj"
+        raise LayoutError(f"tensor {name} has shape {tuple(fused.shape)}, expected (E, 2·I, H)", tensor=name)
+    gate, up = mx.split(fused, 2, axis=1)
+    weights[f"{prefix}.switch_mlp.gate_proj.weight"] = gate
+    weights[f"{prefix}.switch_mlp.up_proj.weight"] = up
+    down = weights.pop(f"{prefix}.experts.down_proj", None)
+    if down is not None:
+        weights[f"{prefix}.switch_mlp.down_proj.weight"] = down
+
+
+def _name_unquantized(weights: dict[str, mx.array], prefix: str) -> None:
+    for proj in GLU:
+        base = f"{prefix}.switch_mlp.{proj}"
+        if f"{base}.weight" in weights and f"{base}.scales" not in weights:
+            weights[base] = weights.pop(f"{base}.weight")

@@ -1,0 +1,135 @@
+"""Affine quantization as MLX checkpoints record it.
+
+config.json carries a `quantization` block, as mlx-lm writes it:
+
+    {"group_size": 64, "bits": 4, "mode": "affine",
+     "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}, ...}
+
+The top-level `group_size` / `bits` apply to every quantized layer; a module path maps to its own
+settings (or to false: not quantized). Which layers are quantized is read from the checkpoint:
+a layer is quantized when its `.scales` tensor is present, exactly as mlx-lm decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import QUANT_GROUP_SIZES, ConfigError
+from .moe import SwitchGLU
+
+MODE = "affine"
+BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports in affine mode
+GROUP_SIZES = QUANT_GROUP_SIZES
+ROUTER_BITS = 8  # routers and the shared-expert gate stay at 8 bits, as mlx-lm quantizes them
+
+Overrides = Callable[[str], dict | None]
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Settings for every quantized layer, plus per-layer exceptions keyed by module path."""
+
+    group_size: int
+    bits: int
+    layers: dict[str, dict | bool] = field(default_factory=dict)
+
+    def __post_init__(self):
+        _check(self.group_size, self.bits, where="quantization")
+        for path, params in self.layers.items():
+            if isinstance(params, dict):
+                _check(params.get("group_size"), params.get("bits"), where=f"quantization[{path!r}]")
+                if params.get("mode", MODE) != MODE:
+                    raise ConfigError(
+                        f"quantization[{path!r}]: mode {params['mode']!r} is not supported (only {MODE!r})"
+                    )
+            elif params is not False and params is not True:
+                raise ConfigError(f"quantization[{path!r}] must be an object or a boolean, got {params!r}")
+
+    @classmethod
+    def from_config(cls, block: Any) -> "Quantization":
+        if not isinstance(block, dict):
+            raise ConfigError(f"quantization must be an object, got {block!r}")
+        mode = block.get("mode", MODE)
+        if mode != MODE:
+            raise ConfigError(f"quantization mode {mode!r} is not supported (only {MODE!r})")
+        layers = {k: v for k, v in block.items() if k not in ("group_size", "bits", "mode")}
+        return cls(group_size=block.get("group_size"), bits=block.get("bits"), layers=layers)
+
+    def to_config(self) -> dict:
+        return {"group_size": self.group_size, "bits": self.bits, "mode": MODE, **self.layers}
+
+    def settings(self, path: str) -> dict | bool:
+        """What `nn.quantize` should do with the layer at `path` if the checkpoint quantized it."""
+        params = self.layers.get(path, True)
+        if isinstance(params, dict):
+            return {"group_size": params["group_size"], "bits": params["bits"], "mode": MODE}
+        return {"group_size": self.group_size, "bits": self.bits, "mode": MODE} if params else False
+
+
+def _check(group_size: Any, bits: Any, *, where: str) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(f"{where}: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if bits not in BITS:
+        raise ConfigError(f"{where}: bits must be one of {BITS}, got {bits!r}")
+
+
+def apply_to_load(model: nn.Module, quantization: Quantization, weights: dict[str, mx.array]) -> None:
+    """Swap in quantized layers wherever the checkpoint stores `<path>.scales`."""
+
+    def predicate(path: str, module: nn.Module) -> dict | bool:
+        if not hasattr(module, "to_quantized"):
+            return False
+        if isinstance(module, SwitchGLU):
+            return _experts_quantized(path, weights) and quantization.settings(path)
+        return f"{path}.scales" in weights and quantization.settings(path)
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def _experts_quantized(path: str, weights: dict[str, mx.array]) -> bool:
+    quantized = [f"{path}.{proj}.scales" in weights for proj in ("gate_proj", "up_proj", "down_proj")]
+    if any(quantized) and not all(quantized):
+        raise ValueError(f"{path}: some expert projections are quantized and some are not (not supported)")
+    return all(quantized)
+
+
+def quantize(model: nn.Module, *, group_size: int, bits: int, overrides: Overrides | None = None) -> Quantization:
+    """Quantize `model` in place, as mlx-lm's converter would, and return what to record.
+
+    A layer is quantized when it can be (a Linear, Embedding or expert stack) and every input
+    dimension is a multiple of `group_size`; `overrides(path)` may give a layer its own settings.
+    """
+    recorded: dict[str, dict | bool] = {}
+
+    def predicate(path: str, module: nn.Module) -> dict | bool:
+        if not hasattr(module, "to_quantized") or not _fits(module, group_size):
+            return False
+        params = overrides(path) if overrides else None
+        if params is None:
+            return True
+        recorded[path] = dict(params)
+        return {**params, "mode": MODE}
+
+    nn.quantize(model, group_size, bits, mode=MODE, class_predicate=predicate)
+    return Quantization(group_size=group_size, bits=bits, layers=recorded)
+
+
+def _fits(module: nn.Module, group_size: int) -> bool:
+    if isinstance(module, SwitchGLU):
+        return all(module[p].shape[-1] % group_size == 0 for p in ("gate_proj", "up_proj", "down_proj"))
+    return module.weight.shape[-1] % group_size == 0
+
+
+def router_overrides(group_size: int) -> Overrides:
+    """Routers (`mlp.gate`) and shared-expert gates at 8 bits: they are tiny and steer everything."""
+
+    def overrides(path: str) -> dict | None:
+        if path.endswith(("mlp.gate", "shared_expert_gate")):
+            return {"group_size": group_size, "bits": ROUTER_BITS}
+        return None
+
+    return overrides
