@@ -67,6 +67,9 @@ class WindowEngine:
         self.states = [make_state(kind, params, self.options) for kind, params in model.state_kinds]
         self.length = 0  # committed positions
         self._open: tuple[int, int] | None = None  # (pos0, T) of a run awaiting commit
+        # Streamed experts (engine/experts.py): performance state, told where windows start, never rewound.
+        self.expert_cache = getattr(model, "expert_cache", None)
+        self.prefill_expert_bytes = 0  # bytes the last prefill read from the expert files
 
     # -- the window contract -------------------------------------------------------------------
 
@@ -112,6 +115,7 @@ class WindowEngine:
         if self._open is not None:
             raise WindowError("prefill() while a run awaits commit()")
         logits = None
+        self.prefill_expert_bytes = 0
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             self._check_window(piece, self.length)
@@ -168,11 +172,23 @@ class WindowEngine:
         if bad:
             raise WindowError(f"token ids {bad[:5]} are outside the vocabulary of {self.vocab_size}")
 
+    def last_window_experts(self):
+        """The expert cache's counters of the last run (`telemetry.ExpertWindowStats`), or None."""
+        return self.expert_cache.last_window if self.expert_cache is not None else None
+
     def _forward(self, tokens: Sequence[int], pos0: int, mode: Mode, *, last_only: bool = False):
         T = len(tokens)
         for state in self.states:
             state.begin(pos0, T, mode)
-        return self.model(mx.array([list(tokens)]), self.states, last_only=last_only)
+        if self.expert_cache is None:
+            return self.model(mx.array([list(tokens)]), self.states, last_only=last_only)
+        # Every MoE block reads its experts while the graph is built, so the window ends here.
+        self.expert_cache.begin_window(kind="prefill" if mode is Mode.COMMIT_ALL else "decode")
+        out = self.model(mx.array([list(tokens)]), self.states, last_only=last_only)
+        stats = self.expert_cache.end_window()
+        if mode is Mode.COMMIT_ALL:
+            self.prefill_expert_bytes += stats.bytes_read + stats.prefetched_bytes
+        return out
 
     def _committed_arrays(self) -> list[mx.array]:
         return [a for state in self.states for a in state.snapshot() if isinstance(a, mx.array)]

@@ -1,0 +1,482 @@
+"""The streaming layout: routed experts on disk, one aligned record per expert, and its reader.
+
+A streamed checkpoint is an ordinary strata checkpoint (config.json, dense safetensors) whose MoE
+blocks keep their routed experts in `experts/` instead:
+
+    experts/index.json         the layout, below
+    experts/layer_003.bin      block 3's experts: record e at offset e * stride
+
+Every record holds one expert's tensors back to back, as the model stores them (plain float, or
+affine-quantized `weight` + `scales` + `biases`), each at a 64-byte-aligned offset inside the record;
+records start on `alignment`-byte boundaries (4096 by default) and are padded to a whole `stride`,
+so a record is one O_DIRECT read. index.json:
+
+    {"format": "strata-experts", "version": 1, "alignment": 4096, "checksum": "crc32",
+     "num_experts": E,
+     "blocks": [{"path": "model.layers.3.mlp.switch_mlp", "layer": 3, "file": "layer_003.bin",
+                 "record_bytes": R, "stride": S,
+                 "tensors": [{"name": "gate_proj.weight", "dtype": "uint32", "shape": [I, H/8],
+                              "offset": 0, "nbytes": n}, ...],
+                 "quantization": {"gate_proj": {"group_size": 64, "bits": 4, "mode": "affine"}, ...},
+                 "records": [[offset, length, crc32], ...]}, ...]}
+
+`crc32` covers a record's `length` payload bytes (not its padding).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import re
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+FORMAT = "strata-experts"
+VERSION = 1
+STREAM_DIR = "experts"
+INDEX_NAME = "index.json"
+DEFAULT_ALIGNMENT = 4096  # a page and the usual logical block size: what O_DIRECT needs
+TENSOR_ALIGN = 64  # tensors inside a record start on a cache line
+IO_MODES = ("auto", "direct", "buffered")
+GLU = ("gate_proj", "up_proj", "down_proj")
+
+# dtype name -> (numpy dtype of the same width for the raw bytes, MLX dtype)
+DTYPES = {
+    "float32": (np.float32, mx.float32),
+    "float16": (np.float16, mx.float16),
+    "bfloat16": (np.uint16, mx.bfloat16),
+    "uint32": (np.uint32, mx.uint32),
+    "uint8": (np.uint8, mx.uint8),
+    "int8": (np.int8, mx.int8),
+}
+_RAW_VIEW = {4: mx.uint32, 2: mx.uint16, 1: mx.uint8}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class ExpertStoreError(Exception):
+    """A streamed-expert layout that cannot be used; the message names the file."""
+
+
+class ExpertReadError(ExpertStoreError):
+    """Reading one expert record failed (I/O error, short read, checksum); names file and expert."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # "gate_proj" (plain) or "gate_proj.weight" / ".scales" / ".biases" (quantized)
+    dtype: str
+    shape: tuple[int, ...]  # one expert's shape
+    offset: int  # inside the record
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """One MoE block's records: same tensor layout for every expert."""
+
+    path: str  # the SwitchGLU module path, e.g. "model.layers.3.mlp.switch_mlp"
+    layer: int
+    file: Path
+    tensors: tuple[TensorSpec, ...]
+    quantization: dict  # projection -> {"group_size", "bits", "mode"}; empty when plain float
+    record_bytes: int
+    stride: int
+    records: tuple[tuple[int, int, int], ...]  # (offset, length, crc32) per expert
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.records)
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    name = str(dtype).rsplit(".", 1)[-1]
+    if name not in DTYPES:
+        raise ExpertStoreError(f"expert tensors of dtype {name} are not supported ({', '.join(DTYPES)})")
+    return name
+
+
+def _host_bytes(array: mx.array) -> np.ndarray:
+    """The raw bytes of an MLX array as a numpy array of the same shape (bfloat16 as uint16)."""
+    return np.array(array.view(_RAW_VIEW[array.dtype.size]))
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+class ExpertLayoutWriter:
+    """Writes `experts/` one MoE block at a time (so a large model never sits in memory whole).
+
+    Args:
+        directory: the checkpoint directory; `experts/` is created inside it.
+        num_experts: E, the same for every block.
+        alignment: record alignment in bytes (default 4096; a power of two, at least 512).
+    """
+
+    def __init__(self, directory: str | Path, *, num_experts: int, alignment: int = DEFAULT_ALIGNMENT):
+        if alignment < 512 or alignment & (alignment - 1):
+            raise ExpertStoreError(f"alignment must be a power of two >= 512, got {alignment}")
+        self.root = Path(directory) / STREAM_DIR
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.num_experts, self.alignment = num_experts, alignment
+        self.blocks: list[dict] = []
+
+    def add_block(
+        self,
+        path: str,
+        tensors: Mapping[str, mx.array | np.ndarray],
+        *,
+        quantization: dict | None = None,
+        layer: int | None = None,
+    ) -> None:
+        """Write one block's experts.
+
+        Args:
+            path: the SwitchGLU module path the loader will replace.
+            tensors: record tensor name -> (E, ...) array, in record order (MLX or numpy).
+            quantization: projection -> {"group_size", "bits", "mode"} for quantized projections.
+            layer: decoder layer index (default: read from `path`, "...layers.<i>...").
+        """
+        layer = layer_of(path) if layer is None else layer
+        if layer < 0:
+            raise ExpertStoreError(f"cannot tell the layer of {path!r}; pass layer=")
+        specs, host, offset = [], [], 0
+        for name, value in tensors.items():
+            if value.shape[0] != self.num_experts:
+                raise ExpertStoreError(f"{path}.{name} has {value.shape[0]} experts, expected {self.num_experts}")
+            if isinstance(value, mx.array):
+                dtype, raw = _dtype_name(value.dtype), _host_bytes(value)
+            else:
+                dtype = np.dtype(value.dtype).name
+                if dtype not in DTYPES or dtype == "bfloat16":
+                    raise ExpertStoreError(f"{path}.{name}: numpy dtype {dtype} is not supported")
+                raw = np.ascontiguousarray(value)
+            offset = _round_up(offset, TENSOR_ALIGN)
+            nbytes = raw[0].nbytes
+            specs.append(TensorSpec(name, dtype, tuple(value.shape[1:]), offset, nbytes))
+            host.append(raw.reshape(self.num_experts, -1).view(np.uint8))
+            offset += nbytes
+        record_bytes = offset
+        stride = _round_up(record_bytes, self.alignment)
+        file_name = f"layer_{layer:03d}.bin"
+        records = []
+        record = np.zeros(stride, np.uint8)
+        with open(self.root / file_name, "wb") as f:
+            for e in range(self.num_experts):
+                for spec, raw in zip(specs, host):
+                    record[spec.offset : spec.offset + spec.nbytes] = raw[e]
+                payload = memoryview(record)[:record_bytes]
+                records.append([e * stride, record_bytes, zlib.crc32(payload)])
+                f.write(record)
+        self.blocks.append(
+            {
+                "path": path,
+                "layer": layer,
+                "file": file_name,
+                "record_bytes": record_bytes,
+                "stride": stride,
+                "tensors": [
+                    {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
+                    for s in specs
+                ],
+                "quantization": quantization or {},
+                "records": records,
+            }
+        )
+
+    def finish(self) -> Path:
+        """Write index.json (blocks in layer order) and return its path."""
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "alignment": self.alignment,
+            "checksum": "crc32",
+            "num_experts": self.num_experts,
+            "blocks": sorted(self.blocks, key=lambda b: b["layer"]),
+        }
+        path = self.root / INDEX_NAME
+        path.write_text(json.dumps(index, indent=1))
+        return path
+
+
+def expert_blocks(model) -> list[tuple[str, object]]:
+    """(path, SwitchGLU-like module) for every MoE block's routed experts, in layer order."""
+    from ..model.moe import SparseMoeBlock
+
+    found = [(f"{name}.switch_mlp", m.switch_mlp) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    return sorted(found, key=lambda item: layer_of(item[0]))
+
+
+def layer_of(path: str) -> int:
+    """The decoder layer index in a module path ("model.layers.3.mlp" -> 3), -1 if none."""
+    match = _LAYER.search(path + ".")
+    return int(match.group(1)) if match else -1
+
+
+def write_streamed_experts(model, directory: str | Path, *, alignment: int = DEFAULT_ALIGNMENT) -> Path:
+    """Write every MoE block's routed experts of a loaded model into `directory/experts/`, and
+    take them out of the model, so that its remaining parameters are the dense checkpoint.
+
+    Experts are written as the model holds them: plain float, or affine-quantized
+    (`QuantizedSwitchGLU`: packed weight, scales and biases per projection). The caller saves
+    `model.parameters()` afterwards, in strata's format (config.json marked `strata_format`).
+
+    Args:
+        model: a loaded strata model (after sanitize and quantization); its `switch_mlp`
+            modules are replaced by empty ones.
+        directory: the output checkpoint directory.
+        alignment: record alignment in bytes (default 4096).
+
+    Returns:
+        The path of the written index.json.
+
+    Raises:
+        ExpertStoreError: the model has no MoE block, or an unsupported expert dtype.
+    """
+    blocks = expert_blocks(model)
+    if not blocks:
+        raise ExpertStoreError("the model has no MoE block: nothing to stream")
+    writer = None
+    for path, glu in blocks:
+        tensors = dict(tree_flatten(glu.parameters()))
+        if writer is None:
+            num_experts = next(iter(tensors.values())).shape[0]
+            writer = ExpertLayoutWriter(directory, num_experts=num_experts, alignment=alignment)
+        quantization = {}
+        for proj in GLU:
+            module = glu[proj]
+            if hasattr(module, "group_size"):  # QuantizedExperts
+                quantization[proj] = {"group_size": module.group_size, "bits": module.bits, "mode": module.mode}
+        writer.add_block(path, tensors, quantization=quantization)
+    modules = dict(model.named_modules())
+    for path, _ in blocks:
+        modules[path.rsplit(".", 1)[0]].switch_mlp = nn.Module()  # the experts now live on disk
+    return writer.finish()
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def is_streamed(path: str | Path) -> bool:
+    """True when a checkpoint directory keeps its experts in the streaming layout."""
+    return (Path(path) / STREAM_DIR / INDEX_NAME).is_file()
+
+
+def read_index(directory: str | Path) -> tuple[dict, list[BlockLayout]]:
+    """Parse and check `experts/index.json` (not the record files)."""
+    root = Path(directory) / STREAM_DIR
+    index_path = root / INDEX_NAME
+    try:
+        index = json.loads(index_path.read_text())
+    except FileNotFoundError:
+        raise ExpertStoreError(f"{index_path}: missing (not a streamed checkpoint)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExpertStoreError(f"{index_path}: not valid JSON ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ExpertStoreError(f"{index_path}: not a {FORMAT} index")
+    if index.get("version") != VERSION:
+        raise ExpertStoreError(f"{index_path}: version {index.get('version')!r}, this strata reads {VERSION}")
+    try:
+        blocks = [
+            BlockLayout(
+                path=b["path"],
+                layer=int(b["layer"]),
+                file=root / b["file"],
+                tensors=tuple(
+                    TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"]), int(t["nbytes"]))
+                    for t in b["tensors"]
+                ),
+                quantization=dict(b.get("quantization") or {}),
+                record_bytes=int(b["record_bytes"]),
+                stride=int(b["stride"]),
+                records=tuple((int(o), int(n), int(c)) for o, n, c in b["records"]),
+            )
+            for b in index["blocks"]
+        ]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExpertStoreError(f"{index_path}: malformed ({type(e).__name__}: {e})") from None
+    for block in blocks:
+        for t in block.tensors:
+            if t.dtype not in DTYPES:
+                raise ExpertStoreError(f"{index_path}: {block.path}.{t.name} has unsupported dtype {t.dtype}")
+            if t.offset + t.nbytes > block.record_bytes:
+                raise ExpertStoreError(f"{index_path}: {block.path}.{t.name} lies outside its record")
+        if len(block.records) != index.get("num_experts"):
+            raise ExpertStoreError(
+                f"{index_path}: {block.path} lists {len(block.records)} records, expected {index.get('num_experts')}"
+            )
+    return index, blocks
+
+
+class BufferPool:
+    """Page-aligned read buffers (anonymous mmaps, as O_DIRECT needs), reused across reads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, self.size)
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+class ExpertStore:
+    """Reads expert records of a streamed checkpoint with `os.preadv` (thread-safe).
+
+    Args:
+        directory: the checkpoint directory (holding `experts/index.json`).
+        io: "auto" (default: O_DIRECT where the file system allows it, else the page cache),
+            "direct" (O_DIRECT or an error) or "buffered" (the page cache).
+        verify: check each record's crc32 after reading it (default True).
+
+    Raises:
+        ExpertStoreError: a malformed index, a missing or truncated record file, or O_DIRECT
+            refused with io="direct".
+    """
+
+    def __init__(self, directory: str | Path, *, io: str = "auto", verify: bool = True):
+        if io not in IO_MODES:
+            raise ExpertStoreError(f"io must be one of {IO_MODES}, got {io!r}")
+        self.root = Path(directory) / STREAM_DIR
+        self.index, blocks = read_index(directory)
+        self.alignment = int(self.index["alignment"])
+        self.num_experts = int(self.index["num_experts"])
+        self.blocks = {b.path: b for b in blocks}
+        self.verify = verify
+        self._fds: dict[str, int] = {}
+        self._direct: dict[str, bool] = {}
+        self._lock = threading.Lock()
+        self.pools = {}
+        try:
+            for b in blocks:
+                self._open(b, io)
+                self.pools.setdefault(b.stride, BufferPool(b.stride))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def io_mode(self) -> str:
+        """"direct", "buffered", or "mixed" (some files refused O_DIRECT)."""
+        modes = set(self._direct.values())
+        return "mixed" if len(modes) > 1 else ("direct" if modes == {True} else "buffered")
+
+    def _open(self, block: BlockLayout, io: str) -> None:
+        try:
+            size = block.file.stat().st_size
+        except FileNotFoundError:
+            raise ExpertStoreError(f"{block.file}: missing (listed in {STREAM_DIR}/{INDEX_NAME})") from None
+        need = max(o + block.stride for o, _, _ in block.records)
+        if size < need:
+            first_bad = next(e for e, (o, _, _) in enumerate(block.records) if o + block.stride > size)
+            raise ExpertStoreError(
+                f"{block.file}: truncated ({size} bytes, the index needs {need}); "
+                f"expert {first_bad} of {block.path} and later are cut off"
+            )
+        fd, direct = None, False
+        can_direct = hasattr(os, "O_DIRECT") and self.alignment % 512 == 0
+        if io in ("auto", "direct") and can_direct:
+            try:
+                fd, direct = os.open(block.file, os.O_RDONLY | os.O_DIRECT), True
+            except OSError as e:
+                if io == "direct":
+                    raise ExpertStoreError(f"{block.file}: O_DIRECT refused ({e.strerror})") from None
+        elif io == "direct":
+            raise ExpertStoreError(f"{block.file}: O_DIRECT is not available on this system")
+        if fd is None:
+            fd = self._open_buffered(block.file)
+        self._fds[block.path], self._direct[block.path] = fd, direct
+
+    @staticmethod
+    def _open_buffered(file: Path) -> int:
+        fd = os.open(file, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):  # expert reads are random: kernel read-ahead only wastes
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd
+
+    def read(self, path: str, expert: int, buf: mmap.mmap) -> memoryview:
+        """Read expert `expert` of block `path` into `buf` (a buffer of the block's stride).
+
+        Returns:
+            A view of the record's payload bytes inside `buf`.
+
+        Raises:
+            ExpertReadError: an I/O error, a short read or a checksum mismatch, naming the file
+                and the expert.
+        """
+        block = self.blocks[path]
+        offset, length, crc = block.records[expert]
+        view = memoryview(buf)[: block.stride]
+        try:
+            got = os.preadv(self._fds[path], [view], offset)
+        except OSError as e:
+            if e.errno == errno.EINVAL and self._direct[path]:
+                self._fallback_buffered(block)  # accepted at open, refused at read: some file systems
+                return self.read(path, expert, buf)
+            raise ExpertReadError(
+                f"{block.file}: read of expert {expert} of {block.path} failed ({e.strerror or e})"
+            ) from None
+        if got < length:
+            raise ExpertReadError(
+                f"{block.file}: short read of expert {expert} of {block.path}: "
+                f"{got} of {length} bytes at offset {offset}"
+            )
+        payload = view[:length]
+        if self.verify and zlib.crc32(payload) != crc:
+            raise ExpertReadError(
+                f"{block.file}: checksum mismatch in expert {expert} of {block.path} "
+                f"(crc32 {zlib.crc32(payload):#010x}, the index says {crc:#010x})"
+            )
+        return payload
+
+    def _fallback_buffered(self, block: BlockLayout) -> None:
+        with self._lock:
+            if self._direct[block.path]:
+                old = self._fds[block.path]
+                self._fds[block.path], self._direct[block.path] = self._open_buffered(block.file), False
+                os.close(old)
+
+    def to_arrays(self, path: str, payload: memoryview, dtypes: Mapping[str, mx.Dtype]) -> dict[str, mx.array]:
+        """One record's tensors as MLX arrays (copied out of `payload`), cast to `dtypes[name]`."""
+        out = {}
+        for t in self.blocks[path].tensors:
+            np_dtype, mx_dtype = DTYPES[t.dtype]
+            host = np.frombuffer(payload, dtype=np_dtype, count=t.nbytes // np.dtype(np_dtype).itemsize, offset=t.offset)
+            array = mx.array(host.reshape(t.shape))
+            if mx_dtype == mx.bfloat16:
+                array = array.view(mx.bfloat16)
+            want = dtypes.get(t.name, mx_dtype)
+            out[t.name] = array if want == mx_dtype else array.astype(want)
+        return out
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> "ExpertStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

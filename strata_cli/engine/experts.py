@@ -1,0 +1,506 @@
+"""ExpertCache: a bounded set of resident expert slots per MoE block, fed from the streaming layout.
+
+Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per block.
+
+- Slot banks: per block, one (S, ...) array per record tensor (gate/up/down, or their quantized
+  weight/scales/biases), so the MLX graph never changes shape; an expert->slot table maps the
+  router's ids to bank rows. A load writes one slot with `mx.slice_update`, whose input buffer MLX
+  donates when the cache holds the only reference, so a load copies one expert, not the bank.
+- Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
+  while it is loaded); the missing ones are read with `os.preadv` on a thread pool (O_DIRECT where
+  the file system allows) and the least recently used unpinned slots take them. A union larger
+  than S is served in passes of at most S experts, each pass computed before the next loads, so
+  every budget of at least one slot is exact.
+- Prefetch reads the next block's predicted experts into host buffers while this block and the
+  next block's attention compute: "router" applies the next block's router to this block's input,
+  "history" ranks experts by how often they followed this block's picks before, "off" reads on
+  demand only. With `root_prefetch` only row 0 of a window drives read-ahead.
+
+Exactness: routing is the model's own (each token's softmax top-k, computed before the cache is
+asked); the cache only decides where an expert's weights sit, and the matmuls are the resident
+layer's own code over the slot banks. The cache is performance state: never rewound.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..config import ConfigError, StreamOptions
+from ..model.moe import QuantizedExperts, SparseMoeBlock, _gather_matmul, _glu_by_expert
+from ..telemetry import ExpertWindowStats
+from .expert_store import DTYPES, GLU, BlockLayout, ExpertStore, ExpertStoreError, expert_blocks, layer_of
+
+# Per-block counters of one window (ExpertCache._counts columns).
+COUNTERS = (
+    "hits", "cold_misses", "capacity_misses", "prefetch_hits", "late_prefetches", "wasted_prefetches",
+    "bytes_read", "prefetched_bytes", "wait_seconds", "union", "cold_beyond_root", "passes",
+)
+_C = {name: i for i, name in enumerate(COUNTERS)}
+DECODE, PREFILL = "decode", "prefill"
+
+
+class _Block:
+    """One MoE block's slots: banks, the expert->slot table, LRU order and prefetches in flight."""
+
+    def __init__(self, layout: BlockLayout, num_slots: int, dtype: mx.Dtype, num_experts: int):
+        self.layout = layout
+        self.dtypes = {}
+        self.banks: dict[str, mx.array] = {}
+        for t in layout.tensors:
+            stored = DTYPES[t.dtype][1]
+            self.dtypes[t.name] = dtype if mx.issubdtype(stored, mx.floating) else stored
+            self.banks[t.name] = mx.zeros((num_slots, *t.shape), dtype=self.dtypes[t.name])
+        self.slot_of = np.full(num_experts, -1, np.int64)  # expert -> slot, -1 = not resident
+        self.expert_in = np.full(num_slots, -1, np.int64)  # slot -> expert, -1 = free
+        self.lru: OrderedDict[int, None] = OrderedDict()  # resident experts, oldest first
+        self.seen = np.zeros(num_experts, bool)  # ever loaded: a miss on a seen expert is a capacity miss
+        self.inflight: dict[int, Future] = {}  # prefetches, expert -> future
+
+
+class ExpertCache:
+    """Resident expert slots for every streamed MoE block, with reads, prefetch and telemetry.
+
+    Args:
+        store: the opened streaming layout.
+        blocks: (path, SparseMoeBlock) of every streamed block, in layer order (the routers drive
+            prefetch).
+        num_slots: S, resident experts per block (1..E).
+        dtype: compute dtype of the floating tensors (quantized weights keep theirs).
+        options: prefetch mode, root-only prefetch and I/O threads.
+    """
+
+    def __init__(self, store: ExpertStore, blocks: list[tuple[str, SparseMoeBlock]], *, num_slots: int,
+                 dtype: mx.Dtype, options: StreamOptions):
+        E = store.num_experts
+        if not 1 <= num_slots <= E:
+            raise ValueError(f"num_slots must be in 1..{E}, got {num_slots}")
+        self.store, self.options, self.num_slots = store, options, num_slots
+        self.paths = [path for path, _ in blocks]
+        self.layers = [layer_of(path) for path in self.paths]
+        self._position = {path: i for i, path in enumerate(self.paths)}
+        self._blocks = [_Block(store.blocks[path], num_slots, dtype, E) for path in self.paths]
+        self._routers = [(moe.gate, moe.top_k) for _, moe in blocks]
+        mx.eval([b.banks for b in self._blocks])
+        # transitions[i][e, f]: how often expert f at block i+1 followed expert e at block i
+        self._transitions = [np.zeros((E, E), np.float32) for _ in self.paths[:-1]]
+        self._window_ids: dict[int, np.ndarray] = {}
+        self._pool = ThreadPoolExecutor(options.io_threads, thread_name_prefix="strata-experts")
+        self._deferred: list[BaseException] = []
+        self._kind = DECODE
+        self._counts = np.zeros((len(self.paths), len(COUNTERS)))
+        self._last: ExpertWindowStats | None = None
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, store)
+
+    # -- windows -------------------------------------------------------------------------------
+
+    def begin_window(self, *, kind: str = DECODE) -> None:
+        """A window starts (its row 0 is the root); `kind` "prefill" (prompt chunks) turns prefetch off."""
+        for i, block in enumerate(self._blocks):  # left over by a window that raised
+            self._drop_prefetches(i, block)
+        self._kind = kind
+        self._counts[:] = 0
+        self._window_ids = {}
+
+    def end_window(self) -> ExpertWindowStats:
+        """The counters of the window since `begin_window`."""
+        self._last = self.window_stats()
+        return self._last
+
+    @property
+    def last_window(self) -> ExpertWindowStats | None:
+        return self._last
+
+    def window_stats(self) -> ExpertWindowStats:
+        c = self._counts
+        total = c.sum(axis=0)
+        layers = tuple(
+            {"layer": layer, **{name: _num(c[i, j]) for j, name in enumerate(COUNTERS)}}
+            for i, layer in enumerate(self.layers)
+        )
+        return ExpertWindowStats(
+            union_experts=tuple(int(u) for u in c[:, _C["union"]]),
+            cold_beyond_root=int(total[_C["cold_beyond_root"]]),
+            misses=int(total[_C["cold_misses"]] + total[_C["capacity_misses"]]),
+            bytes_read=int(total[_C["bytes_read"]]),
+            prefetched_bytes=int(total[_C["prefetched_bytes"]]),
+            late_waits=int(total[_C["late_prefetches"]]),
+            late_wait_seconds=float(total[_C["wait_seconds"]]),
+            hits=int(total[_C["hits"]]),
+            cold_misses=int(total[_C["cold_misses"]]),
+            capacity_misses=int(total[_C["capacity_misses"]]),
+            prefetch_hits=int(total[_C["prefetch_hits"]]),
+            wasted_prefetches=int(total[_C["wasted_prefetches"]]),
+            passes=int(total[_C["passes"]]),
+            layers=layers,
+        )
+
+    def resident(self, path: str) -> list[int]:
+        """Experts now resident in block `path`, least recently used first."""
+        return list(self._blocks[self._position[path]].lru)
+
+    # -- serving a block -----------------------------------------------------------------------
+
+    def serve(self, path: str, x: mx.array, inds: mx.array) -> Iterator[tuple[np.ndarray | None, np.ndarray, dict]]:
+        """Make block `path`'s selected experts resident and say where they are.
+
+        Evaluates the routing (the ids must be known to load them), issues the reads and the
+        next block's prefetch, and yields once per pass:
+
+        - `(None, slots (N, k), banks)` when the whole union fits in the slots (one pass);
+        - `(picks, slots (P,), banks)` per pass otherwise: `picks` index the flattened (N·k)
+          picks the pass serves. The caller must evaluate a pass before asking for the next.
+
+        Raises:
+            ExpertReadError: a record could not be read (naming the file and the expert).
+        """
+        self._raise_deferred()
+        i = self._position[path]
+        block = self._blocks[i]
+        count = self._counts[i]
+        predicted = self._router_prediction(i, x)
+        mx.eval([a for a in (inds, predicted) if a is not None])
+        ids = np.array(inds, dtype=np.int64)  # (N, k)
+        union = np.unique(ids)
+        missing = union[block.slot_of[union] < 0]
+        count[_C["union"]] += len(union)
+        count[_C["cold_beyond_root"]] += len(np.setdiff1d(missing, ids[0]))
+        self._learn(i, ids)
+
+        S = self.num_slots
+        groups = [union[j : j + S] for j in range(0, len(union), S)]
+        count[_C["passes"]] += len(groups)
+        pending = self._request(i, groups[0])
+        self._prefetch(i, ids, predicted)
+        for g, group in enumerate(groups):
+            if g:
+                pending = self._request(i, group)
+            self._install(i, group, pending)
+            if g == len(groups) - 1:
+                self._settle_prefetches(i)
+            if len(groups) == 1:
+                yield None, block.slot_of[ids].astype(np.uint32), block.banks
+            else:
+                flat = ids.reshape(-1)
+                picks = np.nonzero(np.isin(flat, group))[0]
+                yield picks, block.slot_of[flat[picks]].astype(np.uint32), block.banks
+
+    def _request(self, i: int, group: np.ndarray) -> list[tuple[int, Future]]:
+        """Touch the resident experts of `group`; return the reads it needs (expert, future)."""
+        block, count = self._blocks[i], self._counts[i]
+        pending = []
+        for e in group.tolist():
+            if block.slot_of[e] >= 0:
+                block.lru.move_to_end(e)
+                count[_C["hits"]] += 1
+                continue
+            future = block.inflight.pop(e, None)
+            if future is not None:
+                count[_C["prefetch_hits"]] += 1
+                count[_C["late_prefetches"]] += not future.done()
+            else:
+                count[_C["capacity_misses" if block.seen[e] else "cold_misses"]] += 1
+                count[_C["bytes_read"]] += block.layout.stride
+                future = self._submit(i, e)
+            pending.append((e, future))
+        return pending
+
+    def _install(self, i: int, group: np.ndarray, pending: list[tuple[int, Future]]) -> None:
+        """Wait for `pending` reads and write them into the LRU unpinned slots."""
+        if pending:
+            self._write(i, pending, self._victims(self._blocks[i], len(pending), pinned=group))
+
+    def _write(self, i: int, pending: list[tuple[int, Future]], victims: list[int]) -> None:
+        """Wait for each read and write it into its slot (evicting the slot's expert)."""
+        block, count = self._blocks[i], self._counts[i]
+        path = self.paths[i]
+        try:
+            for n, ((e, future), slot) in enumerate(zip(pending, victims)):
+                start = time.perf_counter()
+                buf, payload = future.result()
+                count[_C["wait_seconds"]] += time.perf_counter() - start
+                try:
+                    arrays = self.store.to_arrays(path, payload, block.dtypes)
+                finally:
+                    self.store.pools[block.layout.stride].give(buf)
+                old = int(block.expert_in[slot])
+                if old >= 0:
+                    block.slot_of[old] = -1
+                    del block.lru[old]
+                at = mx.array([int(slot)])
+                for name, value in arrays.items():
+                    block.banks[name] = mx.slice_update(block.banks[name], value[None], at, axes=(0,))
+                block.slot_of[e], block.expert_in[slot] = slot, e
+                block.lru[e] = None
+                block.seen[e] = True
+        except BaseException:
+            for _, future in pending[n + 1 :]:
+                future.add_done_callback(self._recycle(block))
+            raise
+        mx.eval(list(block.banks.values()))
+
+    @staticmethod
+    def _victims(block: _Block, n: int, *, pinned: np.ndarray) -> list[int]:
+        free = np.nonzero(block.expert_in < 0)[0][:n].tolist()
+        if len(free) < n:
+            keep = set(pinned.tolist())
+            for e in block.lru:  # oldest first
+                if e not in keep:
+                    free.append(int(block.slot_of[e]))
+                    if len(free) == n:
+                        break
+        assert len(free) == n, "a pass never holds more experts than there are slots"
+        return free
+
+    def _submit(self, i: int, expert: int) -> Future:
+        path, pool = self.paths[i], self.store.pools[self._blocks[i].layout.stride]
+
+        def read():
+            buf = pool.take()
+            try:
+                return buf, self.store.read(path, expert, buf)
+            except BaseException:
+                pool.give(buf)
+                raise
+
+        return self._pool.submit(read)
+
+    # -- prefetch ------------------------------------------------------------------------------
+
+    def _prefetch_active(self, i: int) -> bool:
+        return self.options.prefetch != "off" and self._kind == DECODE and i + 1 < len(self.paths)
+
+    def _router_prediction(self, i: int, x: mx.array) -> mx.array | None:
+        """The next block's router applied to this block's input rows: (N', k) ids, lazy."""
+        if not self._prefetch_active(i) or self.options.prefetch != "router":
+            return None
+        gate, k = self._routers[i + 1]
+        rows = x.reshape(-1, x.shape[-1])
+        rows = rows[:1] if self.options.root_prefetch else rows
+        return mx.argpartition(-gate(rows), kth=k - 1, axis=-1)[:, :k]
+
+    def _prefetch(self, i: int, ids: np.ndarray, predicted: mx.array | None) -> None:
+        if not self._prefetch_active(i):
+            return
+        nxt = self._blocks[i + 1]
+        if predicted is not None:
+            guess = np.array(predicted, dtype=np.int64)
+        else:  # history: each row's k most frequent successors of its own picks
+            rows = ids[:1] if self.options.root_prefetch else ids
+            scores = self._transitions[i][rows].sum(axis=1)  # (N', E)
+            k = self._routers[i + 1][1]
+            guess = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+            guess = guess[np.take_along_axis(scores, guess, axis=-1) > 0]
+        experts, counts = np.unique(guess, return_counts=True)
+        experts = experts[np.argsort(-counts, kind="stable")]
+        wanted = [e for e in experts.tolist() if nxt.slot_of[e] < 0 and e not in nxt.inflight]
+        room = self.num_slots - len(nxt.inflight)
+        for e in wanted[: max(room, 0)]:
+            nxt.inflight[e] = self._submit(i + 1, e)
+            self._counts[i + 1, _C["prefetched_bytes"]] += nxt.layout.stride
+
+    def _learn(self, i: int, ids: np.ndarray) -> None:
+        """Count which experts followed which across consecutive blocks (the history predictor)."""
+        self._window_ids[i] = ids
+        prev = self._window_ids.get(i - 1)
+        if i and prev is not None and prev.shape[0] == ids.shape[0]:
+            np.add.at(self._transitions[i - 1], (prev[:, :, None], ids[:, None, :]), 1.0)
+
+    def _settle_prefetches(self, i: int) -> None:
+        """Prefetches no row selected are wasted; the finished ones still fill free slots (never
+        evicting for them), so a cache with room does not read them again."""
+        block = self._blocks[i]
+        free = np.nonzero(block.expert_in < 0)[0].tolist()
+        keep = []
+        for e, future in list(block.inflight.items()):
+            if len(keep) < len(free) and future.done() and future.exception() is None:
+                del block.inflight[e]
+                self._counts[i, _C["wasted_prefetches"]] += 1
+                keep.append((e, future))
+        self._drop_prefetches(i, block)
+        if keep:
+            self._write(i, keep, free[: len(keep)])
+
+    def _drop_prefetches(self, i: int, block: _Block) -> None:
+        """Every prefetch still in flight for `block`: counted as wasted, buffers recycled."""
+        for e in list(block.inflight):
+            future = block.inflight.pop(e)
+            self._counts[i, _C["wasted_prefetches"]] += 1
+            future.add_done_callback(self._recycle(block))
+
+    def _recycle(self, block: _Block):
+        pool = self.store.pools[block.layout.stride]
+
+        def done(future: Future) -> None:
+            if future.cancelled():
+                return
+            error = future.exception()
+            if error is not None:
+                self._deferred.append(error)  # a broken file must not pass silently
+            else:
+                pool.give(future.result()[0])
+
+        return done
+
+    def _raise_deferred(self) -> None:
+        if self._deferred:
+            error, self._deferred = self._deferred[0], []
+            raise error
+
+    def close(self) -> None:
+        """Stop the reader threads and close the files (also done when the cache is collected)."""
+        self._finalizer()
+
+
+def _shutdown(pool: ThreadPoolExecutor, store: ExpertStore) -> None:
+    pool.shutdown(wait=True, cancel_futures=True)
+    store.close()
+
+
+def _num(value: float) -> float | int:
+    return float(value) if not float(value).is_integer() else int(value)
+
+
+class StreamedSwitchGLU(nn.Module):
+    """Takes a MoE block's `switch_mlp` place: the same `(x, inds) -> (N, k, H)` contract, with
+    the experts served from an `ExpertCache` instead of resident stacked weights.
+
+    It computes with the resident layers' own code (`moe._glu_by_expert` over
+    `moe._gather_matmul` or `QuantizedExperts`), indexing slot banks with slot ids, so its
+    output is the resident layer's, bit for bit.
+
+    Args:
+        cache: the expert cache.
+        path: this block's module path (its records in the layout).
+    """
+
+    def __init__(self, cache: ExpertCache, path: str):
+        super().__init__()
+        self.cache, self.path = cache, path
+        self.quantization = cache.store.blocks[path].quantization
+
+    def _matmul(self, banks: dict[str, mx.array]):
+        def matmul(name: str, xs: mx.array, slots: mx.array) -> mx.array:
+            q = self.quantization.get(name)
+            if q is None:
+                return _gather_matmul(xs, banks[name], slots)
+            experts = SimpleNamespace(weight=banks[f"{name}.weight"], scales=banks[f"{name}.scales"],
+                                      biases=banks.get(f"{name}.biases"), **q)
+            return QuantizedExperts.__call__(experts, xs, slots)
+
+        return matmul
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
+        N, k = inds.shape
+        parts, served = [], []
+        for picks, slots, banks in self.cache.serve(self.path, x, inds):
+            if picks is None:
+                return _glu_by_expert(x, mx.array(slots), self._matmul(banks))
+            out = _glu_by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks))
+            mx.eval(out)  # before the next pass overwrites slots this one reads
+            parts.append(out[:, 0])
+            served.append(picks)
+        order = np.argsort(np.concatenate(served))
+        return mx.concatenate(parts)[mx.array(order)].reshape(N, k, -1)
+
+
+# -- attaching to a model ----------------------------------------------------------------------
+
+
+def resolve_slots(options: StreamOptions, *, num_experts: int, bytes_per_expert: int, num_blocks: int) -> int:
+    """Resident experts per block from the budget: `resident_experts`, or `cache_gb` over every
+    block, or all of them when neither is set.
+
+    Raises:
+        ConfigError: a budget that holds less than one expert per block.
+    """
+    if options.resident_experts is not None:
+        return min(options.resident_experts, num_experts)
+    if options.cache_gb is None:
+        return num_experts
+    per_slot = bytes_per_expert * num_blocks
+    slots = int(options.cache_gb * 1e9 // per_slot)
+    if slots < 1:
+        raise ConfigError(
+            f"--expert-cache {options.cache_gb} GB holds no expert: one slot in each of the "
+            f"{num_blocks} MoE blocks takes {per_slot / 1e9:.3f} GB"
+        )
+    return min(slots, num_experts)
+
+
+def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options: StreamOptions | None = None) -> ExpertCache:
+    """Serve `model`'s routed experts from the streaming layout in `path` through an ExpertCache.
+
+    Every MoE block's `switch_mlp` is replaced by a `StreamedSwitchGLU` (which has no
+    parameters, so the dense checkpoint loads as usual) and `model.expert_cache` is set.
+
+    Args:
+        model: the freshly built model (its MoE blocks still hold empty SwitchGLUs).
+        path: the checkpoint directory with `experts/index.json`.
+        dtype: compute dtype for the floating expert tensors.
+        options: budget, prefetch and I/O (default `StreamOptions()`: every expert resident).
+
+    Raises:
+        ExpertStoreError: the layout does not match the model, or its files are unusable.
+        ConfigError: a budget below one expert per block.
+    """
+    options = options or StreamOptions()
+    store = ExpertStore(path, io=options.io, verify=options.verify)
+    try:
+        moes = dict(model.named_modules())
+        blocks = [(p, moes[p.rsplit(".", 1)[0]]) for p, _ in expert_blocks(model)]
+        _check_layout(store, blocks)
+        bytes_per_expert = sum(
+            math.prod(t.shape) * (dtype if mx.issubdtype(DTYPES[t.dtype][1], mx.floating) else DTYPES[t.dtype][1]).size
+            for t in store.blocks[blocks[0][0]].tensors
+        )
+        slots = resolve_slots(options, num_experts=store.num_experts, bytes_per_expert=bytes_per_expert,
+                              num_blocks=len(blocks))
+        cache = ExpertCache(store, blocks, num_slots=slots, dtype=dtype, options=options)
+    except BaseException:
+        store.close()
+        raise
+    for p, moe in blocks:
+        moe.switch_mlp = StreamedSwitchGLU(cache, p)
+    model.expert_cache = cache
+    return cache
+
+
+def _check_layout(store: ExpertStore, blocks: list[tuple[str, SparseMoeBlock]]) -> None:
+    where = store.root
+    have, want = set(store.blocks), {p for p, _ in blocks}
+    if have != want:
+        extra, lacking = sorted(have - want), sorted(want - have)
+        raise ExpertStoreError(
+            f"{where}: the streamed blocks do not match the model"
+            + (f"; the model has no {extra[0]}" if extra else "")
+            + (f"; the layout lacks {lacking[0]}" if lacking else "")
+        )
+    for p, moe in blocks:
+        layout, glu = store.blocks[p], moe.switch_mlp
+        if store.num_experts != glu.gate_proj.shape[0]:
+            raise ExpertStoreError(f"{where}: {store.num_experts} experts per block, the model has {glu.gate_proj.shape[0]}")
+        specs = {t.name: t for t in layout.tensors}
+        for proj in GLU:
+            out_dim, in_dim = glu[proj].shape[1:]
+            q = layout.quantization.get(proj)
+            name = f"{proj}.weight" if q else proj
+            spec = specs.get(name)
+            packed = in_dim * q["bits"] // 32 if q else in_dim
+            if spec is None or spec.shape != (out_dim, packed):
+                got = spec.shape if spec else "nothing"
+                raise ExpertStoreError(
+                    f"{layout.file}: {p}.{name} is {got}, the model needs {(out_dim, packed)}"
+                    + (f" ({q['bits']}-bit)" if q else "")
+                )

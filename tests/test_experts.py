@@ -1,0 +1,136 @@
+"""The expert cache: record layout, slots and LRU eviction, passes, prefetch accounting, budgets."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from stream_checkpoints import NUM_EXPERTS, TOP_K, build_pair
+
+from strata_cli.config import ConfigError, StreamOptions
+from strata_cli.engine.expert_store import ExpertLayoutWriter, ExpertStore, read_index
+from strata_cli.engine.window import WindowEngine
+from strata_cli.model import load_model
+
+BLOCK = "model.layers.{}.mlp.switch_mlp"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("experts"))
+
+
+def serve(model, layer: int, inds: list[list[int]], seed: int = 0):
+    """Run one MoE block's experts on random rows with the given picks, as its own window."""
+    cache = model.expert_cache
+    cache.begin_window()
+    x = mx.random.normal((len(inds), model.config.hidden_size), key=mx.random.key(seed))
+    out = model.layers[layer].mlp.switch_mlp(x, mx.array(inds, dtype=mx.uint32))
+    mx.eval(out)
+    return out, x, cache.end_window()
+
+
+def test_layout_round_trip_bit_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    E = 5
+    tensors = {
+        "gate_proj.weight": mx.array(rng.integers(0, 2**32, (E, 8, 4), dtype=np.uint32)),
+        "gate_proj.scales": mx.array(rng.normal(size=(E, 8, 1)).astype(np.float16)),
+        "up_proj": mx.array(rng.normal(size=(E, 7, 3)).astype(np.float32)).astype(mx.bfloat16),
+        "down_proj": mx.array(rng.normal(size=(E, 3, 7)).astype(np.float32)),
+    }
+    writer = ExpertLayoutWriter(tmp_path, num_experts=E)
+    writer.add_block("model.layers.2.mlp.switch_mlp", tensors, quantization={"gate_proj": {"group_size": 32, "bits": 4, "mode": "affine"}})
+    writer.finish()
+    index, [block] = read_index(tmp_path)
+    assert block.layer == 2 and block.stride % 4096 == 0 and block.record_bytes <= block.stride
+    assert [o for o, _, _ in block.records] == [e * block.stride for e in range(E)]
+    assert all(t.offset % 64 == 0 for t in block.tensors)
+    assert (tmp_path / "experts" / "layer_002.bin").stat().st_size == E * block.stride
+    for io in ("auto", "buffered"):
+        with ExpertStore(tmp_path, io=io) as store:
+            pool = store.pools[block.stride]
+            for e in range(E):
+                buf = pool.take()
+                arrays = store.to_arrays(block.path, store.read(block.path, e, buf), {})
+                pool.give(buf)
+                for name, value in tensors.items():
+                    assert arrays[name].dtype == value.dtype
+                    assert mx.array_equal(arrays[name].view(mx.uint8), value[e].view(mx.uint8)).item(), (io, e, name)
+
+
+def test_lru_eviction_hits_and_miss_kinds(checkpoints):
+    model = load_model(checkpoints[1], experts=StreamOptions(resident_experts=3, prefetch="off"))
+    cache, path = model.expert_cache, BLOCK.format(0)
+    steps = [  # picks, then (hits, cold, capacity), then resident experts, least recently used first
+        ([[0, 1]], (0, 2, 0), [0, 1]),
+        ([[2]], (0, 1, 0), [0, 1, 2]),
+        ([[0, 3]], (1, 1, 0), [2, 0, 3]),  # 1 was the least recently used
+        ([[1]], (0, 0, 1), [0, 3, 1]),  # 1 comes back: a capacity miss; 2 goes
+        ([[3], [1]], (2, 0, 0), [0, 1, 3]),  # a window touches its union in id order
+    ]
+    for picks, (hits, cold, capacity), resident in steps:
+        _, _, stats = serve(model, 0, picks)
+        assert (stats.hits, stats.cold_misses, stats.capacity_misses) == (hits, cold, capacity), picks
+        assert stats.misses == cold + capacity
+        assert stats.bytes_read == (cold + capacity) * cache.store.blocks[path].stride
+        assert cache.resident(path) == resident
+        assert stats.union_experts[0] == len({e for row in picks for e in row})
+    cache.close()
+
+
+def test_union_larger_than_slots_is_served_in_passes(checkpoints):
+    full = load_model(checkpoints[0])
+    model = load_model(checkpoints[1], experts=StreamOptions(resident_experts=3, prefetch="off"))
+    picks = [[0, 5, 9, 13], [5, 17, 22, 30]]  # 7 distinct experts, 3 slots: 3 passes
+    out, x, stats = serve(model, 1, picks)
+    want = full.layers[1].mlp.switch_mlp(x, mx.array(picks, dtype=mx.uint32))
+    assert stats.passes == 3 and stats.union_experts[1] == 7
+    assert mx.array_equal(out, want).item()
+    assert len(model.expert_cache.resident(BLOCK.format(1))) == 3
+    model.expert_cache.close()
+
+
+@pytest.mark.parametrize("prefetch, root_only", [("router", False), ("history", False), ("router", True), ("off", False)])
+def test_prefetch_accounting(checkpoints, prefetch, root_only):
+    model = load_model(checkpoints[1], experts=StreamOptions(resident_experts=8, prefetch=prefetch, root_prefetch=root_only))
+    cache, engine = model.expert_cache, WindowEngine(model)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, model.config.vocab_size, 60).tolist()
+    engine.prefill(tokens[:8])
+    assert cache.last_window.prefetched_bytes == 0  # prompt chunks read on demand only
+    stride = cache.store.blocks[BLOCK.format(1)].stride
+    pos, prefetched = 8, 0
+    for T in [1, 4, 2, 4, 1, 3, 4, 4, 2, 1, 4, 4]:
+        engine.run(tokens[pos : pos + T], pos)
+        engine.commit(1)
+        pos += 1
+        stats = engine.last_window_experts()
+        for row, union in zip(stats.layers, stats.union_experts):
+            assert row["hits"] + row["cold_misses"] + row["capacity_misses"] + row["prefetch_hits"] == union
+        # every prefetch of a window is used by its next block or counted as wasted there
+        assert stats.prefetched_bytes == (stats.prefetch_hits + stats.wasted_prefetches) * stride
+        assert stats.layers[0]["prefetched_bytes"] == 0  # nothing predicts the first block
+        if root_only:
+            assert all(row["prefetched_bytes"] <= TOP_K * stride for row in stats.layers)
+        prefetched += stats.prefetched_bytes
+    assert (prefetched > 0) == (prefetch != "off")
+    cache.close()
+
+
+def test_budget_options(checkpoints):
+    # float32 experts: 3 matrices of 16 x 32 floats = 6144 bytes, in each of 4 MoE blocks
+    per_slot = 3 * 16 * 32 * 4 * 4
+    model = load_model(checkpoints[1], experts=StreamOptions(cache_gb=5.5 * per_slot / 1e9))
+    assert model.expert_cache.num_slots == 5
+    model.expert_cache.close()
+    model = load_model(checkpoints[1], experts=StreamOptions(resident_experts=1000))
+    assert model.expert_cache.num_slots == NUM_EXPERTS
+    model.expert_cache.close()
+    with pytest.raises(ConfigError, match="holds no expert"):
+        load_model(checkpoints[1], experts=StreamOptions(cache_gb=1e-9))
+    with pytest.raises(ConfigError, match="not both"):
+        StreamOptions(cache_gb=1.0, resident_experts=4)
+    with pytest.raises(ConfigError, match="root-only prefetch"):
+        StreamOptions(prefetch="off", root_prefetch=True)
+    with pytest.raises(ConfigError, match="streamed checkpoint"):
+        load_model(checkpoints[0], experts=StreamOptions(resident_experts=4))
+    load_model(checkpoints[0], experts=StreamOptions())  # defaults are no request
