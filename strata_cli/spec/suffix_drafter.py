@@ -7,7 +7,7 @@ followed the longest (then most recent) match. Plain Python: no MLX import.
 """
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 DEFAULT_MIN_MATCH = 4
@@ -129,21 +129,37 @@ class SuffixDrafter:
             ``p`` with the longest match of at least ``min_match`` tokens (the
             most recent on a tie), or an empty proposal when none qualifies.
         """
+        return self.propose_for(self._history, max_drafts)
+
+    def propose_for(self, context: Sequence[int], max_drafts: int) -> Proposal:
+        """Propose drafts that continue `context` from this drafter's history.
+
+        ``propose(d)`` is ``propose_for(history, d)``; another sequence as
+        `context` lets one drafter serve as a shared index of earlier text (a
+        cross-request cache matches a request's tokens against past outputs).
+
+        Args:
+            context (Sequence[int]): The tokens whose suffix is matched.
+            max_drafts (int): Most drafts to return; ``0`` returns an empty proposal.
+
+        Returns:
+            Proposal: as for ``propose``; `position` indexes this drafter's history.
+        """
         if max_drafts < 0:
             raise ValueError(f"max_drafts ({max_drafts}) must be non-negative")
-        h = self._history
-        n = len(h)
+        h, c = self._history, context
+        n = len(c)
         if max_drafts == 0 or n < _TRIGRAM:
             return EMPTY_PROPOSAL
-        ends = self._index.get((h[n - 3], h[n - 2], h[n - 1]))
+        ends = self._index.get((c[n - 3], c[n - 2], c[n - 1]))
         if not ends:
             return EMPTY_PROPOSAL
         best_len, best_pos = 0, -1
         for p in reversed(ends):  # newest first, so a tie keeps the most recent
             # The trigram key already matched j = 0..2; extend from j = 3.
-            limit = min(MAX_MATCH, p + 1)
+            limit = min(MAX_MATCH, p + 1, n)
             length = _TRIGRAM
-            while length < limit and h[p - length] == h[n - 1 - length]:
+            while length < limit and h[p - length] == c[n - 1 - length]:
                 length += 1
             if length > best_len:
                 best_len, best_pos = length, p

@@ -1,0 +1,393 @@
+"""`strata serve-stdio`: JSON-lines requests on stdin, reply frames on stdout.
+
+One engine answers requests one at a time. Across requests it keeps:
+
+- a ring of committed-state checkpoints keyed by token prefix (engine/checkpoints.py): a prompt
+  that starts with a checkpoint's tokens restores it and prefills only the rest;
+- optionally, a cross-request suffix cache of earlier outputs for drafts (spec/suffix_cache.py);
+- optionally, a session file (session.py) that carries the last request's state across runs.
+
+Protocol: serve_protocol.py; I/O edges and signals: serve_io.py; docs: README.md, docs/serve.md.
+Nothing here writes to stdout except through the `FrameWriter`; logs go to the "strata.serve"
+logger, which the CLI sends to stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+
+from .config import EngineOptions, GenerateOptions, ServeOptions, SpecOptions
+from .decode import FINISH_STOP
+from .decode import generate as decode_generate
+from .engine.checkpoints import Checkpoint, CheckpointRing, plan
+from .engine.window import WindowEngine
+from .serve_chat import ChatTemplate, ChatTemplateError
+from .serve_io import EOF, NOTHING, LineReader, OversizeLine, SignalLatch, protocol_stdout
+from .serve_protocol import (
+    FINISH_CANCELLED,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    LINE_TOO_LONG,
+    NO_CHAT_TEMPLATE,
+    PROMPT_TOO_LONG,
+    ClientGone,
+    FrameWriter,
+    Request,
+    RequestError,
+    check_request,
+    decode_line,
+    delta_frame,
+    error_frame,
+)
+from .serve_stop import StopMatcher
+from .spec.suffix_cache import GlobalSuffixCache
+from .telemetry import DecodeStats
+from .tokenizer import StreamingDetokenizer, Tokenizer
+
+log = logging.getLogger("strata.serve")
+
+POLL_SECONDS = 0.1  # how often an idle server looks at the signal latch
+
+
+class Server:
+    """Answers checked requests on one engine, reusing committed state across them.
+
+    Args:
+        engine: the window engine (its state belongs to the server between requests).
+        tokenizer: the checkpoint's tokenizer.
+        chat: the checkpoint's chat template, or None (then `messages` gets an error reply).
+        options: prefix-cache, suffix-cache and line limits.
+        defaults: generate options for fields a request leaves out.
+        spec: speculative options for fields a request leaves out (`min_match` is server-wide).
+        frames: where reply frames go.
+        cancelled: polled between prefill pieces and decode steps; True aborts the request in
+            flight with a "cancelled" reply (default: never).
+    """
+
+    def __init__(
+        self,
+        engine: WindowEngine,
+        tokenizer: Tokenizer,
+        *,
+        chat: ChatTemplate | None,
+        options: ServeOptions,
+        defaults: GenerateOptions,
+        spec: SpecOptions,
+        frames: FrameWriter,
+        cancelled: Callable[[], bool] = lambda: False,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.options = options
+        self.defaults = defaults
+        self.spec = spec
+        self.frames = frames
+        self.cancelled = cancelled
+        self.ring = (
+            CheckpointRing(options.prefix_cache_entries, options.prefix_cache_positions)
+            if options.prefix_cache_entries
+            else None
+        )
+        self.suffix_cache = (
+            GlobalSuffixCache(options.suffix_cache_tokens, min_match=spec.min_match)
+            if options.suffix_cache_tokens
+            else None
+        )
+        self.is_changed = False  # a checkpoint was taken since start (the session needs saving)
+
+    def adopt(self, checkpoints: list[Checkpoint]) -> None:
+        """Make restored checkpoints (a session, least recently used first) available for reuse."""
+        for checkpoint in checkpoints:
+            if self.ring is None or self.ring.add(checkpoint.tokens, checkpoint.snapshot) is None:
+                log.warning("a session checkpoint of %d positions does not fit the prefix cache", checkpoint.length)
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The checkpoints held, least recently used first (what a session saves)."""
+        return [] if self.ring is None else list(self.ring)
+
+    # -- one line --------------------------------------------------------------------------------
+
+    def handle(self, item: bytes | OversizeLine) -> None:
+        """Answer one input line: a reply on stdout, whatever the line holds.
+
+        Blank lines are skipped without a reply.
+
+        Raises:
+            ClientGone: stdout is closed, so no reply can be delivered.
+        """
+        started = time.perf_counter()
+        request_id = None
+        try:
+            if isinstance(item, OversizeLine):
+                raise RequestError(
+                    LINE_TOO_LONG, f"the line has {item.num_bytes} bytes; the limit is {self.options.max_line_bytes}"
+                )
+            if not item.strip():
+                return
+            obj = decode_line(item)
+            request = check_request(obj, defaults=self.defaults, spec=self.spec)
+            request_id = request.id
+            self._answer(request, started)
+        except RequestError as e:
+            log.debug("request %r: %s: %s", e.request_id, e.code, e.message)
+            self.frames.send(error_frame(e.request_id, e.code, e.message))
+        except ClientGone:
+            raise
+        except Exception as e:  # the server outlives any one request; the engine starts clean
+            log.exception("request %r failed", request_id)
+            self.engine.reset()
+            self.frames.send(error_frame(request_id, INTERNAL_ERROR, f"{type(e).__name__}: {e}"))
+
+    # -- one request -----------------------------------------------------------------------------
+
+    def _answer(self, request: Request, started: float) -> None:
+        prompt_ids = self._prompt_ids(request)
+        stats = DecodeStats()
+        reply = _Reply(request, self.frames, StreamingDetokenizer(self.tokenizer))
+        reused, is_prefilled = self._prefill(prompt_ids, stats)
+        ids, finish, ttft = [], FINISH_CANCELLED, None
+        if is_prefilled and not self.cancelled():
+            ids, finish, ttft = self._decode(request, prompt_ids, stats, reply, started)
+        text = reply.finish()
+        if reply.stops.stopped:
+            finish = FINISH_STOP
+        for note in stats.notes:
+            log.info("request %r: %s", request.id, note)
+        log.debug("request %r: %d prompt tokens (%d reused), %d generated, %s", request.id,
+                  len(prompt_ids), reused, len(ids), finish)
+        self.frames.send({
+            "id": request.id,
+            "done": True,
+            "text": text,
+            "finish_reason": finish,
+            "token_ids": ids,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "cached_tokens": reused,
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt_ids) + len(ids),
+            },
+            "stats": {**stats.summary(), "ttft_ms": None if ttft is None else 1000 * ttft, "notes": stats.notes},
+        })
+
+    def _decode(self, request: Request, prompt_ids: list[int], stats: DecodeStats, reply: "_Reply",
+                started: float) -> tuple[list[int], str, float | None]:
+        """Generate from the prefilled engine until a finish, a stop string or a cancel.
+
+        Returns:
+            (generated ids, finish reason, seconds from `started` to the first token or None).
+        """
+        ids: list[int] = []
+        finish, ttft = FINISH_CANCELLED, None
+        steps = decode_generate(
+            self.engine, prompt_ids, options=request.options, spec=request.spec, eos_ids=self.tokenizer.eos_ids,
+            stats=stats, prefilled=self.engine.length, fallback_drafter=self.suffix_cache,
+        )
+        try:
+            for step in steps:
+                ttft = ttft if ttft is not None else time.perf_counter() - started
+                ids += step.tokens
+                reply.add(step.tokens)
+                if reply.stops.stopped:
+                    finish = FINISH_STOP
+                    break
+                if step.finish_reason:
+                    finish = step.finish_reason
+                    break
+                if self.cancelled():
+                    break
+        finally:
+            steps.close()
+        # Committed: the prompt and the outputs, less the final root (not yet processed).
+        self._checkpoint((prompt_ids + ids)[: self.engine.length])
+        if self.suffix_cache is not None:
+            self.suffix_cache.add(ids)
+        return ids, finish, ttft
+
+    def _prompt_ids(self, request: Request) -> list[int]:
+        if request.messages is not None:
+            if self.chat is None:
+                raise RequestError(
+                    NO_CHAT_TEMPLATE,
+                    "this model has no chat template (tokenizer_config.json has no chat_template); send 'prompt'",
+                    request.id,
+                )
+            try:
+                text = self.chat.render(request.messages)
+            except ChatTemplateError as e:
+                raise RequestError(e.code, str(e), request.id) from None
+        else:
+            text = request.prompt
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise RequestError(INVALID_REQUEST, "the prompt encodes to no tokens", request.id)
+        if len(ids) > self.engine.max_context:
+            raise RequestError(
+                PROMPT_TOO_LONG,
+                f"the prompt has {len(ids)} tokens but the context holds {self.engine.max_context}",
+                request.id,
+            )
+        return ids
+
+    def _prefill(self, prompt_ids: list[int], stats: DecodeStats) -> tuple[int, bool]:
+        """Bring the engine to the prompt minus its root, from the longest usable checkpoint.
+
+        Returns:
+            (positions restored from a checkpoint, whether the prefill completed: False when
+            cancelled part-way, at a checkpointed position).
+        """
+        end = len(prompt_ids) - 1
+        self.engine.reset()
+        reused, points = 0, [end] if end > 0 else []
+        if self.ring is not None:
+            hit = self.ring.longest_prefix(prompt_ids, max_length=end)
+            if hit is not None:
+                self.engine.restore(hit.snapshot)
+                reused = hit.length
+            divergence = self.ring.longest_common_prefix(prompt_ids)
+            points = plan(reused, end, every=self.options.checkpoint_every, divergence=divergence)
+        start = time.perf_counter()
+        for point in points:
+            if self.cancelled():
+                break
+            self.engine.prefill(prompt_ids[self.engine.length : point])
+            self._checkpoint(prompt_ids[:point])
+        stats.record_prefill(self.engine.length - reused, time.perf_counter() - start)
+        return reused, self.engine.length == end
+
+    def _checkpoint(self, tokens: list[int]) -> None:
+        """Keep the engine's committed state (after exactly `tokens`) for reuse."""
+        if self.ring is None:
+            return
+        mx.eval(self.engine.state_tensors())  # run pending lazy folds now, not inside a later graph
+        self.ring.add(tokens, self.engine.snapshot())
+        self.is_changed = True
+
+
+class _Reply:
+    """A request's text on its way out: detokenized, cut at stop strings, streamed or held."""
+
+    def __init__(self, request: Request, frames: FrameWriter, detok: StreamingDetokenizer):
+        self.request = request
+        self.frames = frames
+        self.detok = detok
+        self.stops = StopMatcher(request.stop)
+        self.parts: list[str] = []
+
+    def add(self, tokens: list[int]) -> None:
+        self._emit(self.stops.feed(self.detok.add(tokens)))
+
+    def finish(self) -> str:
+        """Release what is held back (unless a stop string ended the text); the whole text."""
+        self._emit(self.stops.feed(self.detok.finish()))
+        self._emit(self.stops.flush())
+        return "".join(self.parts)
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            if self.request.stream:
+                self.frames.send(delta_frame(self.request.id, text))
+
+
+def serve_lines(server: Server, reader: LineReader, latch: SignalLatch) -> int:
+    """Answer lines until EOF, a closed stdout, or a signal.
+
+    Returns:
+        0 at EOF (after the request in flight) or when stdout closes; 128 + the signal number
+        after SIGINT or SIGTERM (the request in flight is answered with finish_reason "cancelled").
+    """
+    while not latch.is_set():
+        item = reader.get(POLL_SECONDS)
+        if item is NOTHING:
+            continue
+        if item is EOF:
+            log.info("end of input")
+            return 0
+        try:
+            server.handle(item)
+        except ClientGone:
+            log.info("stdout is closed; stopping")
+            return 0
+    log.info("signal %d: stopping", latch.signum)
+    return 128 + latch.signum
+
+
+def serve_stdio(
+    model_dir: str | Path,
+    *,
+    engine_options: EngineOptions,
+    serve_options: ServeOptions,
+    defaults: GenerateOptions,
+    spec: SpecOptions,
+) -> int:
+    """Load the model, restore the session, serve stdin until EOF or a signal, save the session.
+
+    Args:
+        model_dir: the checkpoint directory.
+        engine_options: fold, partial, context and dtype of the engine.
+        serve_options: caches, session file and line limit.
+        defaults: generate options for fields a request leaves out.
+        spec: speculative options for fields a request leaves out.
+
+    Returns:
+        The exit status (see `serve_lines`).
+
+    Raises:
+        ModelLoadError: the checkpoint cannot be used.
+        SessionError: the session file is corrupt, another model's, or cannot be written.
+    """
+    from .model import load_model
+    from .session import SessionError, load_session, model_dtype, model_identity, save_session
+
+    model = load_model(model_dir, dtype=engine_options.dtype)
+    tokenizer = Tokenizer(model_dir)
+    chat = ChatTemplate.from_model_dir(model_dir)
+    engine = WindowEngine(model, engine_options)
+    session = Path(serve_options.session) if serve_options.session else None
+    signature = {
+        "identity": model_identity(model_dir),
+        "dtype": model_dtype(model),
+        "layout": [type(state).__name__ for state in engine.states],
+    }
+    restored = None
+    if session is not None:
+        if not session.parent.is_dir():
+            raise SessionError(f"session {session}: directory {session.parent} does not exist")
+        if session.exists():
+            try:
+                restored = load_session(session, **signature, max_context=engine.max_context,
+                                        vocab_size=engine.vocab_size)
+            except SessionError as e:
+                raise SessionError(f"{e}; not used (delete the file or pass another --session)") from None
+            log.info("session %s: restored %d checkpoints", session, len(restored))
+        else:
+            log.info("session %s: new", session)
+
+    latch = SignalLatch().install()
+    try:
+        with protocol_stdout() as stream:
+            server = Server(
+                engine, tokenizer, chat=chat, options=serve_options, defaults=defaults, spec=spec,
+                frames=FrameWriter(stream), cancelled=latch.is_set,
+            )
+            server.adopt(restored or [])
+            log.info("ready: %s", model_dir)
+            status = serve_lines(server, LineReader(0, serve_options.max_line_bytes).start(), latch)
+    finally:
+        latch.uninstall()
+    if session is not None and server.is_changed:
+        checkpoints = server.checkpoints()
+        try:
+            save_session(session, checkpoints, **signature)
+        except OSError as e:
+            raise SessionError(f"session {session}: cannot write it ({e})") from None
+        log.info("session %s: saved %d checkpoints (%d positions)", session, len(checkpoints),
+                 sum(c.length for c in checkpoints))
+    return status
