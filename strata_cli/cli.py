@@ -12,15 +12,26 @@ import click
 
 from . import __version__
 from .config import (
+    CONVERT_BITS,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_MAX_LINE_BYTES,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_MATCH,
+    DEFAULT_PREFIX_CACHE_ENTRIES,
+    DEFAULT_PREFIX_CACHE_POSITIONS,
     DEFAULT_SEED,
     FOLD_MODES,
     MAX_SUFFIX_DRAFT,
+    PREFILL_CHUNK,
+    QUANT_GROUP_SIZES,
     ConfigError,
+    ConvertOptions,
     EngineOptions,
     GenerateOptions,
+    ServeOptions,
     SpecOptions,
+    StreamOptions,
+    parse_suffix_draft,
 )
 
 DEMO_MODEL = "demo"  # the --model value that names the embedded checkpoint
@@ -64,6 +75,81 @@ def read_prompts(prompt: str | None, each_line: bool) -> list[str]:
     return [text]
 
 
+class SuffixDraftType(click.ParamType):
+    """--suffix-draft: N (0..7), 'auto' or 'auto:N'; converts to (max_drafts, auto)."""
+
+    name = "N|auto[:N]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_suffix_draft(value)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+
+
+SUFFIX_DRAFT = SuffixDraftType()
+
+
+def spec_options(suffix_draft: tuple[int, bool], min_match: int, draft_cost: str | None) -> SpecOptions:
+    """SpecOptions from the --suffix-draft, --min-match and --draft-cost values.
+
+    Raises:
+        ConfigError: an option combination that does not apply, or an unusable cost curve.
+    """
+    from .spec.controller import CostCurveError, CostPrior
+
+    max_drafts, auto = suffix_draft
+    try:
+        cost_prior = CostPrior.from_json(draft_cost) if draft_cost else None
+    except CostCurveError as e:
+        raise ConfigError(f"--draft-cost: {e}") from None
+    return SpecOptions(max_drafts=max_drafts, min_match=min_match, auto=auto, cost_prior=cost_prior)
+
+
+def expert_stream_options(command):
+    """The expert-cache options of a streamed checkpoint, passed to `command` as one
+    `stream: StreamOptions` argument."""
+    import functools
+
+    from .config import DEFAULT_EXPERT_IO_THREADS, DEFAULT_EXPERT_PREFETCH, EXPERT_IO_MODES, EXPERT_PREFETCH_MODES
+
+    @functools.wraps(command)
+    def wrapper(*args, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
+                expert_io_threads, **kwargs):
+        try:
+            stream = StreamOptions(
+                cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
+                root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
+            )
+        except ConfigError as e:
+            raise click.BadParameter(str(e)) from None
+        return command(*args, stream=stream, **kwargs)
+
+    options = [
+        click.option("--expert-cache", type=click.FloatRange(min=0, min_open=True), default=None,
+                     envvar="STRATA_EXPERT_CACHE", metavar="GB",
+                     help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
+                          "(default: every expert resident once read)."),
+        click.option("--resident-experts", type=click.IntRange(min=1), default=None, envvar="STRATA_RESIDENT_EXPERTS",
+                     metavar="N", help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
+        click.option("--expert-prefetch", type=click.Choice(EXPERT_PREFETCH_MODES), default=DEFAULT_EXPERT_PREFETCH,
+                     envvar="STRATA_EXPERT_PREFETCH", show_default=True,
+                     help="Read ahead the next layer's experts predicted by its router on this layer's input "
+                          "(router), by which experts followed before (history), or not at all (off)."),
+        click.option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
+                     show_default=True, help="Only row 0 of a window drives prefetch (demand reads serve every row)."),
+        click.option("--expert-io", type=click.Choice(EXPERT_IO_MODES), default="auto", envvar="STRATA_EXPERT_IO",
+                     show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
+        click.option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
+                     envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="strata")
 def cli():
@@ -87,9 +173,12 @@ def cli():
               envvar="STRATA_TEMPERATURE", show_default=True, help="0 is greedy; above 0 samples.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
               show_default=True, help="Seed for sampling (each prompt uses its own sampler).")
-@click.option("--suffix-draft", type=click.IntRange(0, MAX_SUFFIX_DRAFT), default=0,
-              envvar="STRATA_SUFFIX_DRAFT", show_default=True,
-              help="At most N suffix-lookup drafts per window (0 = off). Greedy output is identical either way.")
+@click.option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
+              help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
+                   f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
+@click.option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
+              help="With --suffix-draft auto: a measured window-cost curve (scripts/window_cost.py JSON, or a "
+                   "JSON list of seconds for T = 1, 2, ...) as the controller's cost prior.")
 @click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
               show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
 @click.option("--stats", is_flag=True, envvar="STRATA_STATS", help="Print decode telemetry to stderr.")
@@ -105,8 +194,9 @@ def cli():
               help="Commit each window's root row inside the run.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               envvar="STRATA_DTYPE", help="Compute dtype (default: the checkpoint's; float32 on CPU).")
-def generate(prompt, model, max_tokens, temperature, seed, suffix_draft, min_match, stats, as_json,
-             each_line, max_context, fold, partial, dtype):
+@expert_stream_options
+def generate(prompt, model, max_tokens, temperature, seed, suffix_draft, draft_cost, min_match, stats, as_json,
+             each_line, max_context, fold, partial, dtype, stream):
     """Generate text from PROMPT (or from stdin when piped, or when PROMPT is '-').
 
     \b
@@ -118,14 +208,14 @@ def generate(prompt, model, max_tokens, temperature, seed, suffix_draft, min_mat
     try:
         engine_options = EngineOptions(fold=fold, partial=partial, max_context=max_context, dtype=dtype)
         gen_options = GenerateOptions(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        spec = SpecOptions(max_drafts=suffix_draft, min_match=min_match)
+        spec = spec_options(suffix_draft, min_match, draft_cost)
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
     prompts = read_prompts(prompt, each_line)
-    run_guarded(lambda: _generate(model, prompts, engine_options, gen_options, spec, stats, as_json))
+    run_guarded(lambda: _generate(model, prompts, engine_options, gen_options, spec, stats, as_json, stream))
 
 
-def _generate(model_arg, prompts, engine_options, gen_options, spec, show_stats, as_json):
+def _generate(model_arg, prompts, engine_options, gen_options, spec, show_stats, as_json, stream=None):
     from rich.console import Console
 
     from .decode import generate as decode_generate
@@ -135,7 +225,7 @@ def _generate(model_arg, prompts, engine_options, gen_options, spec, show_stats,
     from .tokenizer import StreamingDetokenizer, Tokenizer
 
     path = embedded_model_path() if model_arg == DEMO_MODEL else Path(model_arg)
-    model = load_model(path, dtype=engine_options.dtype)
+    model = load_model(path, dtype=engine_options.dtype, experts=stream)
     tokenizer = Tokenizer(path)
     engine = WindowEngine(model, engine_options)
     console = Console(stderr=True)
@@ -172,18 +262,286 @@ def _generate(model_arg, prompts, engine_options, gen_options, spec, show_stats,
             stats.render(console, title=f"strata decode, prompt {n + 1}/{len(prompts)}")
 
 
+@cli.command("serve-stdio")
+@click.option(
+    "--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
+    help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); 'demo' is the embedded model.",
+)
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
+              envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
+@click.option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
+              help="suffix_draft of requests that leave it out: N drafts per window (0 = off), 'auto' or 'auto:N'.")
+@click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+              show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+@click.option("--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
+              help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
+@click.option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
+              envvar="STRATA_PREFIX_CACHE", show_default=True,
+              help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse).")
+@click.option("--prefix-cache-positions", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CACHE_POSITIONS,
+              envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True,
+              help="Most positions all checkpoints together hold (their KV memory grows with it).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=PREFILL_CHUNK,
+              envvar="STRATA_CHECKPOINT_EVERY", show_default=True,
+              help="Also checkpoint a prompt's prefill at every multiple of N positions (0 = only at its end).")
+@click.option("--suffix-cache", type=click.IntRange(min=0), default=0, envvar="STRATA_SUFFIX_CACHE",
+              show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
+@click.option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
+              envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
+@click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
+              help="Positions the engine may hold (prompt + output); default: the model's maximum.")
+@click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
+              help="When kept GDN rows fold into the recurrent state: at the next window (lazy) or at commit (eager).")
+@click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
+              help="Commit each window's root row inside the run.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              envvar="STRATA_DTYPE", help="Compute dtype (default: the checkpoint's; float32 on CPU).")
+@click.option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
+def serve_stdio_command(model, max_tokens, suffix_draft, min_match, session, prefix_cache, prefix_cache_positions,
+                        checkpoint_every, suffix_cache, max_line_bytes, max_context, fold, partial, dtype, verbose):
+    """Answer JSON-lines requests from stdin with JSON-lines frames on stdout.
+
+    stdout carries protocol frames only; logs go to stderr. Exit status: 0 at end of input,
+    130 after SIGINT, 143 after SIGTERM, 1 when the model or the session file cannot be used.
+    The protocol is in README.md ("serve-stdio") and docs/serve.md.
+
+    \b
+    Examples:
+      echo '{"id": 1, "prompt": "def f(x):", "max_tokens": 16}' | strata serve-stdio
+      strata serve-stdio --session chat.session --suffix-cache 65536 < requests.jsonl
+    """
+    import logging
+
+    from .serve import serve_stdio
+
+    try:
+        engine_options = EngineOptions(fold=fold, partial=partial, max_context=max_context, dtype=dtype)
+        serve_options = ServeOptions(
+            session=None if session is None else str(session), prefix_cache_entries=prefix_cache,
+            prefix_cache_positions=prefix_cache_positions, checkpoint_every=checkpoint_every,
+            suffix_cache_tokens=suffix_cache, max_line_bytes=max_line_bytes,
+        )
+        defaults = GenerateOptions(max_tokens=max_tokens)
+        spec = spec_options(suffix_draft, min_match, None)
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
+    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
+                        format="strata serve: %(message)s")
+    path = embedded_model_path() if model == DEMO_MODEL else Path(model)
+    run_guarded(lambda: sys.exit(serve_stdio(
+        path, engine_options=engine_options, serve_options=serve_options, defaults=defaults, spec=spec,
+    )))
+
+
+@cli.command("convert")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--bits", type=click.Choice([str(b) for b in CONVERT_BITS]), default=None, envvar="STRATA_BITS",
+              help="Quantize the weights (affine, MLX layout) to this many bits; default: no quantization.")
+@click.option("--group-size", type=click.Choice([str(g) for g in QUANT_GROUP_SIZES]), default=None,
+              envvar="STRATA_GROUP_SIZE", help=f"Weights per quantization scale, with --bits  [default: {DEFAULT_GROUP_SIZE}]")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, envvar="STRATA_DTYPE",
+              help="Dtype of the stored floating-point tensors (default: the checkpoint's).")
+@click.option("--force", is_flag=True, envvar="STRATA_FORCE", help="Replace DST if it exists.")
+@click.option("--stream", is_flag=True, envvar="STRATA_STREAM",
+              help="Write the routed experts in the streaming layout (experts/: one aligned record per expert, "
+                   "read from disk through a bounded cache at run time).")
+def convert_command(src, dst, bits, group_size, dtype, force, stream):
+    """Convert the checkpoint in SRC (Hugging Face or MLX layout) into strata's format in DST.
+
+    DST gets config.json, safetensors shards of the ready-to-load parameters and the tokenizer
+    files. It is written into a hidden sibling directory and renamed into place when complete.
+
+    \b
+    Examples:
+      strata convert ~/models/Qwen3-30B-A3B ~/models/qwen3-30b-strata
+      strata convert ~/models/Mixtral-8x7B ~/models/mixtral-q4 --bits 4
+      strata convert ckpt out --bits 8 --group-size 32 --dtype bfloat16 --force
+      strata convert ~/models/Qwen3-Next-80B-A3B ~/models/qwen3-next-q4-stream --bits 4 --stream
+    """
+    if group_size is not None and bits is None:
+        raise click.UsageError("--group-size applies only with --bits")
+    try:
+        options = ConvertOptions(
+            bits=None if bits is None else int(bits),
+            group_size=DEFAULT_GROUP_SIZE if group_size is None else int(group_size),
+            dtype=dtype,
+            force=force,
+            stream=stream,
+        )
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
+    run_guarded(lambda: _convert(src, dst, options))
+
+
+def _convert(src: Path, dst: Path, options: ConvertOptions) -> None:
+    from .convert import convert
+
+    result = convert(src, dst, options=options, show_progress=True)
+    quant = result.quantization
+    detail = f", {quant['bits']}-bit, group size {quant['group_size']}" if quant else ""
+    if options.stream:
+        streamed = sum(f.stat().st_size for f in (result.path / "experts").glob("*.bin"))
+        detail += f"; routed experts streamed: {streamed / 1e6:.1f} MB in experts/"
+    click.echo(
+        f"wrote {result.path} ({result.num_tensors} tensors in {result.num_shards} shard(s), "
+        f"{result.total_bytes / 1e6:.1f} MB, {result.dtype}{detail})"
+    )
+
+
+@cli.command("bench")
+@click.argument("workloads", nargs=-1)
+@click.option(
+    "--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
+    help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); 'demo' is the embedded model.",
+)
+@click.option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="STRATA_BENCH_WORKLOADS", help="Where the workload files are (default: examples/workloads).")
+@click.option("--modes", default=None, envvar="STRATA_BENCH_MODES",
+              help="Comma-separated modes: serial, N, A-B, auto, auto:N, mlx-lm, mlx-lm-spec "
+                   "[default: serial,1-7,auto,mlx-lm,mlx-lm-spec].")
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_TOKENS",
+              help="Tokens generated per prompt, exactly: EOS is disabled [default: 128].")
+@click.option("--repeats", "-r", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_REPEATS",
+              help="Measured runs per mode and workload [default: 3].")
+@click.option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP",
+              help="Warm-up runs per mode and workload, reported apart [default: 1].")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
+              show_default=True, help="MLX's global seed (greedy decoding does not sample).")
+@click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+              show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+@click.option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
+              help="The auto modes' cost prior: a measured window-cost curve (scripts/window_cost.py JSON).")
+@click.option("--peers/--no-peers", default=True, envvar="STRATA_BENCH_PEERS", show_default=True,
+              help="Run the mlx-lm peer modes (needs the 'bench' extra).")
+@click.option("--peer-draft-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Draft model of mlx-lm-spec (default: the model itself).")
+@click.option("--peer-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Drafts per step of mlx-lm-spec.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write every run and summary as JSON to FILE.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the results table (and the bars) as Markdown to FILE, for docs/benchmarks.md.")
+@click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
+              help="Positions the engine may hold (prompt + output); default: the model's maximum.")
+@click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
+              help="When kept GDN rows fold into the recurrent state.")
+@click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
+              help="Commit each window's root row inside the run.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              envvar="STRATA_DTYPE", help="Compute dtype (default: the checkpoint's; float32 on CPU).")
+def bench_command(workloads, model, workloads_dir, modes, max_tokens, repeats, warmup, seed, min_match, draft_cost,
+                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, max_context, fold,
+                  partial, dtype):
+    """Measure tokens/s of named WORKLOADS (default: all) in every decoding mode.
+
+    Each workload runs in each mode (serial, fixed draft lengths, auto, and mlx-lm on the same
+    checkpoint) with warm-up runs apart and medians over repeats; greedy outputs are checked to
+    be identical across strata modes (a difference exits with status 1). The table goes to
+    stdout, progress to stderr. docs/benchmarks.md explains every column.
+
+    \b
+    Examples:
+      strata bench
+      strata bench prose copy_edit --modes serial,1-4,auto --repeats 5 --out bench.json
+      strata bench --no-peers --plot docs/bench.png
+    """
+    from .bench import DEFAULT_BENCH_TOKENS, DEFAULT_MODES, DEFAULT_REPEATS, DEFAULT_WARMUP, BenchOptions, parse_modes
+    from .bench.peers import PEER_MODES
+
+    try:
+        engine_options = EngineOptions(fold=fold, partial=partial, max_context=max_context, dtype=dtype)
+        options = BenchOptions(
+            max_tokens=max_tokens or DEFAULT_BENCH_TOKENS,
+            repeats=repeats or DEFAULT_REPEATS,
+            warmup=DEFAULT_WARMUP if warmup is None else warmup,
+            seed=seed,
+        )
+        cost_prior = spec_options((1, True), min_match, draft_cost).cost_prior
+        mode_list = parse_modes(modes or DEFAULT_MODES, min_match=min_match, cost_prior=cost_prior)
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from None
+    if not peers:
+        if modes and any(m.label in PEER_MODES for m in mode_list):
+            raise click.BadParameter("--modes names mlx-lm modes but --no-peers leaves them out")
+        mode_list = [m for m in mode_list if m.label not in PEER_MODES]
+    run_guarded(lambda: _bench(model, list(workloads), workloads_dir, mode_list, options, engine_options,
+                               peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path))
+
+
+def _bench(model_arg, names, workloads_dir, modes, options, engine_options, peer_draft_model, peer_draft_tokens,
+           out_path, plot_path, markdown_path):
+    import mlx.core as mx
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .bench import (
+        MlxLmPeer, PeerError, PlotError, WorkloadError, collect_meta, count_runs, default_workloads_dir,
+        load_workloads, markdown, model_dtype, plot, render_table, run_bench,
+    )
+    from .engine.window import WindowEngine
+    from .model import load_model
+    from .tokenizer import Tokenizer
+
+    err = Console(stderr=True)
+    try:
+        directory = workloads_dir or default_workloads_dir()
+        if directory is None:
+            raise WorkloadError("no examples/workloads directory found; pass --workloads-dir")
+        workloads = load_workloads(directory, names)
+        path = embedded_model_path() if model_arg == DEMO_MODEL else Path(model_arg)
+        with err.status(f"loading {model_arg}"):
+            model = load_model(path, dtype=engine_options.dtype)
+            tokenizer = Tokenizer(path)
+            engine = WindowEngine(model, engine_options)
+            compute_dtype = model_dtype(model)
+            dtype = str(compute_dtype).replace("mlx.core.", "")
+            peer = None
+            if any(m.kind == "peer" for m in modes):
+                peer = MlxLmPeer.load(path, dtype=compute_dtype, draft_path=peer_draft_model,
+                                      num_draft_tokens=peer_draft_tokens)
+        meta = collect_meta(model=str(model_arg), device=str(mx.default_device()), dtype=dtype, options=options,
+                            modes=modes, extra={"workloads": [w.name for w in workloads],
+                                                "peer_draft_tokens": peer_draft_tokens})
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task("bench", total=count_runs(workloads, modes, options))
+            result = run_bench(engine, tokenizer.encode, workloads, modes, options, peer=peer, meta=meta,
+                               progress=lambda what: bar.update(task, advance=1, description=what))
+        render_table(Console(), result)
+        if out_path:
+            out_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+            err.print(f"wrote {out_path}")
+        if plot_path:
+            plot(result, plot_path)
+            err.print(f"wrote {plot_path}")
+        if markdown_path:
+            markdown_path.write_text(markdown(result))
+            err.print(f"wrote {markdown_path}")
+    except (WorkloadError, PeerError, PlotError) as e:
+        raise UserError(str(e)) from None
+    if result.diverged:
+        raise UserError("greedy output differs from serial in " + "; ".join(
+            f"{w}: {', '.join(ms)}" for w, ms in result.diverged.items()))
+
+
 def run_guarded(action) -> None:
     """Run `action`, turning library errors into one clear line and a non-zero exit."""
+    from .convert import ConvertError
     from .decode import PromptError
+    from .engine.expert_store import ExpertStoreError
     from .engine.window import WindowError
     from .model import ModelLoadError
+    from .session import SessionError
 
     if raise_errors():
         action()
         return
     try:
         action()
-    except (ModelLoadError, ConfigError, PromptError, WindowError) as e:
+    except (ModelLoadError, ConfigError, PromptError, WindowError, ConvertError, SessionError, ExpertStoreError) as e:
         raise UserError(str(e)) from None
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

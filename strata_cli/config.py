@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .spec.controller import CostPrior
 from .spec.suffix_drafter import DEFAULT_MIN_MATCH
 
 DEFAULT_MAX_TOKENS = 256
@@ -18,6 +19,10 @@ DEFAULT_SEED = 0
 MAX_SUFFIX_DRAFT = 7  # a window is root + drafts; T <= 8 is what every rollback rule is tested for
 PREFILL_CHUNK = 512
 FOLD_MODES = ("lazy", "eager")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+CONVERT_BITS = (4, 8)  # what `strata convert --bits` writes (loading reads any affine width)
+QUANT_GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
 
 
 class ConfigError(ValueError):
@@ -54,6 +59,54 @@ class ModelConfig:
         return cls(**{k: v for k, v in params.items() if k in fields})
 
 
+def lift_rope_parameters(params: dict[str, Any], keys: tuple[str, ...] = ("rope_theta",)) -> dict[str, Any]:
+    """A copy of config.json's dict with transformers 5's nested `rope_parameters` keys lifted to
+    the top level (where older configs keep them).
+
+    Raises:
+        ConfigError: any rotary embedding other than the default one (rope scaling).
+    """
+    params = dict(params)
+    rope = params.get("rope_parameters") or {}
+    for key in keys:
+        if key in rope and key not in params:
+            params[key] = rope[key]
+    if rope.get("rope_type", "default") != "default" or params.get("rope_scaling"):
+        scaling = params.get("rope_scaling") or rope
+        raise ConfigError(f"rope scaling is not supported yet (only the default rotary embedding), got {scaling}")
+    return params
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What `strata convert` writes.
+
+    Args:
+        bits: quantize to this many bits per weight (4 or 8); None (default) = no quantization.
+        group_size: weights sharing one scale and bias (32, 64 or 128; default 64). Only with `bits`.
+        dtype: "float32", "bfloat16", "float16", or None (default) for the checkpoint's own.
+        force: replace an existing destination (default False: refuse).
+        stream: write the routed experts in the streaming layout (`experts/`, one aligned record
+            per expert, engine/expert_store.py) instead of safetensors (default False).
+    """
+
+    bits: int | None = None
+    group_size: int = DEFAULT_GROUP_SIZE
+    dtype: str | None = None
+    force: bool = False
+    stream: bool = False
+
+    def __post_init__(self):
+        if self.bits is not None and self.bits not in CONVERT_BITS:
+            raise ConfigError(f"bits must be one of {CONVERT_BITS}, got {self.bits!r}")
+        if self.group_size not in QUANT_GROUP_SIZES:
+            raise ConfigError(f"group_size must be one of {QUANT_GROUP_SIZES}, got {self.group_size!r}")
+        if self.bits is None and self.group_size != DEFAULT_GROUP_SIZE:
+            raise ConfigError(f"group_size ({self.group_size}) applies only with bits (quantization)")
+        if self.dtype not in (None, *DTYPE_NAMES):
+            raise ConfigError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How the window engine keeps and rolls back state.
@@ -78,6 +131,57 @@ class EngineOptions:
             raise ConfigError(f"max_context must be at least 2, got {self.max_context}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+EXPERT_PREFETCH_MODES = ("router", "history", "off")
+DEFAULT_EXPERT_PREFETCH = "router"  # measured: docs/benchmarks.md, "Expert streaming"
+EXPERT_IO_MODES = ("auto", "direct", "buffered")
+DEFAULT_EXPERT_IO_THREADS = 8
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How a streamed checkpoint's experts are cached and read (engine/experts.py).
+
+    Args:
+        cache_gb: expert cache budget in GB (10^9 bytes) over all MoE blocks; None = unset.
+        resident_experts: resident experts per MoE block; None = unset. With neither budget set,
+            every expert is resident once read.
+        prefetch: "router" (default: the next block's router on this block's input), "history"
+            (experts that followed these picks before) or "off".
+        root_prefetch: only row 0 of a window drives prefetch; demand reads still serve every row.
+        io: "auto" (default: O_DIRECT where allowed, else the page cache), "direct" or "buffered".
+        io_threads: reader threads (default 8).
+        verify: check each record's crc32 on read (default True).
+    """
+
+    cache_gb: float | None = None
+    resident_experts: int | None = None
+    prefetch: str = DEFAULT_EXPERT_PREFETCH
+    root_prefetch: bool = False
+    io: str = "auto"
+    io_threads: int = DEFAULT_EXPERT_IO_THREADS
+    verify: bool = True
+
+    def __post_init__(self):
+        if self.cache_gb is not None and self.resident_experts is not None:
+            raise ConfigError("give the expert budget once: --expert-cache GB or --resident-experts N, not both")
+        if self.cache_gb is not None and not self.cache_gb > 0:
+            raise ConfigError(f"expert cache must be > 0 GB, got {self.cache_gb}")
+        if self.resident_experts is not None and self.resident_experts < 1:
+            raise ConfigError(f"resident experts must be at least 1, got {self.resident_experts}")
+        if self.prefetch not in EXPERT_PREFETCH_MODES:
+            raise ConfigError(f"expert prefetch must be one of {EXPERT_PREFETCH_MODES}, got {self.prefetch!r}")
+        if self.root_prefetch and self.prefetch == "off":
+            raise ConfigError("root-only prefetch needs prefetch on (router or history), not 'off'")
+        if self.io not in EXPERT_IO_MODES:
+            raise ConfigError(f"expert io must be one of {EXPERT_IO_MODES}, got {self.io!r}")
+        if self.io_threads < 1:
+            raise ConfigError(f"expert io threads must be at least 1, got {self.io_threads}")
+
+    @property
+    def is_default(self) -> bool:
+        return self == StreamOptions()
 
 
 @dataclass(frozen=True)
@@ -108,12 +212,19 @@ class SpecOptions:
     """Suffix-lookup speculative decoding.
 
     Args:
-        max_drafts: most drafts per window (0 = off, the default).
+        max_drafts: most drafts per window (0 = off, the default); with `auto`, the maximum the
+            controller may choose.
         min_match: shortest suffix match (in tokens) that may propose drafts (default 4, at least 3).
+        auto: let the draft-length controller (spec/controller.py) choose each window's number
+            of drafts, up to `max_drafts` (default False: use every draft the proposal offers).
+        cost_prior: the controller's prior window cost by T (a measured curve); None (default)
+            = its built-in linear prior. Only with `auto`.
     """
 
     max_drafts: int = 0
     min_match: int = DEFAULT_MIN_MATCH
+    auto: bool = False
+    cost_prior: CostPrior | None = None
 
     def __post_init__(self):
         if not 0 <= self.max_drafts <= MAX_SUFFIX_DRAFT:
@@ -124,8 +235,77 @@ class SpecOptions:
             raise ConfigError(
                 f"min_match must be at least 3 (drafts are looked up by trigram), got {self.min_match}"
             )
+        if self.auto and self.max_drafts < 1:
+            raise ConfigError(f"auto draft length needs a maximum of at least 1, got {self.max_drafts}")
+        if self.cost_prior is not None and not self.auto:
+            raise ConfigError("a draft cost curve only applies to --suffix-draft auto")
 
     @property
     def is_speculative(self) -> bool:
         return self.max_drafts > 0
 
+    @property
+    def label(self) -> str:
+        """The --suffix-draft value this stands for: "0", "3", "auto:7"."""
+        return f"auto:{self.max_drafts}" if self.auto else str(self.max_drafts)
+
+
+def parse_suffix_draft(value: str | int) -> tuple[int, bool]:
+    """Read a --suffix-draft value: N (0..7, fixed), "auto" (controller, at most 7 drafts) or
+    "auto:N" (controller, at most N).
+
+    Returns:
+        (max_drafts, auto).
+
+    Raises:
+        ConfigError: anything else, naming the accepted forms.
+    """
+    text = str(value).strip().lower()
+    forms = f"expected 0..{MAX_SUFFIX_DRAFT}, 'auto' or 'auto:N' with N in 1..{MAX_SUFFIX_DRAFT}"
+    auto = text == "auto" or text.startswith("auto:")
+    number = text[len("auto:"):] if text.startswith("auto:") else (str(MAX_SUFFIX_DRAFT) if auto else text)
+    try:
+        n = int(number)
+    except ValueError:
+        raise ConfigError(f"suffix draft {value!r}: {forms}") from None
+    if not (1 if auto else 0) <= n <= MAX_SUFFIX_DRAFT:
+        raise ConfigError(f"suffix draft {value!r}: {forms}")
+    return n, auto
+
+
+DEFAULT_PREFIX_CACHE_ENTRIES = 32
+DEFAULT_PREFIX_CACHE_POSITIONS = 65536
+DEFAULT_MAX_LINE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `serve-stdio` keeps across requests.
+
+    Args:
+        session: file the committed state is restored from at start and saved to at exit (None = none).
+        prefix_cache_entries: most committed-state checkpoints kept for prefix reuse (0 = no reuse).
+        prefix_cache_positions: most positions all checkpoints together may hold (KV memory grows
+            with it).
+        checkpoint_every: also checkpoint the prompt prefill at every multiple of this many
+            positions (0 = only at the prompt's end, the divergence point and the end of generation).
+        suffix_cache_tokens: tokens of earlier requests' outputs kept for cross-request drafts
+            (0 = off, the default).
+        max_line_bytes: longest request line; longer lines are answered with an error unread.
+    """
+
+    session: str | None = None
+    prefix_cache_entries: int = DEFAULT_PREFIX_CACHE_ENTRIES
+    prefix_cache_positions: int = DEFAULT_PREFIX_CACHE_POSITIONS
+    checkpoint_every: int = PREFILL_CHUNK
+    suffix_cache_tokens: int = 0
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+
+    def __post_init__(self):
+        for name in ("prefix_cache_entries", "prefix_cache_positions", "checkpoint_every", "suffix_cache_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_line_bytes < 1024:
+            raise ConfigError(f"max_line_bytes must be at least 1024, got {self.max_line_bytes}")
+        if self.session is not None and self.prefix_cache_entries < 1:
+            raise ConfigError("a session is restored through the prefix cache: prefix_cache_entries must be >= 1")

@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .config import GenerateOptions, SpecOptions
 from .engine.sampling import Sampler
 from .engine.window import WindowEngine
+from .spec.controller import DraftController
 from .spec.safe_window import safe_window
-from .spec.suffix_drafter import EMPTY_PROPOSAL, SuffixDrafter
+from .spec.suffix_drafter import EMPTY_PROPOSAL, Proposal, SuffixDrafter
 from .spec.verify import greedy_keep, stop_at_eos
 from .telemetry import DecodeStats, WindowRecord
 
@@ -38,6 +40,12 @@ class Step:
     finish_reason: str | None = None
 
 
+class ContextDrafter(Protocol):
+    """Proposes drafts that continue a given token sequence (`SuffixDrafter` is one)."""
+
+    def propose_for(self, context: Sequence[int], max_drafts: int) -> Proposal: ...
+
+
 class PromptError(ValueError):
     """A prompt the engine cannot take (empty, or longer than the context)."""
 
@@ -51,6 +59,8 @@ def generate(
     eos_ids: Collection[int],
     stats: DecodeStats | None = None,
     prefilled: int = 0,
+    fallback_drafter: ContextDrafter | None = None,
+    controller: DraftController | None = None,
 ) -> Iterator[Step]:
     """Generate from `prompt_ids`, one window per step.
 
@@ -58,11 +68,19 @@ def generate(
         engine: the window engine; it is reset first.
         prompt_ids: the request's final token ids (at least one).
         options: max_tokens, temperature, seed.
-        spec: max drafts per window (0 = serial) and the drafter's min_match.
-        eos_ids: ids that end generation (not emitted).
+        spec: max drafts per window (0 = serial), the drafter's min_match, and `auto` (a
+            draft-length controller picks each window's drafts, up to max_drafts).
+        eos_ids: ids that end generation (not emitted); empty (`()`) never stops early, so
+            exactly max_tokens are generated (bench does this).
         stats: telemetry sink (default: a private one).
         prefilled: how many leading prompt tokens the engine already holds as committed state
             (restored from a checkpoint); 0 (default) resets the engine first.
+        fallback_drafter: asked to continue the request's tokens when its own drafter proposes
+            nothing (a cross-request suffix cache); None (default) = the request's drafter only.
+            It changes drafts only, never the output; its windows are counted as `from_global`.
+        controller: the draft-length controller to use with `spec.auto` (pass one to keep what
+            it learned across requests); None (default) = a fresh one per request. It only
+            changes how many drafts a window verifies, never the output.
 
     Yields:
         `Step`s; the last one carries the finish reason ("stop", "length" or "context").
@@ -81,6 +99,13 @@ def generate(
         stats.note(SAMPLING_IS_SERIAL)
         max_drafts = 0
     drafter = SuffixDrafter(prompt_ids, min_match=spec.min_match) if max_drafts else None
+    if not (spec.auto and max_drafts):
+        controller = None
+    elif controller is None:
+        controller = DraftController(max_drafts, cost_prior=spec.cost_prior)
+    if controller is not None:
+        stats.attach_controller(controller)
+    expert_probe = getattr(engine, "last_window_experts", None)  # streaming engines report reads
 
     if prefilled == 0:
         engine.reset()
@@ -92,6 +117,7 @@ def generate(
     start = time.perf_counter()
     engine.prefill(prompt_ids[prefilled:-1])
     stats.record_prefill(len(prompt_ids) - 1 - prefilled, time.perf_counter() - start)
+    stats.load_bytes_read += getattr(engine, "prefill_expert_bytes", 0)  # streamed experts the prompt read
 
     root, pos0, emitted = prompt_ids[-1], len(prompt_ids) - 1, 0
     while True:
@@ -104,6 +130,10 @@ def generate(
             return
         start = time.perf_counter()
         proposal = drafter.propose(max_drafts) if drafter else EMPTY_PROPOSAL
+        from_global = False
+        if drafter is not None and fallback_drafter is not None and not proposal.tokens:
+            proposal = fallback_drafter.propose_for(drafter.history, max_drafts)
+            from_global = bool(proposal.tokens)
         T = safe_window(
             num_drafts=len(proposal.tokens),
             remaining_tokens=remaining,
@@ -111,6 +141,9 @@ def generate(
             pos0=pos0,
             block_cap=engine.needs_block_cap,
         )
+        proposed = T - 1
+        if controller is not None and proposed:
+            T = 1 + controller.choose(proposal.match_length, proposed)  # before any read is issued
         inputs = [root, *proposal.tokens[: T - 1]]
         out = engine.run(inputs, pos0)
         if sampler:
@@ -118,19 +151,26 @@ def generate(
         else:
             keep = greedy_keep(inputs, out.tokens)
             outputs = out.tokens[:keep]
+        verified = keep
         eos_at = stop_at_eos(outputs, eos_ids)
         if eos_at is not None:
             keep, outputs = eos_at + 1, outputs[:eos_at]
         engine.commit(keep)
+        seconds = time.perf_counter() - start
         stats.record_window(
             WindowRecord(
                 T=len(inputs),
                 keep=keep,
                 emitted=len(outputs),
-                seconds=time.perf_counter() - start,
-                match_length=proposal.match_length if len(inputs) > 1 else 0,
+                seconds=seconds,
+                match_length=proposal.match_length if proposed else 0,
+                from_global=from_global and len(inputs) > 1,
+                proposed=proposed,
+                experts=expert_probe() if expert_probe else None,
             )
         )
+        if controller is not None:
+            controller.observe(T=len(inputs), keep=verified, seconds=seconds, match_length=proposal.match_length)
         if eos_at is not None:
             yield Step(outputs, FINISH_STOP)
             return

@@ -16,10 +16,12 @@ class Sampler:
     def __init__(self, temperature: float, seed: int):
         if not temperature > 0:
             raise ValueError(f"sampling needs temperature > 0, got {temperature}")
-        self.inverse_temperature = 1.0 / temperature
+        self.temperature = temperature
         self._key = mx.random.key(seed)
 
     def __call__(self, logits: mx.array) -> int:
         """logits (V,) -> one token id."""
         self._key, key = mx.random.split(self._key)
-        return mx.random.categorical(logits * self.inverse_temperature, key=key).item()
+        # Shift so the largest logit is 0: a tiny temperature then gives -inf, never inf - inf.
+        scaled = (logits - logits.max()) / self.temperature
+        return mx.random.categorical(scaled, key=key).item()
