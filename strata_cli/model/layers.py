@@ -43,3 +43,42 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers, final norm and logits (tied or `lm_head`).
+
+    Each architecture subclasses it with its own layers and `sanitize`. Per-layer state comes
+    from the caller (the window engine); `state_kinds` says what each layer needs, attention
+    KV by default.
+    """
+
+    def __init__(self, config, layers: list[nn.Module]):
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = layers
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    @property
+    def state_kinds(self) -> list[tuple[str, dict]]:
+        return [("kv", {}) for _ in self.layers]
+
+    def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
+        h = self.model.embed_tokens(tokens)
+        for layer, state in zip(self.layers, states):
+            h = layer(h, state)
+        if last_only:
+            h = h[:, -1:]
+        h = self.model.norm(h)
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)

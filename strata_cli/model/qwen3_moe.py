@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from ..config import ConfigError, ModelConfig, lift_rope_parameters
 from .attention import GatedAttention
-from .layers import MLP, RMSNorm
+from .layers import DecoderStack, MLP, RMSNorm
 from .layout import stack_experts
 from .moe import SparseMoeBlock
 from .quant import router_overrides
@@ -94,38 +94,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Model(nn.Module):
+class Model(DecoderStack):
     """Token ids in, logits out; per-layer KV state comes from the caller (the window engine)."""
 
-    def __init__(self, config: Qwen3MoeConfig):
-        super().__init__()
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
-
-    @property
-    def state_kinds(self) -> list[tuple[str, dict]]:
-        return [("kv", {}) for _ in self.layers]
-
-    def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
-        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
-        h = self.model.embed_tokens(tokens)
-        for layer, state in zip(self.layers, states):
-            h = layer(h, state)
-        if last_only:
-            h = h[:, -1:]
-        h = self.model.norm(h)
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+    def __init__(self, config):
+        super().__init__(config, [DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map a Hugging Face or MLX-layout checkpoint's tensors onto this module's parameters."""

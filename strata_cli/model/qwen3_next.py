@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -11,7 +11,7 @@ import mlx.nn as nn
 from ..config import ConfigError, ModelConfig
 from .attention import GatedAttention
 from .gdn import GatedDeltaNet
-from .layers import MLP, RMSNorm
+from .layers import DecoderStack, MLP, RMSNorm
 from .layout import HF, detect_layout, stack_experts
 from .moe import SparseMoeBlock
 from .quant import router_overrides
@@ -125,22 +125,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Model(nn.Module):
+class Model(DecoderStack):
     """Token ids in, logits out; per-layer state comes from the caller (the window engine)."""
 
-    def __init__(self, config: Qwen3NextConfig):
-        super().__init__()
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
+    def __init__(self, config):
+        super().__init__(config, [DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
 
     @property
     def state_kinds(self) -> list[tuple[str, dict]]:
@@ -149,18 +138,6 @@ class Model(nn.Module):
             ("gdn", {"conv_kernel": self.config.linear_conv_kernel_dim}) if layer.is_linear else ("kv", {})
             for layer in self.layers
         ]
-
-    def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
-        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
-        h = self.model.embed_tokens(tokens)
-        for layer, state in zip(self.layers, states):
-            h = layer(h, state)
-        if last_only:
-            h = h[:, -1:]
-        h = self.model.norm(h)
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map a Hugging Face or MLX-layout checkpoint's tensors onto this module's parameters.
