@@ -108,6 +108,35 @@ def spec_options(suffix_draft: tuple[int, bool], min_match: int, draft_cost: str
     return SpecOptions(max_drafts=max_drafts, min_match=min_match, auto=auto, cost_prior=cost_prior)
 
 
+def engine_option_flags(command):
+    """The window engine's options (context, fold, partial mode, dtype), passed to `command` as
+    one `engine_options: EngineOptions` argument."""
+    import functools
+
+    @functools.wraps(command)
+    def wrapper(*args, max_context, fold, partial, dtype, **kwargs):
+        try:
+            engine_options = EngineOptions(fold=fold, partial=partial, max_context=max_context, dtype=dtype)
+        except ConfigError as e:
+            raise click.BadParameter(str(e)) from None
+        return command(*args, engine_options=engine_options, **kwargs)
+
+    options = [
+        click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
+                     help="Positions the engine may hold (prompt + output); default: the model's maximum."),
+        click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
+                     help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
+                          "or at commit (eager)."),
+        click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
+                     help="Commit each window's root row inside the run."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                     envvar="STRATA_DTYPE", help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 def expert_stream_options(command):
     """The expert-cache options of a streamed checkpoint, passed to `command` as one
     `stream: StreamOptions` argument."""
@@ -186,17 +215,10 @@ def cli():
               help="Print one JSON object per prompt (text, token_ids, finish_reason, stats) instead of streaming text.")
 @click.option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
               help="Treat every non-empty stdin line as its own prompt.")
-@click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
-              help="Positions the engine may hold (prompt + output); default: the model's maximum.")
-@click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
-              help="When kept GDN rows fold into the recurrent state: at the next window (lazy) or at commit (eager).")
-@click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
-              help="Commit each window's root row inside the run.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              envvar="STRATA_DTYPE", help="Compute dtype (default: the checkpoint's; float32 on CPU).")
+@engine_option_flags
 @expert_stream_options
 def generate(prompt, model, max_tokens, temperature, seed, suffix_draft, draft_cost, min_match, stats, as_json,
-             each_line, max_context, fold, partial, dtype, stream):
+             each_line, engine_options, stream):
     """Generate text from PROMPT (or from stdin when piped, or when PROMPT is '-').
 
     \b
@@ -206,7 +228,6 @@ def generate(prompt, model, max_tokens, temperature, seed, suffix_draft, draft_c
       strata generate --each-line --json < prompts.txt
     """
     try:
-        engine_options = EngineOptions(fold=fold, partial=partial, max_context=max_context, dtype=dtype)
         gen_options = GenerateOptions(max_tokens=max_tokens, temperature=temperature, seed=seed)
         spec = spec_options(suffix_draft, min_match, draft_cost)
     except ConfigError as e:
@@ -288,17 +309,10 @@ def _generate(model_arg, prompts, engine_options, gen_options, spec, show_stats,
               show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
 @click.option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
               envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
-@click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
-              help="Positions the engine may hold (prompt + output); default: the model's maximum.")
-@click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
-              help="When kept GDN rows fold into the recurrent state: at the next window (lazy) or at commit (eager).")
-@click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
-              help="Commit each window's root row inside the run.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              envvar="STRATA_DTYPE", help="Compute dtype (default: the checkpoint's; float32 on CPU).")
+@engine_option_flags
 @click.option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
 def serve_stdio_command(model, max_tokens, suffix_draft, min_match, session, prefix_cache, prefix_cache_positions,
-                        checkpoint_every, suffix_cache, max_line_bytes, max_context, fold, partial, dtype, verbose):
+                        checkpoint_every, suffix_cache, max_line_bytes, engine_options, verbose):
     """Answer JSON-lines requests from stdin with JSON-lines frames on stdout.
 
     stdout carries protocol frames only; logs go to stderr. Exit status: 0 at end of input,
@@ -315,7 +329,6 @@ def serve_stdio_command(model, max_tokens, suffix_draft, min_match, session, pre
     from .serve import serve_stdio
 
     try:
-        engine_options = EngineOptions(fold=fold, partial=partial, max_context=max_context, dtype=dtype)
         serve_options = ServeOptions(
             session=None if session is None else str(session), prefix_cache_entries=prefix_cache,
             prefix_cache_positions=prefix_cache_positions, checkpoint_every=checkpoint_every,
@@ -424,17 +437,9 @@ def _convert(src: Path, dst: Path, options: ConvertOptions) -> None:
               help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the results table (and the bars) as Markdown to FILE, for docs/benchmarks.md.")
-@click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
-              help="Positions the engine may hold (prompt + output); default: the model's maximum.")
-@click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
-              help="When kept GDN rows fold into the recurrent state.")
-@click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
-              help="Commit each window's root row inside the run.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              envvar="STRATA_DTYPE", help="Compute dtype (default: the checkpoint's; float32 on CPU).")
+@engine_option_flags
 def bench_command(workloads, model, workloads_dir, modes, max_tokens, repeats, warmup, seed, min_match, draft_cost,
-                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, max_context, fold,
-                  partial, dtype):
+                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, engine_options):
     """Measure tokens/s of named WORKLOADS (default: all) in every decoding mode.
 
     Each workload runs in each mode (serial, fixed draft lengths, auto, and mlx-lm on the same
@@ -452,7 +457,6 @@ def bench_command(workloads, model, workloads_dir, modes, max_tokens, repeats, w
     from .bench.peers import PEER_MODES
 
     try:
-        engine_options = EngineOptions(fold=fold, partial=partial, max_context=max_context, dtype=dtype)
         options = BenchOptions(
             max_tokens=max_tokens or DEFAULT_BENCH_TOKENS,
             repeats=repeats or DEFAULT_REPEATS,
