@@ -12,8 +12,9 @@ gets a `no_chat_template` error and `prompt` still works.
 from __future__ import annotations
 
 import datetime
-import json
 from pathlib import Path
+
+from .tokenizer import read_json_object
 
 
 class ChatTemplateError(ValueError):
@@ -51,10 +52,11 @@ class ChatTemplate:
         """The template a checkpoint directory ships, or None when it has none.
 
         Raises:
-            ValueError: a template that is present but unreadable or does not compile.
+            ModelLoadError: tokenizer_config.json is not valid JSON.
+            ValueError: a template that is present but not a string or does not compile.
         """
         path = Path(path)
-        config = _read_json(path / "tokenizer_config.json")
+        config = read_json_object(path / "tokenizer_config.json")
         source = config.get("chat_template")
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -89,13 +91,3 @@ def _raise_exception(message: str):
     from jinja2 import TemplateError
 
     raise TemplateError(message)
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return data if isinstance(data, dict) else {}

@@ -27,10 +27,10 @@ class Tokenizer:
     def _eos_ids(self, path: Path) -> set[int]:
         ids: set[int] = set()
         for name in ("generation_config.json", "config.json"):
-            eos = _read_json(path / name).get("eos_token_id")
+            eos = read_json_object(path / name).get("eos_token_id")
             if eos is not None:
                 ids.update(eos if isinstance(eos, list) else [eos])
-        token = _read_json(path / "tokenizer_config.json").get("eos_token")
+        token = read_json_object(path / "tokenizer_config.json").get("eos_token")
         if isinstance(token, dict):
             token = token.get("content")
         if isinstance(token, str) and self._tok.token_to_id(token) is not None:
@@ -48,7 +48,8 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON side file as a dict ({} when absent or not an object)."""
     if not path.is_file():
         return {}
     try:
