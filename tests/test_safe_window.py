@@ -54,7 +54,7 @@ def test_each_bound_holds_and_is_tight():
         if remaining <= 0 or context_left <= 0:
             assert size == 0
             continue
-        assert 1 <= size <= 1 + num_drafts
+        assert 0 < size <= 1 + num_drafts
         assert size <= remaining and size <= context_left
         ends_in_block = pos0 // 4 == (pos0 + size - 1) // 4
         if block_cap:
