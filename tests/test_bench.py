@@ -6,7 +6,6 @@ Runs on mocks and tiny models with one repeat and a few tokens; the real numbers
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,33 +33,7 @@ from strata_cli.cli import cli
 from strata_cli.config import ConfigError
 from strata_cli.engine.window import WindowEngine
 
-CYCLE = 10
-
-
-@dataclass(frozen=True)
-class MockConfig:
-    vocab_size: int = 16
-    max_position_embeddings: int = 512
-
-
-class CycleModel:
-    """Greedy next token (t + 1) % CYCLE: the drafter predicts it perfectly. With `broken`, rows
-    after the first of a multi-row window predict (t + 2): speculation then changes the output."""
-
-    config = MockConfig()
-    state_kinds = []
-
-    def __init__(self, broken=False):
-        self.broken = broken
-
-    def __call__(self, tokens, states, *, last_only=False):
-        nxt = (tokens + 1) % CYCLE
-        if self.broken and tokens.shape[1] > 1:
-            rows = mx.arange(tokens.shape[1])[None, :]
-            nxt = mx.where(rows > 0, (tokens + 2) % CYCLE, nxt)
-        logits = mx.where(mx.arange(self.config.vocab_size) == nxt[..., None], 10.0, 0.0)
-        return logits[:, -1:] if last_only else logits
-
+from mock_models import CYCLE, CycleModel
 
 def encode(text: str) -> list[int]:
     """Mock tokenizer: the cycle, as long as the text (at least two rounds, so drafts exist)."""

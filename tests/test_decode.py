@@ -2,9 +2,7 @@
 and greedy output identical with and without drafts."""
 
 import random
-from dataclasses import dataclass
 
-import mlx.core as mx
 import pytest
 
 from strata_cli.config import EngineOptions, GenerateOptions, SpecOptions
@@ -12,26 +10,7 @@ from strata_cli.decode import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, SAMPLI
 from strata_cli.engine.window import WindowEngine
 from strata_cli.telemetry import DecodeStats
 
-CYCLE = 10
-
-
-@dataclass(frozen=True)
-class MockConfig:
-    vocab_size: int = 16
-    max_position_embeddings: int = 512
-
-
-class CycleModel:
-    """A stateless mock whose greedy next token is (t + 1) % CYCLE: the drafter predicts it perfectly."""
-
-    config = MockConfig()
-    state_kinds = []
-
-    def __call__(self, tokens, states, *, last_only=False):
-        nxt = (tokens + 1) % CYCLE
-        logits = mx.where(mx.arange(self.config.vocab_size) == nxt[..., None], 10.0, 0.0)
-        return logits[:, -1:] if last_only else logits
-
+from mock_models import CYCLE, CycleModel
 
 PROMPT = list(range(CYCLE)) * 2 + [0, 1, 2]  # the cycle, twice, then a start of a third
 
