@@ -86,6 +86,18 @@ def _glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
     return out[mx.argsort(order)].reshape(N, k, -1)
 
 
+class SparseLayerRule:
+    """Qwen's rule for which decoder layers are sparse, mixed into its configs: every
+    `decoder_sparse_step`-th layer, except `mlp_only_layers`, when there are experts."""
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            i not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+
 class SparseMoeBlock(nn.Module):
     """Router, routed experts (`switch_mlp`) and optional shared expert.
 

@@ -13,12 +13,12 @@ from ..config import ConfigError, ModelConfig, lift_rope_parameters
 from .attention import GatedAttention
 from .layers import DecoderStack, MLP, RMSNorm
 from .layout import stack_experts
-from .moe import SparseMoeBlock
+from .moe import SparseLayerRule, SparseMoeBlock
 from .quant import router_overrides
 
 
 @dataclass(frozen=True)
-class Qwen3MoeConfig(ModelConfig):
+class Qwen3MoeConfig(SparseLayerRule, ModelConfig):
     num_attention_heads: int
     num_key_value_heads: int
     num_experts: int
@@ -49,13 +49,6 @@ class Qwen3MoeConfig(ModelConfig):
         if config.head_dim is None:
             return replace(config, head_dim=config.hidden_size // config.num_attention_heads)
         return config
-
-    def is_moe_layer(self, i: int) -> bool:
-        return (
-            i not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (i + 1) % self.decoder_sparse_step == 0
-        )
 
 
 Config = Qwen3MoeConfig

@@ -13,14 +13,14 @@ from .attention import GatedAttention
 from .gdn import GatedDeltaNet
 from .layers import DecoderStack, MLP, RMSNorm
 from .layout import HF, detect_layout, stack_experts
-from .moe import SparseMoeBlock
+from .moe import SparseLayerRule, SparseMoeBlock
 from .quant import router_overrides
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
 @dataclass(frozen=True)
-class Qwen3NextConfig(ModelConfig):
+class Qwen3NextConfig(SparseLayerRule, ModelConfig):
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -68,13 +68,6 @@ class Qwen3NextConfig(ModelConfig):
                 f"{LINEAR!r}/{FULL!r}, got {list(config.layer_types)}"
             )
         return config
-
-    def is_moe_layer(self, i: int) -> bool:
-        return (
-            i not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (i + 1) % self.decoder_sparse_step == 0
-        )
 
 
 Config = Qwen3NextConfig
