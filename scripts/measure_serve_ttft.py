@@ -23,10 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from strata_cli.cli import embedded_model_path  # noqa: E402
-from strata_cli.tokenizer import Tokenizer  # noqa: E402
+from strata_cli.runtime import embedded_model_path
+from strata_cli.tokenizer import Tokenizer
 
 
 def prefix_text(num_tokens: int, model: Path) -> str:

@@ -18,12 +18,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from strata_cli.config import GenerateOptions, SpecOptions
 from strata_cli.decode import generate
-from strata_cli.engine.window import WindowEngine
-from strata_cli.model import load_model
+from strata_cli.options import GenerateOptions, LoadOptions, SpecOptions
+from strata_cli.runtime import open_model
 from strata_cli.telemetry import DecodeStats
-from strata_cli.tokenizer import Tokenizer
 
 EVAL_WINDOWS = 24
 WINDOW = 512
@@ -38,7 +36,7 @@ SAMPLE_PROMPTS = (
 )
 
 
-def held_out_perplexity(engine: WindowEngine, tokens: np.ndarray) -> tuple[float, int]:
+def held_out_perplexity(engine, tokens: np.ndarray) -> tuple[float, int]:
     """Mean next-token loss over consecutive windows of held-out tokens (float32)."""
     import mlx.core as mx
 
@@ -117,8 +115,8 @@ def main() -> None:
     parser.add_argument("--copy-prompt", type=Path, default=Path("examples/prompts/copy_rename.txt"))
     args = parser.parse_args()
 
-    model, tokenizer = load_model(args.model), Tokenizer(args.model)
-    engine = WindowEngine(model)
+    runtime = open_model(LoadOptions(model=str(args.model)))
+    engine, tokenizer = runtime.engine, runtime.tokenizer
     train = json.loads((args.model / "train_summary.json").read_text())["summary"]
     split = json.loads((args.data / "split.json").read_text())
     ppl, ppl_tokens = held_out_perplexity(engine, np.fromfile(args.data / "val.bin", dtype=np.uint16))

@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import shutil
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -88,11 +87,12 @@ def read_text(path: Path) -> str | None:
 
 
 def prepare(data: Path) -> None:
+    from build_tokenizer import (  # scripts/ is on sys.path when run as a script
+        EOS_TOKEN,
+        train_tokenizer,
+    )
     from tokenizers import Tokenizer
     from tqdm import tqdm
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from build_tokenizer import EOS_TOKEN, train_tokenizer
 
     data.mkdir(parents=True, exist_ok=True)
     train_files, val_files = split_files()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import sys
-from importlib.resources import files
 from pathlib import Path
 
 import click
 
 from . import __version__
-from .config import (
+from .model.config import DTYPE_NAMES
+from .options import (
     CONVERT_BITS,
+    DEFAULT_EXPERT_IO_THREADS,
+    DEFAULT_EXPERT_PREFETCH,
     DEFAULT_GROUP_SIZE,
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_MAX_TOKENS,
@@ -20,6 +24,9 @@ from .config import (
     DEFAULT_PREFIX_CACHE_ENTRIES,
     DEFAULT_PREFIX_CACHE_POSITIONS,
     DEFAULT_SEED,
+    DEMO_MODEL,
+    EXPERT_IO_MODES,
+    EXPERT_PREFETCH_MODES,
     FOLD_MODES,
     MAX_SUFFIX_DRAFT,
     PREFILL_CHUNK,
@@ -28,17 +35,12 @@ from .config import (
     ConvertOptions,
     EngineOptions,
     GenerateOptions,
+    LoadOptions,
     ServeOptions,
     SpecOptions,
     StreamOptions,
     parse_suffix_draft,
 )
-
-DEMO_MODEL = "demo"  # the --model value that names the embedded checkpoint
-
-
-def embedded_model_path() -> Path:
-    return Path(str(files("strata_cli") / "assets" / "demo"))
 
 
 class UserError(click.ClickException):
@@ -98,7 +100,7 @@ def spec_options(suffix_draft: tuple[int, bool], min_match: int, draft_cost: str
     Raises:
         ConfigError: an option combination that does not apply, or an unusable cost curve.
     """
-    from .spec.controller import CostCurveError, CostPrior
+    from .speculative.controller import CostCurveError, CostPrior
 
     max_drafts, auto = suffix_draft
     try:
@@ -108,55 +110,38 @@ def spec_options(suffix_draft: tuple[int, bool], min_match: int, draft_cost: str
     return SpecOptions(max_drafts=max_drafts, min_match=min_match, auto=auto, cost_prior=cost_prior)
 
 
-def engine_option_flags(command):
-    """The window engine's options (context, fold, partial mode, dtype), passed to `command` as
-    one `engine_options: EngineOptions` argument."""
-    import functools
+def options_object(name: str, build, options: list):
+    """A decorator adding click `options` to a command; their values go through `build(**values)`
+    (a checked options object) and reach the command as one argument, `name`. A `ConfigError`
+    from `build` is reported as a bad parameter."""
+    params = list(inspect.signature(build).parameters)
 
-    @functools.wraps(command)
-    def wrapper(*args, max_context, fold, partial, dtype, **kwargs):
-        try:
-            engine_options = EngineOptions(fold=fold, partial=partial, max_context=max_context, dtype=dtype)
-        except ConfigError as e:
-            raise click.BadParameter(str(e)) from None
-        return command(*args, engine_options=engine_options, **kwargs)
+    def decorate(command):
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            values = {param: kwargs.pop(param) for param in params}
+            try:
+                kwargs[name] = build(**values)
+            except ConfigError as e:
+                raise click.BadParameter(str(e)) from None
+            return command(*args, **kwargs)
 
+        for option in reversed(options):
+            wrapper = option(wrapper)
+        return wrapper
+
+    return decorate
+
+
+def model_options(command):
+    """--model, --dtype and the expert-streaming options of every command that opens a model,
+    passed to `command` as one `load: LoadOptions` argument."""
     options = [
-        click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
-                     help="Positions the engine may hold (prompt + output); default: the model's maximum."),
-        click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
-                     help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
-                          "or at commit (eager)."),
-        click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
-                     help="Commit each window's root row inside the run."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-                     envvar="STRATA_DTYPE", help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
-    ]
-    for option in reversed(options):
-        wrapper = option(wrapper)
-    return wrapper
-
-
-def expert_stream_options(command):
-    """The expert-cache options of a streamed checkpoint, passed to `command` as one
-    `stream: StreamOptions` argument."""
-    import functools
-
-    from .config import DEFAULT_EXPERT_IO_THREADS, DEFAULT_EXPERT_PREFETCH, EXPERT_IO_MODES, EXPERT_PREFETCH_MODES
-
-    @functools.wraps(command)
-    def wrapper(*args, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
-                expert_io_threads, **kwargs):
-        try:
-            stream = StreamOptions(
-                cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
-                root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
-            )
-        except ConfigError as e:
-            raise click.BadParameter(str(e)) from None
-        return command(*args, stream=stream, **kwargs)
-
-    options = [
+        click.option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
+                     help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+                          "'demo' is the embedded model."),
+        click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
+                     help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
         click.option("--expert-cache", type=click.FloatRange(min=0, min_open=True), default=None,
                      envvar="STRATA_EXPERT_CACHE", metavar="GB",
                      help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
@@ -174,9 +159,35 @@ def expert_stream_options(command):
         click.option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
                      envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
     ]
-    for option in reversed(options):
-        wrapper = option(wrapper)
-    return wrapper
+
+    def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
+              expert_io_threads):
+        stream = StreamOptions(
+            cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
+            root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
+        )
+        return LoadOptions(model=model, dtype=dtype, stream=stream)
+
+    return options_object("load", build, options)(command)
+
+
+def engine_options(command):
+    """The window engine's options (context, fold, partial mode), passed to `command` as one
+    `engine: EngineOptions` argument."""
+    options = [
+        click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
+                     help="Positions the engine may hold (prompt + output); default: the model's maximum."),
+        click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
+                     help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
+                          "or at commit (eager)."),
+        click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
+                     help="Commit each window's root row inside the run."),
+    ]
+
+    def build(max_context, fold, partial):
+        return EngineOptions(fold=fold, partial=partial, max_context=max_context)
+
+    return options_object("engine", build, options)(command)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -192,10 +203,6 @@ def cli():
 
 @cli.command()
 @click.argument("prompt", required=False)
-@click.option(
-    "--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
-    help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); 'demo' is the embedded model.",
-)
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
               envvar="STRATA_MAX_TOKENS", show_default=True, help="Most tokens to generate per prompt.")
 @click.option("--temperature", "-t", type=click.FloatRange(min=0.0), default=0.0,
@@ -215,10 +222,10 @@ def cli():
               help="Print one JSON object per prompt (text, token_ids, finish_reason, stats) instead of streaming text.")
 @click.option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
               help="Treat every non-empty stdin line as its own prompt.")
-@engine_option_flags
-@expert_stream_options
-def generate(prompt, model, max_tokens, temperature, seed, suffix_draft, draft_cost, min_match, stats, as_json,
-             each_line, engine_options, stream):
+@model_options
+@engine_options
+def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, min_match, stats, as_json,
+             each_line, load, engine):
     """Generate text from PROMPT (or from stdin when piped, or when PROMPT is '-').
 
     \b
@@ -233,22 +240,19 @@ def generate(prompt, model, max_tokens, temperature, seed, suffix_draft, draft_c
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
     prompts = read_prompts(prompt, each_line)
-    run_guarded(lambda: _generate(model, prompts, engine_options, gen_options, spec, stats, as_json, stream))
+    run_guarded(lambda: _generate(load, engine, prompts, gen_options, spec, stats, as_json))
 
 
-def _generate(model_arg, prompts, engine_options, gen_options, spec, show_stats, as_json, stream=None):
+def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
     from rich.console import Console
 
     from .decode import generate as decode_generate
-    from .engine.window import WindowEngine
-    from .model import load_model
+    from .runtime import open_model
     from .telemetry import DecodeStats
-    from .tokenizer import StreamingDetokenizer, Tokenizer
+    from .tokenizer import StreamingDetokenizer
 
-    path = embedded_model_path() if model_arg == DEMO_MODEL else Path(model_arg)
-    model = load_model(path, dtype=engine_options.dtype, experts=stream)
-    tokenizer = Tokenizer(path)
-    engine = WindowEngine(model, engine_options)
+    runtime = open_model(load, engine_options)
+    engine, tokenizer = runtime.engine, runtime.tokenizer
     console = Console(stderr=True)
     out = sys.stdout
     for n, text in enumerate(prompts):
@@ -284,10 +288,6 @@ def _generate(model_arg, prompts, engine_options, gen_options, spec, show_stats,
 
 
 @cli.command("serve-stdio")
-@click.option(
-    "--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
-    help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); 'demo' is the embedded model.",
-)
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
               envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
 @click.option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
@@ -309,10 +309,11 @@ def _generate(model_arg, prompts, engine_options, gen_options, spec, show_stats,
               show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
 @click.option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
               envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
-@engine_option_flags
+@model_options
+@engine_options
 @click.option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
-def serve_stdio_command(model, max_tokens, suffix_draft, min_match, session, prefix_cache, prefix_cache_positions,
-                        checkpoint_every, suffix_cache, max_line_bytes, engine_options, verbose):
+def serve_stdio_command(max_tokens, suffix_draft, min_match, session, prefix_cache, prefix_cache_positions,
+                        checkpoint_every, suffix_cache, max_line_bytes, load, engine, verbose):
     """Answer JSON-lines requests from stdin with JSON-lines frames on stdout.
 
     stdout carries protocol frames only; logs go to stderr. Exit status: 0 at end of input,
@@ -326,7 +327,8 @@ def serve_stdio_command(model, max_tokens, suffix_draft, min_match, session, pre
     """
     import logging
 
-    from .serve import serve_stdio
+    from .runtime import open_model
+    from .serve.server import serve_stdio
 
     try:
         serve_options = ServeOptions(
@@ -340,27 +342,27 @@ def serve_stdio_command(model, max_tokens, suffix_draft, min_match, session, pre
         raise click.BadParameter(str(e)) from None
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
                         format="strata serve: %(message)s")
-    path = embedded_model_path() if model == DEMO_MODEL else Path(model)
     run_guarded(lambda: sys.exit(serve_stdio(
-        path, engine_options=engine_options, serve_options=serve_options, defaults=defaults, spec=spec,
+        open_model(load, engine), serve_options=serve_options, defaults=defaults, spec=spec,
     )))
 
 
 @cli.command("convert")
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--bits", type=click.Choice([str(b) for b in CONVERT_BITS]), default=None, envvar="STRATA_BITS",
               help="Quantize the weights (affine, MLX layout) to this many bits; default: no quantization.")
 @click.option("--group-size", type=click.Choice([str(g) for g in QUANT_GROUP_SIZES]), default=None,
               envvar="STRATA_GROUP_SIZE", help=f"Weights per quantization scale, with --bits  [default: {DEFAULT_GROUP_SIZE}]")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, envvar="STRATA_DTYPE",
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
               help="Dtype of the stored floating-point tensors (default: the checkpoint's).")
 @click.option("--force", is_flag=True, envvar="STRATA_FORCE", help="Replace DST if it exists.")
 @click.option("--stream", is_flag=True, envvar="STRATA_STREAM",
               help="Write the routed experts in the streaming layout (experts/: one aligned record per expert, "
                    "read from disk through a bounded cache at run time).")
 def convert_command(src, dst, bits, group_size, dtype, force, stream):
-    """Convert the checkpoint in SRC (Hugging Face or MLX layout) into strata's format in DST.
+    """Convert the checkpoint in SRC (Hugging Face or MLX layout, or 'demo' for the embedded
+    model) into strata's format in DST.
 
     DST gets config.json, safetensors shards of the ready-to-load parameters and the tokenizer
     files. It is written into a hidden sibling directory and renamed into place when complete.
@@ -371,6 +373,7 @@ def convert_command(src, dst, bits, group_size, dtype, force, stream):
       strata convert ~/models/Mixtral-8x7B ~/models/mixtral-q4 --bits 4
       strata convert ckpt out --bits 8 --group-size 32 --dtype bfloat16 --force
       strata convert ~/models/Qwen3-Next-80B-A3B ~/models/qwen3-next-q4-stream --bits 4 --stream
+      strata convert demo demo-stream --stream
     """
     if group_size is not None and bits is None:
         raise click.UsageError("--group-size applies only with --bits")
@@ -387,10 +390,11 @@ def convert_command(src, dst, bits, group_size, dtype, force, stream):
     run_guarded(lambda: _convert(src, dst, options))
 
 
-def _convert(src: Path, dst: Path, options: ConvertOptions) -> None:
+def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
     from .convert import convert
+    from .runtime import resolve_model_path
 
-    result = convert(src, dst, options=options, show_progress=True)
+    result = convert(resolve_model_path(src), dst, options=options, show_progress=True)
     quant = result.quantization
     detail = f", {quant['bits']}-bit, group size {quant['group_size']}" if quant else ""
     if options.stream:
@@ -404,10 +408,6 @@ def _convert(src: Path, dst: Path, options: ConvertOptions) -> None:
 
 @cli.command("bench")
 @click.argument("workloads", nargs=-1)
-@click.option(
-    "--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
-    help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); 'demo' is the embedded model.",
-)
 @click.option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               envvar="STRATA_BENCH_WORKLOADS", help="Where the workload files are (default: examples/workloads).")
 @click.option("--modes", default=None, envvar="STRATA_BENCH_MODES",
@@ -437,9 +437,10 @@ def _convert(src: Path, dst: Path, options: ConvertOptions) -> None:
               help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the results table (and the bars) as Markdown to FILE, for docs/benchmarks.md.")
-@engine_option_flags
-def bench_command(workloads, model, workloads_dir, modes, max_tokens, repeats, warmup, seed, min_match, draft_cost,
-                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, engine_options):
+@model_options
+@engine_options
+def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, seed, min_match, draft_cost,
+                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, load, engine):
     """Measure tokens/s of named WORKLOADS (default: all) in every decoding mode.
 
     Each workload runs in each mode (serial, fixed draft lengths, auto, and mlx-lm on the same
@@ -453,7 +454,14 @@ def bench_command(workloads, model, workloads_dir, modes, max_tokens, repeats, w
       strata bench prose copy_edit --modes serial,1-4,auto --repeats 5 --out bench.json
       strata bench --no-peers --plot docs/bench.png
     """
-    from .bench import DEFAULT_BENCH_TOKENS, DEFAULT_MODES, DEFAULT_REPEATS, DEFAULT_WARMUP, BenchOptions, parse_modes
+    from .bench import (
+        DEFAULT_BENCH_TOKENS,
+        DEFAULT_MODES,
+        DEFAULT_REPEATS,
+        DEFAULT_WARMUP,
+        BenchOptions,
+        parse_modes,
+    )
     from .bench.peers import PEER_MODES
 
     try:
@@ -471,23 +479,37 @@ def bench_command(workloads, model, workloads_dir, modes, max_tokens, repeats, w
         if modes and any(m.label in PEER_MODES for m in mode_list):
             raise click.BadParameter("--modes names mlx-lm modes but --no-peers leaves them out")
         mode_list = [m for m in mode_list if m.label not in PEER_MODES]
-    run_guarded(lambda: _bench(model, list(workloads), workloads_dir, mode_list, options, engine_options,
+    run_guarded(lambda: _bench(load, engine, list(workloads), workloads_dir, mode_list, options,
                                peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path))
 
 
-def _bench(model_arg, names, workloads_dir, modes, options, engine_options, peer_draft_model, peer_draft_tokens,
+def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draft_model, peer_draft_tokens,
            out_path, plot_path, markdown_path):
     import mlx.core as mx
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from .bench import (
-        MlxLmPeer, PeerError, PlotError, WorkloadError, collect_meta, count_runs, default_workloads_dir,
-        load_workloads, markdown, model_dtype, plot, render_table, run_bench,
+        MlxLmPeer,
+        PeerError,
+        PlotError,
+        WorkloadError,
+        collect_meta,
+        count_runs,
+        default_workloads_dir,
+        load_workloads,
+        markdown,
+        plot,
+        render_table,
+        run_bench,
     )
-    from .engine.window import WindowEngine
-    from .model import load_model
-    from .tokenizer import Tokenizer
+    from .runtime import open_model
 
     err = Console(stderr=True)
     try:
@@ -495,24 +517,20 @@ def _bench(model_arg, names, workloads_dir, modes, options, engine_options, peer
         if directory is None:
             raise WorkloadError("no examples/workloads directory found; pass --workloads-dir")
         workloads = load_workloads(directory, names)
-        path = embedded_model_path() if model_arg == DEMO_MODEL else Path(model_arg)
-        with err.status(f"loading {model_arg}"):
-            model = load_model(path, dtype=engine_options.dtype)
-            tokenizer = Tokenizer(path)
-            engine = WindowEngine(model, engine_options)
-            compute_dtype = model_dtype(model)
-            dtype = str(compute_dtype).replace("mlx.core.", "")
+        with err.status(f"loading {load.model}"):
+            runtime = open_model(load, engine_options)
             peer = None
             if any(m.kind == "peer" for m in modes):
-                peer = MlxLmPeer.load(path, dtype=compute_dtype, draft_path=peer_draft_model,
+                peer = MlxLmPeer.load(runtime.path, dtype=runtime.dtype, draft_path=peer_draft_model,
                                       num_draft_tokens=peer_draft_tokens)
-        meta = collect_meta(model=str(model_arg), device=str(mx.default_device()), dtype=dtype, options=options,
+        meta = collect_meta(model=load.model, device=str(mx.default_device()), dtype=runtime.dtype_name,
+                            options=options,
                             modes=modes, extra={"workloads": [w.name for w in workloads],
                                                 "peer_draft_tokens": peer_draft_tokens})
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err, transient=True) as bar:
             task = bar.add_task("bench", total=count_runs(workloads, modes, options))
-            result = run_bench(engine, tokenizer.encode, workloads, modes, options, peer=peer, meta=meta,
+            result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer, meta=meta,
                                progress=lambda what: bar.update(task, advance=1, description=what))
         render_table(Console(), result)
         if out_path:
@@ -535,10 +553,10 @@ def run_guarded(action) -> None:
     """Run `action`, turning library errors into one clear line and a non-zero exit."""
     from .convert import ConvertError
     from .decode import PromptError
-    from .engine.expert_store import ExpertStoreError
     from .engine.window import WindowError
-    from .model import ModelLoadError
-    from .session import SessionError
+    from .experts.store import ExpertStoreError
+    from .model.loader import ModelLoadError
+    from .serve.session import SessionError
 
     if raise_errors():
         action()

@@ -24,10 +24,17 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from .config import ConvertOptions
-from .model.loader import FORMAT_KEY, FORMAT_VERSION, load_model, read_config, read_header, weight_files
-from .engine.expert_store import write_streamed_experts
+from .experts.store import write_streamed_experts
+from .model.loader import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    load_model,
+    read_config,
+    read_header,
+    weight_files,
+)
 from .model.quant import Quantization, quantize
+from .options import ConvertOptions
 
 MAX_SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = (

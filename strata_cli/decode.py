@@ -1,9 +1,10 @@
-"""The decode loop shared by `generate` (and later `serve-stdio` and `bench`).
+"""The decode loop shared by `generate`, `serve-stdio` and `bench`.
 
 Each step runs one window [root, d1..dD] through the engine, keeps the longest verified prefix
-(spec.verify), emits its outputs, and commits exactly the inputs those outputs rest on. The
-window never exceeds the remaining token budget or the context (spec.safe_window); emission
-stops at the first end-of-sequence token, and nothing after it is committed.
+(speculative/verify.py), emits its outputs, and commits exactly the inputs those outputs rest
+on. The window never exceeds the remaining token budget or the context
+(speculative/safe_window.py); emission stops at the first end-of-sequence token, and nothing
+after it is committed.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .config import GenerateOptions, SpecOptions
-from .engine.sampling import Sampler
 from .engine.window import WindowEngine
-from .spec.controller import DraftController
-from .spec.safe_window import safe_window
-from .spec.suffix_drafter import EMPTY_PROPOSAL, Proposal, SuffixDrafter
-from .spec.verify import greedy_keep, stop_at_eos
+from .options import GenerateOptions, SpecOptions
+from .sampling import Sampler
+from .speculative.controller import DraftController
+from .speculative.safe_window import safe_window
+from .speculative.suffix_drafter import EMPTY_PROPOSAL, Proposal, SuffixDrafter
+from .speculative.verify import greedy_keep, stop_at_eos
 from .telemetry import DecodeStats, WindowRecord
 
 FINISH_STOP = "stop"  # an end-of-sequence token
@@ -106,6 +107,7 @@ def generate(
     if controller is not None:
         stats.attach_controller(controller)
     expert_probe = getattr(engine, "last_window_experts", None)  # streaming engines report reads
+    read_cost = getattr(engine, "draft_read_cost", None)  # and predict what drafts cost in reads
 
     if prefilled == 0:
         engine.reset()
@@ -143,7 +145,7 @@ def generate(
         )
         proposed = T - 1
         if controller is not None and proposed:
-            T = 1 + controller.choose(proposal.match_length, proposed)  # before any read is issued
+            T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=read_cost)  # before any read
         inputs = [root, *proposal.tokens[: T - 1]]
         out = engine.run(inputs, pos0)
         if sampler:
@@ -157,6 +159,7 @@ def generate(
             keep, outputs = eos_at + 1, outputs[:eos_at]
         engine.commit(keep)
         seconds = time.perf_counter() - start
+        experts = expert_probe() if expert_probe else None
         stats.record_window(
             WindowRecord(
                 T=len(inputs),
@@ -166,11 +169,12 @@ def generate(
                 match_length=proposal.match_length if proposed else 0,
                 from_global=from_global and len(inputs) > 1,
                 proposed=proposed,
-                experts=expert_probe() if expert_probe else None,
+                experts=experts,
             )
         )
         if controller is not None:
-            controller.observe(T=len(inputs), keep=verified, seconds=seconds, match_length=proposal.match_length)
+            controller.observe(T=len(inputs), keep=verified, seconds=seconds, match_length=proposal.match_length,
+                               extra_seconds=experts.draft_read_seconds if experts else 0.0)
         if eos_at is not None:
             yield Step(outputs, FINISH_STOP)
             return

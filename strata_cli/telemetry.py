@@ -50,6 +50,8 @@ class ExpertWindowStats:
         prefetch_hits: selected experts a prefetch had read or was reading (not misses).
         wasted_prefetches: prefetched experts no row selected.
         passes: MoE block passes (a union larger than the slots takes several).
+        draft_read_seconds: the part of `late_wait_seconds` spent on `cold_beyond_root` reads,
+            at this window's measured seconds per read (what the drafts cost in reads).
         layers: per MoE layer, a dict of the same counters (`layer`, `hits`, `cold_misses`, ...).
     """
 
@@ -66,6 +68,7 @@ class ExpertWindowStats:
     prefetch_hits: int = 0
     wasted_prefetches: int = 0
     passes: int = 0
+    draft_read_seconds: float = 0.0
     layers: tuple[dict, ...] = ()
 
 
@@ -183,6 +186,7 @@ class DecodeStats:
             "prefetched_bytes": prefetched,
             "late_waits": sum(e.late_waits for e in es),
             "late_wait_ms": 1000 * sum(e.late_wait_seconds for e in es),
+            "draft_read_ms": 1000 * sum(e.draft_read_seconds for e in es),
             "model_bytes_read": self.load_bytes_read + bytes_read + prefetched,
             **_expert_details(es, seconds=sum(w.seconds for w in self.windows), tokens=self.generated),
         }
@@ -284,7 +288,7 @@ def _short(value) -> str:
 
 def _match_histogram(lengths) -> dict[str, int]:
     """Match lengths counted by the controller's buckets ("4-5", "6-7", ..., "32+")."""
-    from .spec.controller import MATCH_BUCKET_EDGES, match_bucket
+    from .speculative.controller import MATCH_BUCKET_EDGES, match_bucket
 
     labels, low = [], 0
     for edge in MATCH_BUCKET_EDGES:

@@ -14,6 +14,6 @@ def _clean_strata_env(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from strata_cli.model.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 
     return random_model(tiny_qwen3_next_config(), seed=0)

@@ -12,10 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from strata_cli.config import ConvertOptions
+from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.convert import convert
 from strata_cli.model.loader import FORMAT_KEY, FORMAT_VERSION
-from strata_cli.model.synthetic import random_model, tiny_qwen3_next_config
+from strata_cli.options import ConvertOptions
 
 NUM_EXPERTS, TOP_K = 32, 4
 

@@ -11,29 +11,36 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
+from mock_models import CYCLE, CycleModel
 from rich.console import Console
 
 from strata_cli.bench import (
     BenchOptions,
-    markdown,
-    result_from_dict,
     PlotError,
     WorkloadError,
     default_workloads_dir,
     load_workloads,
+    markdown,
     parse_modes,
     plot,
     render_table,
+    result_from_dict,
     run_bench,
 )
 from strata_cli.bench.peers import MlxLmPeer
-from strata_cli.bench.results import BenchResult, ModeResult, PeerRefusal, RunResult, WorkloadResult, first_difference
+from strata_cli.bench.results import (
+    BenchResult,
+    ModeResult,
+    PeerRefusal,
+    RunResult,
+    WorkloadResult,
+    first_difference,
+)
 from strata_cli.bench.workloads import Workload, parse_workload
 from strata_cli.cli import cli
-from strata_cli.config import ConfigError
 from strata_cli.engine.window import WindowEngine
+from strata_cli.options import ConfigError
 
-from mock_models import CYCLE, CycleModel
 
 def encode(text: str) -> list[int]:
     """Mock tokenizer: the cycle, as long as the text (at least two rounds, so drafts exist)."""
@@ -196,8 +203,8 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_peer_refuses_speculation_on_the_hybrid_demo_and_matches_serial():
-    from strata_cli.cli import embedded_model_path
     from strata_cli.model import load_model
+    from strata_cli.runtime import embedded_model_path
     from strata_cli.tokenizer import Tokenizer
 
     path = embedded_model_path()
@@ -265,9 +272,9 @@ def test_workloads_dir_is_found():
 
 
 def test_model_dtype_sees_through_quantized_weights():
-    from strata_cli.bench import model_dtype
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.model.loader import compute_dtype as model_dtype
     from strata_cli.model.quant import quantize
-    from strata_cli.model.synthetic import random_model, tiny_qwen3_next_config
 
     model = random_model(tiny_qwen3_next_config(), seed=0, dtype=mx.bfloat16)
     assert model_dtype(model) == mx.bfloat16

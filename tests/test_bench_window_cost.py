@@ -1,27 +1,17 @@
-"""scripts/window_cost.py on tiny shapes (CPU): it measures T = 1..8 and the controller reads it."""
+"""bench/window_cost.py on tiny shapes (CPU): it measures T = 1..8 and the controller reads it."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-from strata_cli.spec.controller import CostPrior, DraftController
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "window_cost.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("window_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from strata_cli.bench import window_cost
+from strata_cli.speculative.controller import CostPrior, DraftController
 
 
 @pytest.mark.parametrize("bits", [0, 4])
 def test_window_cost_tiny_writes_a_curve_the_controller_reads(tmp_path, capsys, bits):
     out = tmp_path / "wc.json"
-    result = load_script().main(["--tiny", "--bits", str(bits), "--group-size", "32", "--repeats", "2",
+    result = window_cost.main(["--tiny", "--bits", str(bits), "--group-size", "32", "--repeats", "2",
                                  "--warmup", "1", "--out", str(out)])
     data = json.loads(out.read_text())
     assert [row["T"] for row in data["curve"]] == list(range(1, 9))
@@ -34,7 +24,7 @@ def test_window_cost_tiny_writes_a_curve_the_controller_reads(tmp_path, capsys, 
 
 
 def test_full_shape_config_is_the_80b_a3b_layer():
-    module = load_script()
+    module = window_cost
     args = module.parse_args([])
     assert (args.bits, args.dtype, args.context, args.layers) == (4, "bfloat16", 1024, 4)
     from strata_cli.model import qwen3_next

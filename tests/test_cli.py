@@ -108,7 +108,7 @@ def test_bad_model_path_is_one_clear_line(tmp_path):
 def test_broken_checkpoints_are_named(tmp_path, broken):
     import shutil
 
-    from strata_cli.cli import embedded_model_path
+    from strata_cli.runtime import embedded_model_path
 
     model = tmp_path / "model"
     shutil.copytree(embedded_model_path(), model)

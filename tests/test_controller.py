@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from strata_cli.spec.controller import (
+from strata_cli.speculative.controller import (
     AcceptancePrior,
     CostCurveError,
     CostPrior,
@@ -278,9 +278,9 @@ def test_cost_curve_files(tmp_path):
 
 
 def _decode(model, prompt, spec, max_tokens=120, controller=None):
-    from strata_cli.config import GenerateOptions
     from strata_cli.decode import generate
     from strata_cli.engine.window import WindowEngine
+    from strata_cli.options import GenerateOptions
     from strata_cli.telemetry import DecodeStats
 
     stats = DecodeStats()
@@ -295,7 +295,7 @@ def test_auto_learns_to_draft_long_on_a_perfect_drafter():
     """CycleModel's greedy output is exactly what the drafter proposes: auto ends up at the maximum."""
     from test_decode import PROMPT, CycleModel
 
-    from strata_cli.config import SpecOptions
+    from strata_cli.options import SpecOptions
 
     serial, _ = _decode(CycleModel(), PROMPT, SpecOptions())
     # Flat cost, so the only thing to learn is that drafts are always accepted.
@@ -308,8 +308,8 @@ def test_auto_learns_to_draft_long_on_a_perfect_drafter():
 
 
 def test_auto_keeps_output_serial_on_a_looping_random_model():
-    from strata_cli.config import SpecOptions
-    from strata_cli.model.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.options import SpecOptions
 
     model = random_model(tiny_qwen3_next_config(vocab_size=16), seed=0)
     rng = random.Random(0)

@@ -7,15 +7,22 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hf_checkpoints import FAMILIES, checkpoint_root, hf_checkpoint, mlx_checkpoint, prompt_text, tokenizer_dir
+from hf_checkpoints import (
+    FAMILIES,
+    checkpoint_root,
+    hf_checkpoint,
+    mlx_checkpoint,
+    prompt_text,
+    tokenizer_dir,
+)
 
 import strata_cli.convert as convert_module
 from strata_cli.cli import cli
-from strata_cli.config import ConfigError, ConvertOptions
 from strata_cli.convert import ConvertError, convert
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import load_model, qwen3_next
 from strata_cli.model.loader import read_header
+from strata_cli.options import ConfigError, ConvertOptions
 from strata_cli.tokenizer import Tokenizer
 
 

@@ -4,13 +4,19 @@ and greedy output identical with and without drafts."""
 import random
 
 import pytest
-
-from strata_cli.config import EngineOptions, GenerateOptions, SpecOptions
-from strata_cli.decode import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, SAMPLING_IS_SERIAL, PromptError, generate
-from strata_cli.engine.window import WindowEngine
-from strata_cli.telemetry import DecodeStats
-
 from mock_models import CYCLE, CycleModel
+
+from strata_cli.decode import (
+    FINISH_CONTEXT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SAMPLING_IS_SERIAL,
+    PromptError,
+    generate,
+)
+from strata_cli.engine.window import WindowEngine
+from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
+from strata_cli.telemetry import DecodeStats
 
 PROMPT = list(range(CYCLE)) * 2 + [0, 1, 2]  # the cycle, twice, then a start of a third
 
@@ -97,7 +103,7 @@ def test_sampling_ignores_drafts_and_says_so(tiny_model):
 @pytest.mark.parametrize("partial", [False, True])
 def test_small_vocab_model_speculates_and_stays_serial(fold, partial):
     """A 16-token random model falls into loops, so drafts get kept; output stays serial."""
-    from strata_cli.model.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 
     model = random_model(tiny_qwen3_next_config(vocab_size=16), seed=0)
     engine = WindowEngine(model, EngineOptions(fold=fold, partial=partial))

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 from stream_checkpoints import NUM_EXPERTS, TOP_K, build_pair
 
-from strata_cli.config import ConfigError, StreamOptions
-from strata_cli.engine.expert_store import ExpertLayoutWriter, ExpertStore, read_index
 from strata_cli.engine.window import WindowEngine
+from strata_cli.experts.store import ExpertLayoutWriter, ExpertStore, read_index
 from strata_cli.model import load_model
+from strata_cli.options import ConfigError, StreamOptions
+from strata_cli.runtime import load_checkpoint
 
 BLOCK = "model.layers.{}.mlp.switch_mlp"
 
@@ -58,7 +59,7 @@ def test_layout_round_trip_bit_exact(tmp_path):
 
 
 def test_lru_eviction_hits_and_miss_kinds(checkpoints):
-    model = load_model(checkpoints[1], experts=StreamOptions(resident_experts=3, prefetch="off"))
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=3, prefetch="off"))
     cache, path = model.expert_cache, BLOCK.format(0)
     steps = [  # picks, then (hits, cold, capacity), then resident experts, least recently used first
         ([[0, 1]], (0, 2, 0), [0, 1]),
@@ -79,7 +80,7 @@ def test_lru_eviction_hits_and_miss_kinds(checkpoints):
 
 def test_union_larger_than_slots_is_served_in_passes(checkpoints):
     full = load_model(checkpoints[0])
-    model = load_model(checkpoints[1], experts=StreamOptions(resident_experts=3, prefetch="off"))
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=3, prefetch="off"))
     picks = [[0, 5, 9, 13], [5, 17, 22, 30]]  # 7 distinct experts, 3 slots: 3 passes
     out, x, stats = serve(model, 1, picks)
     want = full.layers[1].mlp.switch_mlp(x, mx.array(picks, dtype=mx.uint32))
@@ -91,7 +92,7 @@ def test_union_larger_than_slots_is_served_in_passes(checkpoints):
 
 @pytest.mark.parametrize("prefetch, root_only", [("router", False), ("history", False), ("router", True), ("off", False)])
 def test_prefetch_accounting(checkpoints, prefetch, root_only):
-    model = load_model(checkpoints[1], experts=StreamOptions(resident_experts=8, prefetch=prefetch, root_prefetch=root_only))
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=8, prefetch=prefetch, root_prefetch=root_only))
     cache, engine = model.expert_cache, WindowEngine(model)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, model.config.vocab_size, 60).tolist()
@@ -119,18 +120,18 @@ def test_prefetch_accounting(checkpoints, prefetch, root_only):
 def test_budget_options(checkpoints):
     # float32 experts: 3 matrices of 16 x 32 floats = 6144 bytes, in each of 4 MoE blocks
     per_slot = 3 * 16 * 32 * 4 * 4
-    model = load_model(checkpoints[1], experts=StreamOptions(cache_gb=5.5 * per_slot / 1e9))
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(cache_gb=5.5 * per_slot / 1e9))
     assert model.expert_cache.num_slots == 5
     model.expert_cache.close()
-    model = load_model(checkpoints[1], experts=StreamOptions(resident_experts=1000))
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=1000))
     assert model.expert_cache.num_slots == NUM_EXPERTS
     model.expert_cache.close()
     with pytest.raises(ConfigError, match="holds no expert"):
-        load_model(checkpoints[1], experts=StreamOptions(cache_gb=1e-9))
+        load_checkpoint(checkpoints[1], stream=StreamOptions(cache_gb=1e-9))
     with pytest.raises(ConfigError, match="not both"):
         StreamOptions(cache_gb=1.0, resident_experts=4)
     with pytest.raises(ConfigError, match="root-only prefetch"):
         StreamOptions(prefetch="off", root_prefetch=True)
     with pytest.raises(ConfigError, match="streamed checkpoint"):
-        load_model(checkpoints[0], experts=StreamOptions(resident_experts=4))
-    load_model(checkpoints[0], experts=StreamOptions())  # defaults are no request
+        load_checkpoint(checkpoints[0], stream=StreamOptions(resident_experts=4))
+    load_checkpoint(checkpoints[0], stream=StreamOptions())  # defaults are no request

@@ -7,11 +7,11 @@ import textwrap
 
 import pytest
 
-from strata_cli.cli import embedded_model_path
-from strata_cli.config import EngineOptions, GenerateOptions, SpecOptions
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import load_model
+from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
+from strata_cli.runtime import embedded_model_path
 from strata_cli.telemetry import DecodeStats
 from strata_cli.tokenizer import Tokenizer
 

@@ -24,11 +24,11 @@ from hf_checkpoints import (
     tokenizer_dir,
 )
 
-from strata_cli.config import GenerateOptions, SpecOptions
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import load_model
 from strata_cli.model.moe import QuantizedSwitchGLU
+from strata_cli.options import GenerateOptions, SpecOptions
 from strata_cli.telemetry import DecodeStats
 from strata_cli.tokenizer import Tokenizer
 

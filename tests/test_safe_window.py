@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from strata_cli.spec import safe_window as safe_window_module
-from strata_cli.spec.safe_window import QSA_BLOCK, safe_window
+from strata_cli.speculative import safe_window as safe_window_module
+from strata_cli.speculative.safe_window import QSA_BLOCK, safe_window
 
 GRID = list(
     itertools.product(

@@ -9,10 +9,10 @@ import random
 import mlx.core as mx
 import pytest
 
-from strata_cli.config import EngineOptions, GenerateOptions, ServeOptions, SpecOptions
 from strata_cli.engine.window import WindowEngine
-from strata_cli.serve import Server
-from strata_cli.serve_protocol import FrameWriter
+from strata_cli.options import EngineOptions, GenerateOptions, ServeOptions, SpecOptions
+from strata_cli.serve.protocol import FrameWriter
+from strata_cli.serve.server import Server
 
 VOCAB = 16
 TOL = 1e-4
@@ -32,7 +32,7 @@ class LetterTokenizer:
 
 @pytest.fixture(scope="module")
 def loop_model():
-    from strata_cli.model.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 
     return random_model(tiny_qwen3_next_config(vocab_size=VOCAB), seed=0)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from strata_cli.cli import embedded_model_path
+from strata_cli.runtime import embedded_model_path
 
 SERVE = [sys.executable, "-m", "strata_cli.cli", "serve-stdio"]
 TIMEOUT = 180

@@ -10,13 +10,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from strata_cli.config import GenerateOptions, SpecOptions
 from strata_cli.decode import generate
-from strata_cli.engine.checkpoints import CheckpointRing, common_prefix, plan
 from strata_cli.engine.window import WindowEngine
-from strata_cli.serve_chat import ChatTemplate, ChatTemplateError
-from strata_cli.serve_io import EOF, NOTHING, LineReader, OversizeLine
-from strata_cli.serve_protocol import (
+from strata_cli.options import GenerateOptions, SpecOptions
+from strata_cli.serve.chat import ChatTemplate, ChatTemplateError
+from strata_cli.serve.checkpoints import CheckpointRing, common_prefix, plan
+from strata_cli.serve.io import EOF, NOTHING, LineReader, OversizeLine
+from strata_cli.serve.protocol import (
     INVALID_REQUEST,
     INVALID_UTF8,
     OUT_OF_RANGE,
@@ -25,10 +25,10 @@ from strata_cli.serve_protocol import (
     check_request,
     decode_line,
 )
-from strata_cli.serve_stop import StopMatcher
-from strata_cli.session import SessionError, load_session, save_session
-from strata_cli.spec.suffix_cache import GlobalSuffixCache
-from strata_cli.spec.suffix_drafter import SuffixDrafter
+from strata_cli.serve.session import SessionError, load_session, save_session
+from strata_cli.serve.stop import StopMatcher
+from strata_cli.speculative.suffix_cache import GlobalSuffixCache
+from strata_cli.speculative.suffix_drafter import SuffixDrafter
 from strata_cli.telemetry import DecodeStats
 
 DEFAULTS = GenerateOptions(max_tokens=16)
@@ -255,7 +255,7 @@ def engine_after(model, tokens):
 
 
 def test_session_round_trip_restores_state_exactly(tiny_model, tmp_path):
-    from strata_cli.engine.checkpoints import Checkpoint
+    from strata_cli.serve.checkpoints import Checkpoint
 
     tokens = [random.Random(5).randrange(96) for _ in range(37)]
     engine = engine_after(tiny_model, tokens[:20])
@@ -277,7 +277,7 @@ def test_session_round_trip_restores_state_exactly(tiny_model, tmp_path):
 
 
 def test_session_refuses_corrupt_and_foreign_files(tiny_model, tmp_path):
-    from strata_cli.engine.checkpoints import Checkpoint
+    from strata_cli.serve.checkpoints import Checkpoint
 
     engine = engine_after(tiny_model, list(range(20)))
     file = tmp_path / "s.session"

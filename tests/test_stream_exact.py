@@ -12,10 +12,16 @@ import numpy as np
 import pytest
 from stream_checkpoints import NUM_EXPERTS, build_pair
 
-from strata_cli.config import EngineOptions, GenerateOptions, SpecOptions, StreamOptions
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import load_model
+from strata_cli.options import (
+    EngineOptions,
+    GenerateOptions,
+    SpecOptions,
+    StreamOptions,
+)
+from strata_cli.runtime import load_checkpoint
 from strata_cli.telemetry import DecodeStats
 
 
@@ -58,7 +64,7 @@ def run_windows(engine: WindowEngine, tokens: list[int], widths: list[int], pref
 @pytest.mark.parametrize("mode", ["serial", "speculative"])
 def test_logits_bit_identical(checkpoints, reference, fraction, mode):
     slots = max(1, round(NUM_EXPERTS * fraction))
-    streamed = load_model(checkpoints[1], experts=StreamOptions(resident_experts=slots))
+    streamed = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=slots))
     assert streamed.expert_cache.num_slots == slots
     tokens = token_stream(seed=7, n=80)
     widths = [1] * 12 if mode == "serial" else [4, 2, 3, 1, 4, 4, 2, 3, 4, 1]
@@ -86,7 +92,7 @@ def test_logits_bit_identical(checkpoints, reference, fraction, mode):
     ids=["10%-router", "50%-history", "50%-root-prefetch", "100%-off-buffered"],
 )
 def test_generate_tokens_identical(checkpoints, reference, stream):
-    streamed = load_model(checkpoints[1], experts=stream)
+    streamed = load_checkpoint(checkpoints[1], stream=stream)
     prompts = [token_stream(seed, 30) for seed in (1, 2)]
 
     def decode(model, prompt, drafts):
@@ -112,7 +118,7 @@ def test_quantized_experts_bit_identical(tmp_path):
     """4-bit experts (gather_qmm over the slot banks) at 10%: identical to the resident 4-bit model."""
     full, streamed_path = build_pair(tmp_path, bits=4, group_size=32, hidden_size=64, moe_intermediate_size=32)
     reference = load_model(full)
-    streamed = load_model(streamed_path, experts=StreamOptions(resident_experts=3))
+    streamed = load_checkpoint(streamed_path, stream=StreamOptions(resident_experts=3))
     block = streamed.expert_cache.store.blocks["model.layers.0.mlp.switch_mlp"]
     assert block.quantization["gate_proj"] == {"group_size": 32, "bits": 4, "mode": "affine"}
     assert {t.name for t in block.tensors} >= {"down_proj.weight", "down_proj.scales", "down_proj.biases"}

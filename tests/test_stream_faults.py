@@ -11,14 +11,20 @@ import pytest
 from click.testing import CliRunner
 from stream_checkpoints import build_pair
 
-from strata_cli.cli import cli, embedded_model_path
-from strata_cli.config import ConvertOptions, GenerateOptions, SpecOptions, StreamOptions
+from strata_cli.cli import cli
 from strata_cli.convert import convert
 from strata_cli.decode import generate
-from strata_cli.engine import expert_store
-from strata_cli.engine.expert_store import ExpertReadError, ExpertStore
 from strata_cli.engine.window import WindowEngine
-from strata_cli.model import ModelLoadError, load_model
+from strata_cli.experts import store as expert_store
+from strata_cli.experts.store import ExpertReadError, ExpertStore
+from strata_cli.model import ModelLoadError
+from strata_cli.options import (
+    ConvertOptions,
+    GenerateOptions,
+    SpecOptions,
+    StreamOptions,
+)
+from strata_cli.runtime import embedded_model_path, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +53,11 @@ def test_truncated_file_is_refused_at_load(copy):
     f = layer_file(copy, 2)
     os.truncate(f, f.stat().st_size // 2 + 100)
     with pytest.raises(ModelLoadError, match=r"layer_002\.bin: truncated .* expert 16 of model\.layers\.2\.mlp\.switch_mlp"):
-        load_model(copy)
+        load_checkpoint(copy)
 
 
 def test_truncated_after_load_is_a_short_read(copy):
-    model = load_model(copy, experts=StreamOptions(resident_experts=4))
+    model = load_checkpoint(copy, stream=StreamOptions(resident_experts=4))
     for layer in range(4):
         os.truncate(layer_file(copy, layer), 0)
     with pytest.raises(ExpertReadError, match=r"layer_000\.bin: short read of expert \d+ of model\.layers\.0\.mlp"):
@@ -60,7 +66,7 @@ def test_truncated_after_load_is_a_short_read(copy):
 
 
 def test_corrupted_record_fails_its_checksum(copy):
-    model = load_model(copy, experts=StreamOptions(resident_experts=4, prefetch="off"))
+    model = load_checkpoint(copy, stream=StreamOptions(resident_experts=4, prefetch="off"))
     block = model.expert_cache.store.blocks["model.layers.1.mlp.switch_mlp"]
     offset, length, _ = block.records[5]
     with open(layer_file(copy, 1), "r+b") as f:
@@ -77,7 +83,7 @@ def test_corrupted_record_fails_its_checksum(copy):
 
 def test_failed_prefetch_nobody_used_still_raises(streamed):
     """A prefetch that failed for an expert no row selected is reported at the next block."""
-    model = load_model(streamed, experts=StreamOptions(resident_experts=4))
+    model = load_checkpoint(streamed, stream=StreamOptions(resident_experts=4))
     cache = model.expert_cache
     failed = Future()
     failed.set_exception(ExpertReadError("layer_001.bin: short read of expert 9 of model.layers.1.mlp.switch_mlp"))

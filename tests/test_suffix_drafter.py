@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from strata_cli.spec import suffix_drafter
-from strata_cli.spec.suffix_drafter import (
+from strata_cli.speculative import suffix_drafter
+from strata_cli.speculative.suffix_drafter import (
     DEFAULT_MIN_MATCH,
     MAX_MATCH,
     POSITIONS_PER_TRIGRAM,

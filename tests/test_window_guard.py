@@ -2,8 +2,8 @@
 
 import pytest
 
-from strata_cli.config import EngineOptions
 from strata_cli.engine.window import WindowEngine, WindowError
+from strata_cli.options import EngineOptions
 
 
 @pytest.fixture(params=[False, True], ids=["whole", "partial"])

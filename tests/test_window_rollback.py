@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from strata_cli.config import EngineOptions
 from strata_cli.engine.window import WindowEngine
+from strata_cli.options import EngineOptions
 
 TOL = 1e-5
 SEQ_LEN = 40

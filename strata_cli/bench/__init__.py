@@ -6,7 +6,7 @@ Modules: `workloads` (the example files), `runner` (the loop), `peers` (mlx-lm),
 wrapper around `runner.run_bench` and `report`.
 """
 
-from .peers import MlxLmPeer, PeerError, model_dtype
+from .peers import MlxLmPeer, PeerError
 from .report import PlotError, markdown, plot, render_table
 from .results import BenchResult, result_from_dict
 from .runner import (
@@ -26,6 +26,6 @@ from .workloads import Workload, WorkloadError, default_workloads_dir, load_work
 __all__ = [
     "DEFAULT_BENCH_TOKENS", "DEFAULT_MODES", "DEFAULT_REPEATS", "DEFAULT_WARMUP",
     "BenchOptions", "BenchResult", "Mode", "MlxLmPeer", "PeerError", "PlotError", "Workload",
-    "WorkloadError", "collect_meta", "count_runs", "default_workloads_dir", "load_workloads", "model_dtype",
+    "WorkloadError", "collect_meta", "count_runs", "default_workloads_dir", "load_workloads",
     "markdown", "parse_modes", "plot", "render_table", "result_from_dict", "run_bench",
 ]

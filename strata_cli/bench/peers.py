@@ -45,16 +45,6 @@ def require_mlx_lm():
     return mlx_generate, make_prompt_cache
 
 
-def model_dtype(model):
-    """The floating dtype most of a model's parameters have (its compute dtype; quantized
-    weights are integers, their scales floating)."""
-    from mlx.utils import tree_flatten
-
-    from ..model.loader import stored_dtype
-
-    return stored_dtype(dict(tree_flatten(model.parameters())))
-
-
 @dataclass
 class MlxLmPeer:
     """A loaded mlx-lm model (and its draft model) to run the peer modes with.

@@ -16,13 +16,26 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..config import MAX_SUFFIX_DRAFT, ConfigError, GenerateOptions, SpecOptions, parse_suffix_draft
 from ..decode import generate
-from ..spec.controller import CostPrior
-from ..spec.suffix_drafter import DEFAULT_MIN_MATCH
+from ..options import (
+    MAX_SUFFIX_DRAFT,
+    ConfigError,
+    GenerateOptions,
+    SpecOptions,
+    parse_suffix_draft,
+)
+from ..speculative.controller import CostPrior
+from ..speculative.suffix_drafter import DEFAULT_MIN_MATCH
 from ..telemetry import DecodeStats
 from .peers import PEER_MODES, MlxLmPeer
-from .results import BenchResult, ModeResult, PeerRefusal, RunResult, WorkloadResult, first_difference
+from .results import (
+    BenchResult,
+    ModeResult,
+    PeerRefusal,
+    RunResult,
+    WorkloadResult,
+    first_difference,
+)
 from .workloads import Workload
 
 SERIAL = "serial"

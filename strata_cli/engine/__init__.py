@@ -1,1 +1,1 @@
-"""The window engine: per-layer state, run/commit, and every rollback rule."""
+"""The window engine: per-layer state and every rollback rule (`state`), and run/commit (`window`)."""

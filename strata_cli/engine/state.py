@@ -1,10 +1,10 @@
-"""Per-layer state and its rollback rules (DESIGN.md, "State and its rollback rule").
+"""Per-layer state and its rollback rules (docs/design.md, "State and its rollback rule").
 
 Every state implements one protocol, `LayerState`:
 
 - `begin(pos0, T, mode)` opens a window of `T` rows at absolute positions `pos0..pos0+T-1`;
-- the model layer then reads and writes the state through layer-specific calls
-  (`KVState.update_and_fetch`, `GDNState.conv_window` / `GDNState.recur`);
+- the model layer then reads and writes the state through the calls model/layer_state.py
+  names (`KVState.update_and_fetch`, `GDNState.conv_window` / `GDNState.recur`);
 - `commit(keep)` makes the state equal to serially processing the first `keep` rows;
 - `flush()` applies any deferred work, `snapshot()` / `restore()` save and bring back committed
   state (MLX arrays are immutable, so a snapshot is a tuple of references), and `tensors()`
@@ -17,10 +17,11 @@ implement the same five calls, so the window contract never changes when they ar
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import mlx.core as mx
+
+from ..model.layer_state import GDNRows, Scan
 
 KV_STEP = 256  # KV buffers grow in steps of this many cells, so shapes change rarely
 
@@ -116,30 +117,6 @@ class KVState:
             "keys": self.keys[..., : self.length, :],
             "values": self.values[..., : self.length, :],
         }
-
-
-@dataclass(frozen=True)
-class GDNRows:
-    """Per-row inputs of the gated-delta recurrence, after the causal conv.
-
-    Shapes: q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv).
-    """
-
-    q: mx.array
-    k: mx.array
-    v: mx.array
-    g: mx.array
-    beta: mx.array
-
-    def __len__(self) -> int:
-        return self.q.shape[1]
-
-    def rows(self, start: int, stop: int) -> "GDNRows":
-        return GDNRows(*(a[:, start:stop] for a in (self.q, self.k, self.v, self.g, self.beta)))
-
-
-# scan(rows, state) -> (outputs (B, T, Hv, Dv), state after the last row)
-Scan = Callable[[GDNRows, mx.array], tuple[mx.array, mx.array]]
 
 
 class GDNState:

@@ -1,6 +1,6 @@
 """WindowEngine: run a window of [root, d1..dD] in one forward pass, then commit a prefix.
 
-The contract (DESIGN.md, "The window contract"):
+The contract (docs/design.md, "The window contract"):
 
 - `run(tokens, pos0)` takes T = 1 + D tokens at positions pos0..pos0+T-1 and returns, for every
   row i, the logits and the greedy token out[i], the prediction for position pos0+i+1. It does not
@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from ..config import PREFILL_CHUNK, EngineOptions
+from ..options import PREFILL_CHUNK, EngineOptions
 from .state import GDNState, KVState, Mode
 
 
@@ -67,7 +67,7 @@ class WindowEngine:
         self.states = [make_state(kind, params, self.options) for kind, params in model.state_kinds]
         self.length = 0  # committed positions
         self._open: tuple[int, int] | None = None  # (pos0, T) of a run awaiting commit
-        # Streamed experts (engine/experts.py): performance state, told where windows start, never rewound.
+        # Streamed experts (experts/cache.py): performance state, told where windows start, never rewound.
         self.expert_cache = getattr(model, "expert_cache", None)
         self.prefill_expert_bytes = 0  # bytes the last prefill read from the expert files
 
@@ -175,6 +175,12 @@ class WindowEngine:
     def last_window_experts(self):
         """The expert cache's counters of the last run (`telemetry.ExpertWindowStats`), or None."""
         return self.expert_cache.last_window if self.expert_cache is not None else None
+
+    @property
+    def draft_read_cost(self) -> Callable[[int], float] | None:
+        """Predicted seconds a window of T rows spends reading its drafts' cold experts (the
+        controller's `extra_cost`), or None when experts do not stream."""
+        return self.expert_cache.draft_read_cost if self.expert_cache is not None else None
 
     def _forward(self, tokens: Sequence[int], pos0: int, mode: Mode, *, last_only: bool = False):
         T = len(tokens)

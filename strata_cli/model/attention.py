@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layer_state import AttentionState
 from .layers import RMSNorm
 
 
@@ -37,7 +38,7 @@ class GatedAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
 
-    def __call__(self, x: mx.array, state) -> mx.array:
+    def __call__(self, x: mx.array, state: AttentionState) -> mx.array:
         B, T, _ = x.shape
         q = self.q_proj(x)
         if self.output_gate:  # per head: [query | gate]

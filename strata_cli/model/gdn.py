@@ -1,8 +1,9 @@
 """Gated-delta-rule linear attention (the GDN layers of Qwen3-Next).
 
 Legend: T = rows, Hk/Hv = key/value heads, Dk/Dv = head dims, C = conv channels (2·Hk·Dk + Hv·Dv),
-K = conv kernel. The layer never owns its state: the engine's `GDNState` supplies the conv history
-and the recurrent state, and decides which rows reach committed state.
+K = conv kernel. The layer never owns its state: the caller's `RecurrentState` (the engine's
+`GDNState`) supplies the conv history and the recurrent state, and decides which rows reach
+committed state.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine.state import GDNRows
+from .layer_state import GDNRows, RecurrentState
 from .layers import GatedRMSNorm
 
 L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
@@ -117,7 +118,7 @@ class GatedDeltaNet(nn.Module):
             a.reshape(B, T, self.num_v_heads),
         )
 
-    def __call__(self, x: mx.array, state) -> mx.array:
+    def __call__(self, x: mx.array, state: RecurrentState) -> mx.array:
         B, T, _ = x.shape
         raw, z, b, a = self._project(x)
         mixed = nn.silu(self.conv1d(state.conv_window(raw)))

@@ -11,18 +11,18 @@ import importlib
 import json
 import struct
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..config import ConfigError
+from .config import DTYPES, ConfigError
 from .layout import LayoutError
 from .quant import Quantization, apply_to_load
 
 # model_type -> module in strata_cli.model
 ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # config.json key that marks strata's own layout (already sanitized), and its version.
 FORMAT_KEY = "strata_format"
 FORMAT_VERSION = 1
@@ -108,6 +108,12 @@ def stored_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
     return counts.most_common(1)[0][0] if counts else mx.float32
 
 
+def compute_dtype(model) -> mx.Dtype:
+    """The floating dtype most of a loaded model's parameters have: the dtype it computes in
+    (quantized weights are integers, their scales floating)."""
+    return stored_dtype(dict(tree_flatten(model.parameters())))
+
+
 def choose_dtype(requested: str | None, stored: mx.Dtype) -> mx.Dtype:
     if requested is not None:
         return DTYPES[requested]
@@ -169,39 +175,22 @@ def is_strata_format(params: dict) -> bool:
     return True
 
 
-def _attach_streamed_experts(model, path: Path, *, dtype: mx.Dtype, options) -> None:
-    """Serve the routed experts from `path/experts/` when the checkpoint is streamed."""
-    from ..engine.expert_store import ExpertStoreError, is_streamed
-
-    if not is_streamed(path):
-        if options is not None and not options.is_default:
-            raise ConfigError(
-                f"expert cache options apply to a streamed checkpoint (strata convert --stream); "
-                f"{path} keeps its experts in safetensors"
-            )
-        return
-    from ..engine.experts import attach_streamed_experts
-
-    try:
-        attach_streamed_experts(model, path, dtype=dtype, options=options)
-    except ExpertStoreError as e:
-        raise ModelLoadError(str(e)) from None
-
-
 def _some(names: list[str], limit: int = 5) -> str:
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
 
-def load_model(path: str | Path, *, dtype: str | None = None, experts=None):
+def load_model(
+    path: str | Path, *, dtype: str | None = None, before_weights: Callable[[object, mx.Dtype], None] | None = None
+):
     """Build the model a checkpoint directory describes and load its weights.
 
     Args:
         path: directory with config.json and *.safetensors (sharded or not).
         dtype: "float32", "bfloat16", "float16", or None for the stored dtype (float32 on CPU).
-        experts: `StreamOptions` for a streamed checkpoint (`strata convert --stream`: its
-            experts are served from disk through `model.expert_cache`); None = defaults. Only a
-            streamed checkpoint takes non-default options.
+        before_weights: called as `before_weights(model, compute_dtype)` once the model is built
+            and before its weights are checked and loaded; the runtime attaches streamed experts
+            there (runtime.py), which take the routed experts' parameters out of the model.
 
     Returns:
         The model, with `model.config` set.
@@ -242,9 +231,10 @@ def load_model(path: str | Path, *, dtype: str | None = None, experts=None):
         raise ModelLoadError(f"{sources.get(e.tensor, path)}: {e}") from None
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    _attach_streamed_experts(model, path, dtype=choose_dtype(dtype, stored), options=experts)
-    check_weights(model, weights, sources, path)
     target = choose_dtype(dtype, stored)
+    if before_weights is not None:
+        before_weights(model, target)
+    check_weights(model, weights, sources, path)
     weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())

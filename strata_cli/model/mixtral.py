@@ -9,8 +9,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ConfigError, ModelConfig, lift_rope_parameters
 from .attention import GatedAttention
+from .config import ConfigError, ModelConfig, lift_rope_parameters
 from .layers import DecoderStack, RMSNorm
 from .layout import stack_experts
 from .moe import SparseMoeBlock

@@ -12,7 +12,7 @@ import mlx.nn as nn
 from .layers import MLP
 
 
-def _gather_matmul(x: mx.array, w: mx.array, experts: mx.array) -> mx.array:
+def gather_matmul(x: mx.array, w: mx.array, experts: mx.array) -> mx.array:
     """x (M, 1, A) @ w[experts]ᵀ, with w (E, B, A) -> (M, 1, B); `experts` sorted ascending."""
     if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
@@ -31,7 +31,7 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        return _glu_by_expert(x, inds, lambda name, xs, experts: _gather_matmul(xs, self[name], experts))
+        return glu_by_expert(x, inds, lambda name, xs, experts: gather_matmul(xs, self[name], experts))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchGLU":
         """The same experts, affine-quantized (what `nn.quantize` calls)."""
@@ -50,10 +50,21 @@ class QuantizedExperts(nn.Module):
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """x (M, 1, in) @ dequantized weight[experts]ᵀ -> (M, 1, out); `experts` sorted."""
-        return mx.gather_qmm(
-            x, self.weight, self.scales, self.biases, rhs_indices=experts, transpose=True,
-            group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=True,
-        )
+        return gather_qmatmul(x, self.weight, self.scales, self.biases, experts,
+                              group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+
+def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None, experts: mx.array,
+                   *, group_size: int, bits: int, mode: str = "affine") -> mx.array:
+    """x (M, 1, in) @ dequantized weight[experts]ᵀ -> (M, 1, out); `experts` sorted ascending.
+
+    The matmul of `QuantizedExperts`, public so that streamed experts (experts/switch.py) run the
+    very same call over their slot banks.
+    """
+    return mx.gather_qmm(
+        x, weight, scales, biases, rhs_indices=experts, transpose=True,
+        group_size=group_size, bits=bits, mode=mode, sorted_indices=True,
+    )
 
 
 class QuantizedSwitchGLU(nn.Module):
@@ -66,13 +77,13 @@ class QuantizedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        return _glu_by_expert(x, inds, lambda name, xs, experts: self[name](xs, experts))
+        return glu_by_expert(x, inds, lambda name, xs, experts: self[name](xs, experts))
 
 
-def _glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
+def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
     """SwiGLU over each token's picked experts; `matmul(name, xs, experts)` does one projection.
 
-    Also the compute of streamed experts (engine/experts.py), with slot ids for `inds`: keeping
+    Also the compute of streamed experts (experts/switch.py), with slot ids for `inds`: keeping
     one code path is what makes them bit-identical to resident ones.
     """
     N, k = inds.shape
@@ -102,7 +113,7 @@ class SparseMoeBlock(nn.Module):
     """Router, routed experts (`switch_mlp`) and optional shared expert.
 
     Hook for streamed experts: `switch_mlp` is any module with the `(x (N, H), inds (N, k)) ->
-    (N, k, H)` contract; engine/experts.py swaps in a `StreamedSwitchGLU` that serves the experts
+    (N, k, H)` contract; experts/switch.py swaps in a `StreamedSwitchGLU` that serves the experts
     from disk through a bounded cache. Routing stays here, so it never depends on residency.
     """
 

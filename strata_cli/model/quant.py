@@ -18,12 +18,12 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import QUANT_GROUP_SIZES, ConfigError
+from .config import ConfigError
 from .moe import SwitchGLU
 
 MODE = "affine"
 BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports in affine mode
-GROUP_SIZES = QUANT_GROUP_SIZES
+GROUP_SIZES = (32, 64, 128)  # weights per scale and bias that strata reads and writes
 ROUTER_BITS = 8  # routers and the shared-expert gate stay at 8 bits, as mlx-lm quantizes them
 
 Overrides = Callable[[str], dict | None]

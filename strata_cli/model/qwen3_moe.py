@@ -9,9 +9,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ConfigError, ModelConfig, lift_rope_parameters
 from .attention import GatedAttention
-from .layers import DecoderStack, MLP, RMSNorm
+from .config import ConfigError, ModelConfig, lift_rope_parameters
+from .layers import MLP, DecoderStack, RMSNorm
 from .layout import stack_experts
 from .moe import SparseLayerRule, SparseMoeBlock
 from .quant import router_overrides

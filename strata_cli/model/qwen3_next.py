@@ -8,10 +8,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import ConfigError, ModelConfig
 from .attention import GatedAttention
+from .config import ConfigError, ModelConfig, lift_rope_parameters
 from .gdn import GatedDeltaNet
-from .layers import DecoderStack, MLP, RMSNorm
+from .layers import MLP, DecoderStack, RMSNorm
 from .layout import HF, detect_layout, stack_experts
 from .moe import SparseLayerRule, SparseMoeBlock
 from .quant import router_overrides
@@ -47,14 +47,7 @@ class Qwen3NextConfig(SparseLayerRule, ModelConfig):
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "Qwen3NextConfig":
-        params = dict(params)
-        # transformers 5 nests rotary settings under rope_parameters.
-        rope = params.get("rope_parameters") or {}
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if key in rope and key not in params:
-                params[key] = rope[key]
-        if rope.get("rope_type", "default") != "default" or params.get("rope_scaling"):
-            raise ConfigError("rope scaling is not supported yet (only the default rotary embedding)")
+        params = lift_rope_parameters(params, ("rope_theta", "partial_rotary_factor"))
         n = params.get("num_hidden_layers", 0)
         if not params.get("layer_types"):
             interval = params.get("full_attention_interval", 4)

@@ -2,12 +2,13 @@
 
 One engine answers requests one at a time. Across requests it keeps:
 
-- a ring of committed-state checkpoints keyed by token prefix (engine/checkpoints.py): a prompt
+- a ring of committed-state checkpoints keyed by token prefix (serve/checkpoints.py): a prompt
   that starts with a checkpoint's tokens restores it and prefills only the rest;
-- optionally, a cross-request suffix cache of earlier outputs for drafts (spec/suffix_cache.py);
-- optionally, a session file (session.py) that carries the last request's state across runs.
+- optionally, a cross-request suffix cache of earlier outputs for drafts
+  (speculative/suffix_cache.py);
+- optionally, a session file (serve/session.py) that carries the last request's state across runs.
 
-Protocol: serve_protocol.py; I/O edges and signals: serve_io.py; docs: README.md, docs/serve.md.
+Protocol: serve/protocol.py; I/O edges and signals: serve/io.py; docs: README.md, docs/serve.md.
 Nothing here writes to stdout except through the `FrameWriter`; logs go to the "strata.serve"
 logger, which the CLI sends to stderr.
 """
@@ -21,14 +22,18 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .config import EngineOptions, GenerateOptions, ServeOptions, SpecOptions
-from .decode import FINISH_STOP
-from .decode import generate as decode_generate
-from .engine.checkpoints import Checkpoint, CheckpointRing, plan
-from .engine.window import WindowEngine
-from .serve_chat import ChatTemplate, ChatTemplateError
-from .serve_io import EOF, NOTHING, LineReader, OversizeLine, SignalLatch, protocol_stdout
-from .serve_protocol import (
+from ..decode import FINISH_STOP
+from ..decode import generate as decode_generate
+from ..engine.window import WindowEngine
+from ..options import GenerateOptions, ServeOptions, SpecOptions
+from ..runtime import Runtime
+from ..speculative.suffix_cache import GlobalSuffixCache
+from ..telemetry import DecodeStats
+from ..tokenizer import StreamingDetokenizer, Tokenizer
+from .chat import ChatTemplate, ChatTemplateError
+from .checkpoints import Checkpoint, CheckpointRing, plan
+from .io import EOF, NOTHING, LineReader, OversizeLine, SignalLatch, protocol_stdout
+from .protocol import (
     FINISH_CANCELLED,
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -44,10 +49,8 @@ from .serve_protocol import (
     delta_frame,
     error_frame,
 )
-from .serve_stop import StopMatcher
-from .spec.suffix_cache import GlobalSuffixCache
-from .telemetry import DecodeStats
-from .tokenizer import StreamingDetokenizer, Tokenizer
+from .session import SessionError, load_session, save_session
+from .stop import StopMatcher
 
 log = logging.getLogger("strata.serve")
 
@@ -320,18 +323,16 @@ def serve_lines(server: Server, reader: LineReader, latch: SignalLatch) -> int:
 
 
 def serve_stdio(
-    model_dir: str | Path,
+    runtime: Runtime,
     *,
-    engine_options: EngineOptions,
     serve_options: ServeOptions,
     defaults: GenerateOptions,
     spec: SpecOptions,
 ) -> int:
-    """Load the model, restore the session, serve stdin until EOF or a signal, save the session.
+    """Restore the session, serve stdin until EOF or a signal, save the session.
 
     Args:
-        model_dir: the checkpoint directory.
-        engine_options: fold, partial, context and dtype of the engine.
+        runtime: the opened checkpoint (runtime.open_model) and its engine.
         serve_options: caches, session file and line limit.
         defaults: generate options for fields a request leaves out.
         spec: speculative options for fields a request leaves out.
@@ -340,20 +341,14 @@ def serve_stdio(
         The exit status (see `serve_lines`).
 
     Raises:
-        ModelLoadError: the checkpoint cannot be used.
         SessionError: the session file is corrupt, another model's, or cannot be written.
     """
-    from .model import load_model
-    from .session import SessionError, load_session, model_dtype, model_identity, save_session
-
-    model = load_model(model_dir, dtype=engine_options.dtype)
-    tokenizer = Tokenizer(model_dir)
-    chat = ChatTemplate.from_model_dir(model_dir)
-    engine = WindowEngine(model, engine_options)
+    engine, tokenizer = runtime.engine, runtime.tokenizer
+    chat = ChatTemplate.from_model_dir(runtime.path)
     session = Path(serve_options.session) if serve_options.session else None
     signature = {
-        "identity": model_identity(model_dir),
-        "dtype": model_dtype(model),
+        "identity": runtime.identity,
+        "dtype": str(runtime.dtype),
         "layout": [type(state).__name__ for state in engine.states],
     }
     restored = None
@@ -378,7 +373,7 @@ def serve_stdio(
                 frames=FrameWriter(stream), cancelled=latch.is_set,
             )
             server.adopt(restored or [])
-            log.info("ready: %s", model_dir)
+            log.info("ready: %s", runtime.path)
             status = serve_lines(server, LineReader(0, serve_options.max_line_bytes).start(), latch)
     finally:
         latch.uninstall()

@@ -14,15 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .engine.checkpoints import Checkpoint
-from .engine.window import Snapshot
+from ..engine.window import Snapshot
+from .checkpoints import Checkpoint
 
 FORMAT = "strata-session"
 VERSION = 1
@@ -30,28 +28,6 @@ VERSION = 1
 
 class SessionError(ValueError):
     """A session file that cannot be used (corrupt, another model, another format)."""
-
-
-def model_identity(model_dir: str | Path) -> str:
-    """SHA-256 over config.json's bytes and every weight file's name and size.
-
-    Hashing the weights themselves would cost a full read of the checkpoint at every start; names
-    and sizes catch a swapped or re-quantized model, and config.json catches another architecture.
-
-    Args:
-        model_dir: the checkpoint directory.
-    """
-    path = Path(model_dir)
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        digest.update(f"\0{f.name}\0{f.stat().st_size}".encode())
-    return digest.hexdigest()
-
-
-def model_dtype(model) -> str:
-    """The dtype most of the model's floating-point parameters have (the engine computes in it)."""
-    dtypes = Counter(a.dtype for _, a in tree_flatten(model.parameters()) if mx.issubdtype(a.dtype, mx.floating))
-    return str(dtypes.most_common(1)[0][0]) if dtypes else "none"
 
 
 def save_session(
@@ -62,7 +38,7 @@ def save_session(
     Args:
         file: the session file (any name; it is a safetensors file).
         checkpoints: committed states and the token ids each holds, least recently used first.
-        identity: `model_identity` of the model that computed the states.
+        identity: the identity of the model that computed the states (`Runtime.identity`).
         dtype: the compute dtype (state arrays are only valid in it).
         layout: the engine's per-layer state type names, in layer order.
     """

@@ -23,23 +23,20 @@ layer's own code over the slot banks. The cache is performance state: never rewo
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from types import SimpleNamespace
+from dataclasses import replace
 from typing import Iterator
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
-from ..config import ConfigError, StreamOptions
-from ..model.moe import QuantizedExperts, SparseMoeBlock, _gather_matmul, _glu_by_expert
+from ..model.moe import SparseMoeBlock
+from ..options import StreamOptions
 from ..telemetry import ExpertWindowStats
-from .expert_store import DTYPES, GLU, BlockLayout, ExpertStore, ExpertStoreError, expert_blocks, layer_of
+from .store import DTYPES, BlockLayout, ExpertStore, layer_of
 
 # Per-block counters of one window (ExpertCache._counts columns).
 COUNTERS = (
@@ -48,6 +45,46 @@ COUNTERS = (
 )
 _C = {name: i for i, name in enumerate(COUNTERS)}
 DECODE, PREFILL = "decode", "prefill"
+
+
+class DraftReadCost:
+    """Predicts the seconds a window of T rows spends reading the cold experts its drafts need
+    beyond the root's: the draft-length controller's `extra_cost` when experts stream, so
+    `--suffix-draft auto` weighs disk reads (docs/design.md, "Draft-length controller").
+
+    Learned from measured decode windows, as moving averages: seconds per expert read (the
+    window's wait on reads over the experts it read) and cold experts per draft row
+    (`cold_beyond_root / (T - 1)`).
+
+    Args:
+        smoothing: weight of the newest window in each average (default 0.2).
+    """
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.seconds_per_read: float | None = None
+        self.cold_per_draft_row: float | None = None
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def observe(self, stats: ExpertWindowStats, rows: int) -> float:
+        """Learn from one decode window of `rows` rows; return the seconds its drafts' cold
+        reads took (its `cold_beyond_root` at the window's own seconds per read)."""
+        reads = stats.misses + stats.late_waits
+        if rows > 1:
+            self.cold_per_draft_row = self._average(self.cold_per_draft_row, stats.cold_beyond_root / (rows - 1))
+        if not reads:
+            return 0.0
+        per_read = stats.late_wait_seconds / reads
+        self.seconds_per_read = self._average(self.seconds_per_read, per_read)
+        return stats.cold_beyond_root * per_read
+
+    def __call__(self, T: int) -> float:
+        """Predicted extra seconds of a window of T rows (0 until reads were measured)."""
+        if T <= 1 or self.seconds_per_read is None or self.cold_per_draft_row is None:
+            return 0.0
+        return (T - 1) * self.cold_per_draft_row * self.seconds_per_read
 
 
 class _Block:
@@ -99,7 +136,9 @@ class ExpertCache:
         self._deferred: list[BaseException] = []
         self._kind = DECODE
         self._counts = np.zeros((len(self.paths), len(COUNTERS)))
+        self._rows = 0  # rows of the window being served
         self._last: ExpertWindowStats | None = None
+        self.draft_read_cost = DraftReadCost()
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, store)
 
     # -- windows -------------------------------------------------------------------------------
@@ -110,12 +149,17 @@ class ExpertCache:
             self._drop_prefetches(i, block)
         self._kind = kind
         self._counts[:] = 0
+        self._rows = 0
         self._window_ids = {}
 
     def end_window(self) -> ExpertWindowStats:
-        """The counters of the window since `begin_window`."""
-        self._last = self.window_stats()
-        return self._last
+        """The counters of the window since `begin_window`; a decode window also teaches
+        `draft_read_cost`."""
+        stats = self.window_stats()
+        if self._kind == DECODE and self._rows:
+            stats = replace(stats, draft_read_seconds=self.draft_read_cost.observe(stats, self._rows))
+        self._last = stats
+        return stats
 
     @property
     def last_window(self) -> ExpertWindowStats | None:
@@ -171,6 +215,7 @@ class ExpertCache:
         predicted = self._router_prediction(i, x)
         mx.eval([a for a in (inds, predicted) if a is not None])
         ids = np.array(inds, dtype=np.int64)  # (N, k)
+        self._rows = max(self._rows, len(ids))
         union = np.unique(ids)
         missing = union[block.slot_of[union] < 0]
         count[_C["union"]] += len(union)
@@ -369,138 +414,3 @@ def _shutdown(pool: ThreadPoolExecutor, store: ExpertStore) -> None:
 
 def _num(value: float) -> float | int:
     return float(value) if not float(value).is_integer() else int(value)
-
-
-class StreamedSwitchGLU(nn.Module):
-    """Takes a MoE block's `switch_mlp` place: the same `(x, inds) -> (N, k, H)` contract, with
-    the experts served from an `ExpertCache` instead of resident stacked weights.
-
-    It computes with the resident layers' own code (`moe._glu_by_expert` over
-    `moe._gather_matmul` or `QuantizedExperts`), indexing slot banks with slot ids, so its
-    output is the resident layer's, bit for bit.
-
-    Args:
-        cache: the expert cache.
-        path: this block's module path (its records in the layout).
-    """
-
-    def __init__(self, cache: ExpertCache, path: str):
-        super().__init__()
-        self.cache, self.path = cache, path
-        self.quantization = cache.store.blocks[path].quantization
-
-    def _matmul(self, banks: dict[str, mx.array]):
-        def matmul(name: str, xs: mx.array, slots: mx.array) -> mx.array:
-            q = self.quantization.get(name)
-            if q is None:
-                return _gather_matmul(xs, banks[name], slots)
-            experts = SimpleNamespace(weight=banks[f"{name}.weight"], scales=banks[f"{name}.scales"],
-                                      biases=banks.get(f"{name}.biases"), **q)
-            return QuantizedExperts.__call__(experts, xs, slots)
-
-        return matmul
-
-    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
-        """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        N, k = inds.shape
-        parts, served = [], []
-        for picks, slots, banks in self.cache.serve(self.path, x, inds):
-            if picks is None:
-                return _glu_by_expert(x, mx.array(slots), self._matmul(banks))
-            out = _glu_by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks))
-            mx.eval(out)  # before the next pass overwrites slots this one reads
-            parts.append(out[:, 0])
-            served.append(picks)
-        order = np.argsort(np.concatenate(served))
-        return mx.concatenate(parts)[mx.array(order)].reshape(N, k, -1)
-
-
-# -- attaching to a model ----------------------------------------------------------------------
-
-
-def resolve_slots(options: StreamOptions, *, num_experts: int, bytes_per_expert: int, num_blocks: int) -> int:
-    """Resident experts per block from the budget: `resident_experts`, or `cache_gb` over every
-    block, or all of them when neither is set.
-
-    Raises:
-        ConfigError: a budget that holds less than one expert per block.
-    """
-    if options.resident_experts is not None:
-        return min(options.resident_experts, num_experts)
-    if options.cache_gb is None:
-        return num_experts
-    per_slot = bytes_per_expert * num_blocks
-    slots = int(options.cache_gb * 1e9 // per_slot)
-    if slots < 1:
-        raise ConfigError(
-            f"--expert-cache {options.cache_gb} GB holds no expert: one slot in each of the "
-            f"{num_blocks} MoE blocks takes {per_slot / 1e9:.3f} GB"
-        )
-    return min(slots, num_experts)
-
-
-def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options: StreamOptions | None = None) -> ExpertCache:
-    """Serve `model`'s routed experts from the streaming layout in `path` through an ExpertCache.
-
-    Every MoE block's `switch_mlp` is replaced by a `StreamedSwitchGLU` (which has no
-    parameters, so the dense checkpoint loads as usual) and `model.expert_cache` is set.
-
-    Args:
-        model: the freshly built model (its MoE blocks still hold empty SwitchGLUs).
-        path: the checkpoint directory with `experts/index.json`.
-        dtype: compute dtype for the floating expert tensors.
-        options: budget, prefetch and I/O (default `StreamOptions()`: every expert resident).
-
-    Raises:
-        ExpertStoreError: the layout does not match the model, or its files are unusable.
-        ConfigError: a budget below one expert per block.
-    """
-    options = options or StreamOptions()
-    store = ExpertStore(path, io=options.io, verify=options.verify)
-    try:
-        moes = dict(model.named_modules())
-        blocks = [(p, moes[p.rsplit(".", 1)[0]]) for p, _ in expert_blocks(model)]
-        _check_layout(store, blocks)
-        bytes_per_expert = sum(
-            math.prod(t.shape) * (dtype if mx.issubdtype(DTYPES[t.dtype][1], mx.floating) else DTYPES[t.dtype][1]).size
-            for t in store.blocks[blocks[0][0]].tensors
-        )
-        slots = resolve_slots(options, num_experts=store.num_experts, bytes_per_expert=bytes_per_expert,
-                              num_blocks=len(blocks))
-        cache = ExpertCache(store, blocks, num_slots=slots, dtype=dtype, options=options)
-    except BaseException:
-        store.close()
-        raise
-    for p, moe in blocks:
-        moe.switch_mlp = StreamedSwitchGLU(cache, p)
-    model.expert_cache = cache
-    return cache
-
-
-def _check_layout(store: ExpertStore, blocks: list[tuple[str, SparseMoeBlock]]) -> None:
-    where = store.root
-    have, want = set(store.blocks), {p for p, _ in blocks}
-    if have != want:
-        extra, lacking = sorted(have - want), sorted(want - have)
-        raise ExpertStoreError(
-            f"{where}: the streamed blocks do not match the model"
-            + (f"; the model has no {extra[0]}" if extra else "")
-            + (f"; the layout lacks {lacking[0]}" if lacking else "")
-        )
-    for p, moe in blocks:
-        layout, glu = store.blocks[p], moe.switch_mlp
-        if store.num_experts != glu.gate_proj.shape[0]:
-            raise ExpertStoreError(f"{where}: {store.num_experts} experts per block, the model has {glu.gate_proj.shape[0]}")
-        specs = {t.name: t for t in layout.tensors}
-        for proj in GLU:
-            out_dim, in_dim = glu[proj].shape[1:]
-            q = layout.quantization.get(proj)
-            name = f"{proj}.weight" if q else proj
-            spec = specs.get(name)
-            packed = in_dim * q["bits"] // 32 if q else in_dim
-            if spec is None or spec.shape != (out_dim, packed):
-                got = spec.shape if spec else "nothing"
-                raise ExpertStoreError(
-                    f"{layout.file}: {p}.{name} is {got}, the model needs {(out_dim, packed)}"
-                    + (f" ({q['bits']}-bit)" if q else "")
-                )

@@ -2,7 +2,7 @@
 
 Plain Python: no MLX or numpy import.
 
-The rule (DESIGN.md, "Draft-length controller"). With conditional acceptance `a_i` of draft `i`
+The rule (docs/design.md, "Draft-length controller"). With conditional acceptance `a_i` of draft `i`
 (given drafts 1..i-1 were accepted) and `q_i = a_1···a_i` (`q_0 = 1`), a window of `D` drafts
 emits `E[keep](D) = Σ_{i=0..D} q_i` tokens on average and costs `C(D)` seconds. Starting from
 `D = 0` (serial), a longer draft `D'` replaces the current choice `D` only when its marginal

@@ -1,17 +1,18 @@
-"""Model configuration and run options: every knob strata has lives here, checked once.
+"""Run options: every knob strata has lives here, checked once.
 
 The CLI, `STRATA_*` environment variables and library callers all build these dataclasses;
-everything below `cli.py` receives them whole and never re-reads the environment.
+everything below `cli.py` receives them whole and never re-reads the environment. Checkpoint
+configuration (config.json) is parsed in model/config.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-from .spec.controller import CostPrior
-from .spec.suffix_drafter import DEFAULT_MIN_MATCH
+from .model.config import DTYPE_NAMES, ConfigError
+from .model.quant import GROUP_SIZES as QUANT_GROUP_SIZES
+from .speculative.controller import CostPrior
+from .speculative.suffix_drafter import DEFAULT_MIN_MATCH
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 0.0
@@ -19,62 +20,8 @@ DEFAULT_SEED = 0
 MAX_SUFFIX_DRAFT = 7  # a window is root + drafts; T <= 8 is what every rollback rule is tested for
 PREFILL_CHUNK = 512
 FOLD_MODES = ("lazy", "eager")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CONVERT_BITS = (4, 8)  # what `strata convert --bits` writes (loading reads any affine width)
-QUANT_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64
-
-
-class ConfigError(ValueError):
-    """A checkpoint's config.json, or a run option, that strata cannot use."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Fields every architecture shares; each `model/<arch>.py` subclasses it with its own."""
-
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-
-    @classmethod
-    def from_dict(cls, params: dict[str, Any]) -> "ModelConfig":
-        """Build from a config.json dict, ignoring keys the architecture does not use.
-
-        Raises:
-            ConfigError: a required field is missing, naming every missing one.
-        """
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        required = [
-            name
-            for name, f in fields.items()
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]
-        missing = [name for name in required if name not in params]
-        if missing:
-            raise ConfigError(f"config.json for {cls.__name__} lacks {', '.join(missing)}")
-        return cls(**{k: v for k, v in params.items() if k in fields})
-
-
-def lift_rope_parameters(params: dict[str, Any], keys: tuple[str, ...] = ("rope_theta",)) -> dict[str, Any]:
-    """A copy of config.json's dict with transformers 5's nested `rope_parameters` keys lifted to
-    the top level (where older configs keep them).
-
-    Raises:
-        ConfigError: any rotary embedding other than the default one (rope scaling).
-    """
-    params = dict(params)
-    rope = params.get("rope_parameters") or {}
-    for key in keys:
-        if key in rope and key not in params:
-            params[key] = rope[key]
-    if rope.get("rope_type", "default") != "default" or params.get("rope_scaling"):
-        scaling = params.get("rope_scaling") or rope
-        raise ConfigError(f"rope scaling is not supported yet (only the default rotary embedding), got {scaling}")
-    return params
 
 
 @dataclass(frozen=True)
@@ -87,7 +34,7 @@ class ConvertOptions:
         dtype: "float32", "bfloat16", "float16", or None (default) for the checkpoint's own.
         force: replace an existing destination (default False: refuse).
         stream: write the routed experts in the streaming layout (`experts/`, one aligned record
-            per expert, engine/expert_store.py) instead of safetensors (default False).
+            per expert, experts/store.py) instead of safetensors (default False).
     """
 
     bits: int | None = None
@@ -116,21 +63,17 @@ class EngineOptions:
             next window, where it joins that window's graph; "eager" folds at commit.
         partial: commit the root row inside `run` (it is always kept), so commit folds keep-1 rows.
         max_context: positions the engine may hold (prompt + generated); None = the model's maximum.
-        dtype: "float32", "bfloat16", "float16", or None for the checkpoint's own (float32 on CPU).
     """
 
     fold: str = "lazy"
     partial: bool = False
     max_context: int | None = None
-    dtype: str | None = None
 
     def __post_init__(self):
         if self.fold not in FOLD_MODES:
             raise ConfigError(f"fold must be one of {FOLD_MODES}, got {self.fold!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ConfigError(f"max_context must be at least 2, got {self.max_context}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
 EXPERT_PREFETCH_MODES = ("router", "history", "off")
@@ -141,7 +84,7 @@ DEFAULT_EXPERT_IO_THREADS = 8
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """How a streamed checkpoint's experts are cached and read (engine/experts.py).
+    """How a streamed checkpoint's experts are cached and read (experts/).
 
     Args:
         cache_gb: expert cache budget in GB (10^9 bytes) over all MoE blocks; None = unset.
@@ -184,6 +127,32 @@ class StreamOptions:
         return self == StreamOptions()
 
 
+DEMO_MODEL = "demo"  # the model argument that names the embedded checkpoint
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Which checkpoint to open and how (runtime.open_model).
+
+    Args:
+        model: a checkpoint directory, or "demo" (default) for the embedded model.
+        dtype: "float32", "bfloat16", "float16", or None (default) for the checkpoint's own
+            (float32 on CPU).
+        stream: expert cache budget, prefetch and I/O of a streamed checkpoint (default
+            `StreamOptions()`; only a streamed checkpoint takes non-default ones).
+    """
+
+    model: str = DEMO_MODEL
+    dtype: str | None = None
+    stream: StreamOptions = field(default_factory=lambda: StreamOptions())
+
+    def __post_init__(self):
+        if not self.model:
+            raise ConfigError("the model path is empty (pass a checkpoint directory, or 'demo')")
+        if self.dtype not in (None, *DTYPE_NAMES):
+            raise ConfigError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+
+
 @dataclass(frozen=True)
 class GenerateOptions:
     """What one request asks for.
@@ -215,7 +184,7 @@ class SpecOptions:
         max_drafts: most drafts per window (0 = off, the default); with `auto`, the maximum the
             controller may choose.
         min_match: shortest suffix match (in tokens) that may propose drafts (default 4, at least 3).
-        auto: let the draft-length controller (spec/controller.py) choose each window's number
+        auto: let the draft-length controller (speculative/controller.py) choose each window's number
             of drafts, up to `max_drafts` (default False: use every draft the proposal offers).
         cost_prior: the controller's prior window cost by T (a measured curve); None (default)
             = its built-in linear prior. Only with `auto`.

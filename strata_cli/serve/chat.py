@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from .tokenizer import read_json_object
+from ..tokenizer import read_json_object
 
 
 class ChatTemplateError(ValueError):

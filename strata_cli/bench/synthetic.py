@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import qwen3_next
+from ..model import qwen3_next
 
 
 def tiny_qwen3_next_config(**overrides) -> qwen3_next.Config:

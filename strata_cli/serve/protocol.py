@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from .config import ConfigError, GenerateOptions, SpecOptions, parse_suffix_draft
+from ..options import ConfigError, GenerateOptions, SpecOptions, parse_suffix_draft
 
 # Error codes (the `code` of an error reply).
 PARSE_ERROR = "parse_error"  # not JSON: syntax, NaN/Infinity, a number out of range, nesting, duplicate keys

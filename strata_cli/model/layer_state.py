@@ -1,0 +1,60 @@
+"""What a model layer asks of its per-layer state: the protocol below the model code.
+
+The layers never own state. The caller (the window engine, engine/state.py) passes one state
+object per layer into every forward call, and decides which rows reach committed state and how
+they roll back (docs/design.md, "State and its rollback rule"). This module only says what a
+layer may call, so `model/` needs nothing from the engine — as mlx-lm's `models/cache.py` sits
+below its models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import mlx.core as mx
+
+
+class AttentionState(Protocol):
+    """Keys and values of an attention layer."""
+
+    @property
+    def offset(self) -> int:
+        """Absolute position of the window's first row (its rotary offset)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the window's (B, H_kv, T, D) keys and values; return every cell up to its end."""
+
+
+@dataclass(frozen=True)
+class GDNRows:
+    """Per-row inputs of the gated-delta recurrence, after the causal conv.
+
+    Shapes: q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv).
+    """
+
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    g: mx.array
+    beta: mx.array
+
+    def __len__(self) -> int:
+        return self.q.shape[1]
+
+    def rows(self, start: int, stop: int) -> "GDNRows":
+        return GDNRows(*(a[:, start:stop] for a in (self.q, self.k, self.v, self.g, self.beta)))
+
+
+# scan(rows, state) -> (outputs (B, T, Hv, Dv), state after the last row)
+Scan = Callable[[GDNRows, mx.array], tuple[mx.array, mx.array]]
+
+
+class RecurrentState(Protocol):
+    """The causal conv's input history and the gated-delta recurrent state of a GDN layer."""
+
+    def conv_window(self, raw: mx.array) -> mx.array:
+        """Prepend the committed history to the window's raw conv inputs (B, T, C)."""
+
+    def recur(self, rows: GDNRows, scan: Scan) -> mx.array:
+        """Run `scan` over the window's rows from committed state; return the outputs."""

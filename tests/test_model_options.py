@@ -1,0 +1,91 @@
+"""Every command that opens a model takes the same model options (`@model_options`), and the
+runtime honours them: serve-stdio and bench cap a streamed checkpoint's experts, and convert
+takes `demo` as its source."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from strata_cli.cli import cli
+from strata_cli.convert import convert
+from strata_cli.options import ConvertOptions, LoadOptions, StreamOptions
+from strata_cli.runtime import embedded_model_path, open_model
+
+MODEL_OPTIONS = ("--model", "--dtype", "--expert-cache", "--resident-experts", "--expert-prefetch",
+                 "--spec-root-prefetch", "--expert-io", "--expert-io-threads")
+NUM_LAYERS = 6  # the demo model's, every one of them a MoE block
+
+
+@pytest.fixture(scope="module")
+def streamed_demo(tmp_path_factory):
+    """The embedded demo model with its experts in the streaming layout (tokenizer included)."""
+    return convert(embedded_model_path(), tmp_path_factory.mktemp("demo") / "stream",
+                   options=ConvertOptions(stream=True)).path
+
+
+@pytest.mark.parametrize("command", ["generate", "serve-stdio", "bench"])
+def test_every_model_command_takes_the_model_options(command):
+    result = CliRunner().invoke(cli, [command, "--help"])
+    assert result.exit_code == 0
+    for option in MODEL_OPTIONS:
+        assert option in result.output, (command, option)
+
+
+def serve(model, *args):
+    request = {"id": 1, "prompt": "def add(a, b):", "max_tokens": 6, "stream": False}
+    env = {**os.environ, "STRATA_RAISE_ERRORS": "0"}
+    proc = subprocess.run([sys.executable, "-m", "strata_cli.cli", "serve-stdio", "--model", str(model), *args],
+                          input=json.dumps(request) + "\n", capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    (reply,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    return reply
+
+
+def test_serve_stdio_honours_the_expert_budget(streamed_demo):
+    full = serve(streamed_demo)
+    capped = serve(streamed_demo, "--resident-experts", "1", "--expert-prefetch", "off")
+    assert capped["token_ids"] == full["token_ids"]  # a budget never changes the output
+    windows = capped["stats"]["windows"]
+    assert full["stats"]["experts"]["capacity_misses"] == 0
+    # One slot per block: every union of two or more experts is computed in several passes.
+    assert capped["stats"]["experts"]["passes"] > windows * NUM_LAYERS
+    assert capped["stats"]["experts"]["capacity_misses"] > 0
+
+
+def test_serve_stdio_refuses_a_budget_for_a_model_that_does_not_stream():
+    proc = subprocess.run([sys.executable, "-m", "strata_cli.cli", "serve-stdio", "--expert-cache", "1"],
+                          input="", capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1 and "apply to a streamed checkpoint" in proc.stderr
+
+
+def test_bench_honours_the_expert_budget(streamed_demo, tmp_path):
+    runs = {}
+    for budget in ([], ["--resident-experts", "1", "--expert-prefetch", "off"]):
+        out = tmp_path / f"bench{len(budget)}.json"
+        result = CliRunner().invoke(cli, ["bench", "prose", "--model", str(streamed_demo), "--modes", "serial",
+                                          "--no-peers", "-n", "4", "-r", "1", "--warmup", "0", "--out", str(out),
+                                          *budget])
+        assert result.exit_code == 0, result.output
+        runs[bool(budget)] = json.loads(out.read_text())["workloads"][0]["modes"][0]["runs"][0]
+    assert runs[True]["output_digest"] == runs[False]["output_digest"]
+    assert runs[False]["stats"]["experts"]["capacity_misses"] == 0
+    assert runs[True]["stats"]["experts"]["capacity_misses"] > 0
+
+
+def test_open_model_streams_with_the_budget(streamed_demo):
+    runtime = open_model(LoadOptions(model=str(streamed_demo), stream=StreamOptions(resident_experts=3)))
+    assert runtime.model.expert_cache.num_slots == 3
+    assert runtime.path == streamed_demo and len(runtime.identity) == 64
+
+
+def test_convert_takes_demo_as_its_source(tmp_path):
+    result = CliRunner().invoke(cli, ["convert", "demo", str(tmp_path / "copy")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "copy" / "config.json").is_file() and (tmp_path / "copy" / "tokenizer.json").is_file()
+    generated = CliRunner().invoke(cli, ["generate", "def f(x):", "-n", "4", "--model", str(tmp_path / "copy")])
+    reference = CliRunner().invoke(cli, ["generate", "def f(x):", "-n", "4"])
+    assert generated.exit_code == 0 and generated.output == reference.output
