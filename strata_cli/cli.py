@@ -549,6 +549,61 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
             f"{w}: {', '.join(ms)}" for w, ms in result.diverged.items()))
 
 
+@cli.command("selftest")
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=64, envvar="STRATA_SELFTEST_TOKENS",
+              show_default=True, help="Tokens generated per prompt and mode.")
+@click.option("--dtype", "dtypes", type=click.Choice(DTYPE_NAMES), multiple=True,
+              help="Check only this dtype (repeatable) [default: float32 on the CPU, float32 and bfloat16 on a GPU].")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def selftest_command(max_tokens, dtypes, as_json):
+    """Check that speculative decoding is lossless on this machine's backend.
+
+    Runs the embedded demo model over built-in prompts serially and with --suffix-draft 3 and
+    auto, in every dtype the backend computes in, and prints for each whether the output is
+    identical to serial decoding (or where it first differs), then the cost of a window of
+    T = 1..8 rows. Exits with status 1 on any difference.
+
+    \b
+    Examples:
+      strata selftest
+      strata selftest --dtype bfloat16 --json
+    """
+    run_guarded(lambda: _selftest(max_tokens, list(dtypes) or None, as_json))
+
+
+def _selftest(max_tokens, dtypes, as_json):
+    from rich.console import Console
+    from rich.table import Table
+
+    from .bench.selftest import selftest
+
+    err = Console(stderr=True)
+    with err.status("selftest: decoding the demo model serially and with drafts"):
+        report = selftest(max_tokens=max_tokens, dtypes=dtypes)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        table = Table(title=f"strata selftest on {report['backend']}", title_justify="left")
+        for column in ("dtype", "prompt", "mode", "result"):
+            table.add_column(column)
+        for r in report["results"]:
+            result = "identical" if r["identical"] else f"DIFFERS at token {r['first_difference']}"
+            table.add_row(r["dtype"], str(r["prompt"]), r["mode"], result)
+        console = Console(width=max(100, Console().width))
+        console.print(table)
+        costs = Table(title="window of T rows, ms (median)", title_justify="left")
+        costs.add_column("T")
+        for dtype in report["window_ms"]:
+            costs.add_column(dtype, justify="right")
+        for T in map(str, range(1, 9)):
+            costs.add_row(T, *(f"{report['window_ms'][d][T]:.2f}" for d in report["window_ms"]))
+        console.print(costs)
+    if not report["passed"]:
+        bad = sum(not r["identical"] for r in report["results"])
+        raise UserError(f"selftest: {bad} of {len(report['results'])} runs differ from serial decoding "
+                        f"on {report['backend']}")
+
+
 def run_guarded(action) -> None:
     """Run `action`, turning library errors into one clear line and a non-zero exit."""
     from .convert import ConvertError

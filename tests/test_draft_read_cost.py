@@ -2,8 +2,8 @@
 time of a window's cold experts feeds the draft-length controller's `extra_cost` hook."""
 
 import pytest
-
 from mock_models import CycleModel
+
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.experts.cache import DraftReadCost

@@ -39,12 +39,12 @@ class StreamedSwitchGLU(nn.Module):
         self.quantization = cache.store.blocks[path].quantization
 
     def _matmul(self, banks: dict[str, mx.array]):
-        def matmul(name: str, xs: mx.array, slots: mx.array) -> mx.array:
+        def matmul(name: str, xs: mx.array, slots: mx.array, is_sorted: bool) -> mx.array:
             q = self.quantization.get(name)
             if q is None:
-                return gather_matmul(xs, banks[name], slots)
+                return gather_matmul(xs, banks[name], slots, is_sorted=is_sorted)
             return gather_qmatmul(xs, banks[f"{name}.weight"], banks[f"{name}.scales"], banks.get(f"{name}.biases"),
-                                  slots, **q)
+                                  slots, **q, is_sorted=is_sorted)
 
         return matmul
 

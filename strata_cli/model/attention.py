@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .layer_state import AttentionState
-from .layers import RMSNorm
+from .layers import RMSNorm, RowLinear, RowSplit
 
 
 class GatedAttention(nn.Module):
@@ -30,10 +30,10 @@ class GatedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.output_gate = output_gate
         q_width = num_heads * head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = RowLinear(hidden_size, q_width, bias=bias)
+        self.k_proj = RowLinear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = RowLinear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = RowLinear(num_heads * head_dim, hidden_size, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
@@ -56,9 +56,18 @@ class GatedAttention(nn.Module):
         q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         keys, values = state.update_and_fetch(k, v)
-        # Row i sees cells 0..offset+i: a causal mask aligned to the last key.
-        mask = "causal" if T > 1 else None
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        if RowSplit.applies(T):
+            # Each query row alone over the cells it sees (0..offset+i): serial decoding's call.
+            L = keys.shape[2] - T
+            out = mx.concatenate([
+                mx.fast.scaled_dot_product_attention(q[:, :, i : i + 1], keys[:, :, : L + i + 1],
+                                                     values[:, :, : L + i + 1], scale=self.scale)
+                for i in range(T)
+            ], axis=2)
+        else:
+            # Row i sees cells 0..offset+i: a causal mask aligned to the last key.
+            mask = "causal" if T > 1 else None
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         if self.output_gate:
             out = out * mx.sigmoid(gate)

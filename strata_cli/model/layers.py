@@ -1,9 +1,70 @@
-"""Small building blocks shared by the architectures."""
+"""Small building blocks shared by the architectures, and the row-invariance rule of windows."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
+
+WINDOW_ROWS = 8  # a decode window: the root and at most 7 drafts
+
+
+class RowSplit:
+    """Whether a small window's matmuls and attention run one row at a time.
+
+    Lossless speculation needs every row of a window to compute exactly what it computes alone
+    (docs/design.md, "Row invariance"). MLX's CUDA matmul, quantized matmul and attention kernels
+    round a row differently depending on how many rows share the call (`scripts/row_probe.py`,
+    docs/benchmarks.md); its CPU kernels do not. So on a GPU backend a window of 2..WINDOW_ROWS
+    rows runs those calls row by row, each then the very call serial decoding makes. Larger
+    calls (prompt chunks, shared by serial and speculative decoding) run whole.
+
+    `mode`: "auto" (split on GPU backends, the default), "always" (the CPU tests exercise the
+    split path), "never".
+    """
+
+    mode = "auto"
+
+    @classmethod
+    def applies(cls, rows: int) -> bool:
+        if not 1 < rows <= WINDOW_ROWS or cls.mode == "never":
+            return False
+        return cls.mode == "always" or mx.default_device() != mx.cpu
+
+
+def by_row(fn: Callable[[mx.array], mx.array], x: mx.array, axis: int = -2) -> mx.array:
+    """`fn(x)`, or, where `RowSplit` applies, `fn` of each row along `axis`, concatenated."""
+    T = x.shape[axis]
+    if not RowSplit.applies(T):
+        return fn(x)
+    index = [slice(None)] * x.ndim
+    rows = []
+    for i in range(T):
+        index[axis] = slice(i, i + 1)
+        rows.append(fn(x[tuple(index)]))
+    return mx.concatenate(rows, axis=axis)
+
+
+class RowLinear(nn.Linear):
+    """`nn.Linear` whose window rows keep their serial arithmetic (`by_row`); quantizes to
+    `RowQuantizedLinear`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return by_row(super().__call__, x)
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
+                     quantize_input: bool = False) -> "RowQuantizedLinear":
+        if quantize_input:
+            raise ValueError("quantized activations are not supported")
+        return RowQuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
+class RowQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose window rows keep their serial arithmetic (`by_row`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return by_row(super().__call__, x)
 
 
 class RMSNorm(nn.Module):
@@ -37,9 +98,9 @@ class MLP(nn.Module):
 
     def __init__(self, dims: int, hidden_dims: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
+        self.gate_proj = RowLinear(dims, hidden_dims, bias=False)
+        self.up_proj = RowLinear(dims, hidden_dims, bias=False)
+        self.down_proj = RowLinear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -61,7 +122,7 @@ class DecoderStack(nn.Module):
         self.model.layers = layers
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = RowLinear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -80,5 +141,5 @@ class DecoderStack(nn.Module):
             h = h[:, -1:]
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
+            return by_row(self.model.embed_tokens.as_linear, h)
         return self.lm_head(h)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import MLP
+from .layers import MLP, WINDOW_ROWS, RowLinear
 
 
-def gather_matmul(x: mx.array, w: mx.array, experts: mx.array) -> mx.array:
-    """x (M, 1, A) @ w[experts]ᵀ, with w (E, B, A) -> (M, 1, B); `experts` sorted ascending."""
+def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool = True) -> mx.array:
+    """x (M, 1, A) @ w[experts]ᵀ, with w (E, B, A) -> (M, 1, B); `is_sorted`: `experts` ascending."""
     if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
-        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=is_sorted)
     # MLX's CPU gather_mm takes float32 only: gather the matrices instead.
     return x @ w[experts].swapaxes(-1, -2)
 
@@ -31,7 +31,9 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        return glu_by_expert(x, inds, lambda name, xs, experts: gather_matmul(xs, self[name], experts))
+        return glu_by_expert(
+            x, inds, lambda name, xs, experts, is_sorted: gather_matmul(xs, self[name], experts, is_sorted=is_sorted)
+        )
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchGLU":
         """The same experts, affine-quantized (what `nn.quantize` calls)."""
@@ -48,22 +50,22 @@ class QuantizedExperts(nn.Module):
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self.weight, self.scales, self.biases = mx.quantize(weight, group_size, bits, mode=mode)
 
-    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
-        """x (M, 1, in) @ dequantized weight[experts]ᵀ -> (M, 1, out); `experts` sorted."""
+    def __call__(self, x: mx.array, experts: mx.array, *, is_sorted: bool = True) -> mx.array:
+        """x (M, 1, in) @ dequantized weight[experts]ᵀ -> (M, 1, out); `is_sorted`: `experts` ascending."""
         return gather_qmatmul(x, self.weight, self.scales, self.biases, experts,
-                              group_size=self.group_size, bits=self.bits, mode=self.mode)
+                              group_size=self.group_size, bits=self.bits, mode=self.mode, is_sorted=is_sorted)
 
 
 def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None, experts: mx.array,
-                   *, group_size: int, bits: int, mode: str = "affine") -> mx.array:
-    """x (M, 1, in) @ dequantized weight[experts]ᵀ -> (M, 1, out); `experts` sorted ascending.
+                   *, group_size: int, bits: int, mode: str = "affine", is_sorted: bool = True) -> mx.array:
+    """x (M, 1, in) @ dequantized weight[experts]ᵀ -> (M, 1, out); `is_sorted`: `experts` ascending.
 
     The matmul of `QuantizedExperts`, public so that streamed experts (experts/switch.py) run the
     very same call over their slot banks.
     """
     return mx.gather_qmm(
         x, weight, scales, biases, rhs_indices=experts, transpose=True,
-        group_size=group_size, bits=bits, mode=mode, sorted_indices=True,
+        group_size=group_size, bits=bits, mode=mode, sorted_indices=is_sorted,
     )
 
 
@@ -77,23 +79,30 @@ class QuantizedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        return glu_by_expert(x, inds, lambda name, xs, experts: self[name](xs, experts))
+        return glu_by_expert(x, inds, lambda name, xs, experts, is_sorted: self[name](xs, experts, is_sorted=is_sorted))
 
 
 def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
-    """SwiGLU over each token's picked experts; `matmul(name, xs, experts)` does one projection.
+    """SwiGLU over each token's picked experts; `matmul(name, xs, experts, is_sorted)` does one
+    projection.
 
     Also the compute of streamed experts (experts/switch.py), with slot ids for `inds`: keeping
     one code path is what makes them bit-identical to resident ones.
     """
     N, k = inds.shape
     flat = inds.reshape(-1)
+    if N <= WINDOW_ROWS:
+        # A decode window: each pick in row order, never grouped by the other rows' choices, so a
+        # row's arithmetic is what it is alone (docs/design.md, "Row invariance").
+        xs = mx.repeat(x, k, axis=0)[:, None, :]  # (N·k, 1, H)
+        h = nn.silu(matmul("gate_proj", xs, flat, False)) * matmul("up_proj", xs, flat, False)
+        return matmul("down_proj", h, flat, False).reshape(N, k, -1)
     # Sorting by expert keeps each expert's rows together, so each is read once, in order.
     order = mx.argsort(flat)
     experts = flat[order]
     xs = x[order // k][:, None, :]  # (N·k, 1, H)
-    h = nn.silu(matmul("gate_proj", xs, experts)) * matmul("up_proj", xs, experts)
-    out = matmul("down_proj", h, experts)  # (N·k, 1, H)
+    h = nn.silu(matmul("gate_proj", xs, experts, True)) * matmul("up_proj", xs, experts, True)
+    out = matmul("down_proj", h, experts, True)  # (N·k, 1, H)
     return out[mx.argsort(order)].reshape(N, k, -1)
 
 
@@ -131,11 +140,11 @@ class SparseMoeBlock(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = RowLinear(hidden_size, num_experts, bias=False)
         self.switch_mlp = SwitchGLU(hidden_size, expert_size, num_experts)
         if shared_expert_size:
             self.shared_expert = MLP(hidden_size, shared_expert_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = RowLinear(hidden_size, 1, bias=False)
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""

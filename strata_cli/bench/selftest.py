@@ -1,0 +1,99 @@
+"""`strata selftest`: is speculative decoding lossless on this machine's backend?
+
+Runs the embedded demo model over built-in prompts serially and with `--suffix-draft 3` and
+`auto`, in every dtype the backend computes in (float32 on the CPU; float32 and bfloat16 on a
+GPU), and reports, per dtype and mode, identical or the first divergence; then a window-cost
+table (forced acceptance, T = 1..8). It is how a user checks the Metal or CUDA path on their own
+machine: any divergence is a bug (docs/design.md, "Row invariance").
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from ..decode import generate
+from ..model.config import dtype_name
+from ..options import GenerateOptions, LoadOptions, SpecOptions
+from ..runtime import open_model
+
+# Code to copy, code to continue, prose: drafts are proposed and both kept and rejected.
+PROMPTS = (
+    "def moving_average(values, window):\n    total = sum(values[:window])\n    out = [total / window]\n"
+    "    for i in range(window, len(values)):\n        total += values[i] - values[i - window]\n"
+    "        out.append(total / window)\n    return out\n\n\n# The same function, renamed to smooth:\n"
+    "def smooth(values, window):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        if os.path.isdir(name):\n",
+    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n",
+    "The module reads the configuration file, checks every field, and reports the first error it finds. "
+    "The module reads the configuration file again when",
+)
+MODES = (("3", SpecOptions(max_drafts=3)), ("auto", SpecOptions(max_drafts=7, auto=True)))
+
+
+def backend_dtypes() -> list[str]:
+    """The dtypes to check: float32 on the CPU (its half-precision matmuls are slow), both on a GPU."""
+    return ["float32"] if mx.default_device() == mx.cpu else ["float32", "bfloat16"]
+
+
+def _tokens(engine, ids: list[int], max_tokens: int, spec: SpecOptions, eos_ids) -> list[int]:
+    steps = generate(engine, ids, options=GenerateOptions(max_tokens=max_tokens), spec=spec, eos_ids=eos_ids)
+    return [t for step in steps for t in step.tokens]
+
+
+def window_costs(engine, context: list[int], repeats: int = 10) -> dict[str, float]:
+    """Median forced-acceptance window milliseconds for T = 1..8 after `context`."""
+    engine.reset()
+    engine.prefill(context)
+    start = engine.snapshot()
+    rng = np.random.default_rng(0)
+    costs = {}
+    for T in range(1, 9):
+        engine.restore(start)
+        seconds = []
+        for i in range(repeats + 2):
+            tokens = rng.integers(0, engine.vocab_size, T).tolist()
+            t0 = time.perf_counter()
+            engine.run(tokens, engine.length)
+            engine.commit(T)
+            mx.eval([a for s in engine.states for a in s.snapshot() if isinstance(a, mx.array)])
+            if i >= 2:  # the first windows of a shape build it
+                seconds.append(time.perf_counter() - t0)
+        costs[str(T)] = 1000 * statistics.median(seconds)
+    return costs
+
+
+def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_window_costs: bool = True,
+             progress=None) -> dict:
+    """Check greedy identity of every mode against serial decoding on the demo model.
+
+    Returns:
+        {"backend", "results": [{"dtype", "prompt", "mode", "identical", "first_difference",
+        "tokens"}], "window_ms": {dtype: {T: ms}} (when asked), "passed"}.
+    """
+    results, costs = [], {}
+    for dtype in dtypes or backend_dtypes():
+        runtime = open_model(LoadOptions(dtype=dtype))
+        engine, tokenizer = runtime.engine, runtime.tokenizer
+        for n, prompt in enumerate(PROMPTS):
+            ids = tokenizer.encode(prompt)
+            serial = _tokens(engine, ids, max_tokens, SpecOptions(), tokenizer.eos_ids)
+            for label, spec in MODES:
+                out = _tokens(engine, ids, max_tokens, spec, tokenizer.eos_ids)
+                first = next((i for i, (a, b) in enumerate(zip(serial, out)) if a != b),
+                             None if len(out) == len(serial) else min(len(out), len(serial)))
+                results.append({"dtype": dtype_name(runtime.dtype), "prompt": n, "mode": label,
+                                "identical": out == serial, "first_difference": first, "tokens": len(serial)})
+                if progress:
+                    progress(results[-1])
+        if with_window_costs:
+            costs[dtype_name(runtime.dtype)] = window_costs(engine, tokenizer.encode(PROMPTS[0]))
+    report = {"backend": str(mx.default_device()), "results": results,
+              "passed": all(r["identical"] for r in results)}
+    if with_window_costs:
+        report["window_ms"] = costs
+    return report
