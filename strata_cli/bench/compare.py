@@ -29,6 +29,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from metal_shaders import rows_matvec as kernels
+
 from ..decode import generate
 from ..engine.window import WindowEngine
 from ..options import EngineOptions, GenerateOptions, SpecOptions
@@ -175,7 +177,7 @@ def run(args) -> dict:
     return {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
             "commit": git_commit(), "layers": args.layers, "bits": args.bits, "tiny": args.tiny,
             "context": args.context, "tokens": args.tokens, "serial": serial, "window_cost": windows,
-            "identity_80b_shape": same, "identity_demo": demo}
+            "identity_80b_shape": same, "identity_demo": demo, "kernels": kernels.status()}
 
 
 def main(argv=None) -> dict:

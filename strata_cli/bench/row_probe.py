@@ -26,6 +26,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from metal_shaders import rows_matvec as kernels
+
 MAX_ROWS = 8
 
 
@@ -91,6 +93,14 @@ def probe(*, small: bool, repeats: int, seed: int = 0) -> list[dict]:
         record("quantized_4bit", dtype_name,
                lambda x, qw=qw, qs=qs, qb=qb: mx.quantized_matmul(x, qw, qs, qb, transpose=True, group_size=64, bits=4),
                xs)
+        if kernels.kernels_usable():
+            for name, op in (("dense", lambda x, w=w: kernels.rows_matvec(x, w)),
+                             ("quantized_4bit", lambda x, qw=qw, qs=qs, qb=qb: kernels.rows_qmatvec(
+                                 x, qw, qs, qb, group_size=64, bits=4))):
+                row = {"op": name, "dtype": dtype_name, "form": "kernel", **_check(op, xs, repeats)}
+                results.append(row)
+                print(f"{name:18s} {dtype_name:9s} kernel invariant={row['invariant']!s:5s} "
+                      f"T=1/4/8 ms {row['ms']['1']:.3f}/{row['ms']['4']:.3f}/{row['ms']['8']:.3f}", flush=True)
         experts = (mx.random.normal((E, I, H)) * H**-0.5).astype(dt)
         eq, es, eb = mx.quantize(experts, 64, 4)
         picks = mx.random.randint(0, E, (MAX_ROWS, k))
@@ -188,7 +198,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     results = probe(small=args.small, repeats=args.repeats)
     report = {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
-              "small": args.small, "results": results}
+              "small": args.small, "kernels": kernels.status(), "results": results}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out}")

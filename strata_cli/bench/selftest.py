@@ -15,6 +15,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from metal_shaders import rows_matvec as kernels
+
 from ..decode import generate
 from ..model.config import dtype_name
 from ..options import GenerateOptions, LoadOptions, SpecOptions
@@ -92,7 +94,7 @@ def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_wind
                     progress(results[-1])
         if with_window_costs:
             costs[dtype_name(runtime.dtype)] = window_costs(engine, tokenizer.encode(PROMPTS[0]))
-    report = {"backend": str(mx.default_device()), "results": results,
+    report = {"backend": str(mx.default_device()), "kernels": kernels.status(), "results": results,
               "passed": all(r["identical"] for r in results)}
     if with_window_costs:
         report["window_ms"] = costs

@@ -7,6 +7,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from metal_shaders import rows_matvec as kernels
+
 WINDOW_ROWS = 8  # a decode window: the root and at most 7 drafts
 
 
@@ -46,11 +48,21 @@ def by_row(fn: Callable[[mx.array], mx.array], x: mx.array, axis: int = -2) -> m
     return mx.concatenate(rows, axis=axis)
 
 
+def _kernel_rows(x: mx.array) -> int:
+    """Rows of `x` (all leading axes) when the row-invariant CUDA kernel takes them, else 0."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    return rows if 0 < rows <= WINDOW_ROWS and RowSplit.mode != "never" and kernels.kernels_usable() else 0
+
+
 class RowLinear(nn.Linear):
-    """`nn.Linear` whose window rows keep their serial arithmetic (`by_row`); quantizes to
-    `RowQuantizedLinear`."""
+    """`nn.Linear` whose window rows keep their serial arithmetic: the row-invariant kernel
+    (metal_shaders/rows_matvec.py) where it runs, else `by_row`. Quantizes to `RowQuantizedLinear`."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        K = x.shape[-1]
+        if _kernel_rows(x) and kernels.supports(K):
+            y = kernels.rows_matvec(x.reshape(-1, K), self.weight).reshape(*x.shape[:-1], -1)
+            return y + self.bias if "bias" in self else y
         return by_row(super().__call__, x)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
@@ -61,9 +73,15 @@ class RowLinear(nn.Linear):
 
 
 class RowQuantizedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` whose window rows keep their serial arithmetic (`by_row`)."""
+    """`nn.QuantizedLinear` whose window rows keep their serial arithmetic (see `RowLinear`)."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        K = x.shape[-1]
+        if (_kernel_rows(x) and self.mode == "affine" and self.get("biases") is not None
+                and kernels.supports(K, group_size=self.group_size, bits=self.bits)):
+            y = kernels.rows_qmatvec(x.reshape(-1, K), self.weight, self.scales, self.biases,
+                                     group_size=self.group_size, bits=self.bits).reshape(*x.shape[:-1], -1)
+            return y + self.bias if "bias" in self else y
         return by_row(super().__call__, x)
 
 

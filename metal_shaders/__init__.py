@@ -1,0 +1,6 @@
+"""Kernels of strata's decode-window hot path.
+
+Each kernel has a pure-MLX reference that the tests hold it to and that runs where the kernel
+cannot (the CPU, and backends it has no source for yet). `rows_matvec`: matrix × up to 8 rows,
+each row reduced in a fixed order whatever the row count (CUDA).
+"""
