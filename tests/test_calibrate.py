@@ -137,3 +137,31 @@ def test_generate_auto_reports_its_prior_and_load_time(tmp_path):
     assert json.loads(fixed.stdout)["stats"]["controller"]["cost_prior"] == f"file:{curve}"
     serial = CliRunner().invoke(cli, ["generate", "x", "-n", "2", "--json"])
     assert "controller" not in json.loads(serial.stdout)["stats"]
+
+
+class SlowReads:
+    """An expert cache that says every window spent `seconds` reading its drafts' cold experts."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+        self.last_window = None
+
+    def begin_window(self, *, kind):
+        pass
+
+    def end_window(self):
+        from strata_cli.telemetry import ExpertWindowStats
+
+        self.last_window = ExpertWindowStats(draft_read_seconds=self.seconds)
+        return self.last_window
+
+
+def test_measure_curve_leaves_draft_reads_out_as_decoding_does():
+    from mock_models import CycleModel
+
+    engine = WindowEngine(CycleModel())
+    engine.expert_cache = SlowReads(0.0)
+    plain = calibrate.measure_curve(engine, 3, windows=3, context=8)
+    assert all(s > 1e-6 for s in plain)
+    engine.expert_cache = SlowReads(100.0)  # far more than any window took: all of it was reads
+    assert calibrate.measure_curve(engine, 3, windows=3, context=8) == [1e-9] * 3
