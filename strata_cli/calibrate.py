@@ -130,7 +130,8 @@ def device_cost_prior(engine: WindowEngine, *, identity: str, dtype: str, max_T:
 
     Returns:
         (prior, seconds spent measuring: 0.0 when the cache answered). The prior's `source` is
-        "cached" or "calibrated". An unwritable cache directory only costs the reuse.
+        "cached" or "calibrated"; "builtin" (the linear shape) when the engine's context is too
+        short to measure T = 1..max_T. An unwritable cache directory only costs the reuse.
     """
     backend = backend_name()
     key = {"version": CURVE_VERSION, "identity": identity, "backend": backend, "dtype": dtype,
@@ -139,6 +140,8 @@ def device_cost_prior(engine: WindowEngine, *, identity: str, dtype: str, max_T:
     seconds = read_curve(path, key, max_T)
     if seconds is not None:
         return CostPrior.from_seconds(seconds[:max_T], source="cached"), 0.0
+    if CALIBRATION_WINDOWS * max_T + 1 > engine.max_context:
+        return CostPrior.linear(), 0.0
     start = time.perf_counter()
     seconds = measure_curve(engine, max_T)
     spent = time.perf_counter() - start

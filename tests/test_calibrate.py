@@ -113,6 +113,13 @@ def test_device_cost_prior_is_cached_per_model_backend_and_dtype(tiny_model, tmp
                                        directory=tmp_path)[0].source == "calibrated"
 
 
+def test_a_context_too_short_to_calibrate_keeps_the_builtin_prior(tiny_model, tmp_path):
+    engine = WindowEngine(tiny_model, EngineOptions(max_context=24))
+    prior, spent = calibrate.device_cost_prior(engine, identity="c" * 64, dtype="float32", max_T=8,
+                                               directory=tmp_path)
+    assert prior.source == "builtin" and spent == 0.0 and not (tmp_path / "cost-curves").exists()
+
+
 def test_cache_dir_follows_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert calibrate.cache_dir() == tmp_path / "xdg" / "strata"
