@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -182,10 +183,13 @@ def engine_options(command):
                           "or at commit (eager)."),
         click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
                      help="Commit each window's root row inside the run."),
+        click.option("--warm-shapes/--no-warm-shapes", default=None, envvar="STRATA_WARM_SHAPES",
+                     help="Run every window shape once at load, so none is first built inside a timed "
+                          "window (load time)  [default: on for GPU backends, off on the CPU]"),
     ]
 
-    def build(max_context, fold, partial):
-        return EngineOptions(fold=fold, partial=partial, max_context=max_context)
+    def build(max_context, fold, partial, warm_shapes):
+        return EngineOptions(fold=fold, partial=partial, max_context=max_context, warm_shapes=warm_shapes)
 
     return options_object("engine", build, options)(command)
 
@@ -252,11 +256,12 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
     from .tokenizer import StreamingDetokenizer
 
     runtime = open_model(load, engine_options)
+    spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
     engine, tokenizer = runtime.engine, runtime.tokenizer
     console = Console(stderr=True)
     out = sys.stdout
     for n, text in enumerate(prompts):
-        stats = DecodeStats()
+        stats = DecodeStats(warmup_seconds=runtime.warmup_seconds, calibration_seconds=runtime.calibration_seconds)
         detok = StreamingDetokenizer(tokenizer)
         finish = None
         for step in decode_generate(
@@ -342,9 +347,11 @@ def serve_stdio_command(max_tokens, suffix_draft, min_match, session, prefix_cac
         raise click.BadParameter(str(e)) from None
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
                         format="strata serve: %(message)s")
-    run_guarded(lambda: sys.exit(serve_stdio(
-        open_model(load, engine), serve_options=serve_options, defaults=defaults, spec=spec,
-    )))
+    def serve():
+        runtime = open_model(load, engine)
+        return serve_stdio(runtime, serve_options=serve_options, defaults=defaults, spec=runtime.spec_for(spec))
+
+    run_guarded(lambda: sys.exit(serve()))
 
 
 @cli.command("convert")
@@ -519,6 +526,8 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         workloads = load_workloads(directory, names)
         with err.status(f"loading {load.model}"):
             runtime = open_model(load, engine_options)
+            # auto modes without --draft-cost: the device's own cost curve (cached or measured now)
+            modes = [replace(m, spec=runtime.spec_for(m.spec)) if m.spec else m for m in modes]
             peer = None
             if any(m.kind == "peer" for m in modes):
                 peer = MlxLmPeer.load(runtime.path, dtype=runtime.dtype, draft_path=peer_draft_model,
@@ -526,7 +535,11 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         meta = collect_meta(model=load.model, device=str(mx.default_device()), dtype=runtime.dtype_name,
                             options=options,
                             modes=modes, extra={"workloads": [w.name for w in workloads],
-                                                "peer_draft_tokens": peer_draft_tokens})
+                                                "peer_draft_tokens": peer_draft_tokens,
+                                                "warmup_seconds": runtime.warmup_seconds,
+                                                "calibration_seconds": runtime.calibration_seconds,
+                                                "cost_prior": {m.label: m.spec.cost_prior.source for m in modes
+                                                               if m.spec and m.spec.cost_prior}})
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err, transient=True) as bar:
             task = bar.add_task("bench", total=count_runs(workloads, modes, options))

@@ -63,11 +63,15 @@ class EngineOptions:
             next window, where it joins that window's graph; "eager" folds at commit.
         partial: commit the root row inside `run` (it is always kept), so commit folds keep-1 rows.
         max_context: positions the engine may hold (prompt + generated); None = the model's maximum.
+        warm_shapes: run every window shape (T = 1..MAX_SUFFIX_DRAFT+1) and a prefill chunk once
+            at load (`WindowEngine.warm_up`), so no shape is first built inside a timed window;
+            None (default) = on for GPU backends, off on the CPU (which builds nothing per shape).
     """
 
     fold: str = "lazy"
     partial: bool = False
     max_context: int | None = None
+    warm_shapes: bool | None = None
 
     def __post_init__(self):
         if self.fold not in FOLD_MODES:

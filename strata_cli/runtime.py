@@ -8,19 +8,31 @@ experts of a streamed checkpoint from disk (experts/), and builds the window eng
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import time
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
 import mlx.core as mx
 
+from .calibrate import device_cost_prior
 from .engine.window import WindowEngine
 from .experts.store import ExpertStoreError, is_streamed
 from .experts.switch import attach_streamed_experts
 from .model.config import ConfigError, dtype_name
 from .model.loader import ModelLoadError, compute_dtype, load_model
-from .options import DEMO_MODEL, EngineOptions, LoadOptions, StreamOptions
+from .options import (
+    DEMO_MODEL,
+    MAX_SUFFIX_DRAFT,
+    PREFILL_CHUNK,
+    EngineOptions,
+    LoadOptions,
+    SpecOptions,
+    StreamOptions,
+)
+from .speculative.controller import CostPrior
 from .tokenizer import Tokenizer
 
 
@@ -90,6 +102,9 @@ class Runtime:
         engine: the window engine that owns every per-request state.
         identity: `model_identity(path)`, which session files are keyed by.
         dtype: the compute dtype.
+        warmup_seconds: load time spent running every window shape once (0.0 when not warmed).
+        calibration_seconds: load time spent measuring the device's cost curve (0.0 when none
+            was measured, or the cache had it).
     """
 
     path: Path
@@ -98,10 +113,26 @@ class Runtime:
     engine: WindowEngine
     identity: str
     dtype: mx.Dtype
+    warmup_seconds: float = 0.0
+    calibration_seconds: float = 0.0
+    _device_prior: CostPrior | None = dataclasses.field(default=None, repr=False)
 
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
+
+    def spec_for(self, spec: SpecOptions) -> SpecOptions:
+        """`spec` with the device's own cost prior when it is `auto` without a curve of its own.
+
+        The curve (`calibrate.device_cost_prior`) is read from the user cache or measured once
+        per Runtime (about a second, T = 1..MAX_SUFFIX_DRAFT+1, on a scratch state).
+        """
+        if not spec.auto or spec.cost_prior is not None:
+            return spec
+        if self._device_prior is None:
+            self._device_prior, self.calibration_seconds = device_cost_prior(
+                self.engine, identity=self.identity, dtype=self.dtype_name, max_T=MAX_SUFFIX_DRAFT + 1)
+        return dataclasses.replace(spec, cost_prior=self._device_prior)
 
 
 def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = None) -> Runtime:
@@ -109,7 +140,8 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
 
     Args:
         load: which checkpoint, dtype and expert streaming (default: the demo model).
-        engine: fold, partial mode and context limit (default `EngineOptions()`).
+        engine: fold, partial mode, context limit and shape warm-up (default `EngineOptions()`:
+            on GPU backends every window shape runs once here, see `WindowEngine.warm_up`).
 
     Raises:
         ModelLoadError, ConfigError: as `load_checkpoint`, plus a missing or unreadable tokenizer.
@@ -118,7 +150,20 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
     path = resolve_model_path(load.model)
     model = load_checkpoint(path, dtype=load.dtype, stream=load.stream)
     tokenizer = Tokenizer(path)
+    window_engine = WindowEngine(model, engine)
+    warmup_seconds = 0.0
+    if should_warm_shapes(window_engine.options):
+        start = time.perf_counter()
+        window_engine.warm_up(MAX_SUFFIX_DRAFT + 1, PREFILL_CHUNK)
+        warmup_seconds = time.perf_counter() - start
     return Runtime(
-        path=path, model=model, tokenizer=tokenizer, engine=WindowEngine(model, engine),
-        identity=model_identity(path), dtype=compute_dtype(model),
+        path=path, model=model, tokenizer=tokenizer, engine=window_engine,
+        identity=model_identity(path), dtype=compute_dtype(model), warmup_seconds=warmup_seconds,
     )
+
+
+def should_warm_shapes(options: EngineOptions) -> bool:
+    """`options.warm_shapes`, or by default: on GPU backends (kernels built per shape), off on the CPU."""
+    if options.warm_shapes is not None:
+        return options.warm_shapes
+    return mx.default_device().type != mx.cpu

@@ -109,6 +109,8 @@ class DecodeStats:
     notes: list[str] = field(default_factory=list)
     load_bytes_read: int = 0  # weight bytes read from storage before decoding (streaming engines)
     controller: object | None = None  # the `auto` draft-length controller, if any (has snapshot())
+    warmup_seconds: float = 0.0  # load time: every window shape run once (runtime.open_model)
+    calibration_seconds: float = 0.0  # load time: the device's cost curve measured (calibrate.py)
 
     def attach_controller(self, controller) -> None:
         """Report what this draft-length controller learned in the summary's `controller`."""
@@ -147,6 +149,8 @@ class DecodeStats:
             "tokens_per_s": _rate(self.generated, seconds),
             "steady_tokens_per_s": _rate(sum(w.emitted for w in steady), steady_seconds),
             "decode_seconds": seconds,
+            "warmup_seconds": self.warmup_seconds,
+            "calibration_seconds": self.calibration_seconds,
             "warmup_window_ms": 1000 * ws[0].seconds if ws else 0.0,
             "windows": len(ws),
             "tokens_per_window": self.generated / len(ws) if ws else 0.0,

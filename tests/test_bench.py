@@ -172,6 +172,10 @@ def test_bars():
     checks = BenchResult({}, [prose, copy]).bars()
     assert [(c.workload, round(c.ratio, 3), c.passed) for c in checks] == [("prose", 0.98, True), ("copy", 0.85, False)]
     assert "best fixed (4)" in checks[1].rule
+    ratios = copy.to_dict()["auto_ratios"]
+    assert ratios == [{"mode": "auto:7", "vs_serial": pytest.approx(1.7), "best_fixed": "4",
+                       "vs_best_fixed": pytest.approx(0.85)}]
+    assert prose.auto_ratios()[0]["vs_best_fixed"] == pytest.approx(98 / 91)
 
 
 def test_render_and_plot(tmp_path):
@@ -188,7 +192,10 @@ def test_render_and_plot(tmp_path):
     plot(result, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = markdown(result_from_dict(json.loads(json.dumps(result.to_dict()))))  # JSON round trip
-    assert "| prose | auto:7 | 99.0 | 99.0..99.0 | - | 0.99x |" in md
+    assert "| prose | auto:7 | 99.0 | 99.0..99.0 | - | 0.99x | - |" in md  # no fixed length measured
+    copy = WorkloadResult("copy", "copy", "", 1, [10], modes=[_mode("serial", [100]), _mode("4", [200]),
+                                                             _mode("auto:7", [170])])
+    assert "| copy | auto:7 | 170.0 | 170.0..170.0 | - | 1.70x | 0.85x (4) |" in markdown(BenchResult({}, [copy]))
     assert "| prose: auto:7 / serial | 0.990 | >= 0.97 | pass |" in md
     assert "mlx-lm-spec refused: Speculative decoding requires a trimmable prompt cache" in md
 
@@ -252,6 +259,10 @@ def test_cli_bench_end_to_end(tmp_path):
     assert data["meta"]["commit"] and data["meta"]["machine"]["cpu_count"]
     assert [m["mode"] for m in data["workloads"][0]["modes"]] == ["serial", "2", "auto:3"]
     assert data["workloads"][0]["modes"][0]["runs"][0]["tokens"] == 6
+    assert data["meta"]["cost_prior"] == {"auto:3": "calibrated"} and data["meta"]["calibration_seconds"] > 0
+    assert data["meta"]["warmup_seconds"] == 0.0  # the CPU builds no kernels per shape
+    assert data["workloads"][0]["modes"][2]["runs"][0]["stats"]["controller"]["cost_prior"] == "calibrated"
+    assert [r["mode"] for r in data["workloads"][0]["auto_ratios"]] == ["auto:3"]
     assert png.is_file() and "| prose | auto:3 |" in md.read_text()
 
 

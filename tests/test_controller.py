@@ -217,9 +217,66 @@ def test_one_slow_window_does_not_lock_a_length_out():
         ctrl.observe(T=1, keep=1, seconds=0.01)
     ctrl.observe(T=8, keep=8, seconds=0.5)  # 50x slower, once
     assert ctrl.window_cost(8) <= 0.01 + 1e-12 and ctrl.choose(10, MAX) == MAX
-    for _ in range(3):  # slow every time: now it is believed
+    # Slow every time: now it is believed, within a few windows (each sample counts as at most
+    # stall_factor times the current estimate, so the estimate climbs rather than jumps).
+    for believed_after in range(1, 9):
         ctrl.observe(T=8, keep=8, seconds=0.5)
-    assert ctrl.window_cost(8) > 0.1 and ctrl.choose(10, MAX) < MAX
+        if ctrl.choose(10, MAX) < MAX:
+            break
+    assert believed_after <= 6 and ctrl.window_cost(8) > 0.04
+
+
+GPU_LIKE = [0.004 * (1 + 0.15 * t) for t in range(MAX + 1)]  # flat: drafting pays, as on the H200
+
+
+def _drafting(prior, *, stall_at=None, stall_T=None, windows=60, p=0.6, stall_factor=4.0) -> list[int]:
+    """Drafts chosen per window for a request with acceptance p and cost GPU_LIKE; window
+    `stall_at` (run at `stall_T` rows) takes 50x its cost."""
+    rng = random.Random(0)
+    ctrl = DraftController(MAX, cost_prior=prior, stall_factor=stall_factor)
+    chosen = []
+    for w in range(windows):
+        drafts = ctrl.choose(12, MAX)
+        T = stall_T if w == stall_at else drafts + 1
+        keep = 1
+        while keep < T and rng.random() < p:
+            keep += 1
+        seconds = GPU_LIKE[T - 1] * (1 + 0.05 * rng.random()) * (50 if w == stall_at else 1)
+        ctrl.observe(T=T, keep=keep, seconds=seconds, match_length=12)
+        chosen.append(drafts)
+    return chosen
+
+
+@pytest.mark.parametrize("prior", ["builtin", "calibrated"])
+def test_one_stall_turns_drafting_off_for_a_few_windows_at_most(prior):
+    """One 50x window anywhere in a request (any T) costs at most a few drafting windows: the
+    median per T ignores it, the sample is clipped (stall_factor), and a T with a sample or two
+    does not rescale the well-measured ones."""
+    cost_prior = None if prior == "builtin" else CostPrior.from_seconds(GPU_LIKE)
+    baseline = _drafting(cost_prior)
+    assert min(baseline[1:]) > 0  # drafting pays on this device
+    worst = 0
+    for stall_at in (2, 3, 5, 10, 30):
+        for stall_T in (1, 2, 5, 8):
+            chosen = _drafting(cost_prior, stall_at=stall_at, stall_T=stall_T)
+            lost = [w for w in range(stall_at + 1, len(chosen)) if chosen[w] == 0 < baseline[w]]
+            worst = max(worst, len(lost))
+    assert worst <= (1 if prior == "calibrated" else 3)
+
+
+def test_a_barely_measured_T_does_not_rescale_well_measured_ones():
+    ctrl = DraftController(MAX, cost_prior=CostPrior.from_seconds(GPU_LIKE), warmup_windows=0)
+    for _ in range(16):
+        ctrl.observe(T=2, keep=1, seconds=GPU_LIKE[1])
+    before = [ctrl.window_cost(T) for T in range(1, MAX + 2)]
+    ctrl.observe(T=6, keep=1, seconds=50 * GPU_LIKE[5])  # first window of T=6, stalled
+    after = [ctrl.window_cost(T) for T in range(1, MAX + 2)]
+    assert after == pytest.approx(before, rel=1e-9)
+
+
+def test_stall_factor_is_checked():
+    with pytest.raises(ValueError, match="stall_factor"):
+        DraftController(3, stall_factor=1.0)
 
 
 def test_cost_samples_expire():
@@ -329,7 +386,8 @@ def test_suffix_draft_auto_on_the_cli():
     result = CliRunner().invoke(cli, ["generate", "def f(x):", "-n", "8", "--suffix-draft", "auto:3", "--json"])
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]
-    assert set(stats["controller"]) == {"acceptance_by_position", "window_ms_by_T", "cost_samples_by_T"}
+    assert set(stats["controller"]) == {"cost_prior", "acceptance_by_position", "window_ms_by_T",
+                                        "cost_samples_by_T"}
     assert stats["experts"] is None  # no streaming engine: not measured (not zero)
     for value, message in [("auto:0", "auto:N"), ("auto:8", "auto:N"), ("fast", "expected 0..7")]:
         bad = CliRunner().invoke(cli, ["generate", "x", "--suffix-draft", value])

@@ -33,11 +33,12 @@ def _output_cell(mr: ModeResult) -> str:
 def mode_row(wr: WorkloadResult, mr: ModeResult) -> list[str]:
     """The table cells of one mode (see `render_table` for the columns)."""
     if mr.refusal:
-        return [wr.name, mr.mode, "[yellow]refused[/yellow]", "(see below)", "", "", "", "", "", ""]
-    serial = wr.mode("serial")
+        return [wr.name, mr.mode, "[yellow]refused[/yellow]", "(see below)", "", "", "", "", "", "", ""]
+    serial, best = wr.mode("serial"), wr.best_fixed()
     spread = mr.spread()
     kept, offered = mr.drafts()
     ratio = mr.median / serial.median if serial and serial.median and mr.median else None
+    vs_best = mr.median / best.median if best and mr.median and mr.kind == "strata" else None
     warm = ", ".join(f"{r.tokens_per_s:.1f}" for r in mr.warmup) or "-"
     return [
         wr.name,
@@ -46,6 +47,7 @@ def mode_row(wr: WorkloadResult, mr: ModeResult) -> list[str]:
         f"{spread[0]:.1f}..{spread[1]:.1f}" if spread else "-",
         warm,
         _fmt(ratio, ".2f") + ("x" if ratio else ""),
+        _fmt(vs_best, ".2f") + (f"x ({best.mode})" if vs_best else ""),
         f"{kept}/{offered}" + (f" ({kept / offered:.0%})" if offered else "") if mr.kind == "strata" else
         (str(mr.runs[0].summary.get("drafts_kept", "-")) if mr.runs else "-"),
         _fmt(mr.median_of("tokens_per_window"), ".2f"),
@@ -54,7 +56,7 @@ def mode_row(wr: WorkloadResult, mr: ModeResult) -> list[str]:
     ]
 
 
-COLUMNS = ("workload", "mode", "tok/s", "min..max", "warm-up", "vs serial", "drafts kept/offered",
+COLUMNS = ("workload", "mode", "tok/s", "min..max", "warm-up", "vs serial", "vs best N", "drafts kept/offered",
            "tok/window", "p95 ms", "output")
 
 
@@ -109,8 +111,9 @@ def markdown(result: BenchResult) -> str:
         f"{machine.get('platform', '?')}, {machine.get('cpu_count', '?')} CPUs, MLX {machine.get('mlx', '?')} · "
         f"{meta.get('date', '?')}",
         "",
-        "| workload | mode | tok/s | min..max | warm-up | vs serial | drafts kept/offered | tok/window | p95 ms | output |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | mode | tok/s | min..max | warm-up | vs serial | vs best N | drafts kept/offered | tok/window | "
+        "p95 ms | output |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for wr in result.workloads:
         for mr in wr.modes:

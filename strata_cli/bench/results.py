@@ -169,18 +169,32 @@ class WorkloadResult:
         """strata modes whose output differs from serial's (must be empty)."""
         return [m.mode for m in self.modes if m.kind == "strata" and m.identical is False]
 
+    def best_fixed(self) -> ModeResult | None:
+        """The fixed draft length with the highest median tokens/s, or None without one."""
+        fixed = [m for m in self.modes if m.kind == "strata" and m.mode.isdigit() and m.median]
+        return max(fixed, key=lambda m: m.median) if fixed else None
+
+    def auto_ratios(self) -> list[dict]:
+        """Every auto mode's median tokens/s against serial's and the best fixed length's, all
+        measured in this run (None where a reference is missing)."""
+        serial, best = self.mode("serial"), self.best_fixed()
+        return [
+            {"mode": auto.mode,
+             "vs_serial": auto.median / serial.median if serial and serial.median else None,
+             "best_fixed": best.mode if best else None,
+             "vs_best_fixed": auto.median / best.median if best else None}
+            for auto in self.modes if auto.mode.startswith("auto") and auto.median
+        ]
+
     def bars(self) -> list[BarCheck]:
         """The bars that apply to this workload's category, for every auto mode measured."""
-        serial = self.mode("serial")
-        fixed = [m for m in self.modes if m.kind == "strata" and m.mode.isdigit() and m.median]
         checks = []
-        for auto in (m for m in self.modes if m.mode.startswith("auto") and m.median):
-            if self.category == "prose" and serial and serial.median:
-                checks.append(BarCheck(self.name, f"{auto.mode} / serial", auto.median / serial.median, PROSE_BAR))
-            if self.category == "copy" and fixed:
-                best = max(fixed, key=lambda m: m.median)
-                checks.append(BarCheck(self.name, f"{auto.mode} / best fixed ({best.mode})",
-                                       auto.median / best.median, COPY_BAR))
+        for ratio in self.auto_ratios():
+            if self.category == "prose" and ratio["vs_serial"] is not None:
+                checks.append(BarCheck(self.name, f"{ratio['mode']} / serial", ratio["vs_serial"], PROSE_BAR))
+            if self.category == "copy" and ratio["vs_best_fixed"] is not None:
+                checks.append(BarCheck(self.name, f"{ratio['mode']} / best fixed ({ratio['best_fixed']})",
+                                       ratio["vs_best_fixed"], COPY_BAR))
         return checks
 
     def to_dict(self) -> dict:
@@ -192,6 +206,7 @@ class WorkloadResult:
             "prompt_tokens": self.prompt_tokens,
             "diverged": self.diverged,
             "bars": [b.to_dict() for b in self.bars()],
+            "auto_ratios": self.auto_ratios(),
             "modes": [m.to_dict() for m in self.modes],
         }
 

@@ -128,6 +128,32 @@ class WindowEngine:
                 progress(len(piece))
         return None if logits is None else logits[0, -1].astype(mx.float32)
 
+    def warm_up(self, max_T: int, chunk: int = PREFILL_CHUNK) -> None:
+        """Run every window shape once on a scratch state, then reset.
+
+        Backends that build kernels per shape (MLX's CUDA backend) pay that the first time a
+        shape appears; here it is paid at load, not inside a request's timed windows. Covers
+        one prefill chunk of `chunk` rows (fewer when the context is smaller) and windows of
+        T = 1..max_T rows, each committed with every keep 1..T (a lazy fold's shape follows
+        keep). Needs an engine that holds nothing; it holds nothing afterwards.
+        """
+        self._require_closed("warm_up")
+        if self.length:
+            raise WindowError(f"warm_up() needs an empty engine, this one holds {self.length} positions")
+        max_T = min(max_T, self.max_context - 1)
+        tokens = [i % self.vocab_size for i in range(max(1, min(chunk, self.max_context - 1)))]
+        self.prefill(tokens)
+        self.reset()
+        for T in range(1, max_T + 1):
+            for keep in range(1, T + 1):
+                if self.length + T + 1 > self.max_context:
+                    self.reset()
+                self.run([i % self.vocab_size for i in range(T)], self.length)
+                self.commit(keep)
+        self.run([0], self.length)  # the last commit's fold
+        self.commit(1)
+        self.reset()
+
     # -- committed state -----------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:

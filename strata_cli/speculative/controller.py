@@ -67,6 +67,7 @@ DEFAULT_COST_TRUST = 3  # samples of a T before its cost may exceed its prior (o
 DEFAULT_SWITCH_MARGIN = 0.0  # hysteresis between drafting lengths (relative rate); off by default
 DEFAULT_COST_MEMORY = 256  # windows after which a cost sample expires (a length not run lately is re-measured)
 DEFAULT_WARMUP_WINDOWS = 1  # first windows of a request pay one-time costs: not cost samples
+DEFAULT_STALL_FACTOR = 4.0  # a cost sample counts as at most this many times its T's current estimate
 
 
 class CostCurveError(ValueError):
@@ -115,10 +116,13 @@ class CostPrior:
     Args:
         relative: cost of T = 1, 2, ... rows relative to T = 1 (first entry 1.0).
         seconds_per_row: absolute cost of T = 1 in seconds, or None (default) for unknown.
+        source: where the curve came from, for telemetry: "builtin" (default), "file:<path>",
+            "calibrated" (measured at start on this device) or "cached" (an earlier calibration).
     """
 
     relative: tuple[float, ...] = (1.0, 1.0 + DEFAULT_COST_SLOPE)
     seconds_per_row: float | None = None
+    source: str = "builtin"
 
     def __post_init__(self):
         if len(self.relative) < 1 or any(not (v > 0 and math.isfinite(v)) for v in self.relative):
@@ -134,12 +138,12 @@ class CostPrior:
         return cls(relative=(1.0, 1.0 + slope))
 
     @classmethod
-    def from_seconds(cls, seconds: Sequence[float]) -> "CostPrior":
+    def from_seconds(cls, seconds: Sequence[float], *, source: str = "builtin") -> "CostPrior":
         """A measured curve: `seconds[t - 1]` is the cost of a window of `t` rows."""
         seconds = [float(s) for s in seconds]
         if not seconds or any(not (s > 0 and math.isfinite(s)) for s in seconds):
             raise CostCurveError(f"a cost curve needs positive seconds for T = 1, 2, ..., got {seconds}")
-        return cls(relative=tuple(s / seconds[0] for s in seconds), seconds_per_row=seconds[0])
+        return cls(relative=tuple(s / seconds[0] for s in seconds), seconds_per_row=seconds[0], source=source)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "CostPrior":
@@ -172,7 +176,7 @@ class CostPrior:
         else:
             raise CostCurveError(f"{path}: expected a JSON object or list, got {type(data).__name__}")
         try:
-            return cls.from_seconds(seconds)
+            return cls.from_seconds(seconds, source=f"file:{path}")
         except (CostCurveError, TypeError, ValueError) as e:
             raise CostCurveError(f"{path}: {e}") from None
 
@@ -238,6 +242,11 @@ class DraftController:
         cost_strength: pseudo-measurements behind each T's prior cost (default 2).
         warmup_windows: first windows whose time is not a cost sample (default 1: the first
             window of a request pays one-time costs).
+        stall_factor: a measured window enters its T's cost samples as at most this many times
+            that T's current estimate (default 4). One stall (a kernel compiled for a new shape,
+            a page fault, another process) then moves a median by one sample of bounded size
+            and cannot leak into the scale of the other T; a lasting slowdown is still learned,
+            the estimate rising by up to this factor per refresh of the samples.
     """
 
     def __init__(
@@ -254,11 +263,14 @@ class DraftController:
         cost_memory: int = DEFAULT_COST_MEMORY,
         switch_margin: float = DEFAULT_SWITCH_MARGIN,
         warmup_windows: int = DEFAULT_WARMUP_WINDOWS,
+        stall_factor: float = DEFAULT_STALL_FACTOR,
     ):
         if max_drafts < 1:
             raise ValueError(f"max_drafts must be at least 1 for a controller, got {max_drafts}")
         if switch_margin < 0:
             raise ValueError(f"switch_margin must be non-negative, got {switch_margin}")
+        if not stall_factor > 1.0:
+            raise ValueError(f"stall_factor must be above 1, got {stall_factor}")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if pool_strength <= 0 or cost_strength <= 0:
@@ -276,6 +288,7 @@ class DraftController:
         self.cost_trust = cost_trust
         self.cost_memory = cost_memory
         self.switch_margin = switch_margin
+        self.stall_factor = stall_factor
         self._cells = [[_Counts() for _ in range(NUM_POSITION_BUCKETS)] for _ in range(NUM_MATCH_BUCKETS)]
         self._pooled = [_Counts() for _ in range(NUM_POSITION_BUCKETS)]
         # T -> (window index, seconds) of its recent windows, oldest first
@@ -344,11 +357,15 @@ class DraftController:
         return min(blend, prior) if n < self.cost_trust else blend
 
     def _scale_near(self, T: int) -> float:
-        """Measured/shape scale at T, from the other well-measured T (else any other measured T,
-        else T itself)."""
+        """Measured/shape scale at T, from the other well-measured T (else T itself when it is
+        well measured, else any other measured T, else T itself).
+
+        A T with a sample or two (perhaps one stall) scales the others only when nothing is well
+        measured yet."""
         measured = sorted(self._medians.items())
-        trusted = [(t, m) for t, m in measured if t != T and len(self._costs[t]) >= self.cost_trust]
-        others = trusted or [(t, m) for t, m in measured if t != T] or [(t, m) for t, m in measured if t == T]
+        trusted = [(t, m) for t, m in measured if len(self._costs[t]) >= self.cost_trust]
+        others = ([(t, m) for t, m in trusted if t != T] or trusted
+                  or [(t, m) for t, m in measured if t != T] or measured)
         points = [(t, m / self.cost_prior.shape(t)) for t, m in others]
         if not points:
             return self.cost_prior.seconds_per_row or 1.0
@@ -436,7 +453,8 @@ class DraftController:
             raise ValueError(f"keep must be in 1..{T} (T), got {keep}")
         self._windows_seen += 1
         if self._windows_seen > self.warmup_windows and T in self._costs:
-            self._costs[T].append((self._windows_seen, max(seconds - extra_seconds, 0.0)))
+            sample = min(max(seconds - extra_seconds, 0.0), self.stall_factor * self.window_cost(T))
+            self._costs[T].append((self._windows_seen, sample))
             self._medians[T] = median(s for _, s in self._costs[T])
         self._expire_costs()
         if match_length <= 0:
@@ -471,6 +489,7 @@ class DraftController:
     def snapshot(self) -> dict:
         """What the controller has learned, as plain data (for telemetry)."""
         return {
+            "cost_prior": self.cost_prior.source,
             "acceptance_by_position": [round(a, 4) for a in self._pooled_curve()],
             "window_ms_by_T": {
                 str(T): round(1000 * self.window_cost(T), 4) for T in range(1, self.max_drafts + 2)
