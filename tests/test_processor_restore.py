@@ -81,7 +81,12 @@ def test_a_restored_conversation_continues_as_an_uninterrupted_one(loop_model, t
 
 
 def test_request_fields_build_the_options():
-    from strata_cli.serve.protocol import INVALID_REQUEST, OUT_OF_RANGE, RequestError, check_request
+    from strata_cli.serve.protocol import (
+        INVALID_REQUEST,
+        OUT_OF_RANGE,
+        RequestError,
+        check_request,
+    )
 
     request = check_request(
         {"prompt": "x", "temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05, "ban_phrases": ["no"],
