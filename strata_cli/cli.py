@@ -24,6 +24,7 @@ from .options import (
     DEFAULT_MIN_MATCH,
     DEFAULT_PREFIX_CACHE_ENTRIES,
     DEFAULT_PREFIX_CACHE_POSITIONS,
+    DEFAULT_REPETITION_CONTEXT,
     DEFAULT_SEED,
     DEMO_MODEL,
     EXPERT_IO_MODES,
@@ -41,6 +42,7 @@ from .options import (
     SpecOptions,
     StreamOptions,
     parse_suffix_draft,
+    read_ban_phrases,
 )
 
 
@@ -194,6 +196,46 @@ def engine_options(command):
     return options_object("engine", build, options)(command)
 
 
+def sampling_options(command):
+    """Sampling filters, penalties and phrase bans (`GenerateOptions` fields), passed to `command`
+    as one `sampling: dict` argument; `GenerateOptions` checks them with the rest."""
+    options = [
+        click.option("--top-k", type=click.IntRange(min=0), default=0, envvar="STRATA_TOP_K", show_default=True,
+                     help="Sample among the K most likely tokens only (0 = off; needs --temperature > 0)."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, envvar="STRATA_TOP_P",
+                     show_default=True, help="Nucleus sampling: the smallest set of likeliest tokens with this "
+                                             "much probability (1 = off; needs --temperature > 0)."),
+        click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0, envvar="STRATA_MIN_P",
+                     show_default=True, help="Drop tokens less likely than MIN_P times the likeliest (0 = off; "
+                                             "needs --temperature > 0)."),
+        click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=1.0,
+                     envvar="STRATA_REPETITION_PENALTY", show_default=True,
+                     help="Penalise tokens among the last --repetition-context tokens, prompt included (1 = off)."),
+        click.option("--repetition-context", type=click.IntRange(min=1), default=DEFAULT_REPETITION_CONTEXT,
+                     envvar="STRATA_REPETITION_CONTEXT", show_default=True,
+                     help="How many recent tokens the repetition penalty looks at."),
+        click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, envvar="STRATA_PRESENCE_PENALTY",
+                     show_default=True, help="Subtract this from the logit of every token generated so far (OpenAI)."),
+        click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0,
+                     envvar="STRATA_FREQUENCY_PENALTY", show_default=True,
+                     help="Subtract this times each token's count among the generated tokens (OpenAI)."),
+        click.option("--ban-phrases", type=click.Path(exists=True, dir_okay=False), default=None,
+                     envvar="STRATA_BAN_PHRASES", metavar="FILE",
+                     help="Phrases (one per line) the output never contains as tokens."),
+    ]
+
+    def build(top_k, top_p, min_p, repetition_penalty, repetition_context, presence_penalty, frequency_penalty,
+              ban_phrases):
+        return {
+            "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty,
+            "repetition_context": repetition_context, "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty,
+            "ban_phrases": read_ban_phrases(ban_phrases) if ban_phrases else (),
+        }
+
+    return options_object("sampling", build, options)(command)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="strata")
 def cli():
@@ -226,10 +268,11 @@ def cli():
               help="Print one JSON object per prompt (text, token_ids, finish_reason, stats) instead of streaming text.")
 @click.option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
               help="Treat every non-empty stdin line as its own prompt.")
+@sampling_options
 @model_options
 @engine_options
 def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, min_match, stats, as_json,
-             each_line, load, engine):
+             each_line, sampling, load, engine):
     """Generate text from PROMPT (or from stdin when piped, or when PROMPT is '-').
 
     \b
@@ -237,9 +280,10 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
       strata generate "def fibonacci(n):"
       cat edit_request.txt | strata generate --suffix-draft 3 --max-tokens 200
       strata generate --each-line --json < prompts.txt
+      strata generate -t 0.7 --top-p 0.9 --suffix-draft auto --repetition-penalty 1.1 "def f(x):"
     """
     try:
-        gen_options = GenerateOptions(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        gen_options = GenerateOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, **sampling)
         spec = spec_options(suffix_draft, min_match, draft_cost)
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
@@ -260,13 +304,14 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
     engine, tokenizer = runtime.engine, runtime.tokenizer
     console = Console(stderr=True)
     out = sys.stdout
+    banned = tokenizer.phrase_sequences(gen_options.ban_phrases)
     for n, text in enumerate(prompts):
         stats = DecodeStats(warmup_seconds=runtime.warmup_seconds, calibration_seconds=runtime.calibration_seconds)
         detok = StreamingDetokenizer(tokenizer)
         finish = None
         for step in decode_generate(
             engine, tokenizer.encode(text), options=gen_options, spec=spec,
-            eos_ids=tokenizer.eos_ids, stats=stats,
+            eos_ids=tokenizer.eos_ids, stats=stats, banned=banned,
         ):
             delta = detok.add(step.tokens)
             if not as_json and delta:
@@ -295,6 +340,10 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
 @cli.command("serve-stdio")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
               envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
+@click.option("--temperature", "-t", type=click.FloatRange(min=0.0), default=0.0, envvar="STRATA_TEMPERATURE",
+              show_default=True, help="temperature of requests that leave it out (0 = greedy).")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
+              show_default=True, help="seed of requests that leave it out.")
 @click.option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
               help="suffix_draft of requests that leave it out: N drafts per window (0 = off), 'auto' or 'auto:N'.")
 @click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
@@ -314,11 +363,13 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
               show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
 @click.option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
               envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
+@sampling_options
 @model_options
 @engine_options
 @click.option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
-def serve_stdio_command(max_tokens, suffix_draft, min_match, session, prefix_cache, prefix_cache_positions,
-                        checkpoint_every, suffix_cache, max_line_bytes, load, engine, verbose):
+def serve_stdio_command(max_tokens, temperature, seed, suffix_draft, min_match, session, prefix_cache,
+                        prefix_cache_positions, checkpoint_every, suffix_cache, max_line_bytes, sampling, load,
+                        engine, verbose):
     """Answer JSON-lines requests from stdin with JSON-lines frames on stdout.
 
     stdout carries protocol frames only; logs go to stderr. Exit status: 0 at end of input,
@@ -341,7 +392,7 @@ def serve_stdio_command(max_tokens, suffix_draft, min_match, session, prefix_cac
             prefix_cache_positions=prefix_cache_positions, checkpoint_every=checkpoint_every,
             suffix_cache_tokens=suffix_cache, max_line_bytes=max_line_bytes,
         )
-        defaults = GenerateOptions(max_tokens=max_tokens)
+        defaults = GenerateOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, **sampling)
         spec = spec_options(suffix_draft, min_match, None)
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
@@ -427,7 +478,9 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
 @click.option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP",
               help="Warm-up runs per mode and workload, reported apart [default: 1].")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-              show_default=True, help="MLX's global seed (greedy decoding does not sample).")
+              show_default=True, help="MLX's global seed and the requests' sampling seed.")
+@click.option("--temperature", "-t", type=click.FloatRange(min=0.0), default=0.0, envvar="STRATA_TEMPERATURE",
+              show_default=True, help="Sample at this temperature (0 = greedy; mlx-lm modes run greedy only).")
 @click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
               show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
 @click.option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
@@ -446,7 +499,8 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
               help="Write the results table (and the bars) as Markdown to FILE, for docs/benchmarks.md.")
 @model_options
 @engine_options
-def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, seed, min_match, draft_cost,
+def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, seed, temperature, min_match,
+                  draft_cost,
                   peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, load, engine):
     """Measure tokens/s of named WORKLOADS (default: all) in every decoding mode.
 
@@ -460,6 +514,7 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
       strata bench
       strata bench prose copy_edit --modes serial,1-4,auto --repeats 5 --out bench.json
       strata bench --no-peers --plot docs/bench.png
+      strata bench copy_edit --no-peers --temperature 0.7 --modes serial,3,auto
     """
     from .bench import (
         DEFAULT_BENCH_TOKENS,
@@ -477,6 +532,7 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
             repeats=repeats or DEFAULT_REPEATS,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
             seed=seed,
+            temperature=temperature,
         )
         cost_prior = spec_options((1, True), min_match, draft_cost).cost_prior
         mode_list = parse_modes(modes or DEFAULT_MODES, min_match=min_match, cost_prior=cost_prior)
@@ -486,6 +542,9 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
         if modes and any(m.label in PEER_MODES for m in mode_list):
             raise click.BadParameter("--modes names mlx-lm modes but --no-peers leaves them out")
         mode_list = [m for m in mode_list if m.label not in PEER_MODES]
+    if temperature > 0 and any(m.label in PEER_MODES for m in mode_list):
+        raise click.BadParameter("mlx-lm modes decode greedily: with --temperature > 0 pass --no-peers "
+                                 "or leave them out of --modes")
     run_guarded(lambda: _bench(load, engine, list(workloads), workloads_dir, mode_list, options,
                                peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path))
 
@@ -558,7 +617,7 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
     except (WorkloadError, PeerError, PlotError) as e:
         raise UserError(str(e)) from None
     if result.diverged:
-        raise UserError("greedy output differs from serial in " + "; ".join(
+        raise UserError("output differs from serial in " + "; ".join(
             f"{w}: {', '.join(ms)}" for w, ms in result.diverged.items()))
 
 

@@ -16,22 +16,17 @@ from typing import Protocol
 
 from .engine.window import WindowEngine
 from .options import GenerateOptions, SpecOptions
-from .sampling import Sampler
+from .processors import Processors, ProcessorTrack
+from .sampling import TokenChooser
 from .speculative.controller import DraftController
 from .speculative.safe_window import safe_window
 from .speculative.suffix_drafter import EMPTY_PROPOSAL, Proposal, SuffixDrafter
-from .speculative.verify import greedy_keep, stop_at_eos
+from .speculative.verify import expected_keep_probs, greedy_keep, stop_at_eos
 from .telemetry import DecodeStats, WindowRecord
 
 FINISH_STOP = "stop"  # an end-of-sequence token
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_CONTEXT = "context"  # the context limit reached
-
-SAMPLING_IS_SERIAL = (
-    "temperature > 0: decoding serially; lossless speculative sampling is not implemented yet, "
-    "so --suffix-draft is ignored for sampled requests"
-)
-
 
 @dataclass(frozen=True)
 class Step:
@@ -62,6 +57,7 @@ def generate(
     prefilled: int = 0,
     fallback_drafter: ContextDrafter | None = None,
     controller: DraftController | None = None,
+    banned: Sequence[Sequence[int]] = (),
 ) -> Iterator[Step]:
     """Generate from `prompt_ids`, one window per step.
 
@@ -82,6 +78,8 @@ def generate(
         controller: the draft-length controller to use with `spec.auto` (pass one to keep what
             it learned across requests); None (default) = a fresh one per request. It only
             changes how many drafts a window verifies, never the output.
+        banned: the token sequences of `options.ban_phrases` (tokenizer.phrase_sequences);
+            given exactly when phrases are.
 
     Yields:
         `Step`s; the last one carries the finish reason ("stop", "length" or "context").
@@ -94,11 +92,9 @@ def generate(
         raise PromptError(
             f"the prompt has {len(prompt_ids)} tokens but the context holds {engine.max_context}"
         )
-    sampler = Sampler(options.temperature, options.seed) if options.temperature > 0 else None
+    chooser = TokenChooser(options, prompt_length=len(prompt_ids))
+    processors = Processors(options, banned) if options.has_processors else None
     max_drafts = spec.max_drafts
-    if sampler and max_drafts:
-        stats.note(SAMPLING_IS_SERIAL)
-        max_drafts = 0
     drafter = SuffixDrafter(prompt_ids, min_match=spec.min_match) if max_drafts else None
     if not (spec.auto and max_drafts):
         controller = None
@@ -120,6 +116,8 @@ def generate(
     engine.prefill(prompt_ids[prefilled:-1])
     stats.record_prefill(len(prompt_ids) - 1 - prefilled, time.perf_counter() - start)
     stats.load_bytes_read += getattr(engine, "prefill_expert_bytes", 0)  # streamed experts the prompt read
+    # Processor state rolls back with the engine's: the same inputs run, the same keep commits.
+    track = ProcessorTrack(processors, prompt_ids[:-1], len(prompt_ids)) if processors else None
 
     root, pos0, emitted = prompt_ids[-1], len(prompt_ids) - 1, 0
     while True:
@@ -148,16 +146,16 @@ def generate(
             T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=read_cost)  # before any read
         inputs = [root, *proposal.tokens[: T - 1]]
         out = engine.run(inputs, pos0)
-        if sampler:
-            outputs, keep = [sampler(out.logits[0])], 1
-        else:
-            keep = greedy_keep(inputs, out.tokens)
-            outputs = out.tokens[:keep]
+        row_tokens, draft_probs = choose_rows(out, inputs, pos0, chooser, track)
+        keep = greedy_keep(inputs, row_tokens)  # with draws: speculative sampling (verify.py)
+        outputs = row_tokens[:keep]
         verified = keep
         eos_at = stop_at_eos(outputs, eos_ids)
         if eos_at is not None:
             keep, outputs = eos_at + 1, outputs[:eos_at]
         engine.commit(keep)
+        if track is not None:
+            track.commit(keep)
         seconds = time.perf_counter() - start
         experts = expert_probe() if expert_probe else None
         stats.record_window(
@@ -174,7 +172,8 @@ def generate(
         )
         if controller is not None:
             controller.observe(T=len(inputs), keep=verified, seconds=seconds, match_length=proposal.match_length,
-                               extra_seconds=experts.draft_read_seconds if experts else 0.0)
+                               extra_seconds=experts.draft_read_seconds if experts else 0.0,
+                               acceptance=None if draft_probs is None else expected_keep_probs(draft_probs, verified))
         if eos_at is not None:
             yield Step(outputs, FINISH_STOP)
             return
@@ -184,3 +183,14 @@ def generate(
         pos0 += keep
         root = outputs[-1]
         yield Step(outputs)
+
+
+def choose_rows(out, inputs: Sequence[int], pos0: int, chooser: TokenChooser,
+                track: ProcessorTrack | None) -> tuple[list[int], list[float] | None]:
+    """Each row's token (greedy or drawn, after the processors with that row's state) and,
+    when sampling, the probability each row gave the next input."""
+    if track is None and not chooser.is_sampling:
+        return out.tokens, None  # the engine's argmax is the greedy choice
+    logits = out.logits if track is None else track.processors.apply(out.logits, track.run(inputs))
+    choice = chooser.choose(logits, pos0, inputs)
+    return choice.tokens, choice.draft_probs

@@ -17,6 +17,7 @@ from .speculative.suffix_drafter import DEFAULT_MIN_MATCH
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_SEED = 0
+DEFAULT_REPETITION_CONTEXT = 20  # mlx-lm's repetition_context_size
 MAX_SUFFIX_DRAFT = 7  # a window is root + drafts; T <= 8 is what every rollback rule is tested for
 PREFILL_CHUNK = 512
 FOLD_MODES = ("lazy", "eager")
@@ -163,13 +164,36 @@ class GenerateOptions:
 
     Args:
         max_tokens: most tokens to generate (default 256).
-        temperature: 0 is greedy (default); above 0 samples from softmax(logits / temperature).
+        temperature: 0 is greedy (default); above 0 samples from the processed distribution
+            softmax(processed logits / temperature), filtered by top_k, top_p and min_p.
         seed: seeds this request's own sampler; the global seed is left alone.
+        top_k: sample among the k most likely tokens only (0 = off, the default). Sampling only.
+        top_p: sample from the smallest set of most likely tokens whose probability reaches
+            top_p (1.0 = off, the default). Sampling only.
+        min_p: drop tokens less likely than min_p times the most likely one (0 = off, the
+            default). Sampling only.
+        repetition_penalty: divide positive logits (multiply negative ones) of tokens among the
+            last `repetition_context` tokens, prompt included, by this (1.0 = off, the default).
+        repetition_context: how many recent tokens the repetition penalty looks at (default 20).
+        presence_penalty: subtract this from the logit of every token generated so far (OpenAI
+            semantics: generated tokens only; 0 = off, the default; -2..2).
+        frequency_penalty: subtract this times a token's count among the generated tokens
+            (OpenAI semantics; 0 = off, the default; -2..2).
+        ban_phrases: phrases that never appear in the output as the token sequences the
+            tokenizer gives them (processors.py); () = none (the default).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
     seed: int = DEFAULT_SEED
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context: int = DEFAULT_REPETITION_CONTEXT
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ban_phrases: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -178,6 +202,51 @@ class GenerateOptions:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.temperature == 0 and (self.top_k or self.top_p < 1 or self.min_p):
+            raise ConfigError(
+                f"top_k ({self.top_k}), top_p ({self.top_p}) and min_p ({self.min_p}) filter sampling: "
+                "they need temperature > 0"
+            )
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_context < 1:
+            raise ConfigError(f"repetition_context must be at least 1, got {self.repetition_context}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not phrase.strip() for phrase in self.ban_phrases):
+            raise ConfigError("a banned phrase is empty")
+
+    @property
+    def is_sampling(self) -> bool:
+        return self.temperature > 0
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether a logit processor with per-position state applies (processors.py)."""
+        return bool(
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.ban_phrases
+        )
+
+
+def read_ban_phrases(path: str) -> tuple[str, ...]:
+    """The phrases of a --ban-phrases file: one per line, blank lines skipped, each line kept
+    as written (less its line break)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"ban phrases {path}: cannot read it ({e})") from None
+    phrases = tuple(line for line in lines if line.strip())
+    if not phrases:
+        raise ConfigError(f"ban phrases {path}: no phrases (one per line)")
+    return phrases
 
 
 @dataclass(frozen=True)

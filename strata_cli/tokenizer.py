@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -43,6 +44,17 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def phrase_sequences(self, phrases: Sequence[str]) -> list[tuple[int, ...]]:
+        """The token sequences a banned phrase may appear as: the phrase as written and after a
+        space (most tokenizers fold the space into the first token), duplicates dropped."""
+        sequences: dict[tuple[int, ...], None] = {}
+        for phrase in phrases:
+            for text in (phrase, " " + phrase.lstrip(" ")):
+                ids = tuple(self.encode(text))
+                if ids:
+                    sequences[ids] = None
+        return list(sequences)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

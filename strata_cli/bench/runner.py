@@ -71,12 +71,15 @@ class BenchOptions:
         repeats: measured runs per mode and workload (default 3).
         warmup: warm-up runs per mode and workload, reported apart (default 1).
         seed: MLX's global seed and the requests' seed (greedy decoding does not use it).
+        temperature: the requests' temperature (default 0: greedy). Sampled draws are keyed by
+            position (sampling.py), so every mode's output still equals serial's.
     """
 
     max_tokens: int = DEFAULT_BENCH_TOKENS
     repeats: int = DEFAULT_REPEATS
     warmup: int = DEFAULT_WARMUP
     seed: int = 0
+    temperature: float = 0.0
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.repeats < 1 or self.warmup < 0:
@@ -84,6 +87,8 @@ class BenchOptions:
                 f"bench needs max_tokens >= 1, repeats >= 1, warmup >= 0 "
                 f"(got {self.max_tokens}, {self.repeats}, {self.warmup})"
             )
+        if not self.temperature >= 0:
+            raise ConfigError(f"bench temperature must be >= 0, got {self.temperature}")
 
 
 def parse_modes(
@@ -155,7 +160,7 @@ class Prefilled:
     def run(self, spec: SpecOptions, options: BenchOptions) -> RunResult:
         """Decode every prompt once in one strata mode; time decode only."""
         stats = DecodeStats()
-        gen = GenerateOptions(max_tokens=options.max_tokens, seed=options.seed)
+        gen = GenerateOptions(max_tokens=options.max_tokens, seed=options.seed, temperature=options.temperature)
         outputs, seconds = [], 0.0
         for ids, snapshot in zip(self.prompts, self.snapshots):
             self.engine.restore(snapshot)
@@ -215,6 +220,8 @@ def run_bench(
         raise ConfigError("the first bench mode must be serial (the reference output)")
     if any(m.kind == "peer" for m in modes) and peer is None:
         raise ConfigError("peer modes need a loaded mlx-lm peer")
+    if any(m.kind == "peer" for m in modes) and options.temperature > 0:
+        raise ConfigError("peer modes decode greedily; they cannot run at temperature > 0")
     mx.random.seed(options.seed)
     result = BenchResult(meta=dict(meta or {}))
     notes = result.meta.setdefault("notes", [])
@@ -285,6 +292,7 @@ def collect_meta(*, model: str, device: str, dtype: str, options: BenchOptions, 
         "repeats": options.repeats,
         "warmup": options.warmup,
         "seed": options.seed,
+        "temperature": options.temperature,
         "modes": [m.label for m in modes],
         **(extra or {}),
     }

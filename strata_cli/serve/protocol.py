@@ -32,7 +32,11 @@ FINISH_CANCELLED = "cancelled"  # a signal stopped the request (the finish reaso
 MAX_ID_CHARS = 256
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
-FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "seed", "suffix_draft", "stop", "stream")
+MAX_BAN_PHRASES = 256
+SAMPLING_INTEGERS = ("top_k", "repetition_context")
+SAMPLING_NUMBERS = ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "seed", "suffix_draft", "stop", "stream",
+          *SAMPLING_INTEGERS, *SAMPLING_NUMBERS, "ban_phrases")
 MESSAGE_FIELDS = ("role", "content")
 
 
@@ -128,6 +132,7 @@ def _check_fields(obj: dict, request_id: Any, defaults: GenerateOptions, spec: S
             overrides[name] = _integer(field, obj[field])
     if "temperature" in obj:
         overrides["temperature"] = _number("temperature", obj["temperature"])
+    overrides.update(_sampling(obj))
     spec_overrides = {}
     if "suffix_draft" in obj:
         max_drafts, auto = _suffix_draft(obj["suffix_draft"])
@@ -141,6 +146,21 @@ def _check_fields(obj: dict, request_id: Any, defaults: GenerateOptions, spec: S
     if not isinstance(stream, bool):
         raise RequestError(INVALID_REQUEST, f"'stream' must be a boolean, got {_type_name(stream)}")
     return Request(request_id, prompt, messages, options, spec, _stops(obj.get("stop")), stream)
+
+
+def _sampling(obj: dict) -> dict:
+    """The sampling filters, penalties and banned phrases a request sets (GenerateOptions fields)."""
+    overrides: dict[str, Any] = {name: _integer(name, obj[name]) for name in SAMPLING_INTEGERS if name in obj}
+    overrides.update({name: _number(name, obj[name]) for name in SAMPLING_NUMBERS if name in obj})
+    if "ban_phrases" in obj:
+        phrases = obj["ban_phrases"]
+        if not isinstance(phrases, list) or len(phrases) > MAX_BAN_PHRASES:
+            raise RequestError(
+                INVALID_REQUEST,
+                f"'ban_phrases' must be a list of at most {MAX_BAN_PHRASES} strings, got {_type_name(phrases)}",
+            )
+        overrides["ban_phrases"] = tuple(_text(f"ban_phrases[{i}]", p) for i, p in enumerate(phrases))
+    return overrides
 
 
 def _check_id(value: Any) -> Any:

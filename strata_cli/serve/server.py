@@ -191,6 +191,7 @@ class Server:
         steps = decode_generate(
             self.engine, prompt_ids, options=request.options, spec=request.spec, eos_ids=self.tokenizer.eos_ids,
             stats=stats, prefilled=self.engine.length, fallback_drafter=self.suffix_cache,
+            banned=self.tokenizer.phrase_sequences(request.options.ban_phrases) if request.options.ban_phrases else (),
         )
         try:
             for step in steps:

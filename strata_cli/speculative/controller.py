@@ -437,6 +437,7 @@ class DraftController:
         seconds: float,
         match_length: int = 0,
         extra_seconds: float = 0.0,
+        acceptance: Sequence[float] | None = None,
     ) -> None:
         """Learn from one finished window.
 
@@ -448,6 +449,9 @@ class DraftController:
             match_length: the proposal's match length (0 when there was none); the window
                 teaches acceptance only when it verified drafts.
             extra_seconds: the part of `seconds` that an `extra_cost` term accounts for.
+            acceptance: when sampling, the probability p_i(d_i) each judged draft had of being
+                accepted (speculative/verify.py), learned instead of the 0/1 outcome: the same
+                expectation with less noise. None (default) = greedy 0/1 outcomes.
         """
         if not 1 <= keep <= T:
             raise ValueError(f"keep must be in 1..{T} (T), got {keep}")
@@ -469,11 +473,11 @@ class DraftController:
         # Drafts 1..keep-1 were accepted; draft `keep` (if it ran) was the first rejected; the
         # rest were never judged (conditional acceptance is only defined after an acceptance).
         for position in range(1, min(keep, T - 1) + 1):
-            accepted = position < keep
+            accepted = position < keep if acceptance is None else acceptance[position - 1]
             pb = position_bucket(position)
             for c in (self._cells[mb][pb], self._pooled[pb]):
                 c.observed += 1.0
-                c.accepted += 1.0 if accepted else 0.0
+                c.accepted += float(accepted)
 
     def _expire_costs(self) -> None:
         oldest = self._windows_seen - self.cost_memory
