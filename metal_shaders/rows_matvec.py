@@ -25,7 +25,9 @@ TILE = 256  # K values staged in shared memory per step (a multiple of 32 · val
 
 log = logging.getLogger("strata.kernels")
 
-_DENSE = """
+# Shared by both kernels: block layout, per-row float32 accumulators, x staged tile by tile in
+# shared memory (TILE values of every row), and the fixed warp butterfly at the end.
+_HEAD = """
     constexpr int WARPS = %(warps)d, COLS = %(cols)d, TILE = %(tile)d, ROWS = %(rows)d;
     const int R = dims[0], K = dims[1], N = dims[2];
     __shared__ float xs[ROWS][TILE];
@@ -46,13 +48,8 @@ _DENSE = """
         for (int c = 0; c < COLS; ++c) {
             const int n = col0 + c;
             if (n < N) {
-                const auto* wrow = w + static_cast<size_t>(n) * K + k0;
-                for (int kk = lane; kk < TILE && k0 + kk < K; kk += 32) {
-                    const float wv = static_cast<float>(wrow[kk]);
-                    #pragma unroll
-                    for (int r = 0; r < ROWS; ++r)
-                        if (r < R) acc[r][c] = fmaf(wv, xs[r][kk], acc[r][c]);
-                }
+"""
+_TAIL = """
             }
         }
         __syncthreads();
@@ -70,32 +67,22 @@ _DENSE = """
         }
     }
 """
-
+# Lane l takes k = l, l + 32, ... of each tile: the same order for every row count.
+_DENSE = _HEAD + """
+                const auto* wrow = w + static_cast<size_t>(n) * K + k0;
+                for (int kk = lane; kk < TILE && k0 + kk < K; kk += 32) {
+                    const float wv = static_cast<float>(wrow[kk]);
+                    #pragma unroll
+                    for (int r = 0; r < ROWS; ++r)
+                        if (r < R) acc[r][c] = fmaf(wv, xs[r][kk], acc[r][c]);
+                }
+""" + _TAIL
+# Lane l takes packed words l, l + 32, ... of each tile (VALS values each, one group's scale and bias).
 _QUANTIZED = """
-    constexpr int WARPS = %(warps)d, COLS = %(cols)d, TILE = %(tile)d, ROWS = %(rows)d;
-    constexpr int VALS = 32 / BITS;               // values per packed word
+    constexpr int VALS = 32 / BITS;
     constexpr unsigned int MASK = (1u << BITS) - 1u;
-    const int R = dims[0], K = dims[1], N = dims[2];
-    const int KW = K / VALS;                      // words per weight row
-    const int KG = K / GS;                        // groups per weight row
-    __shared__ float xs[ROWS][TILE];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int col0 = (blockIdx.x * WARPS + warp) * COLS;
-    float acc[ROWS][COLS];
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += TILE) {
-        for (int i = threadIdx.x; i < R * TILE; i += WARPS * 32) {
-            const int r = i / TILE, k = k0 + i %% TILE;
-            xs[r][i %% TILE] = k < K ? static_cast<float>(x[r * K + k]) : 0.0f;
-        }
-        __syncthreads();
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            const int n = col0 + c;
-            if (n < N) {
+""" + _HEAD + """
+                const int KW = K / VALS, KG = K / GS;  // words and groups per weight row
                 for (int u = lane; u < TILE / VALS && k0 + u * VALS < K; u += 32) {
                     const int k = k0 + u * VALS;
                     const unsigned int word = w[static_cast<size_t>(n) * KW + k / VALS];
@@ -109,23 +96,7 @@ _QUANTIZED = """
                             if (r < R) acc[r][c] = fmaf(wv, xs[r][u * VALS + j], acc[r][c]);
                     }
                 }
-            }
-        }
-        __syncthreads();
-    }
-    #pragma unroll
-    for (int c = 0; c < COLS; ++c) {
-        const int n = col0 + c;
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (r >= R) break;
-            float v = acc[r][c];
-            #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == 0 && n < N) out[r * N + n] = static_cast<T>(v);
-        }
-    }
-"""
+""" + _TAIL
 
 _kernels: dict[str, object] = {}
 _dims_cache: dict[tuple[int, int, int], mx.array] = {}
