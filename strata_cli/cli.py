@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from . import __version__
 from .model.config import DTYPE_NAMES
@@ -41,6 +43,22 @@ from .options import (
     StreamOptions,
     parse_suffix_draft,
 )
+
+
+class EnvOption(click.Option):
+    """A click option whose error names the STRATA_* variable when the bad value came from it."""
+
+    def get_error_hint(self, ctx) -> str:
+        hint = super().get_error_hint(ctx)
+        source = ctx.get_parameter_source(self.name) if ctx is not None else None
+        if source is ParameterSource.ENVIRONMENT and isinstance(self.envvar, str):
+            hint += f" (from {self.envvar}={os.environ.get(self.envvar, '')!r})"
+        return hint
+
+
+def option(*names, **attrs):
+    """`click.option` with `EnvOption`: every strata option."""
+    return click.option(*names, cls=EnvOption, **attrs)
 
 
 class UserError(click.ClickException):
@@ -94,6 +112,16 @@ class SuffixDraftType(click.ParamType):
 SUFFIX_DRAFT = SuffixDraftType()
 
 
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses inf and nan (click takes both as floats)."""
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
+
+
 def spec_options(suffix_draft: tuple[int, bool], min_match: int, draft_cost: str | None) -> SpecOptions:
     """SpecOptions from the --suffix-draft, --min-match and --draft-cost values.
 
@@ -137,26 +165,26 @@ def model_options(command):
     """--model, --dtype and the expert-streaming options of every command that opens a model,
     passed to `command` as one `load: LoadOptions` argument."""
     options = [
-        click.option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
+        option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
                      help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
                           "'demo' is the embedded model."),
-        click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
+        option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
                      help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
-        click.option("--expert-cache", type=click.FloatRange(min=0, min_open=True), default=None,
+        option("--expert-cache", type=FiniteFloatRange(min=0, min_open=True), default=None,
                      envvar="STRATA_EXPERT_CACHE", metavar="GB",
                      help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
                           "(default: every expert resident once read)."),
-        click.option("--resident-experts", type=click.IntRange(min=1), default=None, envvar="STRATA_RESIDENT_EXPERTS",
+        option("--resident-experts", type=click.IntRange(min=1), default=None, envvar="STRATA_RESIDENT_EXPERTS",
                      metavar="N", help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
-        click.option("--expert-prefetch", type=click.Choice(EXPERT_PREFETCH_MODES), default=DEFAULT_EXPERT_PREFETCH,
+        option("--expert-prefetch", type=click.Choice(EXPERT_PREFETCH_MODES), default=DEFAULT_EXPERT_PREFETCH,
                      envvar="STRATA_EXPERT_PREFETCH", show_default=True,
                      help="Read ahead the next layer's experts predicted by its router on this layer's input "
                           "(router), by which experts followed before (history), or not at all (off)."),
-        click.option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
+        option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
                      show_default=True, help="Only row 0 of a window drives prefetch (demand reads serve every row)."),
-        click.option("--expert-io", type=click.Choice(EXPERT_IO_MODES), default="auto", envvar="STRATA_EXPERT_IO",
+        option("--expert-io", type=click.Choice(EXPERT_IO_MODES), default="auto", envvar="STRATA_EXPERT_IO",
                      show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
-        click.option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
+        option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
                      envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
     ]
 
@@ -175,12 +203,12 @@ def engine_options(command):
     """The window engine's options (context, fold, partial mode), passed to `command` as one
     `engine: EngineOptions` argument."""
     options = [
-        click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
+        option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
                      help="Positions the engine may hold (prompt + output); default: the model's maximum."),
-        click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
+        option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
                      help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
                           "or at commit (eager)."),
-        click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
+        option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
                      help="Commit each window's root row inside the run."),
     ]
 
@@ -203,24 +231,24 @@ def cli():
 
 @cli.command()
 @click.argument("prompt", required=False)
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
+@option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
               envvar="STRATA_MAX_TOKENS", show_default=True, help="Most tokens to generate per prompt.")
-@click.option("--temperature", "-t", type=click.FloatRange(min=0.0), default=0.0,
+@option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0,
               envvar="STRATA_TEMPERATURE", show_default=True, help="0 is greedy; above 0 samples.")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
+@option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
               show_default=True, help="Seed for sampling (each prompt uses its own sampler).")
-@click.option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
+@option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
               help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
                    f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
-@click.option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
+@option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
               help="With --suffix-draft auto: a measured window-cost curve (scripts/window_cost.py JSON, or a "
                    "JSON list of seconds for T = 1, 2, ...) as the controller's cost prior.")
-@click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
               show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
-@click.option("--stats", is_flag=True, envvar="STRATA_STATS", help="Print decode telemetry to stderr.")
-@click.option("--json", "as_json", is_flag=True, envvar="STRATA_JSON",
+@option("--stats", is_flag=True, envvar="STRATA_STATS", help="Print decode telemetry to stderr.")
+@option("--json", "as_json", is_flag=True, envvar="STRATA_JSON",
               help="Print one JSON object per prompt (text, token_ids, finish_reason, stats) instead of streaming text.")
-@click.option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
+@option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
               help="Treat every non-empty stdin line as its own prompt.")
 @model_options
 @engine_options
@@ -288,30 +316,30 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
 
 
 @cli.command("serve-stdio")
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
+@option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
               envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
-@click.option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
+@option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
               help="suffix_draft of requests that leave it out: N drafts per window (0 = off), 'auto' or 'auto:N'.")
-@click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
               show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
-@click.option("--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
+@option("--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
               help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
-@click.option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
+@option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
               envvar="STRATA_PREFIX_CACHE", show_default=True,
               help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse).")
-@click.option("--prefix-cache-positions", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CACHE_POSITIONS,
+@option("--prefix-cache-positions", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CACHE_POSITIONS,
               envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True,
               help="Most positions all checkpoints together hold (their KV memory grows with it).")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=PREFILL_CHUNK,
+@option("--checkpoint-every", type=click.IntRange(min=0), default=PREFILL_CHUNK,
               envvar="STRATA_CHECKPOINT_EVERY", show_default=True,
               help="Also checkpoint a prompt's prefill at every multiple of N positions (0 = only at its end).")
-@click.option("--suffix-cache", type=click.IntRange(min=0), default=0, envvar="STRATA_SUFFIX_CACHE",
+@option("--suffix-cache", type=click.IntRange(min=0), default=0, envvar="STRATA_SUFFIX_CACHE",
               show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
-@click.option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
+@option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
               envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
 @model_options
 @engine_options
-@click.option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
+@option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
 def serve_stdio_command(max_tokens, suffix_draft, min_match, session, prefix_cache, prefix_cache_positions,
                         checkpoint_every, suffix_cache, max_line_bytes, load, engine, verbose):
     """Answer JSON-lines requests from stdin with JSON-lines frames on stdout.
@@ -350,14 +378,14 @@ def serve_stdio_command(max_tokens, suffix_draft, min_match, session, prefix_cac
 @cli.command("convert")
 @click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--bits", type=click.Choice([str(b) for b in CONVERT_BITS]), default=None, envvar="STRATA_BITS",
+@option("--bits", type=click.Choice([str(b) for b in CONVERT_BITS]), default=None, envvar="STRATA_BITS",
               help="Quantize the weights (affine, MLX layout) to this many bits; default: no quantization.")
-@click.option("--group-size", type=click.Choice([str(g) for g in QUANT_GROUP_SIZES]), default=None,
+@option("--group-size", type=click.Choice([str(g) for g in QUANT_GROUP_SIZES]), default=None,
               envvar="STRATA_GROUP_SIZE", help=f"Weights per quantization scale, with --bits  [default: {DEFAULT_GROUP_SIZE}]")
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
+@option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
               help="Dtype of the stored floating-point tensors (default: the checkpoint's).")
-@click.option("--force", is_flag=True, envvar="STRATA_FORCE", help="Replace DST if it exists.")
-@click.option("--stream", is_flag=True, envvar="STRATA_STREAM",
+@option("--force", is_flag=True, envvar="STRATA_FORCE", help="Replace DST if it exists.")
+@option("--stream", is_flag=True, envvar="STRATA_STREAM",
               help="Write the routed experts in the streaming layout (experts/: one aligned record per expert, "
                    "read from disk through a bounded cache at run time).")
 def convert_command(src, dst, bits, group_size, dtype, force, stream):
@@ -408,34 +436,34 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
 
 @cli.command("bench")
 @click.argument("workloads", nargs=-1)
-@click.option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               envvar="STRATA_BENCH_WORKLOADS", help="Where the workload files are (default: examples/workloads).")
-@click.option("--modes", default=None, envvar="STRATA_BENCH_MODES",
+@option("--modes", default=None, envvar="STRATA_BENCH_MODES",
               help="Comma-separated modes: serial, N, A-B, auto, auto:N, mlx-lm, mlx-lm-spec "
                    "[default: serial,1-7,auto,mlx-lm,mlx-lm-spec].")
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_TOKENS",
+@option("--max-tokens", "-n", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_TOKENS",
               help="Tokens generated per prompt, exactly: EOS is disabled [default: 128].")
-@click.option("--repeats", "-r", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_REPEATS",
+@option("--repeats", "-r", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_REPEATS",
               help="Measured runs per mode and workload [default: 3].")
-@click.option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP",
+@option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP",
               help="Warm-up runs per mode and workload, reported apart [default: 1].")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
+@option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
               show_default=True, help="MLX's global seed (greedy decoding does not sample).")
-@click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
               show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
-@click.option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
+@option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
               help="The auto modes' cost prior: a measured window-cost curve (scripts/window_cost.py JSON).")
-@click.option("--peers/--no-peers", default=True, envvar="STRATA_BENCH_PEERS", show_default=True,
+@option("--peers/--no-peers", default=True, envvar="STRATA_BENCH_PEERS", show_default=True,
               help="Run the mlx-lm peer modes (needs the 'bench' extra).")
-@click.option("--peer-draft-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+@option("--peer-draft-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Draft model of mlx-lm-spec (default: the model itself).")
-@click.option("--peer-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
+@option("--peer-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
               help="Drafts per step of mlx-lm-spec.")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write every run and summary as JSON to FILE.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
-@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the results table (and the bars) as Markdown to FILE, for docs/benchmarks.md.")
 @model_options
 @engine_options

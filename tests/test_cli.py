@@ -135,3 +135,33 @@ def test_stdin_streaming_subprocess():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "tokens_per_s" in proc.stderr  # telemetry goes to stderr, not stdout
+
+
+def test_prompt_tokens_counts_the_whole_prompt(runner):
+    """stats.prompt_tokens is the prompt's length; prefill_tokens leaves out the root (run by the first window)."""
+    from strata_cli.runtime import open_model
+
+    prompt = "def add(a, b):"
+    n = len(open_model().tokenizer.encode(prompt))
+    result = runner.invoke(cli, ["generate", prompt, "--json", "--max-tokens", "3"])
+    stats = json.loads(result.stdout)["stats"]
+    assert n == 7 and stats["prompt_tokens"] == n and stats["prefill_tokens"] == n - 1
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (["--temperature", "inf"], {}, "'--temperature' / '-t': inf is not a finite number"),
+    (["--temperature", "nan"], {}, "nan is not a finite number"),
+    ([], {"STRATA_TEMPERATURE": "inf"}, "(from STRATA_TEMPERATURE='inf')"),
+    ([], {"STRATA_SUFFIX_DRAFT": "9"}, "'--suffix-draft' (from STRATA_SUFFIX_DRAFT='9')"),
+    ([], {"STRATA_EXPERT_CACHE": "inf"}, "(from STRATA_EXPERT_CACHE='inf')"),
+])
+def test_bad_values_are_refused_naming_their_source(runner, args, env, expected):
+    result = runner.invoke(cli, ["generate", "x", "--max-tokens", "2", *args], env=env)
+    assert result.exit_code == 2 and expected in result.output, result.output
+
+
+def test_max_context_above_the_model_limit_is_refused(runner):
+    result = runner.invoke(cli, ["generate", "x", "--max-context", "100000"])
+    assert result.exit_code == 1
+    assert "max_context 100000 is above this model's limit of 4096 positions" in result.output
+    assert runner.invoke(cli, ["generate", "x", "--max-context", "4096", "-n", "2"]).exit_code == 0
