@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -70,14 +71,28 @@ def raise_errors() -> bool:
     return os.environ.get("STRATA_RAISE_ERRORS", "") not in ("", "0")
 
 
+WIDE = 1000  # columns of a console that is a file or pipe: tables there are never cut
+
+
+def make_console(*, stderr: bool = False):
+    """A rich Console on stdout or stderr; on a file or pipe it is wide (nothing truncated) and
+    plain (no colour codes)."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=WIDE)
+
+
 def read_prompts(prompt: str | None, each_line: bool) -> list[str]:
     """The prompt argument, or stdin when piped or PROMPT is '-'; --each-line splits stdin."""
     use_stdin = prompt in (None, "-")
     if each_line and not use_stdin:
         raise UserError("--each-line reads prompts from stdin; drop the PROMPT argument or pass '-'")
     if use_stdin:
-        if prompt is None and sys.stdin.isatty():
-            raise UserError("no prompt: pass PROMPT or pipe text on stdin")
+        if sys.stdin.isatty():
+            if prompt is None:
+                raise UserError("no prompt: pass PROMPT or pipe text on stdin")
+            click.echo("reading the prompt from stdin until Ctrl-D (end of input)", err=True)
         data = sys.stdin.buffer.read()
         try:
             text = data.decode("utf-8")
@@ -272,8 +287,6 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
 
 
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
-    from rich.console import Console
-
     from .decode import generate as decode_generate
     from .runtime import open_model
     from .telemetry import DecodeStats
@@ -281,7 +294,7 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
 
     runtime = open_model(load, engine_options)
     engine, tokenizer = runtime.engine, runtime.tokenizer
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     out = sys.stdout
     for n, text in enumerate(prompts):
         stats = DecodeStats()
@@ -463,24 +476,30 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
               help="Write every run and summary as JSON to FILE.")
 @option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
+@option("--check", is_flag=True, envvar="STRATA_BENCH_CHECK",
+        help="Exit with status 1 when a speed target is missed (a diverged output always does).")
 @option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results table (and the bars) as Markdown to FILE, for docs/benchmarks.md.")
+              help="Write the results table (and the speed targets) as Markdown to FILE, for docs/benchmarks.md.")
 @model_options
 @engine_options
 def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, seed, min_match, draft_cost,
-                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, load, engine):
+                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, check, markdown_path, load, engine):
     """Measure tokens/s of named WORKLOADS (default: all) in every decoding mode.
 
     Each workload runs in each mode (serial, fixed draft lengths, auto, and mlx-lm on the same
     checkpoint) with warm-up runs apart and medians over repeats; greedy outputs are checked to
-    be identical across strata modes (a difference exits with status 1). The table goes to
-    stdout, progress to stderr. docs/benchmarks.md explains every column.
+    be identical across strata modes (a difference exits with status 1; with --check, so does
+    a missed speed target). The table goes to stdout, progress to stderr (a bar on a terminal,
+    a line per finished run otherwise). A workload or the mlx-lm peers that need the 'bench'
+    extra are skipped with a note unless named. The plain `strata bench` takes about 5 minutes
+    on a laptop-class CPU. docs/benchmarks.md explains every column.
 
     \b
     Examples:
       strata bench
       strata bench prose copy_edit --modes serial,1-4,auto --repeats 5 --out bench.json
       strata bench --no-peers --plot docs/bench.png
+      strata bench prose copy_edit --modes serial,auto --check
     """
     from .bench import (
         DEFAULT_BENCH_TOKENS,
@@ -488,7 +507,11 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
         DEFAULT_REPEATS,
         DEFAULT_WARMUP,
         BenchOptions,
+        PeerError,
+        PlotError,
         parse_modes,
+        require_matplotlib,
+        require_mlx_lm,
     )
     from .bench.peers import PEER_MODES
 
@@ -507,14 +530,27 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
         if modes and any(m.label in PEER_MODES for m in mode_list):
             raise click.BadParameter("--modes names mlx-lm modes but --no-peers leaves them out")
         mode_list = [m for m in mode_list if m.label not in PEER_MODES]
+    notes: list[str] = []  # what was left out for want of an extra; printed now and kept in the results
+    if any(m.label in PEER_MODES for m in mode_list):
+        try:
+            require_mlx_lm()
+        except PeerError as e:
+            if modes:
+                raise UserError(str(e)) from None
+            mode_list = [m for m in mode_list if m.label not in PEER_MODES]
+            notes.append("mlx-lm peer modes skipped: mlx-lm is not installed (pip install 'strata-cli[bench]')")
+    if plot_path:
+        try:
+            require_matplotlib()  # before the run, not after it
+        except PlotError as e:
+            raise UserError(str(e)) from None
     run_guarded(lambda: _bench(load, engine, list(workloads), workloads_dir, mode_list, options,
-                               peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path))
+                               peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, check, notes))
 
 
 def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draft_model, peer_draft_tokens,
-           out_path, plot_path, markdown_path):
+           out_path, plot_path, markdown_path, check, notes):
     import mlx.core as mx
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -539,12 +575,16 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
     )
     from .runtime import open_model
 
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     try:
         directory = workloads_dir or default_workloads_dir()
         if directory is None:
             raise WorkloadError("no examples/workloads directory found; pass --workloads-dir")
-        workloads = load_workloads(directory, names)
+        workloads = load_workloads(directory, names, notes=notes)
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
+        if not err.is_terminal:
+            click.echo(f"bench: loading {load.model}", err=True)
         with err.status(f"loading {load.model}"):
             runtime = open_model(load, engine_options)
             peer = None
@@ -554,13 +594,24 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         meta = collect_meta(model=load.model, device=str(mx.default_device()), dtype=runtime.dtype_name,
                             options=options,
                             modes=modes, extra={"workloads": [w.name for w in workloads],
-                                                "peer_draft_tokens": peer_draft_tokens})
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=err, transient=True) as bar:
-            task = bar.add_task("bench", total=count_runs(workloads, modes, options))
-            result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer, meta=meta,
-                               progress=lambda what: bar.update(task, advance=1, description=what))
-        render_table(Console(), result)
+                                                "peer_draft_tokens": peer_draft_tokens, "notes": list(notes)})
+        total = count_runs(workloads, modes, options)
+        if err.is_terminal:
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=err, transient=True) as bar:
+                task = bar.add_task("bench", total=total)
+                result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer,
+                                   meta=meta, progress=lambda what: bar.update(task, advance=1, description=what))
+        else:  # a log: one line per finished run
+            done, start = [0], time.monotonic()
+
+            def log_run(what: str) -> None:
+                done[0] += 1
+                click.echo(f"bench {done[0]}/{total} ({time.monotonic() - start:.0f} s): {what}", err=True)
+
+            result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer,
+                               meta=meta, progress=log_run)
+        render_table(make_console(), result)
         if out_path:
             out_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
             err.print(f"wrote {out_path}")
@@ -575,6 +626,9 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
     if result.diverged:
         raise UserError("greedy output differs from serial in " + "; ".join(
             f"{w}: {', '.join(ms)}" for w, ms in result.diverged.items()))
+    if check and result.missed:
+        raise UserError("missed speed targets: " + "; ".join(
+            f"{t.workload}: {t.rule} {t.ratio:.3f} < {t.threshold:.2f}" for t in result.missed))
 
 
 def run_guarded(action) -> None:

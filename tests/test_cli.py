@@ -165,3 +165,19 @@ def test_max_context_above_the_model_limit_is_refused(runner):
     assert result.exit_code == 1
     assert "max_context 100000 is above this model's limit of 4096 positions" in result.output
     assert runner.invoke(cli, ["generate", "x", "--max-context", "4096", "-n", "2"]).exit_code == 0
+
+
+def test_dash_at_a_terminal_says_it_reads_until_ctrl_d(monkeypatch, capsys):
+    import io
+
+    from strata_cli import cli as cli_module
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b"def f(x):\n"), encoding="utf-8"))
+    assert cli_module.read_prompts("-", each_line=False) == ["def f(x):\n"]
+    assert "reading the prompt from stdin until Ctrl-D" in capsys.readouterr().err
+    with pytest.raises(cli_module.UserError, match="no prompt"):
+        cli_module.read_prompts(None, each_line=False)
