@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -289,6 +291,7 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
     from .decode import generate as decode_generate
     from .runtime import open_model
+    from .serve.protocol import FINISH_CANCELLED
     from .telemetry import DecodeStats
     from .tokenizer import StreamingDetokenizer
 
@@ -296,36 +299,45 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
     engine, tokenizer = runtime.engine, runtime.tokenizer
     console = make_console(stderr=True)
     out = sys.stdout
-    for n, text in enumerate(prompts):
-        stats = DecodeStats()
-        detok = StreamingDetokenizer(tokenizer)
-        finish = None
-        for step in decode_generate(
-            engine, tokenizer.encode(text), options=gen_options, spec=spec,
-            eos_ids=tokenizer.eos_ids, stats=stats,
-        ):
-            delta = detok.add(step.tokens)
-            if not as_json and delta:
-                out.write(delta)
-                out.flush()
-            finish = step.finish_reason or finish
-        tail = detok.finish()
-        for message in stats.notes:
-            click.echo(f"note: {message}", err=True)
-        if as_json:
-            summary = stats.summary()
-            record = {
-                "text": tokenizer.decode(detok.ids),
-                "token_ids": detok.ids,
-                "finish_reason": finish,
-                "stats": summary,
-            }
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        else:
-            out.write(tail + "\n")
-        out.flush()
-        if show_stats:
-            stats.render(console, title=f"strata decode, prompt {n + 1}/{len(prompts)}")
+    with terminate_as_exception():
+        for n, text in enumerate(prompts):
+            stats = DecodeStats()
+            detok = StreamingDetokenizer(tokenizer)
+            finish, stopped = None, None
+            try:
+                for step in decode_generate(
+                    engine, tokenizer.encode(text), options=gen_options, spec=spec,
+                    eos_ids=tokenizer.eos_ids, stats=stats,
+                ):
+                    delta = detok.add(step.tokens)
+                    if not as_json and delta:
+                        out.write(delta)
+                        out.flush()
+                    finish = step.finish_reason or finish
+            except (KeyboardInterrupt, Terminated) as e:  # keep what was generated, then exit 130/143
+                finish, stopped = FINISH_CANCELLED, e
+            tail = detok.finish()
+            for message in stats.notes:
+                click.echo(f"note: {message}", err=True)
+            if as_json:
+                record = {
+                    "index": n,
+                    "prompt": text,
+                    "text": tokenizer.decode(detok.ids),
+                    "token_ids": detok.ids,
+                    "finish_reason": finish,
+                    "stats": stats.summary(),
+                }
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                out.write(tail + "\n")
+                if len(prompts) > 1 and n + 1 < len(prompts) and stopped is None:
+                    out.write(ANSWER_SEPARATOR + "\n")
+            out.flush()
+            if show_stats:
+                stats.render(console, title=f"strata decode, prompt {n + 1}/{len(prompts)}")
+            if stopped is not None:
+                raise stopped
 
 
 @cli.command("serve-stdio")
@@ -631,6 +643,30 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
             f"{t.workload}: {t.rule} {t.ratio:.3f} < {t.threshold:.2f}" for t in result.missed))
 
 
+ANSWER_SEPARATOR = "---"  # the line between plain-text answers of several prompts (--each-line)
+
+
+class Terminated(Exception):
+    """SIGTERM arrived; raised in the main thread so that the command can write what it has."""
+
+
+@contextlib.contextmanager
+def terminate_as_exception():
+    """While inside, SIGTERM raises `Terminated` (as SIGINT raises KeyboardInterrupt)."""
+    def on_term(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread (an embedding caller): leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_guarded(action) -> None:
     """Run `action`, turning library errors into one clear line and a non-zero exit."""
     from .convert import ConvertError
@@ -650,6 +686,9 @@ def run_guarded(action) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except Terminated:
+        click.echo("terminated", err=True)
+        sys.exit(143)
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): stop quietly, and keep the exit-time flush quiet too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

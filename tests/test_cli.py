@@ -181,3 +181,40 @@ def test_dash_at_a_terminal_says_it_reads_until_ctrl_d(monkeypatch, capsys):
     assert "reading the prompt from stdin until Ctrl-D" in capsys.readouterr().err
     with pytest.raises(cli_module.UserError, match="no prompt"):
         cli_module.read_prompts(None, each_line=False)
+
+
+def test_each_line_plain_answers_are_separated_and_json_rows_say_which_prompt(runner):
+    stdin = "def f(x):\nimport sys\n"
+    plain = runner.invoke(cli, ["generate", "--each-line", "--max-tokens", "4"], input=stdin)
+    assert plain.exit_code == 0 and plain.stdout.count("\n---\n") == 1, plain.output
+    rows = [json.loads(line) for line in runner.invoke(
+        cli, ["generate", "--each-line", "--json", "--max-tokens", "4"], input=stdin).stdout.splitlines()]
+    assert [(r["index"], r["prompt"]) for r in rows] == [(0, "def f(x):"), (1, "import sys")]
+
+
+@pytest.mark.parametrize("signum, status, message", [(2, 130, "interrupted"), (15, 143, "terminated")])
+def test_a_signal_still_writes_the_json_record(signum, status, message):
+    """SIGINT/SIGTERM mid-generation: the cancelled prompt's record is written, then exit 130/143.
+
+    The first prompt nearly fills the context, so its record comes out after a few tokens and
+    marks the start of the second, which has room for hundreds; the signal follows that record."""
+    from strata_cli.runtime import open_model
+
+    first = "x = 1; " * 60
+    limit = len(open_model().tokenizer.encode(first)) + 3
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "strata_cli.cli", "generate", "--each-line", "--json", "--max-tokens", "100000",
+         "--max-context", str(limit)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    proc.stdin.write(first + "\nimport os\n")
+    proc.stdin.close()
+    head = json.loads(proc.stdout.readline())
+    assert head["index"] == 0 and head["finish_reason"] == "context"
+    proc.send_signal(signum)
+    rest, err = proc.stdout.read(), proc.stderr.read()
+    proc.wait(timeout=120)
+    assert proc.returncode == status and err.strip().splitlines()[-1] == message, err
+    record = json.loads(rest)
+    assert record["index"] == 1 and record["prompt"] == "import os" and record["finish_reason"] == "cancelled"
+    assert len(record["token_ids"]) < limit - 3 and record["stats"]["generated_tokens"] == len(record["token_ids"])
