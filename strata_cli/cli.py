@@ -447,7 +447,8 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
     from .convert import convert
     from .runtime import resolve_model_path
 
-    result = convert(resolve_model_path(src), dst, options=options, show_progress=True)
+    # A bar on a terminal only; in a log, the "wrote ..." line below is the one line convert prints.
+    result = convert(resolve_model_path(src), dst, options=options, show_progress=sys.stderr.isatty())
     quant = result.quantization
     detail = f", {quant['bits']}-bit, group size {quant['group_size']}" if quant else ""
     if options.stream:
