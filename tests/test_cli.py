@@ -218,3 +218,13 @@ def test_a_signal_still_writes_the_json_record(signum, status, message):
     record = json.loads(rest)
     assert record["index"] == 1 and record["prompt"] == "import os" and record["finish_reason"] == "cancelled"
     assert len(record["token_ids"]) < limit - 3 and record["stats"]["generated_tokens"] == len(record["token_ids"])
+
+
+def test_serve_and_generate_count_prompt_tokens_alike():
+    request = json.dumps({"id": 1, "prompt": "def add(a, b):", "max_tokens": 3})
+    result = run_strata("serve-stdio", stdin=request + "\n" + request + "\n")
+    done = [f for f in map(json.loads, result.stdout.splitlines()) if f.get("done")]
+    cold, warm = done
+    assert cold["stats"]["prompt_tokens"] == cold["usage"]["prompt_tokens"] == 7
+    assert cold["stats"]["prefill_tokens"] == 6
+    assert warm["stats"]["prompt_tokens"] == 7 and warm["stats"]["prefill_tokens"] == 6 - warm["usage"]["cached_tokens"]
