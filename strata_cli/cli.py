@@ -183,26 +183,26 @@ def model_options(command):
     passed to `command` as one `load: LoadOptions` argument."""
     options = [
         option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
-                     help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                          "'demo' is the embedded model."),
+               help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+                    "'demo' is the embedded model."),
         option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
-                     help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
+               help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
         option("--expert-cache", type=FiniteFloatRange(min=0, min_open=True), default=None,
-                     envvar="STRATA_EXPERT_CACHE", metavar="GB",
-                     help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
-                          "(default: every expert resident once read)."),
+               envvar="STRATA_EXPERT_CACHE", metavar="GB",
+               help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
+                    "(default: every expert resident once read)."),
         option("--resident-experts", type=click.IntRange(min=1), default=None, envvar="STRATA_RESIDENT_EXPERTS",
-                     metavar="N", help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
+               metavar="N", help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
         option("--expert-prefetch", type=click.Choice(EXPERT_PREFETCH_MODES), default=DEFAULT_EXPERT_PREFETCH,
-                     envvar="STRATA_EXPERT_PREFETCH", show_default=True,
-                     help="Read ahead the next layer's experts predicted by its router on this layer's input "
-                          "(router), by which experts followed before (history), or not at all (off)."),
+               envvar="STRATA_EXPERT_PREFETCH", show_default=True,
+               help="Read ahead the next layer's experts predicted by its router on this layer's input "
+                    "(router), by which experts followed before (history), or not at all (off)."),
         option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
-                     show_default=True, help="Only row 0 of a window drives prefetch (demand reads serve every row)."),
+               show_default=True, help="Only row 0 of a window drives prefetch (demand reads serve every row)."),
         option("--expert-io", type=click.Choice(EXPERT_IO_MODES), default="auto", envvar="STRATA_EXPERT_IO",
-                     show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
+               show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
         option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
-                     envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
+               envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
     ]
 
     def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
@@ -221,12 +221,12 @@ def engine_options(command):
     `engine: EngineOptions` argument."""
     options = [
         option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
-                     help="Positions the engine may hold (prompt + output); default: the model's maximum."),
+               help="Positions the engine may hold (prompt + output); default: the model's maximum."),
         option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
-                     help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
-                          "or at commit (eager)."),
+               help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
+                    "or at commit (eager)."),
         option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
-                     help="Commit each window's root row inside the run."),
+               help="Commit each window's root row inside the run."),
     ]
 
     def build(max_context, fold, partial):
@@ -249,24 +249,24 @@ def cli():
 @cli.command()
 @click.argument("prompt", required=False)
 @option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
-              envvar="STRATA_MAX_TOKENS", show_default=True, help="Most tokens to generate per prompt.")
+        envvar="STRATA_MAX_TOKENS", show_default=True, help="Most tokens to generate per prompt.")
 @option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0,
-              envvar="STRATA_TEMPERATURE", show_default=True, help="0 is greedy; above 0 samples.")
+        envvar="STRATA_TEMPERATURE", show_default=True, help="0 is greedy; above 0 samples.")
 @option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-              show_default=True, help="Seed for sampling (each prompt uses its own sampler).")
+        show_default=True, help="Seed for sampling (each prompt uses its own sampler).")
 @option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
-              help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
-                   f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
+        help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
+             f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
 @option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
-              help="With --suffix-draft auto: a measured window-cost curve (scripts/window_cost.py JSON, or a "
-                   "JSON list of seconds for T = 1, 2, ...) as the controller's cost prior.")
+        help="With --suffix-draft auto: a measured window-cost curve (scripts/window_cost.py JSON, or a "
+             "JSON list of seconds for T = 1, 2, ...) as the controller's cost prior.")
 @option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-              show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
 @option("--stats", is_flag=True, envvar="STRATA_STATS", help="Print decode telemetry to stderr.")
 @option("--json", "as_json", is_flag=True, envvar="STRATA_JSON",
-              help="Print one JSON object per prompt (text, token_ids, finish_reason, stats) instead of streaming text.")
+        help="Print one JSON object per prompt (index, prompt, text, token_ids, finish_reason, stats) instead of streaming text.")
 @option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
-              help="Treat every non-empty stdin line as its own prompt.")
+        help="Treat every non-empty stdin line as its own prompt (plain answers are separated by a line ---).")
 @model_options
 @engine_options
 def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, min_match, stats, as_json,
@@ -342,26 +342,26 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
 
 @cli.command("serve-stdio")
 @option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
-              envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
+        envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
 @option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
-              help="suffix_draft of requests that leave it out: N drafts per window (0 = off), 'auto' or 'auto:N'.")
+        help="suffix_draft of requests that leave it out: N drafts per window (0 = off), 'auto' or 'auto:N'.")
 @option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-              show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
 @option("--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
-              help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
+        help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
 @option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
-              envvar="STRATA_PREFIX_CACHE", show_default=True,
-              help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse).")
+        envvar="STRATA_PREFIX_CACHE", show_default=True,
+        help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse).")
 @option("--prefix-cache-positions", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CACHE_POSITIONS,
-              envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True,
-              help="Most positions all checkpoints together hold (their KV memory grows with it).")
+        envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True,
+        help="Most positions all checkpoints together hold (their KV memory grows with it).")
 @option("--checkpoint-every", type=click.IntRange(min=0), default=PREFILL_CHUNK,
-              envvar="STRATA_CHECKPOINT_EVERY", show_default=True,
-              help="Also checkpoint a prompt's prefill at every multiple of N positions (0 = only at its end).")
+        envvar="STRATA_CHECKPOINT_EVERY", show_default=True,
+        help="Also checkpoint a prompt's prefill at every multiple of N positions (0 = only at its end).")
 @option("--suffix-cache", type=click.IntRange(min=0), default=0, envvar="STRATA_SUFFIX_CACHE",
-              show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
+        show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
 @option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
-              envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
+        envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
 @model_options
 @engine_options
 @option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
@@ -404,15 +404,15 @@ def serve_stdio_command(max_tokens, suffix_draft, min_match, session, prefix_cac
 @click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
 @option("--bits", type=click.Choice([str(b) for b in CONVERT_BITS]), default=None, envvar="STRATA_BITS",
-              help="Quantize the weights (affine, MLX layout) to this many bits; default: no quantization.")
+        help="Quantize the weights (affine, MLX layout) to this many bits; default: no quantization.")
 @option("--group-size", type=click.Choice([str(g) for g in QUANT_GROUP_SIZES]), default=None,
-              envvar="STRATA_GROUP_SIZE", help=f"Weights per quantization scale, with --bits  [default: {DEFAULT_GROUP_SIZE}]")
+        envvar="STRATA_GROUP_SIZE", help=f"Weights per quantization scale, with --bits  [default: {DEFAULT_GROUP_SIZE}]")
 @option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
-              help="Dtype of the stored floating-point tensors (default: the checkpoint's).")
+        help="Dtype of the stored floating-point tensors (default: the checkpoint's).")
 @option("--force", is_flag=True, envvar="STRATA_FORCE", help="Replace DST if it exists.")
 @option("--stream", is_flag=True, envvar="STRATA_STREAM",
-              help="Write the routed experts in the streaming layout (experts/: one aligned record per expert, "
-                   "read from disk through a bounded cache at run time).")
+        help="Write the routed experts in the streaming layout (experts/: one aligned record per expert, "
+             "read from disk through a bounded cache at run time).")
 def convert_command(src, dst, bits, group_size, dtype, force, stream):
     """Convert the checkpoint in SRC (Hugging Face or MLX layout, or 'demo' for the embedded
     model) into strata's format in DST.
@@ -463,36 +463,36 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
 @cli.command("bench")
 @click.argument("workloads", nargs=-1)
 @option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              envvar="STRATA_BENCH_WORKLOADS", help="Where the workload files are (default: examples/workloads).")
+        envvar="STRATA_BENCH_WORKLOADS", help="Where the workload files are (default: examples/workloads).")
 @option("--modes", default=None, envvar="STRATA_BENCH_MODES",
-              help="Comma-separated modes: serial, N, A-B, auto, auto:N, mlx-lm, mlx-lm-spec "
-                   "[default: serial,1-7,auto,mlx-lm,mlx-lm-spec].")
+        help="Comma-separated modes: serial, N, A-B, auto, auto:N, mlx-lm, mlx-lm-spec "
+             "[default: serial,1-7,auto,mlx-lm,mlx-lm-spec].")
 @option("--max-tokens", "-n", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_TOKENS",
-              help="Tokens generated per prompt, exactly: EOS is disabled [default: 128].")
+        help="Tokens generated per prompt, exactly: EOS is disabled [default: 128].")
 @option("--repeats", "-r", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_REPEATS",
-              help="Measured runs per mode and workload [default: 3].")
+        help="Measured runs per mode and workload [default: 3].")
 @option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP",
-              help="Warm-up runs per mode and workload, reported apart [default: 1].")
+        help="Warm-up runs per mode and workload, reported apart [default: 1].")
 @option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-              show_default=True, help="MLX's global seed (greedy decoding does not sample).")
+        show_default=True, help="MLX's global seed (greedy decoding does not sample).")
 @option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-              show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
 @option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
-              help="The auto modes' cost prior: a measured window-cost curve (scripts/window_cost.py JSON).")
+        help="The auto modes' cost prior: a measured window-cost curve (scripts/window_cost.py JSON).")
 @option("--peers/--no-peers", default=True, envvar="STRATA_BENCH_PEERS", show_default=True,
-              help="Run the mlx-lm peer modes (needs the 'bench' extra).")
+        help="Run the mlx-lm peer modes (needs the 'bench' extra).")
 @option("--peer-draft-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Draft model of mlx-lm-spec (default: the model itself).")
+        help="Draft model of mlx-lm-spec (default: the model itself).")
 @option("--peer-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Drafts per step of mlx-lm-spec.")
+        help="Drafts per step of mlx-lm-spec.")
 @option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write every run and summary as JSON to FILE.")
+        help="Write every run and summary as JSON to FILE.")
 @option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
+        help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
 @option("--check", is_flag=True, envvar="STRATA_BENCH_CHECK",
         help="Exit with status 1 when a speed target is missed (a diverged output always does).")
 @option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results table (and the speed targets) as Markdown to FILE, for docs/benchmarks.md.")
+        help="Write the results table (and the speed targets) as Markdown to FILE, for docs/benchmarks.md.")
 @model_options
 @engine_options
 def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, seed, min_match, draft_cost,

@@ -172,7 +172,7 @@ class GenerateOptions:
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN fails both
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
 
