@@ -299,12 +299,13 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
     engine, tokenizer = runtime.engine, runtime.tokenizer
     console = make_console(stderr=True)
     out = sys.stdout
-    with terminate_as_exception():
+    with signal_latch() as latch:
         for n, text in enumerate(prompts):
             stats = DecodeStats()
             detok = StreamingDetokenizer(tokenizer)
-            finish, stopped = None, None
+            finish, stopped = None, False
             try:
+                latch.check()
                 for step in decode_generate(
                     engine, tokenizer.encode(text), options=gen_options, spec=spec,
                     eos_ids=tokenizer.eos_ids, stats=stats,
@@ -314,8 +315,11 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
                         out.write(delta)
                         out.flush()
                     finish = step.finish_reason or finish
-            except (KeyboardInterrupt, Terminated) as e:  # keep what was generated, then exit 130/143
-                finish, stopped = FINISH_CANCELLED, e
+                latch.armed = False  # inside the try: a signal a moment earlier still lands in except
+            except SignalLatch.Cancelled:  # keep what was generated, then exit 130/143
+                finish, stopped = FINISH_CANCELLED, True
+            finally:
+                latch.armed = False  # another error's way out
             tail = detok.finish()
             for message in stats.notes:
                 click.echo(f"note: {message}", err=True)
@@ -331,13 +335,15 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             else:
                 out.write(tail + "\n")
-                if len(prompts) > 1 and n + 1 < len(prompts) and stopped is None:
+                if n + 1 < len(prompts) and not stopped:
                     out.write(ANSWER_SEPARATOR + "\n")
             out.flush()
             if show_stats:
                 stats.render(console, title=f"strata decode, prompt {n + 1}/{len(prompts)}")
-            if stopped is not None:
-                raise stopped
+            if stopped:
+                raise latch.exit_exception()
+        if latch.signum is not None:  # it came after the last prompt: everything is written
+            raise latch.exit_exception()
 
 
 @cli.command("serve-stdio")
@@ -648,24 +654,52 @@ ANSWER_SEPARATOR = "---"  # the line between plain-text answers of several promp
 
 
 class Terminated(Exception):
-    """SIGTERM arrived; raised in the main thread so that the command can write what it has."""
+    """SIGTERM stopped the command (run_guarded exits 143, as KeyboardInterrupt exits 130)."""
+
+
+class SignalLatch:
+    """SIGINT/SIGTERM while a prompt decodes raise `Cancelled` there; between prompts they are
+    only latched, and the next prompt raises at its start (so no signal lands where a record
+    could be lost)."""
+
+    class Cancelled(Exception):
+        pass
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.armed = False
+
+    def __call__(self, signum, frame):
+        self.signum = signum
+        if self.armed:
+            self.armed = False
+            raise SignalLatch.Cancelled()
+
+    def check(self) -> None:
+        """Arm, and raise at once if a signal came while disarmed."""
+        self.armed = True
+        if self.signum is not None:
+            self.armed = False
+            raise SignalLatch.Cancelled()
+
+    def exit_exception(self) -> BaseException:
+        return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
-def terminate_as_exception():
-    """While inside, SIGTERM raises `Terminated` (as SIGINT raises KeyboardInterrupt)."""
-    def on_term(signum, frame):
-        raise Terminated()
-
+def signal_latch():
+    """SIGINT and SIGTERM go to a `SignalLatch` while inside (the previous handlers after)."""
+    latch = SignalLatch()
     try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread (an embedding caller): leave SIGTERM alone
-        yield
+        previous = {s: signal.signal(s, latch) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread (an embedding caller): leave the signals alone
+        yield latch
         return
     try:
-        yield
+        yield latch
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def run_guarded(action) -> None:

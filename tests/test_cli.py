@@ -228,3 +228,20 @@ def test_serve_and_generate_count_prompt_tokens_alike():
     assert cold["stats"]["prompt_tokens"] == cold["usage"]["prompt_tokens"] == 7
     assert cold["stats"]["prefill_tokens"] == 6
     assert warm["stats"]["prompt_tokens"] == 7 and warm["stats"]["prefill_tokens"] == 6 - warm["usage"]["cached_tokens"]
+
+
+def test_a_signal_between_prompts_is_latched_for_the_next_one():
+    import signal
+
+    from strata_cli.cli import SignalLatch, Terminated
+
+    latch = SignalLatch()
+    latch(signal.SIGTERM, None)  # disarmed (between prompts): recorded, not raised
+    with pytest.raises(SignalLatch.Cancelled):
+        latch.check()  # the next prompt stops at once, and its record says cancelled
+    assert isinstance(latch.exit_exception(), Terminated)
+    armed = SignalLatch()
+    armed.check()
+    with pytest.raises(SignalLatch.Cancelled):
+        armed(signal.SIGINT, None)  # armed (decoding): raised where the decode loop runs
+    assert isinstance(armed.exit_exception(), KeyboardInterrupt) and not armed.armed
