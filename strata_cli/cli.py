@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
+import math
 import os
+import signal
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from . import __version__
 from .model.config import DTYPE_NAMES
@@ -46,6 +51,22 @@ from .options import (
 )
 
 
+class EnvOption(click.Option):
+    """A click option whose error names the STRATA_* variable when the bad value came from it."""
+
+    def get_error_hint(self, ctx) -> str:
+        hint = super().get_error_hint(ctx)
+        source = ctx.get_parameter_source(self.name) if ctx is not None else None
+        if source is ParameterSource.ENVIRONMENT and isinstance(self.envvar, str):
+            hint += f" (from {self.envvar}={os.environ.get(self.envvar, '')!r})"
+        return hint
+
+
+def option(*names, **attrs):
+    """`click.option` with `EnvOption`: every strata option."""
+    return click.option(*names, cls=EnvOption, **attrs)
+
+
 class UserError(click.ClickException):
     """One clear line on stderr and exit status 1."""
 
@@ -55,14 +76,28 @@ def raise_errors() -> bool:
     return os.environ.get("STRATA_RAISE_ERRORS", "") not in ("", "0")
 
 
+WIDE = 1000  # columns of a console that is a file or pipe: tables there are never cut
+
+
+def make_console(*, stderr: bool = False):
+    """A rich Console on stdout or stderr; on a file or pipe it is wide (nothing truncated) and
+    plain (no colour codes)."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=WIDE)
+
+
 def read_prompts(prompt: str | None, each_line: bool) -> list[str]:
     """The prompt argument, or stdin when piped or PROMPT is '-'; --each-line splits stdin."""
     use_stdin = prompt in (None, "-")
     if each_line and not use_stdin:
         raise UserError("--each-line reads prompts from stdin; drop the PROMPT argument or pass '-'")
     if use_stdin:
-        if prompt is None and sys.stdin.isatty():
-            raise UserError("no prompt: pass PROMPT or pipe text on stdin")
+        if sys.stdin.isatty():
+            if prompt is None:
+                raise UserError("no prompt: pass PROMPT or pipe text on stdin")
+            click.echo("reading the prompt from stdin until Ctrl-D (end of input)", err=True)
         data = sys.stdin.buffer.read()
         try:
             text = data.decode("utf-8")
@@ -95,6 +130,16 @@ class SuffixDraftType(click.ParamType):
 
 
 SUFFIX_DRAFT = SuffixDraftType()
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses inf and nan (click takes both as floats)."""
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
 
 
 def spec_options(suffix_draft: tuple[int, bool], min_match: int, draft_cost: str | None) -> SpecOptions:
@@ -140,27 +185,27 @@ def model_options(command):
     """--model, --dtype and the expert-streaming options of every command that opens a model,
     passed to `command` as one `load: LoadOptions` argument."""
     options = [
-        click.option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
-                     help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                          "'demo' is the embedded model."),
-        click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
-                     help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
-        click.option("--expert-cache", type=click.FloatRange(min=0, min_open=True), default=None,
-                     envvar="STRATA_EXPERT_CACHE", metavar="GB",
-                     help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
-                          "(default: every expert resident once read)."),
-        click.option("--resident-experts", type=click.IntRange(min=1), default=None, envvar="STRATA_RESIDENT_EXPERTS",
-                     metavar="N", help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
-        click.option("--expert-prefetch", type=click.Choice(EXPERT_PREFETCH_MODES), default=DEFAULT_EXPERT_PREFETCH,
-                     envvar="STRATA_EXPERT_PREFETCH", show_default=True,
-                     help="Read ahead the next layer's experts predicted by its router on this layer's input "
-                          "(router), by which experts followed before (history), or not at all (off)."),
-        click.option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
-                     show_default=True, help="Only row 0 of a window drives prefetch (demand reads serve every row)."),
-        click.option("--expert-io", type=click.Choice(EXPERT_IO_MODES), default="auto", envvar="STRATA_EXPERT_IO",
-                     show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
-        click.option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
-                     envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
+        option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
+               help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+                    "'demo' is the embedded model."),
+        option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
+               help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
+        option("--expert-cache", type=FiniteFloatRange(min=0, min_open=True), default=None,
+               envvar="STRATA_EXPERT_CACHE", metavar="GB",
+               help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
+                    "(default: every expert resident once read)."),
+        option("--resident-experts", type=click.IntRange(min=1), default=None, envvar="STRATA_RESIDENT_EXPERTS",
+               metavar="N", help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
+        option("--expert-prefetch", type=click.Choice(EXPERT_PREFETCH_MODES), default=DEFAULT_EXPERT_PREFETCH,
+               envvar="STRATA_EXPERT_PREFETCH", show_default=True,
+               help="Read ahead the next layer's experts predicted by its router on this layer's input "
+                    "(router), by which experts followed before (history), or not at all (off)."),
+        option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
+               show_default=True, help="Only row 0 of a window drives prefetch (demand reads serve every row)."),
+        option("--expert-io", type=click.Choice(EXPERT_IO_MODES), default="auto", envvar="STRATA_EXPERT_IO",
+               show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
+        option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
+               envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
     ]
 
     def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
@@ -178,16 +223,16 @@ def engine_options(command):
     """The window engine's options (context, fold, partial mode), passed to `command` as one
     `engine: EngineOptions` argument."""
     options = [
-        click.option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
-                     help="Positions the engine may hold (prompt + output); default: the model's maximum."),
-        click.option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
-                     help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
-                          "or at commit (eager)."),
-        click.option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
-                     help="Commit each window's root row inside the run."),
-        click.option("--warm-shapes/--no-warm-shapes", default=None, envvar="STRATA_WARM_SHAPES",
-                     help="Run every window shape once at load, so none is first built inside a timed "
-                          "window (load time)  [default: on for GPU backends, off on the CPU]"),
+        option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
+               help="Positions the engine may hold (prompt + output); default: the model's maximum."),
+        option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
+               help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
+                    "or at commit (eager)."),
+        option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
+               help="Commit each window's root row inside the run."),
+        option("--warm-shapes/--no-warm-shapes", default=None, envvar="STRATA_WARM_SHAPES",
+               help="Run every window shape once at load, so none is first built inside a timed "
+                    "window (load time)  [default: on for GPU backends, off on the CPU]"),
     ]
 
     def build(max_context, fold, partial, warm_shapes):
@@ -249,25 +294,25 @@ def cli():
 
 @cli.command()
 @click.argument("prompt", required=False)
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
-              envvar="STRATA_MAX_TOKENS", show_default=True, help="Most tokens to generate per prompt.")
-@click.option("--temperature", "-t", type=click.FloatRange(min=0.0), default=0.0,
-              envvar="STRATA_TEMPERATURE", show_default=True, help="0 is greedy; above 0 samples.")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-              show_default=True, help="Seed for sampling (each prompt uses its own sampler).")
-@click.option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
-              help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
-                   f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
-@click.option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
-              help="With --suffix-draft auto: a measured window-cost curve (scripts/window_cost.py JSON, or a "
-                   "JSON list of seconds for T = 1, 2, ...) as the controller's cost prior.")
-@click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-              show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
-@click.option("--stats", is_flag=True, envvar="STRATA_STATS", help="Print decode telemetry to stderr.")
-@click.option("--json", "as_json", is_flag=True, envvar="STRATA_JSON",
-              help="Print one JSON object per prompt (text, token_ids, finish_reason, stats) instead of streaming text.")
-@click.option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
-              help="Treat every non-empty stdin line as its own prompt.")
+@option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
+        envvar="STRATA_MAX_TOKENS", show_default=True, help="Most tokens to generate per prompt.")
+@option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0,
+        envvar="STRATA_TEMPERATURE", show_default=True, help="0 is greedy; above 0 samples.")
+@option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
+        show_default=True, help="Seed for sampling (each prompt uses its own sampler).")
+@option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
+        help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
+             f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
+@option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
+        help="With --suffix-draft auto: a measured window-cost curve (scripts/window_cost.py JSON, or a "
+             "JSON list of seconds for T = 1, 2, ...) as the controller's cost prior.")
+@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+@option("--stats", is_flag=True, envvar="STRATA_STATS", help="Print decode telemetry to stderr.")
+@option("--json", "as_json", is_flag=True, envvar="STRATA_JSON",
+        help="Print one JSON object per prompt (index, prompt, text, token_ids, finish_reason, stats) instead of streaming text.")
+@option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
+        help="Treat every non-empty stdin line as its own prompt (plain answers are separated by a line ---).")
 @sampling_options
 @model_options
 @engine_options
@@ -292,81 +337,96 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
 
 
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
-    from rich.console import Console
-
     from .decode import generate as decode_generate
     from .runtime import open_model
+    from .serve.protocol import FINISH_CANCELLED
     from .telemetry import DecodeStats
     from .tokenizer import StreamingDetokenizer
 
     runtime = open_model(load, engine_options)
     spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
     engine, tokenizer = runtime.engine, runtime.tokenizer
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     out = sys.stdout
     banned = tokenizer.phrase_sequences(gen_options.ban_phrases)
-    for n, text in enumerate(prompts):
-        stats = DecodeStats(warmup_seconds=runtime.warmup_seconds, calibration_seconds=runtime.calibration_seconds)
-        detok = StreamingDetokenizer(tokenizer)
-        finish = None
-        for step in decode_generate(
-            engine, tokenizer.encode(text), options=gen_options, spec=spec,
-            eos_ids=tokenizer.eos_ids, stats=stats, banned=banned,
-        ):
-            delta = detok.add(step.tokens)
-            if not as_json and delta:
-                out.write(delta)
-                out.flush()
-            finish = step.finish_reason or finish
-        tail = detok.finish()
-        for message in stats.notes:
-            click.echo(f"note: {message}", err=True)
-        if as_json:
-            summary = stats.summary()
-            record = {
-                "text": tokenizer.decode(detok.ids),
-                "token_ids": detok.ids,
-                "finish_reason": finish,
-                "stats": summary,
-            }
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        else:
-            out.write(tail + "\n")
-        out.flush()
-        if show_stats:
-            stats.render(console, title=f"strata decode, prompt {n + 1}/{len(prompts)}")
+    with signal_latch() as latch:
+        for n, text in enumerate(prompts):
+            stats = DecodeStats(warmup_seconds=runtime.warmup_seconds,
+                                calibration_seconds=runtime.calibration_seconds)
+            detok = StreamingDetokenizer(tokenizer)
+            finish, stopped = None, False
+            try:
+                latch.check()
+                for step in decode_generate(
+                    engine, tokenizer.encode(text), options=gen_options, spec=spec,
+                    eos_ids=tokenizer.eos_ids, stats=stats, banned=banned,
+                ):
+                    delta = detok.add(step.tokens)
+                    if not as_json and delta:
+                        out.write(delta)
+                        out.flush()
+                    finish = step.finish_reason or finish
+                latch.armed = False  # inside the try: a signal a moment earlier still lands in except
+            except SignalLatch.Cancelled:  # keep what was generated, then exit 130/143
+                finish, stopped = FINISH_CANCELLED, True
+            finally:
+                latch.armed = False  # another error's way out
+            tail = detok.finish()
+            for message in stats.notes:
+                click.echo(f"note: {message}", err=True)
+            if as_json:
+                record = {
+                    "index": n,
+                    "prompt": text,
+                    "text": tokenizer.decode(detok.ids),
+                    "token_ids": detok.ids,
+                    "finish_reason": finish,
+                    "stats": stats.summary(),
+                }
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                out.write(tail + "\n")
+                if n + 1 < len(prompts) and not stopped:
+                    out.write(ANSWER_SEPARATOR + "\n")
+            out.flush()
+            if show_stats:
+                stats.render(console, title=f"strata decode, prompt {n + 1}/{len(prompts)}")
+            if stopped:
+                raise latch.exit_exception()
+        if latch.signum is not None:  # it came after the last prompt: everything is written
+            raise latch.exit_exception()
 
 
 @cli.command("serve-stdio")
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
-              envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
-@click.option("--temperature", "-t", type=click.FloatRange(min=0.0), default=0.0, envvar="STRATA_TEMPERATURE",
-              show_default=True, help="temperature of requests that leave it out (0 = greedy).")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-              show_default=True, help="seed of requests that leave it out.")
-@click.option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
-              help="suffix_draft of requests that leave it out: N drafts per window (0 = off), 'auto' or 'auto:N'.")
-@click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-              show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
-@click.option("--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
-              help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
-@click.option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
-              envvar="STRATA_PREFIX_CACHE", show_default=True,
-              help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse).")
-@click.option("--prefix-cache-positions", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CACHE_POSITIONS,
-              envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True,
-              help="Most positions all checkpoints together hold (their KV memory grows with it).")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=PREFILL_CHUNK,
-              envvar="STRATA_CHECKPOINT_EVERY", show_default=True,
-              help="Also checkpoint a prompt's prefill at every multiple of N positions (0 = only at its end).")
-@click.option("--suffix-cache", type=click.IntRange(min=0), default=0, envvar="STRATA_SUFFIX_CACHE",
-              show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
-@click.option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
-              envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
+@option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
+        envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
+@option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0, envvar="STRATA_TEMPERATURE",
+        show_default=True, help="temperature of requests that leave it out (0 = greedy).")
+@option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
+        show_default=True, help="seed of requests that leave it out.")
+@option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
+        help="suffix_draft of requests that leave it out: N drafts per window (0 = off), 'auto' or 'auto:N'.")
+@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+@option("--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
+        help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
+@option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
+        envvar="STRATA_PREFIX_CACHE", show_default=True,
+        help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse).")
+@option("--prefix-cache-positions", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CACHE_POSITIONS,
+        envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True,
+        help="Most positions all checkpoints together hold (their KV memory grows with it).")
+@option("--checkpoint-every", type=click.IntRange(min=0), default=PREFILL_CHUNK,
+        envvar="STRATA_CHECKPOINT_EVERY", show_default=True,
+        help="Also checkpoint a prompt's prefill at every multiple of N positions (0 = only at its end).")
+@option("--suffix-cache", type=click.IntRange(min=0), default=0, envvar="STRATA_SUFFIX_CACHE",
+        show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
+@option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
+        envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
 @sampling_options
 @model_options
 @engine_options
-@click.option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
+@option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
 def serve_stdio_command(max_tokens, temperature, seed, suffix_draft, min_match, session, prefix_cache,
                         prefix_cache_positions, checkpoint_every, suffix_cache, max_line_bytes, sampling, load,
                         engine, verbose):
@@ -408,16 +468,16 @@ def serve_stdio_command(max_tokens, temperature, seed, suffix_draft, min_match, 
 @cli.command("convert")
 @click.argument("src")
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--bits", type=click.Choice([str(b) for b in CONVERT_BITS]), default=None, envvar="STRATA_BITS",
-              help="Quantize the weights (affine, MLX layout) to this many bits; default: no quantization.")
-@click.option("--group-size", type=click.Choice([str(g) for g in QUANT_GROUP_SIZES]), default=None,
-              envvar="STRATA_GROUP_SIZE", help=f"Weights per quantization scale, with --bits  [default: {DEFAULT_GROUP_SIZE}]")
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
-              help="Dtype of the stored floating-point tensors (default: the checkpoint's).")
-@click.option("--force", is_flag=True, envvar="STRATA_FORCE", help="Replace DST if it exists.")
-@click.option("--stream", is_flag=True, envvar="STRATA_STREAM",
-              help="Write the routed experts in the streaming layout (experts/: one aligned record per expert, "
-                   "read from disk through a bounded cache at run time).")
+@option("--bits", type=click.Choice([str(b) for b in CONVERT_BITS]), default=None, envvar="STRATA_BITS",
+        help="Quantize the weights (affine, MLX layout) to this many bits; default: no quantization.")
+@option("--group-size", type=click.Choice([str(g) for g in QUANT_GROUP_SIZES]), default=None,
+        envvar="STRATA_GROUP_SIZE", help=f"Weights per quantization scale, with --bits  [default: {DEFAULT_GROUP_SIZE}]")
+@option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
+        help="Dtype of the stored floating-point tensors (default: the checkpoint's).")
+@option("--force", is_flag=True, envvar="STRATA_FORCE", help="Replace DST if it exists.")
+@option("--stream", is_flag=True, envvar="STRATA_STREAM",
+        help="Write the routed experts in the streaming layout (experts/: one aligned record per expert, "
+             "read from disk through a bounded cache at run time).")
 def convert_command(src, dst, bits, group_size, dtype, force, stream):
     """Convert the checkpoint in SRC (Hugging Face or MLX layout, or 'demo' for the embedded
     model) into strata's format in DST.
@@ -452,7 +512,8 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
     from .convert import convert
     from .runtime import resolve_model_path
 
-    result = convert(resolve_model_path(src), dst, options=options, show_progress=True)
+    # A bar on a terminal only; in a log, the "wrote ..." line below is the one line convert prints.
+    result = convert(resolve_model_path(src), dst, options=options, show_progress=sys.stderr.isatty())
     quant = result.quantization
     detail = f", {quant['bits']}-bit, group size {quant['group_size']}" if quant else ""
     if options.stream:
@@ -466,48 +527,53 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
 
 @cli.command("bench")
 @click.argument("workloads", nargs=-1)
-@click.option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              envvar="STRATA_BENCH_WORKLOADS", help="Where the workload files are (default: examples/workloads).")
-@click.option("--modes", default=None, envvar="STRATA_BENCH_MODES",
-              help="Comma-separated modes: serial, N, A-B, auto, auto:N, mlx-lm, mlx-lm-spec "
-                   "[default: serial,1-7,auto,mlx-lm,mlx-lm-spec].")
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_TOKENS",
-              help="Tokens generated per prompt, exactly: EOS is disabled [default: 128].")
-@click.option("--repeats", "-r", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_REPEATS",
-              help="Measured runs per mode and workload [default: 3].")
-@click.option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP",
-              help="Warm-up runs per mode and workload, reported apart [default: 1].")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-              show_default=True, help="MLX's global seed and the requests' sampling seed.")
-@click.option("--temperature", "-t", type=click.FloatRange(min=0.0), default=0.0, envvar="STRATA_TEMPERATURE",
-              show_default=True, help="Sample at this temperature (0 = greedy; mlx-lm modes run greedy only).")
-@click.option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-              show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
-@click.option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
-              help="The auto modes' cost prior: a measured window-cost curve (scripts/window_cost.py JSON).")
-@click.option("--peers/--no-peers", default=True, envvar="STRATA_BENCH_PEERS", show_default=True,
-              help="Run the mlx-lm peer modes (needs the 'bench' extra).")
-@click.option("--peer-draft-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Draft model of mlx-lm-spec (default: the model itself).")
-@click.option("--peer-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Drafts per step of mlx-lm-spec.")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write every run and summary as JSON to FILE.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
-@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results table (and the bars) as Markdown to FILE, for docs/benchmarks.md.")
+@option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        envvar="STRATA_BENCH_WORKLOADS", help="Where the workload files are (default: examples/workloads).")
+@option("--modes", default=None, envvar="STRATA_BENCH_MODES",
+        help="Comma-separated modes: serial, N, A-B, auto, auto:N, mlx-lm, mlx-lm-spec "
+             "[default: serial,1-7,auto,mlx-lm,mlx-lm-spec].")
+@option("--max-tokens", "-n", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_TOKENS",
+        help="Tokens generated per prompt, exactly: EOS is disabled [default: 128].")
+@option("--repeats", "-r", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_REPEATS",
+        help="Measured runs per mode and workload [default: 3].")
+@option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP",
+        help="Warm-up runs per mode and workload, reported apart [default: 1].")
+@option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
+        show_default=True, help="MLX's global seed and the requests' sampling seed.")
+@option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0, envvar="STRATA_TEMPERATURE",
+        show_default=True, help="Sample at this temperature (0 = greedy; mlx-lm modes run greedy only).")
+@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+@option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
+        help="The auto modes' cost prior: a measured window-cost curve (scripts/window_cost.py JSON).")
+@option("--peers/--no-peers", default=True, envvar="STRATA_BENCH_PEERS", show_default=True,
+        help="Run the mlx-lm peer modes (needs the 'bench' extra).")
+@option("--peer-draft-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+        help="Draft model of mlx-lm-spec (default: the model itself).")
+@option("--peer-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
+        help="Drafts per step of mlx-lm-spec.")
+@option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="Write every run and summary as JSON to FILE.")
+@option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
+@option("--check", is_flag=True, envvar="STRATA_BENCH_CHECK",
+        help="Exit with status 1 when a speed target is missed (a diverged output always does).")
+@option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="Write the results table (and the speed targets) as Markdown to FILE, for docs/benchmarks.md.")
 @model_options
 @engine_options
 def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, seed, temperature, min_match,
-                  draft_cost,
-                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, load, engine):
+                  draft_cost, peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, check, markdown_path,
+                  load, engine):
     """Measure tokens/s of named WORKLOADS (default: all) in every decoding mode.
 
     Each workload runs in each mode (serial, fixed draft lengths, auto, and mlx-lm on the same
     checkpoint) with warm-up runs apart and medians over repeats; greedy outputs are checked to
-    be identical across strata modes (a difference exits with status 1). The table goes to
-    stdout, progress to stderr. docs/benchmarks.md explains every column.
+    be identical across strata modes (a difference exits with status 1; with --check, so does
+    a missed speed target). The table goes to stdout, progress to stderr (a bar on a terminal,
+    a line per finished run otherwise). A workload or the mlx-lm peers that need the 'bench'
+    extra are skipped with a note unless named. The plain `strata bench` takes about 5 minutes
+    on a laptop-class CPU. docs/benchmarks.md explains every column.
 
     \b
     Examples:
@@ -515,6 +581,7 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
       strata bench prose copy_edit --modes serial,1-4,auto --repeats 5 --out bench.json
       strata bench --no-peers --plot docs/bench.png
       strata bench copy_edit --no-peers --temperature 0.7 --modes serial,3,auto
+      strata bench prose copy_edit --modes serial,auto --check
     """
     from .bench import (
         DEFAULT_BENCH_TOKENS,
@@ -522,7 +589,11 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
         DEFAULT_REPEATS,
         DEFAULT_WARMUP,
         BenchOptions,
+        PeerError,
+        PlotError,
         parse_modes,
+        require_matplotlib,
+        require_mlx_lm,
     )
     from .bench.peers import PEER_MODES
 
@@ -545,14 +616,27 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
     if temperature > 0 and any(m.label in PEER_MODES for m in mode_list):
         raise click.BadParameter("mlx-lm modes decode greedily: with --temperature > 0 pass --no-peers "
                                  "or leave them out of --modes")
+    notes: list[str] = []  # what was left out for want of an extra; printed now and kept in the results
+    if any(m.label in PEER_MODES for m in mode_list):
+        try:
+            require_mlx_lm()
+        except PeerError as e:
+            if modes:
+                raise UserError(str(e)) from None
+            mode_list = [m for m in mode_list if m.label not in PEER_MODES]
+            notes.append("mlx-lm peer modes skipped: mlx-lm is not installed (pip install 'strata-cli[bench]')")
+    if plot_path:
+        try:
+            require_matplotlib()  # before the run, not after it
+        except PlotError as e:
+            raise UserError(str(e)) from None
     run_guarded(lambda: _bench(load, engine, list(workloads), workloads_dir, mode_list, options,
-                               peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path))
+                               peer_draft_model, peer_draft_tokens, out_path, plot_path, markdown_path, check, notes))
 
 
 def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draft_model, peer_draft_tokens,
-           out_path, plot_path, markdown_path):
+           out_path, plot_path, markdown_path, check, notes):
     import mlx.core as mx
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -577,12 +661,16 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
     )
     from .runtime import open_model
 
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     try:
         directory = workloads_dir or default_workloads_dir()
         if directory is None:
             raise WorkloadError("no examples/workloads directory found; pass --workloads-dir")
-        workloads = load_workloads(directory, names)
+        workloads = load_workloads(directory, names, notes=notes)
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
+        if not err.is_terminal:
+            click.echo(f"bench: loading {load.model}", err=True)
         with err.status(f"loading {load.model}"):
             runtime = open_model(load, engine_options)
             # auto modes without --draft-cost: the device's own cost curve (cached or measured now)
@@ -594,17 +682,28 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         meta = collect_meta(model=load.model, device=str(mx.default_device()), dtype=runtime.dtype_name,
                             options=options,
                             modes=modes, extra={"workloads": [w.name for w in workloads],
-                                                "peer_draft_tokens": peer_draft_tokens,
+                                                "peer_draft_tokens": peer_draft_tokens, "notes": list(notes),
                                                 "warmup_seconds": runtime.warmup_seconds,
                                                 "calibration_seconds": runtime.calibration_seconds,
                                                 "cost_prior": {m.label: m.spec.cost_prior.source for m in modes
                                                                if m.spec and m.spec.cost_prior}})
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=err, transient=True) as bar:
-            task = bar.add_task("bench", total=count_runs(workloads, modes, options))
-            result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer, meta=meta,
-                               progress=lambda what: bar.update(task, advance=1, description=what))
-        render_table(Console(), result)
+        total = count_runs(workloads, modes, options)
+        if err.is_terminal:
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=err, transient=True) as bar:
+                task = bar.add_task("bench", total=total)
+                result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer,
+                                   meta=meta, progress=lambda what: bar.update(task, advance=1, description=what))
+        else:  # a log: one line per finished run
+            done, start = [0], time.monotonic()
+
+            def log_run(what: str) -> None:
+                done[0] += 1
+                click.echo(f"bench {done[0]}/{total} ({time.monotonic() - start:.0f} s): {what}", err=True)
+
+            result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer,
+                               meta=meta, progress=log_run)
+        render_table(make_console(), result)
         if out_path:
             out_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
             err.print(f"wrote {out_path}")
@@ -619,6 +718,61 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
     if result.diverged:
         raise UserError("output differs from serial in " + "; ".join(
             f"{w}: {', '.join(ms)}" for w, ms in result.diverged.items()))
+    if check and result.missed:
+        raise UserError("missed speed targets: " + "; ".join(
+            f"{t.workload}: {t.rule} {t.ratio:.3f} < {t.threshold:.2f}" for t in result.missed))
+
+
+ANSWER_SEPARATOR = "---"  # the line between plain-text answers of several prompts (--each-line)
+
+
+class Terminated(Exception):
+    """SIGTERM stopped the command (run_guarded exits 143, as KeyboardInterrupt exits 130)."""
+
+
+class SignalLatch:
+    """SIGINT/SIGTERM while a prompt decodes raise `Cancelled` there; between prompts they are
+    only latched, and the next prompt raises at its start (so no signal lands where a record
+    could be lost)."""
+
+    class Cancelled(Exception):
+        pass
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.armed = False
+
+    def __call__(self, signum, frame):
+        self.signum = signum
+        if self.armed:
+            self.armed = False
+            raise SignalLatch.Cancelled()
+
+    def check(self) -> None:
+        """Arm, and raise at once if a signal came while disarmed."""
+        self.armed = True
+        if self.signum is not None:
+            self.armed = False
+            raise SignalLatch.Cancelled()
+
+    def exit_exception(self) -> BaseException:
+        return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
+def signal_latch():
+    """SIGINT and SIGTERM go to a `SignalLatch` while inside (the previous handlers after)."""
+    latch = SignalLatch()
+    try:
+        previous = {s: signal.signal(s, latch) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread (an embedding caller): leave the signals alone
+        yield latch
+        return
+    try:
+        yield latch
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @cli.command("selftest")
@@ -695,6 +849,9 @@ def run_guarded(action) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except Terminated:
+        click.echo("terminated", err=True)
+        sys.exit(143)
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): stop quietly, and keep the exit-time flush quiet too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -112,6 +112,7 @@ def generate(
             f"prefilled={prefilled} must equal the engine's committed length ({engine.length}) "
             f"and leave the root unprocessed (prompt of {len(prompt_ids)} tokens)"
         )
+    stats.record_prompt(len(prompt_ids))
     start = time.perf_counter()
     engine.prefill(prompt_ids[prefilled:-1])
     stats.record_prefill(len(prompt_ids) - 1 - prefilled, time.perf_counter() - start)

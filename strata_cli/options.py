@@ -7,6 +7,7 @@ configuration (config.json) is parsed in model/config.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .model.config import DTYPE_NAMES, ConfigError
@@ -198,8 +199,8 @@ class GenerateOptions:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN fails both
+            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.top_k < 0:

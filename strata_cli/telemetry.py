@@ -6,7 +6,9 @@ it is reported apart from the steady state.
 
 Summary keys (stable names; bench and --json consumers read them):
 
-- tokens: `prompt_tokens`, `generated_tokens`, `prefill_tokens_per_s`, `tokens_per_s` (all
+- tokens: `prompt_tokens` (the prompt's tokens), `prefill_tokens` (those this request ran
+  through prefill: the prompt minus its last token, which the first window runs, and minus any
+  positions restored from a checkpoint), `generated_tokens`, `prefill_tokens_per_s`, `tokens_per_s` (all
   windows), `steady_tokens_per_s` (without the first window), `decode_seconds`,
   `warmup_window_ms`;
 - windows: `windows`, `tokens_per_window`, `window_T_histogram`, `window_ms_mean`,
@@ -103,7 +105,8 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class DecodeStats:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # the prompts' tokens
+    prefill_tokens: int = 0  # of those, the ones prefill ran (not the root, not restored positions)
     prefill_seconds: float = 0.0
     windows: list[WindowRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -116,8 +119,12 @@ class DecodeStats:
         """Report what this draft-length controller learned in the summary's `controller`."""
         self.controller = controller
 
-    def record_prefill(self, tokens: int, seconds: float) -> None:
+    def record_prompt(self, tokens: int) -> None:
+        """Count a request's prompt tokens (all of them, however many prefill ran)."""
         self.prompt_tokens += tokens
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_tokens += tokens
         self.prefill_seconds += seconds
 
     def record_window(self, record: WindowRecord) -> None:
@@ -144,8 +151,9 @@ class DecodeStats:
         latencies_ms = [1000 * w.seconds for w in steady] or [1000 * w.seconds for w in ws]
         return {
             "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens,
             "generated_tokens": self.generated,
-            "prefill_tokens_per_s": _rate(self.prompt_tokens, self.prefill_seconds),
+            "prefill_tokens_per_s": _rate(self.prefill_tokens, self.prefill_seconds),
             "tokens_per_s": _rate(self.generated, seconds),
             "steady_tokens_per_s": _rate(sum(w.emitted for w in steady), steady_seconds),
             "decode_seconds": seconds,

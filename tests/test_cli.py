@@ -135,3 +135,113 @@ def test_stdin_streaming_subprocess():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "tokens_per_s" in proc.stderr  # telemetry goes to stderr, not stdout
+
+
+def test_prompt_tokens_counts_the_whole_prompt(runner):
+    """stats.prompt_tokens is the prompt's length; prefill_tokens leaves out the root (run by the first window)."""
+    from strata_cli.runtime import open_model
+
+    prompt = "def add(a, b):"
+    n = len(open_model().tokenizer.encode(prompt))
+    result = runner.invoke(cli, ["generate", prompt, "--json", "--max-tokens", "3"])
+    stats = json.loads(result.stdout)["stats"]
+    assert n == 7 and stats["prompt_tokens"] == n and stats["prefill_tokens"] == n - 1
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (["--temperature", "inf"], {}, "'--temperature' / '-t': inf is not a finite number"),
+    (["--temperature", "nan"], {}, "nan is not a finite number"),
+    ([], {"STRATA_TEMPERATURE": "inf"}, "(from STRATA_TEMPERATURE='inf')"),
+    ([], {"STRATA_SUFFIX_DRAFT": "9"}, "'--suffix-draft' (from STRATA_SUFFIX_DRAFT='9')"),
+    ([], {"STRATA_EXPERT_CACHE": "inf"}, "(from STRATA_EXPERT_CACHE='inf')"),
+])
+def test_bad_values_are_refused_naming_their_source(runner, args, env, expected):
+    result = runner.invoke(cli, ["generate", "x", "--max-tokens", "2", *args], env=env)
+    assert result.exit_code == 2 and expected in result.output, result.output
+
+
+def test_max_context_above_the_model_limit_is_refused(runner):
+    result = runner.invoke(cli, ["generate", "x", "--max-context", "100000"])
+    assert result.exit_code == 1
+    assert "max_context 100000 is above this model's limit of 4096 positions" in result.output
+    assert runner.invoke(cli, ["generate", "x", "--max-context", "4096", "-n", "2"]).exit_code == 0
+
+
+def test_dash_at_a_terminal_says_it_reads_until_ctrl_d(monkeypatch, capsys):
+    import io
+
+    from strata_cli import cli as cli_module
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b"def f(x):\n"), encoding="utf-8"))
+    assert cli_module.read_prompts("-", each_line=False) == ["def f(x):\n"]
+    assert "reading the prompt from stdin until Ctrl-D" in capsys.readouterr().err
+    with pytest.raises(cli_module.UserError, match="no prompt"):
+        cli_module.read_prompts(None, each_line=False)
+
+
+def test_each_line_plain_answers_are_separated_and_json_rows_say_which_prompt(runner):
+    stdin = "def f(x):\nimport sys\n"
+    plain = runner.invoke(cli, ["generate", "--each-line", "--max-tokens", "4"], input=stdin)
+    assert plain.exit_code == 0 and plain.stdout.count("\n---\n") == 1, plain.output
+    rows = [json.loads(line) for line in runner.invoke(
+        cli, ["generate", "--each-line", "--json", "--max-tokens", "4"], input=stdin).stdout.splitlines()]
+    assert [(r["index"], r["prompt"]) for r in rows] == [(0, "def f(x):"), (1, "import sys")]
+
+
+@pytest.mark.parametrize("signum, status, message", [(2, 130, "interrupted"), (15, 143, "terminated")])
+def test_a_signal_still_writes_the_json_record(signum, status, message):
+    """SIGINT/SIGTERM mid-generation: the cancelled prompt's record is written, then exit 130/143.
+
+    The first prompt nearly fills the context, so its record comes out after a few tokens and
+    marks the start of the second, which has room for hundreds; the signal follows that record."""
+    from strata_cli.runtime import open_model
+
+    first = "x = 1; " * 60
+    limit = len(open_model().tokenizer.encode(first)) + 3
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "strata_cli.cli", "generate", "--each-line", "--json", "--max-tokens", "100000",
+         "--max-context", str(limit)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    proc.stdin.write(first + "\nimport os\n")
+    proc.stdin.close()
+    head = json.loads(proc.stdout.readline())
+    assert head["index"] == 0 and head["finish_reason"] == "context"
+    proc.send_signal(signum)
+    rest, err = proc.stdout.read(), proc.stderr.read()
+    proc.wait(timeout=120)
+    assert proc.returncode == status and err.strip().splitlines()[-1] == message, err
+    record = json.loads(rest)
+    assert record["index"] == 1 and record["prompt"] == "import os" and record["finish_reason"] == "cancelled"
+    assert len(record["token_ids"]) < limit - 3 and record["stats"]["generated_tokens"] == len(record["token_ids"])
+
+
+def test_serve_and_generate_count_prompt_tokens_alike():
+    request = json.dumps({"id": 1, "prompt": "def add(a, b):", "max_tokens": 3})
+    result = run_strata("serve-stdio", stdin=request + "\n" + request + "\n")
+    done = [f for f in map(json.loads, result.stdout.splitlines()) if f.get("done")]
+    cold, warm = done
+    assert cold["stats"]["prompt_tokens"] == cold["usage"]["prompt_tokens"] == 7
+    assert cold["stats"]["prefill_tokens"] == 6
+    assert warm["stats"]["prompt_tokens"] == 7 and warm["stats"]["prefill_tokens"] == 6 - warm["usage"]["cached_tokens"]
+
+
+def test_a_signal_between_prompts_is_latched_for_the_next_one():
+    import signal
+
+    from strata_cli.cli import SignalLatch, Terminated
+
+    latch = SignalLatch()
+    latch(signal.SIGTERM, None)  # disarmed (between prompts): recorded, not raised
+    with pytest.raises(SignalLatch.Cancelled):
+        latch.check()  # the next prompt stops at once, and its record says cancelled
+    assert isinstance(latch.exit_exception(), Terminated)
+    armed = SignalLatch()
+    armed.check()
+    with pytest.raises(SignalLatch.Cancelled):
+        armed(signal.SIGINT, None)  # armed (decoding): raised where the decode loop runs
+    assert isinstance(armed.exit_exception(), KeyboardInterrupt) and not armed.armed

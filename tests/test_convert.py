@@ -175,6 +175,7 @@ def test_cli_convert(root, tmp_path):
     result = runner.invoke(cli, ["convert", str(src), str(tmp_path / "q8")], env={"STRATA_BITS": "8"})
     assert result.exit_code == 0, result.output
     assert "8-bit, group size 64" in result.stdout
+    assert "\r" not in result.stderr and "converting" not in result.stderr  # no tqdm bar off a terminal
     assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]["bits"] == 8
 
     again = runner.invoke(cli, ["convert", str(src), str(tmp_path / "q8"), "--bits", "4"])

@@ -166,7 +166,7 @@ def test_session_resumes_and_matches_cold(cold, tmp_path):
     flipped[len(flipped) // 2] ^= 0x01
     session.write_bytes(bytes(flipped))
     rc, frames, err = serve(lines_of({"x": REQUESTS["short"]}), "--session", str(session))
-    assert rc == 1 and frames == [] and "checksum mismatch" in err
+    assert rc == 1 and frames == [] and "checksum mismatch" in err and "did not start" in err
 
     other = chat_model(tmp_path)  # same weights, another config.json: another model
     cfg = json.loads((other / "config.json").read_text())

@@ -2,12 +2,12 @@
 peers), repeated, with warm-up apart, medians and spread, and a greedy-identity check.
 
 Modules: `workloads` (the example files), `runner` (the loop), `peers` (mlx-lm), `results`
-(plain data and the bars), `report` (table and plot). The CLI's `bench` command is a thin
+(plain data and the speed targets), `report` (table and plot). The CLI's `bench` command is a thin
 wrapper around `runner.run_bench` and `report`.
 """
 
-from .peers import MlxLmPeer, PeerError
-from .report import PlotError, markdown, plot, render_table
+from .peers import MlxLmPeer, PeerError, require_mlx_lm
+from .report import PlotError, markdown, plot, render_table, require_matplotlib
 from .results import BenchResult, result_from_dict
 from .runner import (
     DEFAULT_BENCH_TOKENS,
@@ -21,11 +21,18 @@ from .runner import (
     parse_modes,
     run_bench,
 )
-from .workloads import Workload, WorkloadError, default_workloads_dir, load_workloads
+from .workloads import (
+    MissingExtraError,
+    Workload,
+    WorkloadError,
+    default_workloads_dir,
+    load_workloads,
+)
 
 __all__ = [
     "DEFAULT_BENCH_TOKENS", "DEFAULT_MODES", "DEFAULT_REPEATS", "DEFAULT_WARMUP",
-    "BenchOptions", "BenchResult", "Mode", "MlxLmPeer", "PeerError", "PlotError", "Workload",
-    "WorkloadError", "collect_meta", "count_runs", "default_workloads_dir", "load_workloads",
-    "markdown", "parse_modes", "plot", "render_table", "result_from_dict", "run_bench",
+    "BenchOptions", "BenchResult", "MissingExtraError", "Mode", "MlxLmPeer", "PeerError", "PlotError",
+    "Workload", "WorkloadError", "collect_meta", "count_runs", "default_workloads_dir", "load_workloads",
+    "markdown", "parse_modes", "plot", "render_table", "require_matplotlib", "require_mlx_lm",
+    "result_from_dict", "run_bench",
 ]

@@ -1,4 +1,4 @@
-"""Render a BenchResult: a rich table, the bars, a loud divergence warning, and a PNG plot.
+"""Render a BenchResult: a rich table, the speed targets, a loud divergence warning, and a PNG plot.
 
 The CLI calls these with its consoles; nothing here prints on its own.
 """
@@ -61,7 +61,8 @@ COLUMNS = ("workload", "mode", "tok/s", "min..max", "warm-up", "vs serial", "vs 
 
 
 def render_table(console, result: BenchResult) -> None:
-    """The results table, then the bars, then any divergence (loudly)."""
+    """The results table, then the targets, then any divergence (loudly)."""
+    from rich.markup import escape
     from rich.table import Table
 
     meta = result.meta
@@ -78,20 +79,20 @@ def render_table(console, result: BenchResult) -> None:
         for mr in wr.modes:
             table.add_row(*mode_row(wr, mr))
     console.print(table)
-    bars = result.bars()
-    if bars:
-        bt = Table(title="bars (issue 5)", title_justify="left")
+    targets = result.targets()
+    if targets:
+        tt = Table(title="targets", title_justify="left")
         for name in ("workload", "rule", "ratio", "needs", "result"):
-            bt.add_column(name)
-        for b in bars:
-            verdict = "[green]pass[/green]" if b.passed else "[red]FAIL[/red]"
-            bt.add_row(b.workload, b.rule, f"{b.ratio:.3f}", f">= {b.threshold:.2f}", verdict)
-        console.print(bt)
+            tt.add_column(name)
+        for t in targets:
+            verdict = "[green]pass[/green]" if t.passed else "[red]FAIL[/red]"
+            tt.add_row(t.workload, t.rule, f"{t.ratio:.3f}", f">= {t.threshold:.2f}", verdict)
+        console.print(tt)
     refusals = {(mr.mode, mr.refusal.message) for wr in result.workloads for mr in wr.modes if mr.refusal}
     for mode, message in sorted(refusals):
-        console.print(f"[yellow]{mode} refused:[/yellow] {message}")
+        console.print(f"[yellow]{mode} refused:[/yellow] {escape(message)}")
     for note in meta.get("notes", []):
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
     if result.diverged:
         console.print(
             "[bold red]DIVERGENCE: greedy output differs from serial in "
@@ -101,7 +102,7 @@ def render_table(console, result: BenchResult) -> None:
 
 
 def markdown(result: BenchResult) -> str:
-    """The results as a Markdown table (for docs/benchmarks.md), bars and refusals below it."""
+    """The results as a Markdown table (for docs/benchmarks.md), targets and refusals below it."""
     meta = result.meta
     machine = meta.get("machine", {})
     lines = [
@@ -119,21 +120,21 @@ def markdown(result: BenchResult) -> str:
         for mr in wr.modes:
             cells = [re.sub(r"\[/?[a-z ]+\]", "", c) for c in mode_row(wr, mr)]
             lines.append("| " + " | ".join(cells) + " |")
-    bars = result.bars()
-    if bars:
-        lines += ["", "| bar | ratio | needs | result |", "|---|---|---|---|"]
-        lines += [f"| {b.workload}: {b.rule} | {b.ratio:.3f} | >= {b.threshold:.2f} | {'pass' if b.passed else 'FAIL'} |"
-                  for b in bars]
+    targets = result.targets()
+    if targets:
+        lines += ["", "| target | ratio | needs | result |", "|---|---|---|---|"]
+        lines += [f"| {t.workload}: {t.rule} | {t.ratio:.3f} | >= {t.threshold:.2f} | {'pass' if t.passed else 'FAIL'} |"
+                  for t in targets]
     refusals = sorted({(mr.mode, mr.refusal.message) for wr in result.workloads for mr in wr.modes if mr.refusal})
     lines += [""] + [f"{mode} refused: {message}" for mode, message in refusals] if refusals else []
     return "\n".join(lines) + "\n"
 
 
-def plot(result: BenchResult, path: Path) -> None:
-    """Grouped bars of median tokens/s by workload and mode, with min..max whiskers.
+def require_matplotlib():
+    """matplotlib.pyplot on the Agg backend (the CLI calls this before a run that will plot).
 
     Raises:
-        PlotError: matplotlib is missing (the `bench` extra) or the file cannot be written.
+        PlotError: matplotlib is missing (the `bench` extra).
     """
     try:
         import matplotlib
@@ -142,6 +143,16 @@ def plot(result: BenchResult, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotError("--plot needs matplotlib: pip install 'strata-cli[bench]'") from None
+    return plt
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Grouped bars of median tokens/s by workload and mode, with min..max whiskers.
+
+    Raises:
+        PlotError: matplotlib is missing (the `bench` extra) or the file cannot be written.
+    """
+    plt = require_matplotlib()
     labels = []
     for wr in result.workloads:
         for mr in wr.modes:

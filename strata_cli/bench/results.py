@@ -1,4 +1,4 @@
-"""Bench results as plain data: runs, their medians and spread, identity checks and the bars.
+"""Bench results as plain data: runs, their medians and spread, identity checks and the targets.
 
 Column meanings (docs/benchmarks.md repeats them): `tokens/s` is generated tokens over decode
 wall time (prefill excluded, every window and the loop's own work included), the median of the
@@ -12,8 +12,8 @@ import hashlib
 import statistics
 from dataclasses import dataclass, field
 
-PROSE_BAR = 0.97  # on prose, auto keeps at least 97% of serial tokens/s
-COPY_BAR = 0.90  # on copy-heavy workloads, auto reaches at least 90% of the best fixed N
+PROSE_TARGET = 0.97  # on prose, auto keeps at least 97% of serial tokens/s
+COPY_TARGET = 0.90  # on copy-heavy workloads, auto reaches at least 90% of the best fixed N
 
 
 @dataclass
@@ -135,8 +135,9 @@ class ModeResult:
 
 
 @dataclass(frozen=True)
-class BarCheck:
-    """One of issue 5's bars, evaluated on one workload."""
+class TargetCheck:
+    """One speed target (auto against serial on prose, against the best fixed N on copy-heavy
+    work), evaluated on one workload."""
 
     workload: str
     rule: str
@@ -186,15 +187,15 @@ class WorkloadResult:
             for auto in self.modes if auto.mode.startswith("auto") and auto.median
         ]
 
-    def bars(self) -> list[BarCheck]:
-        """The bars that apply to this workload's category, for every auto mode measured."""
+    def targets(self) -> list[TargetCheck]:
+        """The targets that apply to this workload's category, for every auto mode measured."""
         checks = []
         for ratio in self.auto_ratios():
             if self.category == "prose" and ratio["vs_serial"] is not None:
-                checks.append(BarCheck(self.name, f"{ratio['mode']} / serial", ratio["vs_serial"], PROSE_BAR))
+                checks.append(TargetCheck(self.name, f"{ratio['mode']} / serial", ratio["vs_serial"], PROSE_TARGET))
             if self.category == "copy" and ratio["vs_best_fixed"] is not None:
-                checks.append(BarCheck(self.name, f"{ratio['mode']} / best fixed ({ratio['best_fixed']})",
-                                       ratio["vs_best_fixed"], COPY_BAR))
+                checks.append(TargetCheck(self.name, f"{ratio['mode']} / best fixed ({ratio['best_fixed']})",
+                                       ratio["vs_best_fixed"], COPY_TARGET))
         return checks
 
     def to_dict(self) -> dict:
@@ -205,7 +206,7 @@ class WorkloadResult:
             "prompts": self.prompts,
             "prompt_tokens": self.prompt_tokens,
             "diverged": self.diverged,
-            "bars": [b.to_dict() for b in self.bars()],
+            "targets": [t.to_dict() for t in self.targets()],
             "auto_ratios": self.auto_ratios(),
             "modes": [m.to_dict() for m in self.modes],
         }
@@ -220,14 +221,19 @@ class BenchResult:
     def diverged(self) -> dict[str, list[str]]:
         return {w.name: w.diverged for w in self.workloads if w.diverged}
 
-    def bars(self) -> list[BarCheck]:
-        return [b for w in self.workloads for b in w.bars()]
+    def targets(self) -> list[TargetCheck]:
+        return [t for w in self.workloads for t in w.targets()]
+
+    @property
+    def missed(self) -> list[TargetCheck]:
+        """Targets this run did not meet (`strata bench --check` exits 1 on any)."""
+        return [t for t in self.targets() if not t.passed]
 
     def to_dict(self) -> dict:
         return {
             "meta": self.meta,
             "diverged": self.diverged,
-            "bars": [b.to_dict() for b in self.bars()],
+            "targets": [t.to_dict() for t in self.targets()],
             "workloads": [w.to_dict() for w in self.workloads],
         }
 

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from ..options import PREFILL_CHUNK, EngineOptions
+from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .state import GDNState, KVState, Mode
 
 
@@ -53,6 +53,9 @@ class WindowEngine:
     Args:
         model: an MLX model with `state_kinds`, `config` and `__call__(tokens, states, last_only)`.
         options: fold mode, partial mode and context limit (default `EngineOptions()`).
+
+    Raises:
+        ConfigError: `options.max_context` above the model's `max_position_embeddings`.
     """
 
     # This model family has no sparse-attention indexer tail, so windows need no 4-cell cap.
@@ -62,7 +65,12 @@ class WindowEngine:
         self.model = model
         self.options = options or EngineOptions()
         model_limit = model.config.max_position_embeddings
-        self.max_context = min(self.options.max_context or model_limit, model_limit)
+        if self.options.max_context is not None and self.options.max_context > model_limit:
+            raise ConfigError(
+                f"max_context {self.options.max_context} is above this model's limit of {model_limit} "
+                "positions (max_position_embeddings)"
+            )
+        self.max_context = self.options.max_context or model_limit
         self.vocab_size = model.config.vocab_size
         self.states = [make_state(kind, params, self.options) for kind, params in model.state_kinds]
         self.length = 0  # committed positions

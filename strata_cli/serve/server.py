@@ -361,7 +361,7 @@ def serve_stdio(
                 restored = load_session(session, **signature, max_context=engine.max_context,
                                         vocab_size=engine.vocab_size)
             except SessionError as e:
-                raise SessionError(f"{e}; not used (delete the file or pass another --session)") from None
+                raise SessionError(f"{e}; serve-stdio did not start (delete the file or pass another --session)") from None
             log.info("session %s: restored %d checkpoints", session, len(restored))
         else:
             log.info("session %s: new", session)
