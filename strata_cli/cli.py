@@ -254,6 +254,8 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
     runtime = open_model(load, engine_options)
     engine, tokenizer = runtime.engine, runtime.tokenizer
     console = Console(stderr=True)
+    if show_stats and not runtime.verification.is_verified:
+        click.echo(f"note: {runtime.verification.note}", err=True)
     out = sys.stdout
     for n, text in enumerate(prompts):
         stats = DecodeStats()
@@ -277,6 +279,7 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
                 "text": tokenizer.decode(detok.ids),
                 "token_ids": detok.ids,
                 "finish_reason": finish,
+                "weights": "verified" if runtime.verification.is_verified else "unverified",
                 "stats": summary,
             }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -404,6 +407,38 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
         f"wrote {result.path} ({result.num_tensors} tensors in {result.num_shards} shard(s), "
         f"{result.total_bytes / 1e6:.1f} MB, {result.dtype}{detail})"
     )
+
+
+@cli.command("verify")
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, envvar="STRATA_JSON", help="Print one JSON object instead of lines.")
+def verify_command(model, as_json):
+    """Hash every weight file of MODEL (a checkpoint directory, or 'demo') and check it against
+    its checksums.json or its Hugging Face hub-cache blob names; remembered digests are ignored.
+    Exits non-zero, naming the file, when one differs.
+
+    \b
+    Examples:
+      strata verify ~/models/qwen3-next-q4-stream
+      strata verify demo --json
+    """
+    run_guarded(lambda: _verify(model, as_json))
+
+
+def _verify(model: str, as_json: bool) -> None:
+    from .runtime import resolve_model_path
+    from .verify import verify_checkpoint
+
+    path = resolve_model_path(model)
+    verification = verify_checkpoint(path)
+    status = "verified" if verification.is_verified else "unverified"
+    if as_json:
+        click.echo(json.dumps({"path": str(path), "status": status, "against": verification.source or None,
+                               "sha256": verification.digests}))
+        return
+    for name, digest in sorted(verification.digests.items()):
+        click.echo(f"{digest}  {name}")
+    click.echo(f"{path}: {verification.note}")
 
 
 @cli.command("bench")
