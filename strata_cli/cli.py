@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from . import __version__, safe_files
 from .model.config import DTYPE_NAMES
 from .options import (
     CONVERT_BITS,
@@ -569,13 +569,13 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
                                progress=lambda what: bar.update(task, advance=1, description=what))
         render_table(Console(), result)
         if out_path:
-            out_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+            safe_files.write_text(out_path, json.dumps(result.to_dict(), indent=1) + "\n")
             err.print(f"wrote {out_path}")
         if plot_path:
             plot(result, plot_path)
             err.print(f"wrote {plot_path}")
         if markdown_path:
-            markdown_path.write_text(markdown(result))
+            safe_files.write_text(markdown_path, markdown(result))
             err.print(f"wrote {markdown_path}")
     except (WorkloadError, PeerError, PlotError) as e:
         raise UserError(str(e)) from None
