@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from . import __version__
+from . import __version__, safe_files
 from .model.config import DTYPE_NAMES
 from .options import (
     CONVERT_BITS,
@@ -347,6 +347,8 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
     spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
     engine, tokenizer = runtime.engine, runtime.tokenizer
     console = make_console(stderr=True)
+    if show_stats and not runtime.verification.is_verified:
+        click.echo(f"note: {runtime.verification.note}", err=True)
     out = sys.stdout
     banned = tokenizer.phrase_sequences(gen_options.ban_phrases)
     with signal_latch() as latch:
@@ -381,6 +383,7 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
                     "text": tokenizer.decode(detok.ids),
                     "token_ids": detok.ids,
                     "finish_reason": finish,
+                    "weights": "verified" if runtime.verification.is_verified else "unverified",
                     "stats": stats.summary(),
                 }
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -523,6 +526,38 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
         f"wrote {result.path} ({result.num_tensors} tensors in {result.num_shards} shard(s), "
         f"{result.total_bytes / 1e6:.1f} MB, {result.dtype}{detail})"
     )
+
+
+@cli.command("verify")
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, envvar="STRATA_JSON", help="Print one JSON object instead of lines.")
+def verify_command(model, as_json):
+    """Hash every weight file of MODEL (a checkpoint directory, or 'demo') and check it against
+    its checksums.json or its Hugging Face hub-cache blob names; remembered digests are ignored.
+    Exits non-zero, naming the file, when one differs.
+
+    \b
+    Examples:
+      strata verify ~/models/qwen3-next-q4-stream
+      strata verify demo --json
+    """
+    run_guarded(lambda: _verify(model, as_json))
+
+
+def _verify(model: str, as_json: bool) -> None:
+    from .runtime import resolve_model_path
+    from .verify import verify_checkpoint
+
+    path = resolve_model_path(model)
+    verification = verify_checkpoint(path)
+    status = "verified" if verification.is_verified else "unverified"
+    if as_json:
+        click.echo(json.dumps({"path": str(path), "status": status, "against": verification.source or None,
+                               "sha256": verification.digests}))
+        return
+    for name, digest in sorted(verification.digests.items()):
+        click.echo(f"{digest}  {name}")
+    click.echo(f"{path}: {verification.note}")
 
 
 @cli.command("bench")
@@ -705,13 +740,13 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
                                meta=meta, progress=log_run)
         render_table(make_console(), result)
         if out_path:
-            out_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+            safe_files.write_text(out_path, json.dumps(result.to_dict(), indent=1) + "\n")
             err.print(f"wrote {out_path}")
         if plot_path:
             plot(result, plot_path)
             err.print(f"wrote {plot_path}")
         if markdown_path:
-            markdown_path.write_text(markdown(result))
+            safe_files.write_text(markdown_path, markdown(result))
             err.print(f"wrote {markdown_path}")
     except (WorkloadError, PeerError, PlotError) as e:
         raise UserError(str(e)) from None

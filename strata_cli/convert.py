@@ -5,14 +5,23 @@ when quantized), the sanitized parameters under the model's own names in one or 
 shards (with model.safetensors.index.json when sharded), and the tokenizer files. The loader
 applies no transform to it, so nothing (Qwen3-Next's 1 + w norms, say) is ever applied twice.
 
-Writing is atomic: everything goes into a hidden sibling directory that is renamed into place
-only when complete, so an interrupted convert never leaves a destination that loads.
+Writing is atomic: everything goes into a hidden sibling directory (`.DST.partial-<pid>-<tag>`)
+that is renamed into place only when complete, so an interrupted convert never leaves a destination
+that loads. `--force` swaps it with the old DST in one step where the OS can (Linux
+`renameat2(RENAME_EXCHANGE)`); elsewhere the old DST is first renamed to `.DST.old-<pid>-<tag>`,
+and a convert killed between the two renames leaves that directory, which the next convert into the
+same parent renames back. That next convert also removes the `.partial-`/`.old-` directories of
+processes that are no longer running. The shards and experts/index.json get sha256s in
+checksums.json (integrity.py), which loading checks.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -24,7 +33,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from .experts.store import write_streamed_experts
+from . import safe_files
+from .experts.store import INDEX_NAME, STREAM_DIR, write_streamed_experts
+from .integrity import write_checksums
 from .model.loader import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -92,7 +103,8 @@ def convert(
     quantization = _quantize(model, options) if options.bits is not None else params.get("quantization")
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = dst.with_name(f".{dst.name}.partial-{uuid.uuid4().hex[:8]}")
+    repair_parent(dst.parent)
+    staging = _sibling(dst, "partial")
     staging.mkdir()  # beside dst, so the final rename stays on one filesystem
     try:
         if options.stream:  # the experts go to experts/ and leave the model: the shards hold the rest
@@ -101,6 +113,8 @@ def convert(
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, staging / name)
+        names = list(shards) + ([f"{STREAM_DIR}/{INDEX_NAME}"] if options.stream else [])
+        write_checksums(staging, names)
         # config.json last: until it exists, not even the staging directory looks like a model.
         _write_config(staging, output_config(params, dtype=dtype, quantization=quantization))
         _move_into_place(staging, dst)
@@ -190,24 +204,92 @@ def _name_shards(out: Path, written: list[list[str]]) -> dict[str, list[str]]:
             "metadata": {"total_size": sum((out / name).stat().st_size for name in names)},
             "weight_map": {tensor: name for name, tensors in shards.items() for tensor in tensors},
         }
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        safe_files.write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
     return shards
 
 
 def _write_config(out: Path, config: dict) -> None:
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    safe_files.write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 def _move_into_place(staging: Path, dst: Path) -> None:
-    """Rename `staging` to `dst`; an existing `dst` is swapped out first and removed after."""
+    """Put `staging` at `dst`; an existing `dst` is swapped out and removed after.
+
+    With an atomic exchange there is no moment without a DST. Without one, a kill between the two
+    renames leaves `.DST.old-<pid>-*` and no DST, which `repair_parent` renames back.
+    """
     if not dst.exists():
-        os.replace(staging, dst)
-        return
-    old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
-    os.replace(dst, old)
+        os.rename(staging, dst)
+    elif exchange(staging, dst):
+        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old DST
+    else:
+        old = _sibling(dst, "old")
+        os.rename(dst, old)
+        try:
+            os.rename(staging, dst)
+        except BaseException:
+            os.rename(old, dst)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    safe_files.sync_directory(dst.parent)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the OS or the
+    file system cannot, and then nothing has moved."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
-        os.replace(staging, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # glibc before 2.28, musl
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+_LEFTOVER = re.compile(r"^\.(?P<dst>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _sibling(dst: Path, kind: str) -> Path:
+    """A hidden directory name beside `dst` that records this process, so a later convert can
+    tell a dead run's leftovers from a running one's."""
+    return dst.with_name(f".{dst.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def repair_parent(parent: Path) -> list[Path]:
+    """Undo what killed converts left in `parent`: an `.X.old-*` whose X is missing is renamed back
+    to X (the swap stopped halfway), every other `.partial-*`/`.old-*` of a process that is no
+    longer running is removed. Returns the directories removed or restored."""
+    touched = []
+    for entry in sorted(parent.iterdir()):
+        match = _LEFTOVER.match(entry.name)
+        if not match or entry.is_symlink() or not entry.is_dir() or _is_running(int(match["pid"])):
+            continue
+        target = parent / match["dst"]
+        if match["kind"] == "old" and not target.exists() and not target.is_symlink():
+            os.rename(entry, target)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+        touched.append(entry)
+    return touched
+
+
+def _is_running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

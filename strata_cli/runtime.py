@@ -19,8 +19,9 @@ import mlx.core as mx
 
 from .calibrate import device_cost_prior
 from .engine.window import WindowEngine
-from .experts.store import ExpertStoreError, is_streamed
+from .experts.store import INDEX_NAME, STREAM_DIR, ExpertStoreError, is_streamed
 from .experts.switch import attach_streamed_experts
+from .integrity import Verification
 from .model.config import ConfigError, dtype_name
 from .model.loader import ModelLoadError, compute_dtype, load_model
 from .options import (
@@ -46,16 +47,20 @@ def resolve_model_path(model: str | Path) -> Path:
     return embedded_model_path() if str(model) == DEMO_MODEL else Path(model)
 
 
-def model_identity(path: str | Path) -> str:
-    """SHA-256 over config.json's bytes and every weight file's name and size.
+def model_identity(path: str | Path, verification: Verification) -> str:
+    """SHA-256 over config.json's bytes, every weight file's name and content sha256 (as loading
+    computed or verified them) and, for a streamed checkpoint, experts/index.json's bytes (whose
+    per-record crc32s cover the expert files).
 
-    Hashing the weights themselves would cost a full read of the checkpoint at every start; names
-    and sizes catch a swapped or re-quantized model, and config.json catches another architecture.
+    Keyed by content, so a session saved with other weights of the same shapes is refused.
     """
     path = Path(path)
     digest = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        digest.update(f"\0{f.name}\0{f.stat().st_size}".encode())
+    for name, sha in sorted(verification.digests.items()):
+        digest.update(f"\0{name}\0{sha}".encode())
+    index = path / STREAM_DIR / INDEX_NAME
+    if index.is_file():
+        digest.update(b"\0" + index.read_bytes())
     return digest.hexdigest()
 
 
@@ -100,7 +105,8 @@ class Runtime:
         model: the MLX model (its `expert_cache` set when experts stream).
         tokenizer: text <-> ids, with the checkpoint's end-of-sequence ids.
         engine: the window engine that owns every per-request state.
-        identity: `model_identity(path)`, which session files are keyed by.
+        identity: `model_identity(path, ...)`, which session files are keyed by.
+        verification: each weight file's sha256 and what it was checked against.
         dtype: the compute dtype.
         warmup_seconds: load time spent running every window shape once (0.0 when not warmed).
         calibration_seconds: load time spent measuring the device's cost curve (0.0 when none
@@ -113,6 +119,7 @@ class Runtime:
     engine: WindowEngine
     identity: str
     dtype: mx.Dtype
+    verification: Verification
     warmup_seconds: float = 0.0
     calibration_seconds: float = 0.0
     _device_prior: CostPrior | None = dataclasses.field(default=None, repr=False)
@@ -158,7 +165,8 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
         warmup_seconds = time.perf_counter() - start
     return Runtime(
         path=path, model=model, tokenizer=tokenizer, engine=window_engine,
-        identity=model_identity(path), dtype=compute_dtype(model), warmup_seconds=warmup_seconds,
+        identity=model_identity(path, model.verification), dtype=compute_dtype(model),
+        verification=model.verification, warmup_seconds=warmup_seconds,
     )
 
 

@@ -42,6 +42,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers (its vocabulary string's
+        bytes; byte-level and byte-fallback spellings only overstate it): a text of N bytes has at
+        least N / max_token_bytes tokens, known before it is encoded."""
+        if not hasattr(self, "_max_token_bytes"):
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode()) for t in vocab), default=1) or 1
+        return self._max_token_bytes
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

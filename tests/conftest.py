@@ -10,7 +10,7 @@ def _clean_strata_env(monkeypatch, tmp_path):
         if name.startswith("STRATA_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("STRATA_HOME", str(tmp_path / "strata-home"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # calibrated cost curves (calibrate.py)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # cost curves (calibrate.py), digests (integrity.py)
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ class LetterTokenizer:
     """One letter per id: 'a' is 0 ... 'p' is 15."""
 
     eos_ids = frozenset()
+    max_token_bytes = 4  # one character, up to 4 UTF-8 bytes
 
     def encode(self, text):
         return [(ord(c) - 97) % VOCAB for c in text]

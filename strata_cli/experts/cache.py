@@ -134,6 +134,7 @@ class ExpertCache:
         self._window_ids: dict[int, np.ndarray] = {}
         self._pool = ThreadPoolExecutor(options.io_threads, thread_name_prefix="strata-experts")
         self._deferred: list[BaseException] = []
+        self._request_no = 0  # which request a prefetch belongs to: its error is that request's only
         self._kind = DECODE
         self._counts = np.zeros((len(self.paths), len(COUNTERS)))
         self._rows = 0  # rows of the window being served
@@ -385,17 +386,25 @@ class ExpertCache:
 
     def _recycle(self, block: _Block):
         pool = self.store.pools[block.layout.stride]
+        request = self._request_no
 
         def done(future: Future) -> None:
             if future.cancelled():
                 return
             error = future.exception()
             if error is not None:
-                self._deferred.append(error)  # a broken file must not pass silently
+                if request == self._request_no:
+                    self._deferred.append(error)  # a broken file must not pass silently
             else:
                 pool.give(future.result()[0])
 
         return done
+
+    def begin_request(self) -> None:
+        """A new request starts: errors that prefetches of earlier requests saved (or will save,
+        when still in flight) are dropped; they belong to requests already answered."""
+        self._request_no += 1
+        self._deferred = []
 
     def _raise_deferred(self) -> None:
         if self._deferred:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import mmap
 import os
 import re
@@ -40,6 +41,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+
+from .. import safe_files
+from ..integrity import IntegrityError, check_bytes
 
 FORMAT = "strata-experts"
 VERSION = 1
@@ -208,7 +212,7 @@ class ExpertLayoutWriter:
             "blocks": sorted(self.blocks, key=lambda b: b["layer"]),
         }
         path = self.root / INDEX_NAME
-        path.write_text(json.dumps(index, indent=1))
+        safe_files.write_text(path, json.dumps(index, indent=1))
         return path
 
 
@@ -276,13 +280,22 @@ def is_streamed(path: str | Path) -> bool:
 
 
 def read_index(directory: str | Path) -> tuple[dict, list[BlockLayout]]:
-    """Parse and check `experts/index.json` (not the record files)."""
+    """Parse and check `experts/index.json` against checksums.json, the record files' sizes and
+    config.json's dtype (not the records' bytes: their crc32 is checked at each read).
+
+    Raises:
+        ExpertStoreError: naming the file and the field that is wrong.
+    """
     root = Path(directory) / STREAM_DIR
     index_path = root / INDEX_NAME
     try:
-        index = json.loads(index_path.read_text())
+        raw = index_path.read_bytes()
+        check_bytes(directory, f"{STREAM_DIR}/{INDEX_NAME}", raw)
+        index = json.loads(raw)
     except FileNotFoundError:
         raise ExpertStoreError(f"{index_path}: missing (not a streamed checkpoint)") from None
+    except IntegrityError as e:
+        raise ExpertStoreError(str(e)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExpertStoreError(f"{index_path}: not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -296,7 +309,8 @@ def read_index(directory: str | Path) -> tuple[dict, list[BlockLayout]]:
                 layer=int(b["layer"]),
                 file=root / b["file"],
                 tensors=tuple(
-                    TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["offset"]), int(t["nbytes"]))
+                    TensorSpec(t["name"], t["dtype"], tuple(int(d) for d in t["shape"]), int(t["offset"]),
+                               int(t["nbytes"]))
                     for t in b["tensors"]
                 ),
                 quantization=dict(b.get("quantization") or {}),
@@ -308,17 +322,87 @@ def read_index(directory: str | Path) -> tuple[dict, list[BlockLayout]]:
         ]
     except (KeyError, TypeError, ValueError) as e:
         raise ExpertStoreError(f"{index_path}: malformed ({type(e).__name__}: {e})") from None
-    for block in blocks:
-        for t in block.tensors:
-            if t.dtype not in DTYPES:
-                raise ExpertStoreError(f"{index_path}: {block.path}.{t.name} has unsupported dtype {t.dtype}")
-            if t.offset + t.nbytes > block.record_bytes:
-                raise ExpertStoreError(f"{index_path}: {block.path}.{t.name} lies outside its record")
-        if len(block.records) != index.get("num_experts"):
-            raise ExpertStoreError(
-                f"{index_path}: {block.path} lists {len(block.records)} records, expected {index.get('num_experts')}"
-            )
+    check_layout_sanity(index_path, index, blocks, stored_dtype=_config_dtype(directory))
     return index, blocks
+
+
+def _config_dtype(directory: str | Path) -> str | None:
+    """config.json's `dtype` (strata convert records the dtype it stored), if it has one."""
+    try:
+        value = json.loads((Path(directory) / "config.json").read_text()).get("dtype")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if value in DTYPES else None
+
+
+def check_layout_sanity(index_path: Path, index: dict, blocks: list[BlockLayout], *, stored_dtype: str | None) -> None:
+    """Every number in the index agrees with every other and with the config, so a record that is
+    read is exactly the bytes its tensors say, interpreted as they were written (whether the
+    records fit their files is checked when the files are opened).
+
+    Raises:
+        ExpertStoreError: naming `index_path`, the block and the field.
+    """
+    def bad(where: str, message: str) -> ExpertStoreError:
+        return ExpertStoreError(f"{index_path}: {where}: {message}")
+
+    alignment, num_experts = index.get("alignment"), index.get("num_experts")
+    if not isinstance(alignment, int) or alignment < TENSOR_ALIGN or alignment & (alignment - 1):
+        raise bad("alignment", f"{alignment!r} is not a power of two of at least {TENSOR_ALIGN}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise bad("num_experts", f"{num_experts!r} is not a positive integer")
+    seen_files = set()
+    for block in blocks:
+        name = block.path
+        if block.file.parent != index_path.parent or block.file.name in ("", ".", "..", INDEX_NAME):
+            raise bad(f"{name}.file", f"{block.file.name!r} is not a file name inside {STREAM_DIR}/")
+        if block.file in seen_files:
+            raise bad(f"{name}.file", f"{block.file.name} is already another block's file")
+        seen_files.add(block.file)
+        if block.stride < block.record_bytes or block.stride % alignment:
+            raise bad(f"{name}.stride", f"{block.stride} must be a multiple of {alignment} and hold "
+                                        f"record_bytes {block.record_bytes}")
+        end = 0
+        for t in sorted(block.tensors, key=lambda t: t.offset):
+            where = f"{name}.tensors[{t.name}]"
+            if t.dtype not in DTYPES:
+                raise bad(f"{where}.dtype", f"unsupported dtype {t.dtype}")
+            if any(d < 0 for d in t.shape):
+                raise bad(f"{where}.shape", f"{list(t.shape)} has a negative dimension")
+            itemsize = np.dtype(DTYPES[t.dtype][0]).itemsize
+            if t.nbytes != math.prod(t.shape) * itemsize:
+                raise bad(f"{where}.nbytes", f"{t.nbytes}, but {t.dtype} x {list(t.shape)} is "
+                                             f"{math.prod(t.shape) * itemsize} bytes")
+            if t.offset % TENSOR_ALIGN or t.offset < end:
+                raise bad(f"{where}.offset", f"{t.offset} is not {TENSOR_ALIGN}-byte aligned after the previous "
+                                             f"tensor's end ({end})")
+            end = t.offset + t.nbytes
+            if end > block.record_bytes:
+                raise bad(f"{where}.offset", f"{t.offset} + {t.nbytes} bytes lies outside the record "
+                                             f"({block.record_bytes} bytes)")
+            expected = _expected_dtype(t.name, block.quantization, stored_dtype)
+            if expected is not None and t.dtype != expected:
+                raise bad(f"{where}.dtype", f"{t.dtype}, but the checkpoint stores {expected} (config.json dtype "
+                                            f"{stored_dtype})")
+        if len(block.records) != num_experts:
+            raise bad(f"{name}.records", f"{len(block.records)} records, num_experts is {num_experts}")
+        offsets = sorted((o, e) for e, (o, _, _) in enumerate(block.records))
+        for (o, e), (o_next, _) in zip(offsets, offsets[1:] + [(None, None)]):
+            where = f"{name}.records[{e}]"
+            if o < 0 or o % alignment:
+                raise bad(where, f"offset {o} is not a multiple of the alignment {alignment}")
+            if o_next is not None and o + block.stride > o_next:
+                raise bad(where, f"offset {o} overlaps the next record at {o_next} (stride {block.stride})")
+        for e, (o, length, _) in enumerate(block.records):
+            if length != block.record_bytes:
+                raise bad(f"{name}.records[{e}]", f"length {length}, record_bytes is {block.record_bytes}")
+
+
+def _expected_dtype(tensor: str, quantization: dict, stored_dtype: str | None) -> str | None:
+    proj, _, part = tensor.partition(".")
+    if proj in quantization and part == "weight":
+        return "uint32"
+    return stored_dtype
 
 
 class BufferPool:

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..integrity import IntegrityError, verify_files
 from .config import DTYPES, ConfigError
 from .layout import LayoutError
 from .quant import Quantization, apply_to_load
@@ -193,10 +194,12 @@ def load_model(
             there (runtime.py), which take the routed experts' parameters out of the model.
 
     Returns:
-        The model, with `model.config` set.
+        The model, with `model.config` set and `model.verification` (integrity.py): each weight
+        file's sha256 and what it was checked against (checksums.json, a hub cache, or nothing).
 
     Raises:
-        ModelLoadError: missing or corrupt files, an unknown model_type, wrong tensor shapes.
+        ModelLoadError: missing or corrupt files (a sha256 that differs from checksums.json or the
+            hub cache's blob name included), an unknown model_type, wrong tensor shapes.
     """
     path = Path(path)
     if not path.exists():
@@ -220,6 +223,10 @@ def load_model(
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
 
     files = weight_files(path)
+    try:  # before any tensor is read: a corrupt byte must never become output
+        verification = verify_files(path, [str(f.relative_to(path)) for f in files])
+    except (IntegrityError, OSError) as e:
+        raise ModelLoadError(str(e)) from None
     weights, sources = load_weights(files)
     stored = stored_dtype(weights)
     try:
@@ -239,4 +246,5 @@ def load_model(
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     model.eval()
+    model.verification = verification
     return model

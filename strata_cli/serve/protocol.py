@@ -145,7 +145,8 @@ def _check_fields(obj: dict, request_id: Any, defaults: GenerateOptions, spec: S
     stream = obj.get("stream", True)
     if not isinstance(stream, bool):
         raise RequestError(INVALID_REQUEST, f"'stream' must be a boolean, got {_type_name(stream)}")
-    return Request(request_id, prompt, messages, options, spec, _stops(obj.get("stop")), stream)
+    stops = _stops(obj["stop"]) if "stop" in obj else ()
+    return Request(request_id, prompt, messages, options, spec, stops, stream)
 
 
 def _sampling(obj: dict) -> dict:
@@ -228,8 +229,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
 
 
 def _stops(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
+    """A present `stop` field: a string or a list of them; `null` is refused like every other
+    field's (leave the field out for no stop strings)."""
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOPS:
         raise RequestError(

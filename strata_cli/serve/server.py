@@ -55,6 +55,7 @@ from .stop import StopMatcher
 log = logging.getLogger("strata.serve")
 
 POLL_SECONDS = 0.1  # how often an idle server looks at the signal latch
+PROMPT_BYTES_SLACK = 2  # normalizers may shrink text a little before it is split into tokens
 
 
 class Server:
@@ -150,6 +151,9 @@ class Server:
     # -- one request -----------------------------------------------------------------------------
 
     def _answer(self, request: Request, started: float) -> None:
+        expert_cache = getattr(self.engine.model, "expert_cache", None)
+        if expert_cache is not None:  # a failed prefetch of an earlier request is not this one's error
+            expert_cache.begin_request()
         prompt_ids = self._prompt_ids(request)
         stats = DecodeStats()
         reply = _Reply(request, self.frames, StreamingDetokenizer(self.tokenizer))
@@ -223,11 +227,20 @@ class Server:
                     request.id,
                 )
             try:
-                text = self.chat.render(request.messages)
+                text = self.chat.render(request.messages, cancelled=self.cancelled)
             except ChatTemplateError as e:
                 raise RequestError(e.code, str(e), request.id) from None
         else:
             text = request.prompt
+        # Tokenizing costs far more memory than the text: one this long cannot fit the context.
+        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if num_bytes > PROMPT_BYTES_SLACK * self.engine.max_context * self.tokenizer.max_token_bytes:
+            raise RequestError(
+                PROMPT_TOO_LONG,
+                f"the prompt has {num_bytes} bytes, far more than the context of {self.engine.max_context} "
+                "tokens holds",
+                request.id,
+            )
         ids = self.tokenizer.encode(text)
         if not ids:
             raise RequestError(INVALID_REQUEST, "the prompt encodes to no tokens", request.id)

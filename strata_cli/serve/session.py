@@ -5,21 +5,22 @@ and every distinct array of the engine snapshots (`array.<k>`); its metadata nam
 version, the model's identity, the compute dtype, the layer-state layout, each checkpoint's
 length and slots (which array, int or null fills each slot of each layer's snapshot), and a
 SHA-256 checksum over all of that and every tensor's bytes. A file that fails any check is
-refused with a `SessionError` that says why; it is never partly used. Writes go to a temporary
-file in the same directory, are synced, then renamed over the target (atomic on POSIX).
+refused with a `SessionError` that says why; it is never partly used. Writes go through
+safe_files.py: an exclusively created temporary file in the same directory, synced, then renamed
+over the target, so a link planted at either name is never followed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
 
 from ..engine.window import Snapshot
+from ..safe_files import atomic_writer
 from .checkpoints import Checkpoint
 
 FORMAT = "strata-session"
@@ -58,15 +59,8 @@ def save_session(
         "checkpoints": json.dumps(entries),
     }
     metadata["checksum"] = _checksum(metadata, arrays)
-    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            mx.save_safetensors(f, arrays, metadata=metadata)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, file)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_writer(file) as f:
+        mx.save_safetensors(f, arrays, metadata=metadata)
 
 
 def load_session(
@@ -104,7 +98,8 @@ def load_session(
     saved_by = metadata.get("model", "")
     if saved_by != identity:
         raise SessionError(
-            f"session {file}: saved by another model (identity {saved_by[:12]!r}, this model is {identity[:12]!r})"
+            f"session {file}: saved by another model or other weights (identity {saved_by[:12]!r}, this model's "
+            f"weights are {identity[:12]!r}); remove the file or pass another --session"
         )
     if metadata.get("dtype") != dtype:
         raise SessionError(f"session {file}: computed in {metadata.get('dtype')}, this engine runs {dtype}")
