@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -243,6 +244,45 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
     run_guarded(lambda: _generate(load, engine, prompts, gen_options, spec, stats, as_json))
 
 
+PREFILL_BAR_AFTER_S = 1.0  # prefill expected to take longer than this gets a bar
+
+
+class PrefillBar:
+    """`decode.generate`'s `prefill_progress`: a prompt bar on a terminal's stderr, shown once
+    prefill looks set to take over PREFILL_BAR_AFTER_S (judged after each chunk), then removed."""
+
+    def __init__(self, console, clock=time.perf_counter):
+        self.console, self.clock = console, clock
+        self.start = clock()
+        self.bar = self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            elapsed = self.clock() - self.start
+            if not self.console.is_terminal or done >= total or elapsed * total / done < PREFILL_BAR_AFTER_S:
+                return
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(TextColumn("prompt"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                console=self.console, transient=True)
+            self.task = self.bar.add_task("prompt", total=total)
+            self.bar.start()
+        self.bar.update(self.task, completed=done)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
     from rich.console import Console
 
@@ -259,15 +299,19 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
         stats = DecodeStats()
         detok = StreamingDetokenizer(tokenizer)
         finish = None
-        for step in decode_generate(
-            engine, tokenizer.encode(text), options=gen_options, spec=spec,
-            eos_ids=tokenizer.eos_ids, stats=stats,
-        ):
-            delta = detok.add(step.tokens)
-            if not as_json and delta:
-                out.write(delta)
-                out.flush()
-            finish = step.finish_reason or finish
+        bar = PrefillBar(console)
+        try:
+            for step in decode_generate(
+                engine, tokenizer.encode(text), options=gen_options, spec=spec,
+                eos_ids=tokenizer.eos_ids, stats=stats, prefill_progress=bar,
+            ):
+                delta = detok.add(step.tokens)
+                if not as_json and delta:
+                    out.write(delta)
+                    out.flush()
+                finish = step.finish_reason or finish
+        finally:
+            bar.close()  # an interrupted prefill must not leave the bar drawn
         tail = detok.finish()
         for message in stats.notes:
             click.echo(f"note: {message}", err=True)
