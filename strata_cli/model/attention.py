@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .layer_state import AttentionState
-from .layers import RMSNorm
+from .layers import Linear, RMSNorm
 
 
 class GatedAttention(nn.Module):
@@ -30,10 +30,10 @@ class GatedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.output_gate = output_gate
         q_width = num_heads * head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(hidden_size, q_width, bias=bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)

@@ -13,7 +13,7 @@ import mlx.nn as nn
 
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_gated_delta_scan
 from .layer_state import GDNRows, RecurrentState
-from .layers import GatedRMSNorm
+from .layers import GatedRMSNorm, Linear
 
 L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
 
@@ -94,13 +94,13 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = num_v_heads * head_v_dim
         self.conv_kernel = conv_kernel
         conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, bias=False)
         self.conv1d = CausalConv1d(conv_dim, conv_kernel)
         self.dt_bias = mx.ones((num_v_heads,))
         self.A_log = mx.zeros((num_v_heads,))
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
 
     def _project(self, x: mx.array):
         """Split the fused projections; the checkpoint groups them per key head."""

@@ -5,6 +5,23 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+PREFILL_MIN_ROWS = 16  # matmuls over at least this many rows take the prompt path (decode windows: T <= 8)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose prompt-sized calls on the CPU multiply by a contiguous Wᵀ.
+
+    MLX's CPU matmul runs 2-3x slower with a transposed right operand (measured in
+    docs/benchmarks.md, "Prefill"); copying Wᵀ costs far less than that for many rows, and the
+    product is the same. Decode windows and other devices keep `x @ W.T`.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.size < PREFILL_MIN_ROWS * x.shape[-1] or mx.default_device() != mx.cpu:
+            return super().__call__(x)
+        y = x @ mx.contiguous(self["weight"].T)
+        return y + self["bias"] if "bias" in self else y
+
 
 class RMSNorm(nn.Module):
     """RMSNorm with a plain multiplicative weight (zero-centred checkpoints add 1 at load)."""
@@ -37,9 +54,9 @@ class MLP(nn.Module):
 
     def __init__(self, dims: int, hidden_dims: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
+        self.gate_proj = Linear(dims, hidden_dims, bias=False)
+        self.up_proj = Linear(dims, hidden_dims, bias=False)
+        self.down_proj = Linear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
