@@ -36,12 +36,13 @@ def random_rows(T: int, *, Hk=2, Hv=4, Dk=16, Dv=8, seed=0, decay=1.0) -> GDNRow
     return GDNRows(q, k, v, g, beta)
 
 
+@pytest.mark.parametrize("chunk", [CHUNK, 64])
 @pytest.mark.parametrize("T", LENGTHS)
-def test_chunked_scan_matches_per_row_scan(T):
+def test_chunked_scan_matches_per_row_scan(T, chunk):
     rows = random_rows(T, seed=T)
     S0 = 0.3 * mx.random.normal((1, 4, 16, 8), key=mx.random.key(99))
     y_ref, S_ref = gated_delta_scan(rows, S0)
-    y, S = chunked_gated_delta_scan(rows, S0)
+    y, S = chunked_gated_delta_scan(rows, S0, chunk=chunk)
     assert y.shape == y_ref.shape and S.shape == S_ref.shape
     assert rel_diff(y, y_ref) < RTOL
     assert rel_diff(S, S_ref) < RTOL
