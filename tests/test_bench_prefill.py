@@ -7,10 +7,11 @@ import pytest
 from strata_cli.bench.prefill import main
 
 
-def test_prefill_bench_tiny_synthetic(tmp_path, capsys):
+@pytest.mark.parametrize("bits", ["0", "4"])  # 4: mlx-lm's quantize_model, strata's quantized load
+def test_prefill_bench_tiny_synthetic(tmp_path, capsys, bits):
     out = tmp_path / "prefill.json"
     result = main(["--synthetic", "tiny", "--tokens", "80", "--layers", "4", "--repeats", "1", "--warmup", "0",
-                   "--chunk", "48", "--cpu", "--out", str(out)])
+                   "--bits", bits, "--chunk", "48", "--cpu", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["tokens"] == 80 and set(data["sides"]) == {"strata", "mlx-lm"}
     assert all(side["tokens_per_s"] > 0 for side in data["sides"].values())

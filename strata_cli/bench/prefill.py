@@ -57,7 +57,8 @@ def build_synthetic(kind: str, *, layers: int, bits: int, group_size: int, dtype
     shape = dict(QWEN3_NEXT_80B_A3B)
     if kind == "tiny":
         shape.update(TINY, hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=64,
-                     linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4)
+                     linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4,
+                     moe_intermediate_size=64, shared_expert_intermediate_size=128)  # every input a multiple of 64
     params = dict(shape, num_hidden_layers=layers, decoder_sparse_step=1, mlp_only_layers=[],
                   tie_word_embeddings=False)
     mx.random.seed(seed)
