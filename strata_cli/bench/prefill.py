@@ -157,8 +157,10 @@ def parse_args(argv=None):
         args.tokens = 4096 if args.synthetic == "80b" else 3000
     if args.bits is None:
         args.bits = 4 if args.synthetic == "80b" else 0
-    if args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.chunk < 1 or args.layers < 1:
-        parser.error("--tokens, --repeats, --chunk and --layers must be at least 1, --warmup at least 0")
+    if args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.chunk < 1:
+        parser.error("--tokens, --repeats and --chunk must be at least 1, --warmup at least 0")
+    if args.synthetic and args.layers < 4:  # mlx-lm's qwen3_next needs an attention layer (every 4th)
+        parser.error(f"--layers must be at least 4 with --synthetic, got {args.layers}")
     return args
 
 
