@@ -336,6 +336,45 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
     run_guarded(lambda: _generate(load, engine, prompts, gen_options, spec, stats, as_json))
 
 
+PREFILL_BAR_AFTER_S = 1.0  # prefill expected to take longer than this gets a bar
+
+
+class PrefillBar:
+    """`decode.generate`'s `prefill_progress`: a prompt bar on a terminal's stderr, shown once
+    prefill looks set to take over PREFILL_BAR_AFTER_S (judged after each chunk), then removed."""
+
+    def __init__(self, console, clock=time.perf_counter):
+        self.console, self.clock = console, clock
+        self.start = clock()
+        self.bar = self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            elapsed = self.clock() - self.start
+            if not self.console.is_terminal or done >= total or elapsed * total / done < PREFILL_BAR_AFTER_S:
+                return
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(TextColumn("prompt"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                console=self.console, transient=True)
+            self.task = self.bar.add_task("prompt", total=total)
+            self.bar.start()
+        self.bar.update(self.task, completed=done)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
     from .decode import generate as decode_generate
     from .runtime import open_model
@@ -357,11 +396,12 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
                                 calibration_seconds=runtime.calibration_seconds)
             detok = StreamingDetokenizer(tokenizer)
             finish, stopped = None, False
+            bar = PrefillBar(console)
             try:
                 latch.check()
                 for step in decode_generate(
                     engine, tokenizer.encode(text), options=gen_options, spec=spec,
-                    eos_ids=tokenizer.eos_ids, stats=stats, banned=banned,
+                    eos_ids=tokenizer.eos_ids, stats=stats, banned=banned, prefill_progress=bar,
                 ):
                     delta = detok.add(step.tokens)
                     if not as_json and delta:
@@ -373,6 +413,7 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
                 finish, stopped = FINISH_CANCELLED, True
             finally:
                 latch.armed = False  # another error's way out
+                bar.close()  # an interrupted prefill must not leave the bar drawn
             tail = detok.finish()
             for message in stats.notes:
                 click.echo(f"note: {message}", err=True)

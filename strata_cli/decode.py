@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .engine.window import WindowEngine
 from .options import GenerateOptions, SpecOptions
@@ -58,6 +58,7 @@ def generate(
     fallback_drafter: ContextDrafter | None = None,
     controller: DraftController | None = None,
     banned: Sequence[Sequence[int]] = (),
+    prefill_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[Step]:
     """Generate from `prompt_ids`, one window per step.
 
@@ -80,6 +81,8 @@ def generate(
             changes how many drafts a window verifies, never the output.
         banned: the token sequences of `options.ban_phrases` (tokenizer.phrase_sequences);
             given exactly when phrases are.
+        prefill_progress: called as `prefill_progress(done, total)` after each prompt chunk
+            (a progress bar); None (default) = quiet.
 
     Yields:
         `Step`s; the last one carries the finish reason ("stop", "length" or "context").
@@ -114,7 +117,15 @@ def generate(
         )
     stats.record_prompt(len(prompt_ids))
     start = time.perf_counter()
-    engine.prefill(prompt_ids[prefilled:-1])
+    todo = prompt_ids[prefilled:-1]
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        prefill_progress(done, len(todo))
+
+    engine.prefill(todo, progress=advance if prefill_progress else None)
     stats.record_prefill(len(prompt_ids) - 1 - prefilled, time.perf_counter() - start)
     stats.load_bytes_read += getattr(engine, "prefill_expert_bytes", 0)  # streamed experts the prompt read
     # Processor state rolls back with the engine's: the same inputs run, the same keep commits.

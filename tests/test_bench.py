@@ -132,6 +132,9 @@ def test_bench_runs_every_mode_and_outputs_match():
         assert "controller" in auto and auto["drafts_kept"] == auto["drafts_offered"]
     data = json.loads(json.dumps(result.to_dict()))
     assert data["workloads"][0]["modes"][1]["identical_to_serial"] is True
+    assert all(wr.prefill_tokens_per_s > 0 for wr in result.workloads)
+    assert data["workloads"][0]["prefill_tokens_per_s"] == result.workloads[0].prefill_tokens_per_s
+    assert result_from_dict(data).workloads[0].prefill_tokens_per_s == result.workloads[0].prefill_tokens_per_s
 
 
 def test_bench_flags_a_divergent_mode_loudly():

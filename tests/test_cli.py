@@ -245,3 +245,35 @@ def test_a_signal_between_prompts_is_latched_for_the_next_one():
     with pytest.raises(SignalLatch.Cancelled):
         armed(signal.SIGINT, None)  # armed (decoding): raised where the decode loop runs
     assert isinstance(armed.exit_exception(), KeyboardInterrupt) and not armed.armed
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("terminal, first_chunk_s, shown", [
+    (True, 0.5, True),  # 512 of 3000 rows in 0.5 s: about 3 s in all
+    (True, 0.05, False),  # about 0.3 s in all: no bar
+    (False, 0.5, False),  # stderr is not a terminal: quiet
+])
+def test_prefill_bar(terminal, first_chunk_s, shown):
+    import io
+
+    from rich.console import Console
+
+    from strata_cli.cli import PrefillBar
+
+    stream = io.StringIO()
+    clock = FakeClock()
+    bar = PrefillBar(Console(file=stream, force_terminal=terminal, width=80), clock=clock)
+    clock.now = first_chunk_s
+    bar(512, 3000)
+    assert (bar.bar is not None) is shown
+    clock.now = 6 * first_chunk_s
+    bar(3000, 3000)
+    assert bar.bar is None  # removed once the prompt is in
+    assert ("prompt" in stream.getvalue()) is shown

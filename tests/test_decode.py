@@ -4,7 +4,7 @@ and greedy output identical with and without drafts."""
 import random
 
 import pytest
-from mock_models import CYCLE, CycleModel
+from mock_models import CYCLE, CycleModel, MockConfig
 
 from strata_cli.decode import (
     FINISH_CONTEXT,
@@ -118,3 +118,15 @@ def test_small_vocab_model_speculates_and_stays_serial(fold, partial):
         assert spec == serial, seed
         kept += stats.summary()["drafts_kept"]
     assert kept > 20
+
+
+def test_prefill_progress_reports_every_chunk():
+    model = CycleModel()
+    model.config = MockConfig(max_position_embeddings=2048)
+    engine = WindowEngine(model)
+    prompt = [i % CYCLE for i in range(1200)]
+    seen = []
+    steps = generate(engine, prompt, options=GenerateOptions(max_tokens=2), spec=SpecOptions(), eos_ids=(),
+                     prefill_progress=lambda done, total: seen.append((done, total)))
+    list(steps)
+    assert seen == [(512, 1199), (1024, 1199), (1199, 1199)]  # PREFILL_CHUNK rows at a time

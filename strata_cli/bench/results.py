@@ -161,6 +161,7 @@ class WorkloadResult:
     prompts: int
     prompt_tokens: list[int]
     modes: list[ModeResult] = field(default_factory=list)
+    prefill_tokens_per_s: float | None = None  # strata's prefill of the prompts (done once, untimed in modes)
 
     def mode(self, label: str) -> ModeResult | None:
         return next((m for m in self.modes if m.mode == label), None)
@@ -205,6 +206,7 @@ class WorkloadResult:
             "description": self.description,
             "prompts": self.prompts,
             "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "diverged": self.diverged,
             "targets": [t.to_dict() for t in self.targets()],
             "auto_ratios": self.auto_ratios(),
@@ -249,7 +251,8 @@ def result_from_dict(data: dict) -> BenchResult:
 
     result = BenchResult(meta=data.get("meta", {}))
     for w in data.get("workloads", []):
-        wr = WorkloadResult(w["name"], w["category"], w.get("description", ""), w["prompts"], w["prompt_tokens"])
+        wr = WorkloadResult(w["name"], w["category"], w.get("description", ""), w["prompts"], w["prompt_tokens"],
+                            prefill_tokens_per_s=w.get("prefill_tokens_per_s"))
         for m in w["modes"]:
             wr.modes.append(ModeResult(
                 m["mode"], m["kind"], warmup=[run(r) for r in m["warmup"]], runs=[run(r) for r in m["runs"]],

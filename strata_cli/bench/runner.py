@@ -152,10 +152,18 @@ class Prefilled:
         self.engine = engine
         self.prompts = [list(p) for p in prompts]
         self.snapshots = []
+        self.prefill_tokens, self.prefill_seconds = 0, 0.0
         for ids in self.prompts:
             engine.reset()
+            start = time.perf_counter()
             engine.prefill(ids[:-1])
+            self.prefill_seconds += time.perf_counter() - start
+            self.prefill_tokens += len(ids) - 1
             self.snapshots.append(engine.snapshot())
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
 
     def run(self, spec: SpecOptions, options: BenchOptions) -> RunResult:
         """Decode every prompt once in one strata mode; time decode only."""
@@ -229,7 +237,8 @@ def run_bench(
         prompts = [encode(text) for text in workload.prompts]
         prefilled = Prefilled(engine, prompts)
         wr = WorkloadResult(workload.name, workload.category, workload.description,
-                            prompts=len(prompts), prompt_tokens=[len(p) for p in prompts])
+                            prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
+                            prefill_tokens_per_s=prefilled.tokens_per_s)
         wr.modes = [ModeResult(mode=m.label, kind=m.kind) for m in modes]
         for round_ in range(options.warmup + options.repeats):
             is_warmup = round_ < options.warmup

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_gated_delta_scan
 from .layer_state import GDNRows, RecurrentState
 from .layers import GatedRMSNorm, RowLinear
 
@@ -130,6 +131,8 @@ class GatedDeltaNet(nn.Module):
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
             a.astype(mx.float32) + self.dt_bias.astype(mx.float32)
         )
-        y = state.recur(GDNRows(q, k, v, g, beta), gated_delta_scan)
+        # Prompt chunks take the chunked form; decode windows keep the exact per-row scan.
+        scan = chunked_gated_delta_scan if T >= MIN_CHUNKED_ROWS else gated_delta_scan
+        y = state.recur(GDNRows(q, k, v, g, beta), scan)
         y = self.norm(y.astype(x.dtype), z)
         return self.out_proj(y.reshape(B, T, -1))

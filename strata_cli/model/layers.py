@@ -10,6 +10,7 @@ import mlx.nn as nn
 from metal_shaders import rows_matvec as kernels
 
 WINDOW_ROWS = 8  # a decode window: the root and at most 7 drafts
+PREFILL_MIN_ROWS = 16  # matmuls over at least this many rows take the prompt path
 
 
 class RowSplit:
@@ -56,13 +57,20 @@ def _kernel_rows(x: mx.array) -> int:
 
 class RowLinear(nn.Linear):
     """`nn.Linear` whose window rows keep their serial arithmetic: the row-invariant kernel
-    (metal_shaders/rows_matvec.py) where it runs, else `by_row`. Quantizes to `RowQuantizedLinear`."""
+    (metal_shaders/rows_matvec.py) where it runs, else `by_row`. Quantizes to `RowQuantizedLinear`.
+
+    Prompt-sized calls on the CPU multiply by a contiguous Wᵀ: MLX's CPU matmul runs 2-3x slower
+    with a transposed right operand (docs/benchmarks.md, "Prefill"), and the product is the same.
+    """
 
     def __call__(self, x: mx.array) -> mx.array:
         K = x.shape[-1]
         if _kernel_rows(x) and kernels.supports(K):
             y = kernels.rows_matvec(x.reshape(-1, K), self.weight).reshape(*x.shape[:-1], -1)
             return y + self.bias if "bias" in self else y
+        if x.size >= PREFILL_MIN_ROWS * K and mx.default_device() == mx.cpu:
+            y = x @ mx.contiguous(self["weight"].T)
+            return y + self["bias"] if "bias" in self else y
         return by_row(super().__call__, x)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
