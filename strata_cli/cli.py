@@ -43,6 +43,7 @@ from .options import (
     EngineOptions,
     GenerateOptions,
     LoadOptions,
+    MoceOptions,
     ServeOptions,
     SpecOptions,
     StreamOptions,
@@ -206,15 +207,29 @@ def model_options(command):
                show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
         option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
                envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
+        option("--moce-protect", type=int, default=None, envvar="STRATA_MOCE_PROTECT", metavar="J",
+               help="Streamed checkpoints, APPROXIMATE: cache-aware routing; each token keeps its top J "
+                    "experts and fills the rest preferring resident ones (default: off, exact routing)."),
+        option("--moce-bonus", type=float, default=None, envvar="STRATA_MOCE_BONUS", metavar="B",
+               help="With --moce-protect: resident experts' router probabilities are multiplied by exp(B) (default 0)."),
+        option("--draft-moce-protect", type=int, default=None, envvar="STRATA_DRAFT_MOCE_PROTECT", metavar="J",
+               help="With --moce-protect: J for draft rows 1..T-1 of a window (default: --moce-protect)."),
+        option("--draft-moce-bonus", type=float, default=None, envvar="STRATA_DRAFT_MOCE_BONUS", metavar="B",
+               help="With --moce-protect: B for draft rows (default: --moce-bonus)."),
+        option("--expert-budget", type=int, default=None, envvar="STRATA_EXPERT_BUDGET", metavar="N",
+               help="With --moce-protect: at most N non-resident experts loaded per layer per window beyond "
+                    "the protected ones, then residents only (default: no budget)."),
     ]
 
     def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
-              expert_io_threads):
+              expert_io_threads, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget):
         stream = StreamOptions(
             cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
             root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
         )
-        return LoadOptions(model=model, dtype=dtype, stream=stream)
+        moce = MoceOptions(protect=moce_protect, bonus=moce_bonus, draft_protect=draft_moce_protect,
+                           draft_bonus=draft_moce_bonus, budget=expert_budget)
+        return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce)
 
     return options_object("load", build, options)(command)
 

@@ -133,6 +133,66 @@ class StreamOptions:
         return self == StreamOptions()
 
 
+@dataclass(frozen=True)
+class MoceOptions:
+    """Cache-aware routing for streamed experts (MoCE): approximate, opt-in (experts/moce.py).
+
+    Each token keeps its natural top-`protect` experts; its other top-k slots go to the experts
+    with the highest router probability after multiplying resident experts' by exp(`bonus`).
+    Rows 1..T-1 of a decode window (the drafts) use the draft knobs, row 0 the base ones.
+
+    Args:
+        protect: J, natural top experts every token keeps; None (default) = MoCE off, exact routing.
+        bonus: B >= 0, the log-factor resident experts' probabilities get (default 0: exact picks).
+        draft_protect: J for draft rows; None (default) = `protect`.
+        draft_bonus: B for draft rows; None (default) = `bonus`.
+        budget: most non-resident experts loaded per MoE layer per window beyond the protected
+            ones, after which routing is restricted to residents; None (default) = no budget.
+    """
+
+    protect: int | None = None
+    bonus: float | None = None
+    draft_protect: int | None = None
+    draft_bonus: float | None = None
+    budget: int | None = None
+
+    def __post_init__(self):
+        knobs = {"--moce-bonus": self.bonus, "--draft-moce-protect": self.draft_protect,
+                 "--draft-moce-bonus": self.draft_bonus, "--expert-budget": self.budget}
+        if self.protect is None:
+            given = [name for name, value in knobs.items() if value is not None]
+            if given:
+                raise ConfigError(f"{given[0]} needs --moce-protect J (cache-aware routing is off without it)")
+            return
+        for name, value in (("--moce-protect", self.protect), ("--draft-moce-protect", self.draft_protect),
+                            ("--expert-budget", self.budget)):
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        for name, value in (("--moce-bonus", self.bonus), ("--draft-moce-bonus", self.draft_bonus)):
+            if value is not None and not 0 <= value < float("inf"):  # also rejects NaN
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+        if self.budget is not None and min(self.protect, self.draft_j) < 1:
+            raise ConfigError(
+                f"--expert-budget needs --moce-protect and --draft-moce-protect >= 1 (every token keeps its "
+                f"top expert), got {self.protect} and {self.draft_j}"
+            )
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.protect is not None
+
+    @property
+    def draft_j(self) -> int:
+        return self.protect if self.draft_protect is None else self.draft_protect
+
+    def knobs(self, *, is_draft: bool) -> tuple[int, float]:
+        """(J, B) for a root row or a draft row."""
+        base_b = self.bonus or 0.0
+        if not is_draft:
+            return self.protect, base_b
+        return self.draft_j, base_b if self.draft_bonus is None else self.draft_bonus
+
+
 DEMO_MODEL = "demo"  # the model argument that names the embedded checkpoint
 
 
@@ -146,11 +206,13 @@ class LoadOptions:
             (float32 on CPU).
         stream: expert cache budget, prefetch and I/O of a streamed checkpoint (default
             `StreamOptions()`; only a streamed checkpoint takes non-default ones).
+        moce: cache-aware (approximate) routing of a streamed checkpoint (default off).
     """
 
     model: str = DEMO_MODEL
     dtype: str | None = None
     stream: StreamOptions = field(default_factory=lambda: StreamOptions())
+    moce: MoceOptions = field(default_factory=lambda: MoceOptions())
 
     def __post_init__(self):
         if not self.model:

@@ -30,6 +30,7 @@ from .options import (
     PREFILL_CHUNK,
     EngineOptions,
     LoadOptions,
+    MoceOptions,
     SpecOptions,
     StreamOptions,
 )
@@ -64,7 +65,8 @@ def model_identity(path: str | Path, verification: Verification) -> str:
     return digest.hexdigest()
 
 
-def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: StreamOptions | None = None):
+def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: StreamOptions | None = None,
+                    moce: MoceOptions | None = None):
     """The model in checkpoint directory `path`, its routed experts streamed from disk when the
     checkpoint keeps them in the streaming layout (`strata convert --stream`).
 
@@ -73,24 +75,31 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: Strea
         dtype: "float32", "bfloat16", "float16", or None for the checkpoint's own.
         stream: expert cache options (default `StreamOptions()`); non-default ones need a
             streamed checkpoint.
+        moce: cache-aware routing (default off); on, it needs a streamed checkpoint.
 
     Raises:
         ModelLoadError: missing or corrupt files, an unusable expert layout.
         ConfigError: expert options for a checkpoint that does not stream, or a budget below
-            one expert per block.
+            one expert per block, or MoCE options for a checkpoint that does not stream.
     """
     path = Path(path)
     stream = stream or StreamOptions()
+    moce = moce or MoceOptions()
     attach = None
     if path.is_dir() and is_streamed(path):
         def attach(model, compute: mx.Dtype) -> None:
             try:
-                attach_streamed_experts(model, path, dtype=compute, options=stream)
+                attach_streamed_experts(model, path, dtype=compute, options=stream, moce=moce)
             except ExpertStoreError as e:
                 raise ModelLoadError(str(e)) from None
     elif path.is_dir() and not stream.is_default:
         raise ConfigError(
             f"expert cache options apply to a streamed checkpoint (strata convert --stream); "
+            f"{path} keeps its experts in safetensors"
+        )
+    elif path.is_dir() and moce.is_enabled:
+        raise ConfigError(
+            f"cache-aware routing (--moce-protect) applies to a streamed checkpoint (strata convert --stream); "
             f"{path} keeps its experts in safetensors"
         )
     return load_model(path, dtype=dtype, before_weights=attach)
@@ -155,7 +164,7 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
     """
     load = load or LoadOptions()
     path = resolve_model_path(load.model)
-    model = load_checkpoint(path, dtype=load.dtype, stream=load.stream)
+    model = load_checkpoint(path, dtype=load.dtype, stream=load.stream, moce=load.moce)
     tokenizer = Tokenizer(path)
     window_engine = WindowEngine(model, engine)
     warmup_seconds = 0.0

@@ -54,6 +54,10 @@ class ExpertWindowStats:
         passes: MoE block passes (a union larger than the slots takes several).
         draft_read_seconds: the part of `late_wait_seconds` spent on `cold_beyond_root` reads,
             at this window's measured seconds per read (what the drafts cost in reads).
+        substitutions: picks cache-aware routing made outside a row's natural top-k.
+        misses_saved / bytes_saved: non-resident experts (bytes) exact routing would have
+            needed beyond what cache-aware routing needed, on the same residency.
+        approximate: cache-aware routing was on (output may differ from exact decoding).
         layers: per MoE layer, a dict of the same counters (`layer`, `hits`, `cold_misses`, ...).
     """
 
@@ -71,6 +75,10 @@ class ExpertWindowStats:
     wasted_prefetches: int = 0
     passes: int = 0
     draft_read_seconds: float = 0.0
+    substitutions: int = 0
+    misses_saved: int = 0
+    bytes_saved: int = 0
+    approximate: bool = False
     layers: tuple[dict, ...] = ()
 
 
@@ -179,8 +187,15 @@ class DecodeStats:
             "window_ms_p95": percentile(latencies_ms, 95),
             "window_ms_p99": percentile(latencies_ms, 99),
             **({"controller": self.controller.snapshot()} if self.controller is not None else {}),
+            **({"approximate": True} if self.is_approximate else {}),
             "experts": self._expert_summary(),
         }
+
+    @property
+    def is_approximate(self) -> bool:
+        """Some window used cache-aware (approximate) routing: the label `--json`, serve-stdio and
+        bench carry; absent in exact mode."""
+        return any(w.experts is not None and w.experts.approximate for w in self.windows)
 
     def _expert_summary(self) -> dict | None:
         """Sums and means of the windows' `ExpertWindowStats`; None when no window had any."""
@@ -200,6 +215,11 @@ class DecodeStats:
             "late_wait_ms": 1000 * sum(e.late_wait_seconds for e in es),
             "draft_read_ms": 1000 * sum(e.draft_read_seconds for e in es),
             "model_bytes_read": self.load_bytes_read + bytes_read + prefetched,
+            **({"moce": {
+                "substitutions": sum(e.substitutions for e in es),
+                "misses_saved": sum(e.misses_saved for e in es),
+                "bytes_saved": sum(e.bytes_saved for e in es),
+            }} if any(e.approximate for e in es) else {}),
             **_expert_details(es, seconds=sum(w.seconds for w in self.windows), tokens=self.generated),
         }
 
@@ -221,6 +241,8 @@ class DecodeStats:
                 value = "-"
             table.add_row(name, str(value))
         console.print(table)
+        if summary.get("approximate"):
+            console.print("approximate: cache-aware routing (MoCE) was on; output may differ from exact routing")
         if per_layer:
             console.print(_layer_table(per_layer, title=f"{title}: experts per MoE layer"))
 
@@ -229,6 +251,7 @@ class DecodeStats:
 EXPERT_LAYER_COUNTERS = (
     "hits", "cold_misses", "capacity_misses", "prefetch_hits", "late_prefetches", "wasted_prefetches",
     "bytes_read", "prefetched_bytes", "wait_seconds", "cold_beyond_root", "passes",
+    "substitutions", "misses_saved", "bytes_saved",
 )
 
 
@@ -280,6 +303,8 @@ def _layer_table(rows: list[dict], *, title: str):
         ("wait ms", lambda r: f"{1000 * r['wait_seconds']:.1f}"),
         ("c>root", lambda r: r["cold_beyond_root"]),
     )
+    if any(r.get("substitutions") or r.get("misses_saved") for r in rows):  # cache-aware routing
+        columns += (("subst", lambda r: r["substitutions"]), ("saved", lambda r: r["misses_saved"]))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
     for header, _ in columns:
         table.add_column(header, justify="right", min_width=len(header), no_wrap=True)

@@ -16,7 +16,10 @@ from strata_cli.options import ConvertOptions, LoadOptions, StreamOptions
 from strata_cli.runtime import embedded_model_path, open_model
 
 MODEL_OPTIONS = ("--model", "--dtype", "--expert-cache", "--resident-experts", "--expert-prefetch",
-                 "--spec-root-prefetch", "--expert-io", "--expert-io-threads")
+                 "--spec-root-prefetch", "--expert-io", "--expert-io-threads", "--moce-protect", "--moce-bonus",
+                 "--draft-moce-protect", "--draft-moce-bonus", "--expert-budget")
+MOCE = ("--resident-experts", "4", "--moce-protect", "1", "--moce-bonus", "2", "--draft-moce-protect", "1",
+        "--expert-budget", "2")
 NUM_LAYERS = 6  # the demo model's, every one of them a MoE block
 
 
@@ -89,3 +92,35 @@ def test_convert_takes_demo_as_its_source(tmp_path):
     generated = CliRunner().invoke(cli, ["generate", "def f(x):", "-n", "4", "--model", str(tmp_path / "copy")])
     reference = CliRunner().invoke(cli, ["generate", "def f(x):", "-n", "4"])
     assert generated.exit_code == 0 and generated.output == reference.output
+
+
+def test_generate_labels_cache_aware_routing_approximate(streamed_demo):
+    args = ["generate", "def add(a, b):", "-n", "6", "--json", "--model", str(streamed_demo)]
+    exact = CliRunner().invoke(cli, args)
+    approx = CliRunner().invoke(cli, [*args, *MOCE])
+    assert exact.exit_code == 0 and approx.exit_code == 0, approx.output
+    assert "approximate" not in json.loads(exact.stdout)["stats"]
+    stats = json.loads(approx.stdout)["stats"]
+    assert stats["approximate"] is True and "moce" in stats["experts"]
+    shown = CliRunner().invoke(cli, ["generate", "def add(a, b):", "-n", "6", "--stats", "--model",
+                                     str(streamed_demo), *MOCE])
+    assert shown.exit_code == 0 and "approximate: cache-aware routing" in shown.output
+
+
+def test_cache_aware_routing_is_refused_for_a_model_that_does_not_stream():
+    result = CliRunner().invoke(cli, ["generate", "hi", "-n", "2", "--moce-protect", "1"])
+    assert result.exit_code == 1 and "applies to a streamed checkpoint" in result.output
+    result = CliRunner().invoke(cli, ["generate", "hi", "-n", "2", "--moce-bonus", "1"])
+    assert result.exit_code == 2 and "--moce-bonus needs --moce-protect" in result.output
+
+
+def test_serve_stdio_and_bench_take_cache_aware_routing(streamed_demo, tmp_path):
+    reply = serve(streamed_demo, *MOCE)
+    assert reply["stats"]["approximate"] is True
+    assert "approximate" not in serve(streamed_demo)["stats"]
+    out = tmp_path / "moce.json"
+    result = CliRunner().invoke(cli, ["bench", "prose", "--model", str(streamed_demo), "--modes", "serial",
+                                      "--no-peers", "-n", "4", "-r", "1", "--warmup", "0", "--out", str(out), *MOCE])
+    assert result.exit_code == 0, result.output
+    mode = json.loads(out.read_text())["workloads"][0]["modes"][0]
+    assert mode["approximate"] is True and mode["runs"][0]["stats"]["approximate"] is True

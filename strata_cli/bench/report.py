@@ -42,7 +42,7 @@ def mode_row(wr: WorkloadResult, mr: ModeResult) -> list[str]:
     warm = ", ".join(f"{r.tokens_per_s:.1f}" for r in mr.warmup) or "-"
     return [
         wr.name,
-        mr.mode,
+        mr.mode + (" [yellow](approximate)[/yellow]" if mr.is_approximate else ""),
         _fmt(mr.median),
         f"{spread[0]:.1f}..{spread[1]:.1f}" if spread else "-",
         warm,

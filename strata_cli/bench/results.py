@@ -104,6 +104,11 @@ class ModeResult:
         values = [r.summary[key] for r in self.runs if isinstance(r.summary.get(key), (int, float))]
         return statistics.median(values) if values else None
 
+    @property
+    def is_approximate(self) -> bool:
+        """A run used cache-aware routing (`--moce-protect`): not lossless, labelled in every row."""
+        return any(r.summary.get("approximate") for r in self.runs)
+
     def to_dict(self) -> dict:
         spread, iqr = self.spread(), self.iqr()
         kept, offered = self.drafts()
@@ -120,6 +125,7 @@ class ModeResult:
             "drafts_offered": offered,
             "acceptance": kept / offered if offered else None,
             "identical_to_serial": self.identical,
+            **({"approximate": True} if self.is_approximate else {}),
             "first_difference": list(self.first_difference) if self.first_difference else None,
             "runs": [
                 {"tokens": r.tokens, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s,

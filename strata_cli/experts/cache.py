@@ -17,7 +17,7 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
   demand only. With `root_prefetch` only row 0 of a window drives read-ahead.
 
 Exactness: routing is the model's own (each token's softmax top-k, computed before the cache is
-asked); the cache only decides where an expert's weights sit, and the matmuls are the resident
+asked) unless the user opts into cache-aware routing (experts/moce.py, `is_approximate`); the cache only decides where an expert's weights sit, and the matmuls are the resident
 layer's own code over the slot banks. The cache is performance state: never rewound.
 """
 
@@ -42,6 +42,7 @@ from .store import DTYPES, BlockLayout, ExpertStore, layer_of
 COUNTERS = (
     "hits", "cold_misses", "capacity_misses", "prefetch_hits", "late_prefetches", "wasted_prefetches",
     "bytes_read", "prefetched_bytes", "wait_seconds", "union", "cold_beyond_root", "passes",
+    "substitutions", "misses_saved", "bytes_saved",  # cache-aware routing (experts/moce.py) only
 )
 _C = {name: i for i, name in enumerate(COUNTERS)}
 DECODE, PREFILL = "decode", "prefill"
@@ -140,6 +141,7 @@ class ExpertCache:
         self._rows = 0  # rows of the window being served
         self._last: ExpertWindowStats | None = None
         self.draft_read_cost = DraftReadCost()
+        self.is_approximate = False  # set when cache-aware routing consults `resident_mask`
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, store)
 
     # -- windows -------------------------------------------------------------------------------
@@ -187,12 +189,32 @@ class ExpertCache:
             prefetch_hits=int(total[_C["prefetch_hits"]]),
             wasted_prefetches=int(total[_C["wasted_prefetches"]]),
             passes=int(total[_C["passes"]]),
+            substitutions=int(total[_C["substitutions"]]),
+            misses_saved=int(total[_C["misses_saved"]]),
+            bytes_saved=int(total[_C["bytes_saved"]]),
+            approximate=self.is_approximate,
             layers=layers,
         )
 
     def resident(self, path: str) -> list[int]:
         """Experts now resident in block `path`, least recently used first."""
         return list(self._blocks[self._position[path]].lru)
+
+    def resident_mask(self, path: str) -> np.ndarray:
+        """(E,) bool: which experts of block `path` are resident now."""
+        return self._blocks[self._position[path]].slot_of >= 0
+
+    @property
+    def window_kind(self) -> str:
+        """"decode" (row 0 is the root, the rest drafts) or "prefill" (prompt chunks)."""
+        return self._kind
+
+    def record_routing(self, path: str, *, substitutions: int, misses_saved: int) -> None:
+        """Count what cache-aware routing changed at block `path` in this window."""
+        i = self._position[path]
+        self._counts[i, _C["substitutions"]] += substitutions
+        self._counts[i, _C["misses_saved"]] += misses_saved
+        self._counts[i, _C["bytes_saved"]] += misses_saved * self._blocks[i].layout.stride
 
     # -- serving a block -----------------------------------------------------------------------
 

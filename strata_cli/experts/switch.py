@@ -15,8 +15,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..model.moe import SparseMoeBlock, gather_matmul, gather_qmatmul, glu_by_expert
-from ..options import ConfigError, StreamOptions
+from ..options import ConfigError, MoceOptions, StreamOptions
 from .cache import ExpertCache
+from .moce import attach_moce
 from .store import DTYPES, GLU, ExpertStore, ExpertStoreError, expert_blocks
 
 
@@ -84,7 +85,8 @@ def resolve_slots(options: StreamOptions, *, num_experts: int, bytes_per_expert:
     return min(slots, num_experts)
 
 
-def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options: StreamOptions | None = None) -> ExpertCache:
+def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options: StreamOptions | None = None,
+                            moce: MoceOptions | None = None) -> ExpertCache:
     """Serve `model`'s routed experts from the streaming layout in `path` through an ExpertCache.
 
     Every MoE block's `switch_mlp` is replaced by a `StreamedSwitchGLU` (which has no
@@ -95,10 +97,11 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         path: the checkpoint directory with `experts/index.json`.
         dtype: compute dtype for the floating expert tensors.
         options: budget, prefetch and I/O (default `StreamOptions()`: every expert resident).
+        moce: cache-aware routing (experts/moce.py); default off (exact routing).
 
     Raises:
         ExpertStoreError: the layout does not match the model, or its files are unusable.
-        ConfigError: a budget below one expert per block.
+        ConfigError: a budget below one expert per block, MoCE knobs the model cannot take.
     """
     options = options or StreamOptions()
     store = ExpertStore(path, io=options.io, verify=options.verify)
@@ -113,6 +116,7 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         slots = resolve_slots(options, num_experts=store.num_experts, bytes_per_expert=bytes_per_expert,
                               num_blocks=len(blocks))
         cache = ExpertCache(store, blocks, num_slots=slots, dtype=dtype, options=options)
+        attach_moce(cache, blocks, moce or MoceOptions())
     except BaseException:
         store.close()
         raise

@@ -1,7 +1,8 @@
 """Sparse MoE block: softmax router, top-k, optional renormalisation, optional shared expert.
 
 Legend: N = tokens, E = experts, k = experts per token, H = hidden, I = expert hidden.
-Routing is exact: every token takes its own softmax top-k, whatever is resident.
+Routing is exact: every token takes its own softmax top-k, whatever is resident, unless a
+routing policy is attached (`SparseMoeBlock.routing_policy`: approximate, opt-in, experts/moce.py).
 """
 
 from __future__ import annotations
@@ -124,7 +125,13 @@ class SparseMoeBlock(nn.Module):
     Hook for streamed experts: `switch_mlp` is any module with the `(x (N, H), inds (N, k)) ->
     (N, k, H)` contract; experts/switch.py swaps in a `StreamedSwitchGLU` that serves the experts
     from disk through a bounded cache. Routing stays here, so it never depends on residency.
+
+    Hook for approximate routing: `routing_policy`, None (exact) or a callable `(probs (N, E)
+    float32, top_k) -> (inds (N, k), mask (N, k))` that experts/moce.py attaches when the user
+    opts in; masked-off picks get weight 0. The block knows nothing of what the policy consults.
     """
+
+    routing_policy = None
 
     def __init__(
         self,
@@ -149,8 +156,12 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
-        inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
-        weights = mx.take_along_axis(probs, inds, axis=-1)
+        if self.routing_policy is None:
+            inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
+            weights = mx.take_along_axis(probs, inds, axis=-1)
+        else:
+            inds, mask = self.routing_policy(probs, self.top_k)
+            weights = mx.take_along_axis(probs, inds, axis=-1) * mask
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return inds, weights
