@@ -24,6 +24,7 @@ class LetterTokenizer:
     """One letter per id: 'a' is 0 ... 'p' is 15."""
 
     eos_ids = frozenset()
+    max_token_bytes = 1  # one ASCII letter a token
 
     def encode(self, text):
         return [(ord(c) - 97) % VOCAB for c in text]
