@@ -2,70 +2,44 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import json
-import math
 import os
-import signal
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 
 from . import __version__, safe_files
+from .cli_options import (
+    SUFFIX_DRAFT,
+    FiniteFloatRange,
+    engine_options,
+    model_options,
+    option,
+    sampling_options,
+    spec_options,
+)
 from .model.config import DTYPE_NAMES
 from .options import (
     CONVERT_BITS,
-    DEFAULT_EXPERT_IO_THREADS,
-    DEFAULT_EXPERT_PREFETCH,
     DEFAULT_GROUP_SIZE,
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_MATCH,
     DEFAULT_PREFIX_CACHE_ENTRIES,
     DEFAULT_PREFIX_CACHE_POSITIONS,
-    DEFAULT_REPETITION_CONTEXT,
     DEFAULT_SEED,
-    DEMO_MODEL,
-    EXPERT_IO_MODES,
-    EXPERT_PREFETCH_MODES,
-    FOLD_MODES,
     MAX_SUFFIX_DRAFT,
     PREFILL_CHUNK,
     QUANT_GROUP_SIZES,
     ConfigError,
     ConvertOptions,
-    EngineOptions,
     GenerateOptions,
-    LoadOptions,
-    MoceOptions,
     ServeOptions,
-    SpecOptions,
-    StreamOptions,
-    parse_suffix_draft,
-    read_ban_phrases,
 )
-
-
-class EnvOption(click.Option):
-    """A click option whose error names the STRATA_* variable when the bad value came from it."""
-
-    def get_error_hint(self, ctx) -> str:
-        hint = super().get_error_hint(ctx)
-        source = ctx.get_parameter_source(self.name) if ctx is not None else None
-        if source is ParameterSource.ENVIRONMENT and isinstance(self.envvar, str):
-            hint += f" (from {self.envvar}={os.environ.get(self.envvar, '')!r})"
-        return hint
-
-
-def option(*names, **attrs):
-    """`click.option` with `EnvOption`: every strata option."""
-    return click.option(*names, cls=EnvOption, **attrs)
+from .terminal import PrefillBar, SignalLatch, Terminated, make_console, signal_latch
 
 
 class UserError(click.ClickException):
@@ -75,18 +49,6 @@ class UserError(click.ClickException):
 def raise_errors() -> bool:
     """STRATA_RAISE_ERRORS=1 lets exceptions through with their traceback (for debugging)."""
     return os.environ.get("STRATA_RAISE_ERRORS", "") not in ("", "0")
-
-
-WIDE = 1000  # columns of a console that is a file or pipe: tables there are never cut
-
-
-def make_console(*, stderr: bool = False):
-    """A rich Console on stdout or stderr; on a file or pipe it is wide (nothing truncated) and
-    plain (no colour codes)."""
-    from rich.console import Console
-
-    console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=WIDE)
 
 
 def read_prompts(prompt: str | None, each_line: bool) -> list[str]:
@@ -114,186 +76,6 @@ def read_prompts(prompt: str | None, each_line: bool) -> list[str]:
     if not text:
         raise UserError("the prompt is empty")
     return [text]
-
-
-class SuffixDraftType(click.ParamType):
-    """--suffix-draft: N (0..7), 'auto' or 'auto:N'; converts to (max_drafts, auto)."""
-
-    name = "N|auto[:N]"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        try:
-            return parse_suffix_draft(value)
-        except ConfigError as e:
-            self.fail(str(e), param, ctx)
-
-
-SUFFIX_DRAFT = SuffixDraftType()
-
-
-class FiniteFloatRange(click.FloatRange):
-    """A FloatRange that also refuses inf and nan (click takes both as floats)."""
-
-    def convert(self, value, param, ctx):
-        value = super().convert(value, param, ctx)
-        if not math.isfinite(value):
-            self.fail(f"{value} is not a finite number", param, ctx)
-        return value
-
-
-def spec_options(suffix_draft: tuple[int, bool], min_match: int, draft_cost: str | None) -> SpecOptions:
-    """SpecOptions from the --suffix-draft, --min-match and --draft-cost values.
-
-    Raises:
-        ConfigError: an option combination that does not apply, or an unusable cost curve.
-    """
-    from .speculative.controller import CostCurveError, CostPrior
-
-    max_drafts, auto = suffix_draft
-    try:
-        cost_prior = CostPrior.from_json(draft_cost) if draft_cost else None
-    except CostCurveError as e:
-        raise ConfigError(f"--draft-cost: {e}") from None
-    return SpecOptions(max_drafts=max_drafts, min_match=min_match, auto=auto, cost_prior=cost_prior)
-
-
-def options_object(name: str, build, options: list):
-    """A decorator adding click `options` to a command; their values go through `build(**values)`
-    (a checked options object) and reach the command as one argument, `name`. A `ConfigError`
-    from `build` is reported as a bad parameter."""
-    params = list(inspect.signature(build).parameters)
-
-    def decorate(command):
-        @functools.wraps(command)
-        def wrapper(*args, **kwargs):
-            values = {param: kwargs.pop(param) for param in params}
-            try:
-                kwargs[name] = build(**values)
-            except ConfigError as e:
-                raise click.BadParameter(str(e)) from None
-            return command(*args, **kwargs)
-
-        for option in reversed(options):
-            wrapper = option(wrapper)
-        return wrapper
-
-    return decorate
-
-
-def model_options(command):
-    """--model, --dtype and the expert-streaming options of every command that opens a model,
-    passed to `command` as one `load: LoadOptions` argument."""
-    options = [
-        option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
-               help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                    "'demo' is the embedded model."),
-        option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
-               help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
-        option("--expert-cache", type=FiniteFloatRange(min=0, min_open=True), default=None,
-               envvar="STRATA_EXPERT_CACHE", metavar="GB",
-               help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
-                    "(default: every expert resident once read)."),
-        option("--resident-experts", type=click.IntRange(min=1), default=None, envvar="STRATA_RESIDENT_EXPERTS",
-               metavar="N", help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
-        option("--expert-prefetch", type=click.Choice(EXPERT_PREFETCH_MODES), default=DEFAULT_EXPERT_PREFETCH,
-               envvar="STRATA_EXPERT_PREFETCH", show_default=True,
-               help="Read ahead the next layer's experts predicted by its router on this layer's input "
-                    "(router), by which experts followed before (history), or not at all (off)."),
-        option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
-               show_default=True, help="Only row 0 of a window drives prefetch (demand reads serve every row)."),
-        option("--expert-io", type=click.Choice(EXPERT_IO_MODES), default="auto", envvar="STRATA_EXPERT_IO",
-               show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
-        option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
-               envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
-        option("--moce-protect", type=int, default=None, envvar="STRATA_MOCE_PROTECT", metavar="J",
-               help="Streamed checkpoints, APPROXIMATE: cache-aware routing; each token keeps its top J "
-                    "experts and fills the rest preferring resident ones (default: off, exact routing)."),
-        option("--moce-bonus", type=float, default=None, envvar="STRATA_MOCE_BONUS", metavar="B",
-               help="With --moce-protect: resident experts' router probabilities are multiplied by exp(B) (default 0)."),
-        option("--draft-moce-protect", type=int, default=None, envvar="STRATA_DRAFT_MOCE_PROTECT", metavar="J",
-               help="With --moce-protect: J for draft rows 1..T-1 of a window (default: --moce-protect)."),
-        option("--draft-moce-bonus", type=float, default=None, envvar="STRATA_DRAFT_MOCE_BONUS", metavar="B",
-               help="With --moce-protect: B for draft rows (default: --moce-bonus)."),
-        option("--expert-budget", type=int, default=None, envvar="STRATA_EXPERT_BUDGET", metavar="N",
-               help="With --moce-protect: at most N non-resident experts loaded per layer per window beyond "
-                    "the protected ones, then residents only (default: no budget)."),
-    ]
-
-    def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
-              expert_io_threads, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget):
-        stream = StreamOptions(
-            cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
-            root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
-        )
-        moce = MoceOptions(protect=moce_protect, bonus=moce_bonus, draft_protect=draft_moce_protect,
-                           draft_bonus=draft_moce_bonus, budget=expert_budget)
-        return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce)
-
-    return options_object("load", build, options)(command)
-
-
-def engine_options(command):
-    """The window engine's options (context, fold, partial mode), passed to `command` as one
-    `engine: EngineOptions` argument."""
-    options = [
-        option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
-               help="Positions the engine may hold (prompt + output); default: the model's maximum."),
-        option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
-               help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
-                    "or at commit (eager)."),
-        option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
-               help="Commit each window's root row inside the run."),
-        option("--warm-shapes/--no-warm-shapes", default=None, envvar="STRATA_WARM_SHAPES",
-               help="Run every window shape once at load, so none is first built inside a timed "
-                    "window (load time)  [default: on for GPU backends, off on the CPU]"),
-    ]
-
-    def build(max_context, fold, partial, warm_shapes):
-        return EngineOptions(fold=fold, partial=partial, max_context=max_context, warm_shapes=warm_shapes)
-
-    return options_object("engine", build, options)(command)
-
-
-def sampling_options(command):
-    """Sampling filters, penalties and phrase bans (`GenerateOptions` fields), passed to `command`
-    as one `sampling: dict` argument; `GenerateOptions` checks them with the rest."""
-    options = [
-        click.option("--top-k", type=click.IntRange(min=0), default=0, envvar="STRATA_TOP_K", show_default=True,
-                     help="Sample among the K most likely tokens only (0 = off; needs --temperature > 0)."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, envvar="STRATA_TOP_P",
-                     show_default=True, help="Nucleus sampling: the smallest set of likeliest tokens with this "
-                                             "much probability (1 = off; needs --temperature > 0)."),
-        click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0, envvar="STRATA_MIN_P",
-                     show_default=True, help="Drop tokens less likely than MIN_P times the likeliest (0 = off; "
-                                             "needs --temperature > 0)."),
-        click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=1.0,
-                     envvar="STRATA_REPETITION_PENALTY", show_default=True,
-                     help="Penalise tokens among the last --repetition-context tokens, prompt included (1 = off)."),
-        click.option("--repetition-context", type=click.IntRange(min=1), default=DEFAULT_REPETITION_CONTEXT,
-                     envvar="STRATA_REPETITION_CONTEXT", show_default=True,
-                     help="How many recent tokens the repetition penalty looks at."),
-        click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, envvar="STRATA_PRESENCE_PENALTY",
-                     show_default=True, help="Subtract this from the logit of every token generated so far (OpenAI)."),
-        click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0,
-                     envvar="STRATA_FREQUENCY_PENALTY", show_default=True,
-                     help="Subtract this times each token's count among the generated tokens (OpenAI)."),
-        click.option("--ban-phrases", type=click.Path(exists=True, dir_okay=False), default=None,
-                     envvar="STRATA_BAN_PHRASES", metavar="FILE",
-                     help="Phrases (one per line) the output never contains as tokens."),
-    ]
-
-    def build(top_k, top_p, min_p, repetition_penalty, repetition_context, presence_penalty, frequency_penalty,
-              ban_phrases):
-        return {
-            "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty,
-            "repetition_context": repetition_context, "presence_penalty": presence_penalty,
-            "frequency_penalty": frequency_penalty,
-            "ban_phrases": read_ban_phrases(ban_phrases) if ban_phrases else (),
-        }
-
-    return options_object("sampling", build, options)(command)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -349,45 +131,6 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
         raise click.BadParameter(str(e)) from None
     prompts = read_prompts(prompt, each_line)
     run_guarded(lambda: _generate(load, engine, prompts, gen_options, spec, stats, as_json))
-
-
-PREFILL_BAR_AFTER_S = 1.0  # prefill expected to take longer than this gets a bar
-
-
-class PrefillBar:
-    """`decode.generate`'s `prefill_progress`: a prompt bar on a terminal's stderr, shown once
-    prefill looks set to take over PREFILL_BAR_AFTER_S (judged after each chunk), then removed."""
-
-    def __init__(self, console, clock=time.perf_counter):
-        self.console, self.clock = console, clock
-        self.start = clock()
-        self.bar = self.task = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            elapsed = self.clock() - self.start
-            if not self.console.is_terminal or done >= total or elapsed * total / done < PREFILL_BAR_AFTER_S:
-                return
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.bar = Progress(TextColumn("prompt"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                console=self.console, transient=True)
-            self.task = self.bar.add_task("prompt", total=total)
-            self.bar.start()
-        self.bar.update(self.task, completed=done)
-        if done >= total:
-            self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
 
 
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
@@ -815,55 +558,6 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
 
 
 ANSWER_SEPARATOR = "---"  # the line between plain-text answers of several prompts (--each-line)
-
-
-class Terminated(Exception):
-    """SIGTERM stopped the command (run_guarded exits 143, as KeyboardInterrupt exits 130)."""
-
-
-class SignalLatch:
-    """SIGINT/SIGTERM while a prompt decodes raise `Cancelled` there; between prompts they are
-    only latched, and the next prompt raises at its start (so no signal lands where a record
-    could be lost)."""
-
-    class Cancelled(Exception):
-        pass
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.armed = False
-
-    def __call__(self, signum, frame):
-        self.signum = signum
-        if self.armed:
-            self.armed = False
-            raise SignalLatch.Cancelled()
-
-    def check(self) -> None:
-        """Arm, and raise at once if a signal came while disarmed."""
-        self.armed = True
-        if self.signum is not None:
-            self.armed = False
-            raise SignalLatch.Cancelled()
-
-    def exit_exception(self) -> BaseException:
-        return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
-
-
-@contextlib.contextmanager
-def signal_latch():
-    """SIGINT and SIGTERM go to a `SignalLatch` while inside (the previous handlers after)."""
-    latch = SignalLatch()
-    try:
-        previous = {s: signal.signal(s, latch) for s in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread (an embedding caller): leave the signals alone
-        yield latch
-        return
-    try:
-        yield latch
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 @cli.command("selftest")
