@@ -37,7 +37,7 @@ from ..options import EngineOptions, GenerateOptions, SpecOptions
 from ..runtime import load_checkpoint
 from .peers import MlxLmPeer, require_mlx_lm
 from .runner import git_commit
-from .selftest import selftest
+from .selftest import selftest, window_costs
 from .window_cost import QWEN3_NEXT_80B_A3B
 
 TINY = dict(hidden_size=64, vocab_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -85,26 +85,6 @@ def timed_decode(engine, prompt, tokens, spec) -> tuple[list[int], float]:
     out = [t for step in generate(engine, prompt, options=GenerateOptions(max_tokens=tokens), spec=spec,
                                   eos_ids=(), prefilled=len(prompt) - 1) for t in step.tokens]
     return out, time.perf_counter() - start
-
-
-def strata_window_costs(engine, context: list[int], repeats: int, warmup: int) -> dict[str, float]:
-    engine.reset()
-    engine.prefill(context)
-    start_state = engine.snapshot()
-    vocab = engine.vocab_size
-    costs = {}
-    for T in range(1, 9):
-        engine.restore(start_state)
-        rng = np.random.default_rng(T)
-
-        def window():
-            tokens = rng.integers(0, vocab, T).tolist()
-            engine.run(tokens, engine.length)
-            engine.commit(T)
-            mx.eval([a for s in engine.states for a in s.snapshot() if isinstance(a, mx.array)])
-
-        costs[str(T)] = 1000 * _median_time(window, repeats, warmup)
-    return costs
 
 
 def mlx_lm_window_costs(model, context: list[int], repeats: int, warmup: int) -> dict[str, float]:
@@ -161,7 +141,7 @@ def run(args) -> dict:
     serial["ratio"] = serial["strata_tok_s"] / serial["mlx_lm_tok_s"]
     print(f"serial decode: strata {serial['strata_tok_s']:.1f} tok/s, mlx-lm {serial['mlx_lm_tok_s']:.1f} tok/s "
           f"({serial['ratio']:.2f}x)", flush=True)
-    windows = {"strata_ms": strata_window_costs(engine, prompt, args.window_repeats, 3),
+    windows = {"strata_ms": window_costs(engine, len(prompt), args.window_repeats),
                "mlx_lm_ms": mlx_lm_window_costs(peer.model, prompt, args.window_repeats, 3)}
     for T in map(str, range(1, 9)):
         print(f"T={T}: strata {windows['strata_ms'][T]:.2f} ms, mlx-lm {windows['mlx_lm_ms'][T]:.2f} ms", flush=True)

@@ -9,14 +9,11 @@ machine: any divergence is a bug (docs/design.md, "Row invariance").
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import mlx.core as mx
-import numpy as np
 
 from metal_shaders import rows_matvec as kernels
 
+from ..calibrate import measure_curve
 from ..decode import generate
 from ..model.config import dtype_name
 from ..options import GenerateOptions, LoadOptions, SpecOptions
@@ -47,26 +44,11 @@ def _tokens(engine, ids: list[int], max_tokens: int, spec: SpecOptions, eos_ids)
     return [t for step in steps for t in step.tokens]
 
 
-def window_costs(engine, context: list[int], repeats: int = 10) -> dict[str, float]:
-    """Median forced-acceptance window milliseconds for T = 1..8 after `context`."""
-    engine.reset()
-    engine.prefill(context)
-    start = engine.snapshot()
-    rng = np.random.default_rng(0)
-    costs = {}
-    for T in range(1, 9):
-        engine.restore(start)
-        seconds = []
-        for i in range(repeats + 2):
-            tokens = rng.integers(0, engine.vocab_size, T).tolist()
-            t0 = time.perf_counter()
-            engine.run(tokens, engine.length)
-            engine.commit(T)
-            mx.eval([a for s in engine.states for a in s.snapshot() if isinstance(a, mx.array)])
-            if i >= 2:  # the first windows of a shape build it
-                seconds.append(time.perf_counter() - t0)
-        costs[str(T)] = 1000 * statistics.median(seconds)
-    return costs
+def window_costs(engine, context_length: int, repeats: int = 10) -> dict[str, float]:
+    """Median forced-acceptance window milliseconds for T = 1..8 after `context_length` positions
+    (calibrate.measure_curve, the curve `auto` calibrates with)."""
+    curve = measure_curve(engine, 8, windows=repeats + 1, context=context_length)
+    return {str(T): 1000 * seconds for T, seconds in enumerate(curve, start=1)}
 
 
 def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_window_costs: bool = True,
@@ -93,7 +75,7 @@ def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_wind
                 if progress:
                     progress(results[-1])
         if with_window_costs:
-            costs[dtype_name(runtime.dtype)] = window_costs(engine, tokenizer.encode(PROMPTS[0]))
+            costs[dtype_name(runtime.dtype)] = window_costs(engine, len(tokenizer.encode(PROMPTS[0])))
     report = {"backend": str(mx.default_device()), "kernels": kernels.status(), "results": results,
               "passed": all(r["identical"] for r in results)}
     if with_window_costs:
