@@ -1,15 +1,18 @@
 """Train strata's embedded demo model: a small Qwen3-Next (GDN + attention + 16-expert MoE with a
-shared expert) on the Python standard library source, with its own byte-level BPE tokenizer.
+shared expert) on offline Python source and documents that teach copying (scripts/demo_corpus.py).
 
 Three steps, the middle one on a GPU (PyTorch + transformers there):
 
-    python scripts/train_demo_model.py prepare --data .train-data      # here: split, tokenizer, token ids
-    python3 scripts/train_demo_model.py train --data .train-data --out OUT --minutes 7   # on the GPU
-    python scripts/train_demo_model.py install --checkpoint OUT --data .train-data      # here: into the package
+    python scripts/train_demo_model.py prepare --data .train-data      # here: split, token ids
+    python3 scripts/train_demo_model.py train --data .train-data --out OUT --minutes 8 --batch 128   # on the GPU
+    python scripts/train_demo_model.py install --checkpoint OUT --data .train-data      # here: 8-bit, into the package
 
-Data split: every stdlib *.py file (library and its tests), sorted by path; every 50th file is
-held out for evaluation, the rest is training data. The tokenizer is trained on the training
-split only.
+Data: the stdlib split of the previous demo model (every 50th *.py file held out for evaluation),
+the Python files of permissively licensed installed packages (each one's licence recorded in
+split.json), and synthetic copy/edit documents made from training functions. The tokenizer is
+the embedded model's (trained on a stdlib sample; `--tokenizer-from none` trains it again), so
+held-out perplexities compare across models. Only train.bin.xz, val.bin and the tokenizer
+files travel to the GPU machine.
 """
 
 from __future__ import annotations
@@ -24,28 +27,27 @@ from pathlib import Path
 
 import numpy as np
 
-HELD_OUT_EVERY = 50
 VOCAB_SIZE = 4096
 TOKENIZER_SAMPLE_BYTES = 8_000_000
-SEQ_LEN = 512
+SEQ_LEN = 1024  # copy documents (a function twice) must fit one window
 SEED = 0
 
 MODEL_CONFIG = dict(
     vocab_size=VOCAB_SIZE,
-    hidden_size=256,
+    hidden_size=384,
     num_hidden_layers=6,
     layer_types=[
         "linear_attention", "linear_attention", "full_attention",
         "linear_attention", "linear_attention", "full_attention",
     ],
     full_attention_interval=3,
-    num_attention_heads=4,
+    num_attention_heads=6,
     num_key_value_heads=2,
     head_dim=64,
     partial_rotary_factor=0.25,
     rope_theta=10000.0,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
+    linear_num_key_heads=3,
+    linear_num_value_heads=6,
     linear_key_head_dim=64,
     linear_value_head_dim=64,
     linear_conv_kernel_dim=4,
@@ -53,8 +55,8 @@ MODEL_CONFIG = dict(
     num_experts_per_tok=2,
     norm_topk_prob=True,
     moe_intermediate_size=64,
-    shared_expert_intermediate_size=256,
-    intermediate_size=512,
+    shared_expert_intermediate_size=384,
+    intermediate_size=768,
     decoder_sparse_step=1,
     mlp_only_layers=[],
     rms_norm_eps=1e-6,
@@ -71,51 +73,62 @@ MODEL_CONFIG = dict(
 # -- prepare (CPU, here) ---------------------------------------------------------------------------
 
 
-def split_files() -> tuple[list[Path], list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if not {"site-packages", "__pycache__"} & set(p.parts))
-    held_out = files[::HELD_OUT_EVERY]
-    held = set(held_out)
-    return [f for f in files if f not in held], held_out
+def prepare(data: Path, tokenizer_from: Path | None, copy_documents_n: int) -> None:
+    """Split, tokenize and pack the training text; the train ids also go out xz-compressed
+    (`train.bin.xz`) so they fit the GPU machine's 64 MiB transfer."""
+    import lzma
 
-
-def read_text(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-        return None  # a handful of stdlib test files are deliberately not UTF-8
-
-
-def prepare(data: Path) -> None:
-    from build_tokenizer import (  # scripts/ is on sys.path when run as a script
-        EOS_TOKEN,
-        train_tokenizer,
-    )
+    from build_tokenizer import EOS_TOKEN, train_tokenizer  # scripts/ is on sys.path when run as a script
+    from demo_corpus import HELD_OUT_EVERY, copy_documents, package_files, read_text, stdlib_split
     from tokenizers import Tokenizer
-    from tqdm import tqdm
 
     data.mkdir(parents=True, exist_ok=True)
-    train_files, val_files = split_files()
-    train_files = [f for f in train_files if read_text(f) is not None]
-    val_files = [f for f in val_files if read_text(f) is not None]
-    # Tokenizer: every k-th training file until the sample budget is reached.
-    total = sum(f.stat().st_size for f in train_files)
-    stride = max(1, total // TOKENIZER_SAMPLE_BYTES)
-    train_tokenizer(train_files[::stride], vocab_size=VOCAB_SIZE, out_dir=data)
+    train_files, val_files = stdlib_split()
+    stdlib_root = Path(sysconfig.get_paths()["stdlib"])
+    if tokenizer_from is None:
+        # The tokenizer: every k-th stdlib training file until the sample budget is reached.
+        total = sum(f.stat().st_size for f in train_files)
+        stride = max(1, total // TOKENIZER_SAMPLE_BYTES)
+        train_tokenizer(train_files[::stride], vocab_size=VOCAB_SIZE, out_dir=data)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(tokenizer_from / name, data / name)
     tok = Tokenizer.from_file(str(data / "tokenizer.json"))
     eos = tok.token_to_id(EOS_TOKEN)
-    stats = {}
-    for name, files in (("train", train_files), ("val", val_files)):
-        ids: list[int] = []
-        for f in tqdm(files, desc=f"tokenizing {name}"):
-            ids.extend(tok.encode(read_text(f)).ids)
-            ids.append(eos)
-        np.asarray(ids, dtype=np.uint16).tofile(data / f"{name}.bin")
-        stats[name] = {"files": len(files), "tokens": len(ids), "bytes": sum(f.stat().st_size for f in files)}
-    stats["held_out_every"] = HELD_OUT_EVERY
-    stats["val_files"] = [str(f.relative_to(Path(sysconfig.get_paths()["stdlib"]))) for f in val_files]
+    pkg_files, packages = package_files()
+    site = Path(sysconfig.get_paths()["purelib"])
+
+    def where(f: Path) -> str:
+        return str(f.relative_to(stdlib_root if f.is_relative_to(stdlib_root) else site))
+
+    copies = copy_documents(train_files + pkg_files, where, copy_documents_n, SEED)
+    parts = {
+        "stdlib": [read_text(f) for f in train_files],
+        "packages": [read_text(f) for f in pkg_files],
+        "copy": copies,
+    }
+    stats: dict = {"held_out_every": HELD_OUT_EVERY, "packages": packages}
+    train_ids: list[np.ndarray] = []
+    for name, texts in parts.items():
+        encoded = tok.encode_batch(texts)
+        ids = np.concatenate([np.append(np.asarray(e.ids, dtype=np.uint16), np.uint16(eos)) for e in encoded])
+        train_ids.append(ids)
+        stats[f"train_{name}"] = {"documents": len(texts), "bytes": sum(len(t.encode()) for t in texts),
+                                  "tokens": int(len(ids))}
+        print(name, stats[f"train_{name}"], flush=True)
+    # Training batches are windows at random offsets, so the parts need no interleaving.
+    train = np.concatenate(train_ids)
+    val = np.concatenate([np.append(np.asarray(e.ids, dtype=np.uint16), np.uint16(eos))
+                          for e in tok.encode_batch([read_text(f) for f in val_files])])
+    train.tofile(data / "train.bin")
+    val.tofile(data / "val.bin")
+    (data / "train.bin.xz").write_bytes(lzma.compress(train.tobytes(), preset=6))
+    stats["train"] = {"files": len(train_files) + len(pkg_files), "documents": sum(len(t) for t in parts.values()),
+                      "tokens": int(len(train)), "bytes": sum(v["bytes"] for k, v in stats.items() if k.startswith("train_"))}
+    stats["val"] = {"files": len(val_files), "tokens": int(len(val)), "bytes": sum(f.stat().st_size for f in val_files)}
+    stats["val_files"] = [str(f.relative_to(stdlib_root)) for f in val_files]
     (data / "split.json").write_text(json.dumps(stats, indent=1))
-    print(json.dumps({k: v for k, v in stats.items() if k != "val_files"}))
+    print(json.dumps({k: v for k, v in stats.items() if k not in ("val_files", "packages")}))
 
 
 # -- train (GPU) -----------------------------------------------------------------------------------
@@ -157,7 +170,12 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
 
     torch.manual_seed(SEED)
     device = torch.device(device)
-    train_tokens = np.fromfile(data / "train.bin", dtype=np.uint16)
+    if (data / "train.bin").exists():
+        train_tokens = np.fromfile(data / "train.bin", dtype=np.uint16)
+    else:  # the compressed copy that travels to the GPU machine
+        import lzma
+
+        train_tokens = np.frombuffer(lzma.decompress((data / "train.bin.xz").read_bytes()), dtype=np.uint16)
     val_tokens = np.fromfile(data / "val.bin", dtype=np.uint16)
     config = Qwen3NextConfig(**MODEL_CONFIG)
     model = Qwen3NextForCausalLM(config).to(device)
@@ -230,26 +248,36 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
 # -- install (CPU, here) ---------------------------------------------------------------------------
 
 
-def install(checkpoint: Path, data: Path, dest: Path) -> None:
-    """Copy the trained checkpoint and its tokenizer into the package."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    for f in checkpoint.iterdir():
-        if f.suffix in (".json", ".safetensors") and f.name != "train_summary.json":
-            shutil.copyfile(f, dest / f.name)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(data / name, dest / name)
-    config = json.loads((dest / "config.json").read_text())
-    # mlx-lm reads these at the top level; transformers 5 nests them under rope_parameters.
-    rope = config.get("rope_parameters") or {}
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if key in rope:
-            config.setdefault(key, rope[key])
-    config.pop("output_router_logits", None)
-    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+def install(checkpoint: Path, data: Path, dest: Path, bits: int | None) -> None:
+    """Quantize the trained checkpoint (`strata convert`) into the package, with its tokenizer."""
+    import tempfile
+
+    from strata_cli.convert import convert
+    from strata_cli.options import ConvertOptions
+
+    with tempfile.TemporaryDirectory() as tmp:
+        staging = Path(tmp) / "hf"
+        staging.mkdir()
+        for f in checkpoint.iterdir():
+            if f.suffix in (".json", ".safetensors") and f.name != "train_summary.json":
+                shutil.copyfile(f, staging / f.name)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(data / name, staging / name)
+        config = json.loads((staging / "config.json").read_text())
+        # mlx-lm reads these at the top level; transformers 5 nests them under rope_parameters.
+        rope = config.get("rope_parameters") or {}
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope:
+                config.setdefault(key, rope[key])
+        config.pop("output_router_logits", None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # Shards under GitHub's comfortable file size; checksums.json comes with them.
+        convert(staging, dest, options=ConvertOptions(bits=bits, force=True), max_shard_bytes=12_000_000)
+    for name in ("generation_config.json",):
+        if (checkpoint / name).exists():
+            shutil.copyfile(checkpoint / name, dest / name)
     (dest / "train_summary.json").write_text((checkpoint / "train_summary.json").read_text())
-    size = sum(f.stat().st_size for f in dest.iterdir())
+    size = sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
     print(f"installed {dest}: {size / 1e6:.1f} MB")
     if size > 20_000_000:
         raise SystemExit(f"{dest} is {size / 1e6:.1f} MB, over the 20 MB budget")
@@ -260,6 +288,10 @@ def main() -> None:
     sub = parser.add_subparsers(dest="step", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("--data", type=Path, default=Path(".train-data"))
+    p.add_argument("--tokenizer-from", type=Path, default=Path("strata_cli/assets/demo"),
+                   help="reuse this folder's tokenizer (default: the embedded model's, so held-out "
+                        "perplexities stay comparable); 'none' trains a new one on the stdlib sample")
+    p.add_argument("--copy-documents", type=int, default=16_000, help="copy/edit documents to synthesise")
     t = sub.add_parser("train")
     t.add_argument("--data", type=Path, default=Path(".train-data"))
     t.add_argument("--out", type=Path, required=True)
@@ -272,13 +304,14 @@ def main() -> None:
     i.add_argument("--checkpoint", type=Path, required=True)
     i.add_argument("--data", type=Path, default=Path(".train-data"))
     i.add_argument("--dest", type=Path, default=Path("strata_cli/assets/demo"))
+    i.add_argument("--bits", type=int, choices=(4, 8), default=8, help="quantize to this many bits (default 8)")
     args = parser.parse_args()
     if args.step == "prepare":
-        prepare(args.data)
+        prepare(args.data, None if str(args.tokenizer_from) == "none" else args.tokenizer_from, args.copy_documents)
     elif args.step == "train":
         train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps)
     else:
-        install(args.checkpoint, args.data, args.dest)
+        install(args.checkpoint, args.data, args.dest, args.bits)
 
 
 if __name__ == "__main__":
