@@ -53,14 +53,43 @@ __device__ __forceinline__ void strata_load(const V* p, bool vec, float* out) {
 }
 """
 
-# Both bodies: warp w of block b owns columns (b·WARPS + w)·COLS ... + COLS-1; lane l takes the
+# Every body: warp w of block b owns columns (b·WARPS + w)·COLS ... + COLS-1; lane l takes the
 # 128-bit chunks u = l, l + 32, ... of each weight row, in that order, each chunk's values in
 # order, one float32 fused multiply-add per value and row; then the xor butterfly over the 32
 # lanes (every lane ends with the same bits, since each step adds the same two operands). That
-# order is a function of K alone: not of R (ROWS), COLS or the grid, so a row's result is the
-# same bits in a window of 8 as alone. Row r's accumulators are touched only by row r's x.
+# order is a function of K alone: not of R (ROWS), COLS, the grid or the other rows, so a row's
+# result is the same bits in a window of 8 as alone. Slot r's accumulators are touched only by
+# x row `row[r]`, the r-th of the R rows this block serves.
+_ROWS_PLAIN = """
+    const int R = dims[0];  // <= ROWS
+    int row[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) row[r] = r;
+    const auto* wq = w;
+    const auto* sq = scales;
+    const auto* bq = biases;
+"""
+# Routed experts: x row m (one pick) goes through expert idx[m]. Block (column block, m) serves
+# pick m and the next same-expert picks, ROWS at most, when m opens a run of ROWS picks of its
+# expert; so each expert's weights are read once for all the picks that chose it (up to ROWS),
+# and a pick's arithmetic never depends on which other picks share its block.
+_ROWS_GATHER = """
+    const int M = dims[0];
+    const int m = blockIdx.y;
+    const int e = idx[m];
+    int before = 0;
+    for (int i = 0; i < m; ++i) before += idx[i] == e;
+    if (before % ROWS) return;
+    int row[ROWS];
+    int R = 0;
+    for (int i = m; i < M && R < ROWS; ++i)
+        if (idx[i] == e) row[R++] = i;
+    const auto* wq = w + static_cast<size_t>(e) * dims[2] * (dims[1] / (32 / BITS));
+    const auto* sq = scales + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
+    const auto* bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
+"""
 _HEAD = """
-    const int R = dims[0], K = dims[1], N = dims[2];  // R <= ROWS
+    const int K = dims[1], N = dims[2];
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * COLS;
     if (n0 >= N) return;
@@ -79,11 +108,16 @@ _TAIL = """
             float v = acc[r][c];
             #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == c && r < R && n0 + c < N) out[static_cast<size_t>(r) * N + n0 + c] = static_cast<T>(v);
+            if (lane == c && r < R && n0 + c < N) out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(v);
         }
 """
 # Dense: a chunk is 16 bytes of one weight row (8 bf16 or 4 float32 values).
-DENSE = _HEAD + """
+DENSE = """
+    const int R = dims[0];  // <= ROWS
+    int row[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) row[r] = r;
+""" + _HEAD + """
     constexpr int CHUNK = 16 / static_cast<int>(sizeof(TW));
     const int KC = K / CHUNK;
     const bool wvec = ((reinterpret_cast<size_t>(w) | (static_cast<size_t>(K) * sizeof(TW))) & 15) == 0;
@@ -99,7 +133,7 @@ DENSE = _HEAD + """
         for (int r = 0; r < ROWS; ++r) {
             if (r >= R) break;
             float xv[CHUNK];
-            strata_load<T, CHUNK>(x + static_cast<size_t>(r) * K + u * CHUNK, xvec, xv);
+            strata_load<T, CHUNK>(x + static_cast<size_t>(row[r]) * K + u * CHUNK, xvec, xv);
             #pragma unroll
             for (int j = 0; j < CHUNK; ++j)
                 #pragma unroll
@@ -109,11 +143,11 @@ DENSE = _HEAD + """
 """ + _TAIL
 # Affine-quantized: a chunk is 4 packed words (32 values at 4 bits, 16 at 8), inside one group
 # (GS is a multiple of the chunk); value = scale · q + bias, as one fused multiply-add.
-QUANTIZED = _HEAD + """
+_QUANTIZED_BODY = _HEAD + """
     constexpr int VALS = 32 / BITS, CHUNK = 4 * VALS;
     constexpr unsigned int MASK = (1u << BITS) - 1u;
     const int KW = K / VALS, KC = K / CHUNK, KG = K / GS;
-    const bool wvec = ((reinterpret_cast<size_t>(w) | (static_cast<size_t>(KW) * 4)) & 15) == 0;
+    const bool wvec = ((reinterpret_cast<size_t>(wq) | (static_cast<size_t>(KW) * 4)) & 15) == 0;
     #pragma unroll (ROWS > 2 ? 1 : 2)
     for (int u = lane; u < KC; u += 32) {
         uint4 q[COLS];
@@ -121,11 +155,11 @@ QUANTIZED = _HEAD + """
         #pragma unroll
         for (int c = 0; c < COLS; ++c) {
             const int n = n0 + c < N ? n0 + c : n0;
-            const unsigned int* p = w + static_cast<size_t>(n) * KW + u * 4;
+            const unsigned int* p = wq + static_cast<size_t>(n) * KW + u * 4;
             q[c] = wvec ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(p[0], p[1], p[2], p[3]);
             const size_t g = static_cast<size_t>(n) * KG + (u * CHUNK) / GS;
-            s[c] = static_cast<float>(scales[g]);
-            b[c] = static_cast<float>(biases[g]);
+            s[c] = static_cast<float>(sq[g]);
+            b[c] = static_cast<float>(bq[g]);
         }
         #pragma unroll
         for (int word = 0; word < 4; ++word) {
@@ -140,7 +174,7 @@ QUANTIZED = _HEAD + """
             for (int r = 0; r < ROWS; ++r) {
                 if (r >= R) break;
                 float xv[VALS];
-                strata_load<T, VALS>(x + static_cast<size_t>(r) * K + u * CHUNK + word * VALS, xvec, xv);
+                strata_load<T, VALS>(x + static_cast<size_t>(row[r]) * K + u * CHUNK + word * VALS, xvec, xv);
                 #pragma unroll
                 for (int j = 0; j < VALS; ++j)
                     #pragma unroll
@@ -149,6 +183,8 @@ QUANTIZED = _HEAD + """
         }
     }
 """ + _TAIL
+QUANTIZED = _ROWS_PLAIN + _QUANTIZED_BODY
+GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
 
 _kernels: dict[str, object] = {}
 _dims_cache: dict[tuple[int, int, int], mx.array] = {}
@@ -213,8 +249,33 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     R, K = x.shape
     N = w.shape[0]
     kernel = _kernel("strata_rows_qmatvec_v2", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
-    template = [("T", x.dtype), ("BITS", bits), ("GS", group_size)]
+    # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
+    template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
     return _launch(kernel, [_dims(R, K, N), x, w, scales, biases], template, R, N, x.dtype, cols)
+
+
+def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
+                        group_size: int, bits: int, cols: int = COLS) -> mx.array:
+    """Routed experts: x (M, K), experts (M,) -> (M, N), row m times dequantized w[experts[m]]ᵀ,
+    w (E, N, K·bits/32 packed), affine 4 or 8 bits, on CUDA. Each expert is read once for up to
+    MAX_ROWS picks of it; a pick's result is the same bits whatever the other picks are."""
+    M, K = x.shape
+    N = w.shape[1]
+    kernel = _kernel("strata_rows_gather_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "idx"],
+                     GATHER_QUANTIZED)
+    config = launch_config(MAX_ROWS, N, cols=cols)
+    template = [("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
+    (out,) = kernel(inputs=[_dims(M, K, N), x, w, scales, biases, experts], template=template + config["template"],
+                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(M, N)],
+                    output_dtypes=[x.dtype])
+    return out
+
+
+def reference_gather_qmatvec(x, w, scales, biases, experts, *, group_size: int, bits: int) -> mx.array:
+    """What `rows_gather_qmatvec` computes, in plain MLX."""
+    dense = mx.dequantize(w[experts], scales[experts], biases[experts], group_size=group_size,
+                          bits=bits).astype(mx.float32)  # (M, N, K)
+    return (dense @ x.astype(mx.float32)[:, :, None])[..., 0].astype(x.dtype)
 
 
 def reference_matvec(x: mx.array, w: mx.array) -> mx.array:
@@ -285,4 +346,29 @@ def _probe() -> bool:
             if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
                 _state["error"] = f"kernel and reference disagree ({dtype})"
                 return False
+        if not _probe_gather(dtype):
+            return False
+    return True
+
+
+def _probe_gather(dtype) -> bool:
+    # 12 picks of 6 experts, expert 3 picked 9 times: more than one block's MAX_ROWS.
+    K, N = 512, 200
+    experts = mx.array([3, 1, 3, 0, 3, 5, 1, 3, 3, 3, 3, 3], dtype=mx.uint32)
+    M = experts.shape[0]
+    x = mx.random.normal((M, K), key=mx.random.key(9)).astype(dtype)
+    w = (mx.random.normal((6, N, K), key=mx.random.key(10)) * K**-0.5).astype(dtype)
+    qw, qs, qb = mx.quantize(w, 64, 4)
+    together = rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)
+    alone = mx.concatenate([rows_gather_qmatvec(x[m : m + 1], qw, qs, qb, experts[m : m + 1], group_size=64, bits=4)
+                            for m in range(M)])
+    expected = reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)
+    mx.eval(together, alone, expected)
+    if not mx.array_equal(together, alone).item():
+        _state["error"] = f"routed-expert picks differ with the other picks ({dtype})"
+        return False
+    tol = 5e-3 if dtype == mx.float32 else 3e-2
+    if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
+        _state["error"] = f"routed-expert kernel and reference disagree ({dtype})"
+        return False
     return True

@@ -76,7 +76,7 @@ def test_calls_pass_row_count_and_shapes_as_data(monkeypatch):
     (qname, _, qsource, qkw), (dname, _, dsource, dkw) = calls
     assert qsource is kernels.QUANTIZED and dsource is kernels.DENSE and qname != dname
     assert qkw["inputs"][0].tolist() == [5, 128, 40]
-    assert dict(qkw["template"]) == {"T": mx.bfloat16, "BITS": 4, "GS": 64, "ROWS": 8, "COLS": kernels.COLS}
+    assert dict(qkw["template"]) == {"T": mx.bfloat16, "TS": mx.float32, "BITS": 4, "GS": 64, "ROWS": 8, "COLS": kernels.COLS}
     assert dict(dkw["template"]) == {"T": mx.bfloat16, "TW": mx.float32, "ROWS": 1, "COLS": 2}
 
 
@@ -98,3 +98,42 @@ def test_kernel_bench_runs_the_reference_path_on_the_cpu():
     assert "lm_head" in kernel_bench.render({"device": "cpu", "mlx": "x", "path": "reference", "kernels": {},
                                              "all_rows_identical": True,
                                              "records": [dict(records[0], shape="lm_head")]})
+
+
+def test_gather_reference_matches_mlx():
+    x = mx.random.normal((6, 128), key=mx.random.key(11))
+    w = mx.random.normal((5, 48, 128), key=mx.random.key(12)) * 0.1
+    qw, qs, qb = mx.quantize(w, 64, 4)
+    experts = mx.array([4, 0, 4, 2, 2, 4], dtype=mx.uint32)
+    expected = mx.gather_qmm(x[:, None, :], qw, qs, qb, rhs_indices=experts, transpose=True, group_size=64, bits=4)
+    got = kernels.reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)
+    assert got.shape == (6, 48)
+    assert mx.allclose(got, expected[:, 0], atol=1e-4, rtol=1e-4).item()
+
+
+def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
+    """gather_qmatmul hands a window's unsorted picks (M, 1, K) to the routed-experts kernel and
+    keeps its (M, 1, N) contract; sorted (prompt) calls and RowSplit "never" stay on MLX."""
+    from strata_cli.model import moe
+    from strata_cli.model.layers import RowSplit
+
+    calls = []
+
+    def fake(x, w, s, b, experts, *, group_size, bits):
+        calls.append(x.shape)
+        return kernels.reference_gather_qmatvec(x, w, s, b, experts, group_size=group_size, bits=bits)
+
+    monkeypatch.setattr(kernels, "kernels_usable", lambda: True)
+    monkeypatch.setattr(kernels, "rows_gather_qmatvec", fake)
+    x = mx.random.normal((4, 1, 128), key=mx.random.key(13))
+    qw, qs, qb = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(14)) * 0.1, 64, 4)
+    experts = mx.array([2, 0, 2, 1], dtype=mx.uint32)
+    plain = mx.gather_qmm(x, qw, qs, qb, rhs_indices=experts, transpose=True, group_size=64, bits=4)
+    got = moe.gather_qmatmul(x, qw, qs, qb, experts, group_size=64, bits=4, is_sorted=False)
+    assert calls == [(4, 128)] and got.shape == (4, 1, 40)
+    assert mx.allclose(got, plain, atol=1e-4, rtol=1e-4).item()
+    order = mx.array([1, 3, 0, 2])
+    moe.gather_qmatmul(x[order], qw, qs, qb, experts[order], group_size=64, bits=4, is_sorted=True)
+    monkeypatch.setattr(RowSplit, "mode", "never")
+    moe.gather_qmatmul(x, qw, qs, qb, experts, group_size=64, bits=4, is_sorted=False)
+    assert len(calls) == 1
