@@ -137,3 +137,12 @@ def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
     monkeypatch.setattr(RowSplit, "mode", "never")
     moe.gather_qmatmul(x, qw, qs, qb, experts, group_size=64, bits=4, is_sorted=False)
     assert len(calls) == 1
+
+
+def test_kernel_bench_routed_experts_on_the_cpu():
+    from strata_cli.bench import kernel_bench
+
+    records = kernel_bench.bench_experts("e", 6, 64, 32, 3, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0)
+    assert [r["picks"] for r in records] == [3 * R for R in kernel_bench.ROWS]
+    assert all(r["identical_to_1_row"] and r["max_abs_diff"] < 0.05 for r in records)
+    assert all(1 <= r["unique_experts"] <= 6 for r in records)

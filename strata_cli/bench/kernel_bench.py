@@ -7,6 +7,8 @@ group size 64, bfloat16 rows) and R = 1, 2, 4, 8 rows this times, in one run:
 - `mlx`: `mx.quantized_matmul` on the same R rows in one call (MLX's qmv at R = 1: mlx-lm's path);
 - `split`: `mx.quantized_matmul` once per row (strata's fallback where the kernel cannot run);
 
+and for the routed experts (512 experts of 512 × 2048 and 2048 × 512, top-10 picks per row,
+random routing) `rows_gather_qmatvec` against MLX's unsorted `gather_qmm` on the same picks;
 each the median of `--repeats` samples after a warm-up, a sample being `--inner` back-to-back
 calls under one `mx.eval`, divided by `--inner` (so launch latency overlaps as it does in a
 decode step). It also checks that each row of the R-row call equals that row's 1-row call bit
@@ -98,6 +100,52 @@ def bench_shape(name: str, K: int, N: int, *, use_kernel: bool, repeats: int, in
     return records
 
 
+def bench_experts(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: bool, repeats: int, inner: int,
+                  peak_gbs: float, seed: int = 0) -> list[dict]:
+    """Routed experts: R rows × top_k picks each through E stacked (N, K) experts, against MLX's
+    unsorted `gather_qmm` (what strata runs without the kernel, and mlx-lm below 64 picks)."""
+    w = (mx.random.normal((E, N, K), key=mx.random.key(seed)) * K**-0.5).astype(mx.bfloat16)
+    qw, qs, qb = mx.quantize(w, GROUP_SIZE, BITS)
+    del w
+    R8 = max(ROWS)
+    picks = mx.argsort(mx.random.uniform(shape=(R8, E), key=mx.random.key(seed + 2)), axis=-1)[:, :top_k]
+    flat8 = picks.astype(mx.uint32).reshape(-1)
+    x8 = mx.random.normal((R8 * top_k, K), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
+    mx.eval(qw, qs, qb, flat8, x8)
+    per_expert = (qw.nbytes + qs.nbytes + qb.nbytes) / E
+
+    def ours(x, experts):
+        if use_kernel:
+            return kernels.rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=GROUP_SIZE, bits=BITS)
+        return kernels.reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=GROUP_SIZE, bits=BITS)
+
+    def theirs(x, experts):
+        return mx.gather_qmm(x[:, None, :], qw, qs, qb, rhs_indices=experts, transpose=True,
+                             group_size=GROUP_SIZE, bits=BITS)
+
+    alone = [ours(x8[i * top_k : (i + 1) * top_k], flat8[i * top_k : (i + 1) * top_k]) for i in range(R8)]
+    expected = kernels.reference_gather_qmatvec(x8.astype(mx.float32), qw, qs, qb, flat8, group_size=GROUP_SIZE,
+                                                bits=BITS)
+    mx.eval(alone, expected)
+    records = []
+    for R in ROWS:
+        M = R * top_k
+        x, flat = x8[:M], flat8[:M]
+        together = ours(x, flat)
+        mx.eval(together)
+        identical = all(mx.array_equal(together[i * top_k : (i + 1) * top_k], alone[i]).item() for i in range(R))
+        diff = mx.abs(together.astype(mx.float32) - expected[:M]).max().item()
+        times = {"kernel": _median_ms(lambda x=x, f=flat: ours(x, f), repeats=repeats, inner=inner),
+                 "mlx": _median_ms(lambda x=x, f=flat: theirs(x, f), repeats=repeats, inner=inner)}
+        unique = len(set(flat.tolist()))
+        gbs = unique * per_expert / (times["kernel"] / 1000) / 1e9
+        records.append({"shape": name, "K": K, "N": N, "R": R, "cols": kernels.COLS, "picks": M,
+                        "unique_experts": unique, "identical_to_1_row": identical, "max_abs_diff": diff,
+                        "ms": times, "kernel_over_mlx": times["kernel"] / times["mlx"],
+                        "weight_gbs": gbs, "of_peak": gbs / peak_gbs})
+    return records
+
+
 def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[int, ...]) -> dict:
     use_kernel = kernels.kernels_usable()
     shapes = SMALL_SHAPES if small else SHAPES
@@ -105,6 +153,10 @@ def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[i
     for name, (K, N) in shapes.items():
         records += bench_shape(name, K, N, use_kernel=use_kernel, repeats=repeats, inner=inner,
                                peak_gbs=peak_gbs, cols=cols)
+    E, I, H, top_k = (16, 64, 128, 4) if small else (512, 512, 2048, 10)
+    for name, K, N in (("experts_gate", H, I), ("experts_down", I, H)):
+        records += bench_experts(name, E, K, N, top_k, use_kernel=use_kernel, repeats=repeats, inner=inner,
+                                 peak_gbs=peak_gbs)
     identical = all(r.get("identical_to_1_row", True) and r.get("identical_to_default_cols", True) for r in records)
     return {"device": str(mx.default_device()), "machine": platform.node(), "mlx": mx.__version__,
             "kernels": kernels.status(), "path": "kernel" if use_kernel else "reference",
@@ -120,8 +172,9 @@ def render(result: dict) -> str:
         ms = r["ms"]
         same = r.get("identical_to_1_row", r.get("identical_to_default_cols"))
         if "mlx" in ms:
+            split = f"{ms['split']:9.4f}" if "split" in ms else f"{'':9s}"
             lines.append(f"{r['shape']:15s} {r['K']:5d} {r['N']:7d} {r['R']:2d} {r['cols']:4d} {ms['kernel']:10.4f} "
-                         f"{ms['mlx']:8.4f} {ms['split']:9.4f} {r['kernel_over_mlx']:7.2f} {r['weight_gbs']:7.1f} "
+                         f"{ms['mlx']:8.4f} {split} {r['kernel_over_mlx']:7.2f} {r['weight_gbs']:7.1f} "
                          f"{r['of_peak']:5.0%} {same!s:>5s} {r['max_abs_diff']:8.1e}")
         else:
             lines.append(f"{r['shape']:15s} {r['K']:5d} {r['N']:7d} {r['R']:2d} {r['cols']:4d} {ms['kernel']:10.4f} "
