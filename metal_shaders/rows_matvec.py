@@ -255,15 +255,17 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
 
 
 def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
-                        group_size: int, bits: int, cols: int = COLS) -> mx.array:
+                        group_size: int, bits: int, share: int | None = None, cols: int = COLS) -> mx.array:
     """Routed experts: x (M, K), experts (M,) -> (M, N), row m times dequantized w[experts[m]]ᵀ,
     w (E, N, K·bits/32 packed), affine 4 or 8 bits, on CUDA. Each expert is read once for up to
-    MAX_ROWS picks of it; a pick's result is the same bits whatever the other picks are."""
+    `share` picks of it (1, 2, 4 or 8; by default about M / 8, the window's rows at top-8..10:
+    a one-row call has no repeats and runs the lean 1-row compile); a pick's result is the same
+    bits whatever the other picks are and whatever `share` is."""
     M, K = x.shape
     N = w.shape[1]
     kernel = _kernel("strata_rows_gather_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "idx"],
                      GATHER_QUANTIZED)
-    config = launch_config(MAX_ROWS, N, cols=cols)
+    config = launch_config(share or min(MAX_ROWS, max(1, M // 8)), N, cols=cols)
     template = [("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
     (out,) = kernel(inputs=[_dims(M, K, N), x, w, scales, biases, experts], template=template + config["template"],
                     grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(M, N)],
@@ -359,7 +361,7 @@ def _probe_gather(dtype) -> bool:
     x = mx.random.normal((M, K), key=mx.random.key(9)).astype(dtype)
     w = (mx.random.normal((6, N, K), key=mx.random.key(10)) * K**-0.5).astype(dtype)
     qw, qs, qb = mx.quantize(w, 64, 4)
-    together = rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)
+    together = rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4, share=MAX_ROWS)
     alone = mx.concatenate([rows_gather_qmatvec(x[m : m + 1], qw, qs, qb, experts[m : m + 1], group_size=64, bits=4)
                             for m in range(M)])
     expected = reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)

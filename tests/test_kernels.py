@@ -146,3 +146,25 @@ def test_kernel_bench_routed_experts_on_the_cpu():
     assert [r["picks"] for r in records] == [3 * R for R in kernel_bench.ROWS]
     assert all(r["identical_to_1_row"] and r["max_abs_diff"] < 0.05 for r in records)
     assert all(1 <= r["unique_experts"] <= 6 for r in records)
+
+
+def test_gather_serves_a_pick_per_block_alone_and_shares_experts_in_windows(monkeypatch):
+    """The routed-experts call: one grid row per pick; the picks of one expert a block serves
+    grow with the window (about M / 8) and the probe's explicit `share` wins."""
+    calls = []
+
+    def fake(name, inputs, source):
+        def kernel(**kw):
+            calls.append((source, kw))
+            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+        return kernel
+
+    monkeypatch.setattr(kernels, "_kernel", fake)
+    qw, qs, qb = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(15)), 64, 4)
+    for M, share, tier in ((10, None, 1), (20, None, 2), (40, None, 8), (80, None, 8), (12, 8, 8)):
+        x = mx.zeros((M, 128))
+        experts = mx.zeros((M,), dtype=mx.uint32)
+        assert kernels.rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4, share=share).shape == (M, 40)
+        source, kw = calls[-1]
+        assert source is kernels.GATHER_QUANTIZED and kw["grid"][1] == M
+        assert dict(kw["template"])["ROWS"] == tier and kw["inputs"][0].tolist() == [M, 128, 40]
