@@ -2,10 +2,11 @@
 
 `rows_matvec(x, w)` computes x (R, K) @ w (N, K)ᵀ for R <= 8 rows, `rows_qmatvec` the same with
 an affine-quantized w (4 or 8 bits, MLX's packing: `mx.quantize`). Each output element is summed
-in float32 in one fixed order — lane l of a warp takes k = l, l+32, ... with fused multiply-adds,
-then a fixed butterfly of warp shuffles — that does not depend on R, so a row's result is the
-same bits whether it runs alone (serial decoding) or with seven others (a window). The weights
-are read once per window for all its rows.
+in float32 in one fixed order — lane l of a warp takes the 16-byte weight chunks l, l+32, ...
+with fused multiply-adds, then a fixed butterfly of warp shuffles — that does not depend on R,
+so a row's result is the same bits whether it runs alone (serial decoding) or with seven others
+(a window). The weights are read once per window for all its rows, with 128-bit loads, several
+output columns per warp; x is read as needed (it is small and stays in L1).
 
 CUDA sources (`mx.fast.cuda_kernel`); on other backends `reference_*` (pure MLX, the tests' and
 the CPU's path) is what callers use. `kernels_usable()` checks the kernels once against the
@@ -19,133 +20,264 @@ import logging
 import mlx.core as mx
 
 MAX_ROWS = 8
-WARPS = 8  # warps per block
-COLS = 4  # output columns per warp
-TILE = 256  # K values staged in shared memory per step (a multiple of 32 · values per word)
+WARPS = 4  # warps per block (128 threads): small blocks spread a 512-column matrix over the SMs
+COLS = 4  # output columns per warp: each x value loaded feeds COLS columns
 
 log = logging.getLogger("strata.kernels")
 
-# Shared by both kernels: block layout, per-row float32 accumulators, x staged tile by tile in
-# shared memory (TILE values of every row), and the fixed warp butterfly at the end.
+# Helpers the kernel bodies share (mx.fast.cuda_kernel's `header`, outside the kernel function).
+# `strata_u2f` turns a small unsigned int into a float exactly without the slow I2F instruction
+# (2^23 + q has q in its mantissa); `strata_load` reads V consecutive values as floats, with one
+# 128-bit load per 16 bytes where the address allows it.
+HEADER = """
+__device__ __forceinline__ float strata_u2f(unsigned int q) {
+    return __uint_as_float(0x4B000000u | q) - 8388608.0f;
+}
+template <typename V, int N>
+__device__ __forceinline__ void strata_load(const V* p, bool vec, float* out) {
+    constexpr int PER = 16 / static_cast<int>(sizeof(V));
+    if constexpr (N % PER == 0) {
+        if (vec) {
+            #pragma unroll
+            for (int i = 0; i < N / PER; ++i) {
+                const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + i);
+                const V* v = reinterpret_cast<const V*>(&raw);
+                #pragma unroll
+                for (int j = 0; j < PER; ++j) out[i * PER + j] = static_cast<float>(v[j]);
+            }
+            return;
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = static_cast<float>(p[j]);
+}
+"""
+
+# Every body: warp w of block b owns columns (b·WARPS + w)·COLS ... + COLS-1; lane l takes the
+# 128-bit chunks u = l, l + 32, ... of each weight row, in that order, each chunk's values in
+# order, one float32 fused multiply-add per value and row; then the xor butterfly over the 32
+# lanes (every lane ends with the same bits, since each step adds the same two operands). That
+# order is a function of K alone: not of R (ROWS), COLS, the grid or the other rows, so a row's
+# result is the same bits in a window of 8 as alone. Slot r's accumulators are touched only by
+# x row `row[r]`, the r-th of the R rows this block serves.
+_ROWS_PLAIN = """
+    const int R = dims[0];  // <= ROWS
+    int row[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) row[r] = r;
+    const auto* wq = w;
+    const auto* sq = scales;
+    const auto* bq = biases;
+"""
+# Routed experts: x row m (one pick) goes through expert idx[m]. Block (column block, m) serves
+# pick m and the next same-expert picks, ROWS at most, when m opens a run of ROWS picks of its
+# expert; so each expert's weights are read once for all the picks that chose it (up to ROWS),
+# and a pick's arithmetic never depends on which other picks share its block.
+_ROWS_GATHER = """
+    const int M = dims[0];
+    const int m = blockIdx.y;
+    const int e = idx[m];
+    int before = 0;
+    for (int i = 0; i < m; ++i) before += idx[i] == e;
+    if (before % ROWS) return;
+    int row[ROWS];
+    int R = 0;
+    for (int i = m; i < M && R < ROWS; ++i)
+        if (idx[i] == e) row[R++] = i;
+    const auto* wq = w + static_cast<size_t>(e) * dims[2] * (dims[1] / (32 / BITS));
+    const auto* sq = scales + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
+    const auto* bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
+"""
 _HEAD = """
-    constexpr int WARPS = %(warps)d, COLS = %(cols)d, TILE = %(tile)d, ROWS = %(rows)d;
-    const int R = dims[0], K = dims[1], N = dims[2];
-    __shared__ float xs[ROWS][TILE];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int col0 = (blockIdx.x * WARPS + warp) * COLS;
+    const int K = dims[1], N = dims[2];
+    const int lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * COLS;
+    if (n0 >= N) return;
+    const bool xvec = ((reinterpret_cast<size_t>(x) | (static_cast<size_t>(K) * sizeof(T))) & 15) == 0;
     float acc[ROWS][COLS];
     #pragma unroll
     for (int r = 0; r < ROWS; ++r)
         #pragma unroll
         for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += TILE) {
-        for (int i = threadIdx.x; i < R * TILE; i += WARPS * 32) {
-            const int r = i / TILE, k = k0 + i %% TILE;
-            xs[r][i %% TILE] = k < K ? static_cast<float>(x[r * K + k]) : 0.0f;
-        }
-        __syncthreads();
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            const int n = col0 + c;
-            if (n < N) {
 """
 _TAIL = """
-            }
-        }
-        __syncthreads();
-    }
     #pragma unroll
-    for (int c = 0; c < COLS; ++c) {
-        const int n = col0 + c;
+    for (int r = 0; r < ROWS; ++r)
         #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (r >= R) break;
+        for (int c = 0; c < COLS; ++c) {
             float v = acc[r][c];
             #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == 0 && n < N) out[r * N + n] = static_cast<T>(v);
+            if (lane == c && r < R && n0 + c < N) out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(v);
+        }
+"""
+# Dense: a chunk is 16 bytes of one weight row (8 bf16 or 4 float32 values).
+DENSE = """
+    const int R = dims[0];  // <= ROWS
+    int row[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) row[r] = r;
+""" + _HEAD + """
+    constexpr int CHUNK = 16 / static_cast<int>(sizeof(TW));
+    const int KC = K / CHUNK;
+    const bool wvec = ((reinterpret_cast<size_t>(w) | (static_cast<size_t>(K) * sizeof(TW))) & 15) == 0;
+    #pragma unroll (ROWS > 2 ? 1 : 2)
+    for (int u = lane; u < KC; u += 32) {
+        float wv[COLS][CHUNK];
+        #pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int n = n0 + c < N ? n0 + c : n0;  // a missing column repeats a real one, unused
+            strata_load<TW, CHUNK>(w + static_cast<size_t>(n) * K + u * CHUNK, wvec, wv[c]);
+        }
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (r >= R) break;
+            float xv[CHUNK];
+            strata_load<T, CHUNK>(x + static_cast<size_t>(row[r]) * K + u * CHUNK, xvec, xv);
+            #pragma unroll
+            for (int j = 0; j < CHUNK; ++j)
+                #pragma unroll
+                for (int c = 0; c < COLS; ++c) acc[r][c] = fmaf(wv[c][j], xv[j], acc[r][c]);
         }
     }
-"""
-# Lane l takes k = l, l + 32, ... of each tile: the same order for every row count.
-_DENSE = _HEAD + """
-                const auto* wrow = w + static_cast<size_t>(n) * K + k0;
-                for (int kk = lane; kk < TILE && k0 + kk < K; kk += 32) {
-                    const float wv = static_cast<float>(wrow[kk]);
-                    #pragma unroll
-                    for (int r = 0; r < ROWS; ++r)
-                        if (r < R) acc[r][c] = fmaf(wv, xs[r][kk], acc[r][c]);
-                }
 """ + _TAIL
-# Lane l takes packed words l, l + 32, ... of each tile (VALS values each, one group's scale and bias).
-_QUANTIZED = """
-    constexpr int VALS = 32 / BITS;
+# Affine-quantized: a chunk is 4 packed words (32 values at 4 bits, 16 at 8), inside one group
+# (GS is a multiple of the chunk); value = scale · q + bias, as one fused multiply-add.
+_QUANTIZED_BODY = _HEAD + """
+    constexpr int VALS = 32 / BITS, CHUNK = 4 * VALS;
     constexpr unsigned int MASK = (1u << BITS) - 1u;
-""" + _HEAD + """
-                const int KW = K / VALS, KG = K / GS;  // words and groups per weight row
-                for (int u = lane; u < TILE / VALS && k0 + u * VALS < K; u += 32) {
-                    const int k = k0 + u * VALS;
-                    const unsigned int word = w[static_cast<size_t>(n) * KW + k / VALS];
-                    const float s = static_cast<float>(scales[static_cast<size_t>(n) * KG + k / GS]);
-                    const float b = static_cast<float>(biases[static_cast<size_t>(n) * KG + k / GS]);
+    const int KW = K / VALS, KC = K / CHUNK, KG = K / GS;
+    const bool wvec = ((reinterpret_cast<size_t>(wq) | (static_cast<size_t>(KW) * 4)) & 15) == 0;
+    #pragma unroll (ROWS > 2 ? 1 : 2)
+    for (int u = lane; u < KC; u += 32) {
+        uint4 q[COLS];
+        float s[COLS], b[COLS];
+        #pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int n = n0 + c < N ? n0 + c : n0;
+            const unsigned int* p = wq + static_cast<size_t>(n) * KW + u * 4;
+            q[c] = wvec ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(p[0], p[1], p[2], p[3]);
+            const size_t g = static_cast<size_t>(n) * KG + (u * CHUNK) / GS;
+            s[c] = static_cast<float>(sq[g]);
+            b[c] = static_cast<float>(bq[g]);
+        }
+        #pragma unroll
+        for (int word = 0; word < 4; ++word) {
+            float wv[COLS][VALS];
+            #pragma unroll
+            for (int c = 0; c < COLS; ++c) {
+                const unsigned int bits = word == 0 ? q[c].x : word == 1 ? q[c].y : word == 2 ? q[c].z : q[c].w;
+                #pragma unroll
+                for (int j = 0; j < VALS; ++j) wv[c][j] = fmaf(s[c], strata_u2f((bits >> (BITS * j)) & MASK), b[c]);
+            }
+            #pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r >= R) break;
+                float xv[VALS];
+                strata_load<T, VALS>(x + static_cast<size_t>(row[r]) * K + u * CHUNK + word * VALS, xvec, xv);
+                #pragma unroll
+                for (int j = 0; j < VALS; ++j)
                     #pragma unroll
-                    for (int j = 0; j < VALS; ++j) {
-                        const float wv = fmaf(s, static_cast<float>((word >> (BITS * j)) & MASK), b);
-                        #pragma unroll
-                        for (int r = 0; r < ROWS; ++r)
-                            if (r < R) acc[r][c] = fmaf(wv, xs[r][u * VALS + j], acc[r][c]);
-                    }
-                }
+                    for (int c = 0; c < COLS; ++c) acc[r][c] = fmaf(wv[c][j], xv[j], acc[r][c]);
+            }
+        }
+    }
 """ + _TAIL
+QUANTIZED = _ROWS_PLAIN + _QUANTIZED_BODY
+GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
 
 _kernels: dict[str, object] = {}
 _dims_cache: dict[tuple[int, int, int], mx.array] = {}
 _state = {"usable": None, "error": None}
 
 
-def _params() -> dict:
-    return {"warps": WARPS, "cols": COLS, "tile": TILE, "rows": MAX_ROWS}
+def launch_config(rows: int, N: int, *, cols: int = COLS) -> dict:
+    """Grid, block and template values of one call: `rows` rows into N columns.
+
+    ROWS, the row capacity compiled in, is the next of 1, 2, 4, 8 (the 1-row call of serial
+    decoding carries no unused accumulators; four compiles per dtype and kind cover every
+    window); the row count, K and N travel as data (`dims`), so every weight shape of a model
+    shares those compiles.
+    """
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows_matvec takes 1..{MAX_ROWS} rows, got {rows}")
+    blocks = -(-N // (WARPS * cols))
+    return {"grid": (blocks * WARPS * 32, 1, 1), "threadgroup": (WARPS * 32, 1, 1),
+            "template": [("ROWS", row_capacity(rows)), ("COLS", cols)]}
+
+
+def row_capacity(rows: int) -> int:
+    """The compiled row count that serves `rows`: 1, 2, 4 or 8."""
+    return 1 << (rows - 1).bit_length()
 
 
 def _kernel(name: str, inputs: list[str], source: str):
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=["out"],
-                                             source=source % _params())
+                                             source=source, header=HEADER)
     return _kernels[name]
 
 
-def _launch(kernel, inputs, template, rows: int, N: int, dtype):
-    blocks = -(-N // (WARPS * COLS))
-    (out,) = kernel(inputs=inputs, template=template, grid=(blocks * WARPS * 32, 1, 1),
-                    threadgroup=(WARPS * 32, 1, 1), output_shapes=[(rows, N)], output_dtypes=[dtype])
+def _launch(kernel, inputs, template, rows: int, N: int, dtype, cols: int):
+    config = launch_config(rows, N, cols=cols)
+    (out,) = kernel(inputs=inputs, template=template + config["template"], grid=config["grid"],
+                    threadgroup=config["threadgroup"], output_shapes=[(rows, N)], output_dtypes=[dtype])
     return out
 
 
 def _dims(R: int, K: int, N: int) -> mx.array:
-    # Shapes travel as data, not template values: one compiled kernel serves every shape and
-    # row count, so a new window size never waits for NVRTC, and every R runs the same code.
+    # Shapes travel as data, not template values: one compile per (dtype, bits, rows) serves
+    # every weight shape, so a new matrix never waits for NVRTC.
     key = (R, K, N)
     if key not in _dims_cache:
         _dims_cache[key] = mx.array(key, dtype=mx.int32)
     return _dims_cache[key]
 
 
-def rows_matvec(x: mx.array, w: mx.array) -> mx.array:
-    """x (R, K) @ w (N, K)ᵀ -> (R, N) in x's dtype, R <= 8, on CUDA."""
+def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS) -> mx.array:
+    """x (R, K) @ w (N, K)ᵀ -> (R, N) in x's dtype, R <= 8, on CUDA (`cols`: columns per warp)."""
     R, K = x.shape
     N = w.shape[0]
-    kernel = _kernel("strata_rows_matvec", ["dims", "x", "w"], _DENSE)
-    return _launch(kernel, [_dims(R, K, N), x, w], [("T", x.dtype)], R, N, x.dtype)
+    kernel = _kernel("strata_rows_matvec_v2", ["dims", "x", "w"], DENSE)
+    template = [("T", x.dtype), ("TW", w.dtype)]
+    return _launch(kernel, [_dims(R, K, N), x, w], template, R, N, x.dtype, cols)
 
 
 def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
-                 bits: int) -> mx.array:
+                 bits: int, cols: int = COLS) -> mx.array:
     """x (R, K) @ dequantized w (N, K·bits/32 packed)ᵀ -> (R, N), R <= 8, affine 4 or 8 bits, on CUDA."""
     R, K = x.shape
     N = w.shape[0]
-    kernel = _kernel("strata_rows_qmatvec", ["dims", "x", "w", "scales", "biases"], _QUANTIZED)
-    template = [("T", x.dtype), ("BITS", bits), ("GS", group_size)]
-    return _launch(kernel, [_dims(R, K, N), x, w, scales, biases], template, R, N, x.dtype)
+    kernel = _kernel("strata_rows_qmatvec_v2", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
+    # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
+    template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
+    return _launch(kernel, [_dims(R, K, N), x, w, scales, biases], template, R, N, x.dtype, cols)
+
+
+def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
+                        group_size: int, bits: int, share: int | None = None, cols: int = COLS) -> mx.array:
+    """Routed experts: x (M, K), experts (M,) -> (M, N), row m times dequantized w[experts[m]]ᵀ,
+    w (E, N, K·bits/32 packed), affine 4 or 8 bits, on CUDA. Each expert is read once for up to
+    `share` picks of it (1, 2, 4 or 8; by default about M / 8, the window's rows at top-8..10:
+    a one-row call has no repeats and runs the lean 1-row compile); a pick's result is the same
+    bits whatever the other picks are and whatever `share` is."""
+    M, K = x.shape
+    N = w.shape[1]
+    kernel = _kernel("strata_rows_gather_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "idx"],
+                     GATHER_QUANTIZED)
+    config = launch_config(share or min(MAX_ROWS, max(1, M // 8)), N, cols=cols)
+    template = [("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
+    (out,) = kernel(inputs=[_dims(M, K, N), x, w, scales, biases, experts], template=template + config["template"],
+                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(M, N)],
+                    output_dtypes=[x.dtype])
+    return out
+
+
+def reference_gather_qmatvec(x, w, scales, biases, experts, *, group_size: int, bits: int) -> mx.array:
+    """What `rows_gather_qmatvec` computes, in plain MLX."""
+    dense = mx.dequantize(w[experts], scales[experts], biases[experts], group_size=group_size,
+                          bits=bits).astype(mx.float32)  # (M, N, K)
+    return (dense @ x.astype(mx.float32)[:, :, None])[..., 0].astype(x.dtype)
 
 
 def reference_matvec(x: mx.array, w: mx.array) -> mx.array:
@@ -207,12 +339,38 @@ def _probe() -> bool:
             together = kernel(x)
             alone = mx.concatenate([kernel(x[i : i + 1]) for i in range(MAX_ROWS)])
             expected = reference(x)
-            mx.eval(together, alone, expected)
-            if not mx.array_equal(together, alone).item():
+            partial = [kernel(x[:T]) for T in (2, 3)]  # the 2- and 4-row compiles, rows left unused
+            mx.eval(together, alone, expected, partial)
+            if not all(mx.array_equal(y, alone[: y.shape[0]]).item() for y in [together, *partial]):
                 _state["error"] = f"rows differ with the row count ({dtype})"
                 return False
             tol = 5e-3 if dtype == mx.float32 else 3e-2  # the reference may run at TF32
             if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
                 _state["error"] = f"kernel and reference disagree ({dtype})"
                 return False
+        if not _probe_gather(dtype):
+            return False
+    return True
+
+
+def _probe_gather(dtype) -> bool:
+    # 12 picks of 6 experts, expert 3 picked 9 times: more than one block's MAX_ROWS.
+    K, N = 512, 200
+    experts = mx.array([3, 1, 3, 0, 3, 5, 1, 3, 3, 3, 3, 3], dtype=mx.uint32)
+    M = experts.shape[0]
+    x = mx.random.normal((M, K), key=mx.random.key(9)).astype(dtype)
+    w = (mx.random.normal((6, N, K), key=mx.random.key(10)) * K**-0.5).astype(dtype)
+    qw, qs, qb = mx.quantize(w, 64, 4)
+    together = rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4, share=MAX_ROWS)
+    alone = mx.concatenate([rows_gather_qmatvec(x[m : m + 1], qw, qs, qb, experts[m : m + 1], group_size=64, bits=4)
+                            for m in range(M)])
+    expected = reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)
+    mx.eval(together, alone, expected)
+    if not mx.array_equal(together, alone).item():
+        _state["error"] = f"routed-expert picks differ with the other picks ({dtype})"
+        return False
+    tol = 5e-3 if dtype == mx.float32 else 3e-2
+    if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
+        _state["error"] = f"routed-expert kernel and reference disagree ({dtype})"
+        return False
     return True

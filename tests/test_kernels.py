@@ -40,3 +40,131 @@ def test_the_cpu_never_takes_the_kernel_path():
         pytest.fail("this check is for the CPU test machine")
     assert kernels.kernels_usable() is False
     assert kernels.status() == {"usable": False, "error": None}
+
+
+def test_row_capacity_and_launch_shape():
+    assert [kernels.row_capacity(r) for r in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    config = kernels.launch_config(3, 151936)
+    threads = kernels.WARPS * 32
+    assert config["threadgroup"] == (threads, 1, 1)
+    blocks = config["grid"][0] // threads
+    assert (blocks - 1) * kernels.WARPS * kernels.COLS < 151936 <= blocks * kernels.WARPS * kernels.COLS
+    assert dict(config["template"]) == {"ROWS": 4, "COLS": kernels.COLS}
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="1..8 rows"):
+            kernels.launch_config(bad, 64)
+
+
+def test_calls_pass_row_count_and_shapes_as_data(monkeypatch):
+    """What `rows_qmatvec` hands to mx.fast.cuda_kernel: one source per kind, the row tier and
+    the columns per warp as template values, R/K/N as data, one output of (R, N)."""
+    calls = []
+
+    def fake(name, inputs, source):
+        def kernel(**kw):
+            calls.append((name, inputs, source, kw))
+            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+        return kernel
+
+    monkeypatch.setattr(kernels, "_kernel", fake)
+    w = mx.random.normal((40, 128), key=mx.random.key(5))
+    qw, qs, qb = mx.quantize(w, 64, 4)
+    x = mx.zeros((5, 128), dtype=mx.bfloat16)
+    out = kernels.rows_qmatvec(x, qw, qs, qb, group_size=64, bits=4)
+    dense = kernels.rows_matvec(x[:1], w, cols=2)
+    assert out.shape == (5, 40) and out.dtype == mx.bfloat16 and dense.shape == (1, 40)
+    (qname, _, qsource, qkw), (dname, _, dsource, dkw) = calls
+    assert qsource is kernels.QUANTIZED and dsource is kernels.DENSE and qname != dname
+    assert qkw["inputs"][0].tolist() == [5, 128, 40]
+    assert dict(qkw["template"]) == {"T": mx.bfloat16, "TS": mx.float32, "BITS": 4, "GS": 64, "ROWS": 8, "COLS": kernels.COLS}
+    assert dict(dkw["template"]) == {"T": mx.bfloat16, "TW": mx.float32, "ROWS": 1, "COLS": 2}
+
+
+def test_sources_reduce_in_an_order_set_by_k_alone():
+    """The per-row order must not read the row count: rows only guard loads and stores."""
+    for source in (kernels.DENSE, kernels.QUANTIZED):
+        assert "for (int u = lane; u < KC; u += 32)" in source
+        assert "__shfl_xor_sync" in source and "atomic" not in source
+        assert source.count("if (r >= R) break;") == 1
+
+
+def test_kernel_bench_runs_the_reference_path_on_the_cpu():
+    from strata_cli.bench import kernel_bench
+
+    records = kernel_bench.bench_shape("t", 64, 40, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0, cols=(2,))
+    assert [r["R"] for r in records] == list(kernel_bench.ROWS)
+    assert all(r["identical_to_1_row"] for r in records)
+    assert all(r["max_abs_diff"] < 0.05 and r["ms"]["kernel"] > 0 for r in records)
+    assert "lm_head" in kernel_bench.render({"device": "cpu", "mlx": "x", "path": "reference", "kernels": {},
+                                             "all_rows_identical": True,
+                                             "records": [dict(records[0], shape="lm_head")]})
+
+
+def test_gather_reference_matches_mlx():
+    x = mx.random.normal((6, 128), key=mx.random.key(11))
+    w = mx.random.normal((5, 48, 128), key=mx.random.key(12)) * 0.1
+    qw, qs, qb = mx.quantize(w, 64, 4)
+    experts = mx.array([4, 0, 4, 2, 2, 4], dtype=mx.uint32)
+    expected = mx.gather_qmm(x[:, None, :], qw, qs, qb, rhs_indices=experts, transpose=True, group_size=64, bits=4)
+    got = kernels.reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)
+    assert got.shape == (6, 48)
+    assert mx.allclose(got, expected[:, 0], atol=1e-4, rtol=1e-4).item()
+
+
+def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
+    """gather_qmatmul hands a window's unsorted picks (M, 1, K) to the routed-experts kernel and
+    keeps its (M, 1, N) contract; sorted (prompt) calls and RowSplit "never" stay on MLX."""
+    from strata_cli.model import moe
+    from strata_cli.model.layers import RowSplit
+
+    calls = []
+
+    def fake(x, w, s, b, experts, *, group_size, bits):
+        calls.append(x.shape)
+        return kernels.reference_gather_qmatvec(x, w, s, b, experts, group_size=group_size, bits=bits)
+
+    monkeypatch.setattr(kernels, "kernels_usable", lambda: True)
+    monkeypatch.setattr(kernels, "rows_gather_qmatvec", fake)
+    x = mx.random.normal((4, 1, 128), key=mx.random.key(13))
+    qw, qs, qb = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(14)) * 0.1, 64, 4)
+    experts = mx.array([2, 0, 2, 1], dtype=mx.uint32)
+    plain = mx.gather_qmm(x, qw, qs, qb, rhs_indices=experts, transpose=True, group_size=64, bits=4)
+    got = moe.gather_qmatmul(x, qw, qs, qb, experts, group_size=64, bits=4, is_sorted=False)
+    assert calls == [(4, 128)] and got.shape == (4, 1, 40)
+    assert mx.allclose(got, plain, atol=1e-4, rtol=1e-4).item()
+    order = mx.array([1, 3, 0, 2])
+    moe.gather_qmatmul(x[order], qw, qs, qb, experts[order], group_size=64, bits=4, is_sorted=True)
+    monkeypatch.setattr(RowSplit, "mode", "never")
+    moe.gather_qmatmul(x, qw, qs, qb, experts, group_size=64, bits=4, is_sorted=False)
+    assert len(calls) == 1
+
+
+def test_kernel_bench_routed_experts_on_the_cpu():
+    from strata_cli.bench import kernel_bench
+
+    records = kernel_bench.bench_experts("e", 6, 64, 32, 3, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0)
+    assert [r["picks"] for r in records] == [3 * R for R in kernel_bench.ROWS]
+    assert all(r["identical_to_1_row"] and r["max_abs_diff"] < 0.05 for r in records)
+    assert all(1 <= r["unique_experts"] <= 6 for r in records)
+
+
+def test_gather_serves_a_pick_per_block_alone_and_shares_experts_in_windows(monkeypatch):
+    """The routed-experts call: one grid row per pick; the picks of one expert a block serves
+    grow with the window (about M / 8) and the probe's explicit `share` wins."""
+    calls = []
+
+    def fake(name, inputs, source):
+        def kernel(**kw):
+            calls.append((source, kw))
+            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+        return kernel
+
+    monkeypatch.setattr(kernels, "_kernel", fake)
+    qw, qs, qb = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(15)), 64, 4)
+    for M, share, tier in ((10, None, 1), (20, None, 2), (40, None, 8), (80, None, 8), (12, 8, 8)):
+        x = mx.zeros((M, 128))
+        experts = mx.zeros((M,), dtype=mx.uint32)
+        assert kernels.rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4, share=share).shape == (M, 40)
+        source, kw = calls[-1]
+        assert source is kernels.GATHER_QUANTIZED and kw["grid"][1] == M
+        assert dict(kw["template"])["ROWS"] == tier and kw["inputs"][0].tolist() == [M, 128, 40]

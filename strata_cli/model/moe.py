@@ -10,7 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import MLP, WINDOW_ROWS, RowLinear
+from metal_shaders import rows_matvec as kernels
+
+from .layers import MLP, WINDOW_ROWS, RowLinear, RowSplit
 
 
 def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool = True) -> mx.array:
@@ -62,8 +64,17 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     """x (M, 1, in) @ dequantized weight[experts]ᵀ -> (M, 1, out); `is_sorted`: `experts` ascending.
 
     The matmul of `QuantizedExperts`, public so that streamed experts (experts/switch.py) run the
-    very same call over their slot banks.
+    very same call over their slot banks. A decode window's picks (`is_sorted` False, at most
+    WINDOW_ROWS · k of them) take the routed-experts kernel of metal_shaders/rows_matvec.py where
+    it runs: each expert read once for the picks that chose it, each pick reduced alone.
     """
+    if (not is_sorted and mode == "affine" and biases is not None and x.ndim == 3 and x.shape[1] == 1
+            and weight.ndim == 3 and RowSplit.mode != "never"
+            and kernels.supports(x.shape[-1], group_size=group_size, bits=bits) and kernels.kernels_usable()):
+        M = x.shape[0]
+        y = kernels.rows_gather_qmatvec(x.reshape(M, -1), weight, scales, biases, experts.reshape(-1),
+                                        group_size=group_size, bits=bits)
+        return y[:, None, :]
     return mx.gather_qmm(
         x, weight, scales, biases, rhs_indices=experts, transpose=True,
         group_size=group_size, bits=bits, mode=mode, sorted_indices=is_sorted,

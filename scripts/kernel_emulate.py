@@ -1,0 +1,186 @@
+"""Run the CUDA kernels of metal_shaders/rows_matvec.py on the CPU, one warp at a time, against
+their references: a check of their index arithmetic and row invariance where there is no GPU.
+
+Each kernel body (exactly the source handed to `mx.fast.cuda_kernel`) is compiled by g++ with a
+small shim: a warp is 32 threads, `__shfl_xor_sync` trades values through a barrier, `__ldg`
+and `uint4` are plain C++. float32 only (bf16 needs the CUDA headers). It checks, per kernel,
+that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
+float32 reference, including column tails, 8-bit packing and a routed expert picked by more
+rows than one block takes. Not a speed figure; needs g++ with C++20. Takes a minute or two.
+
+    python scripts/kernel_emulate.py
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from metal_shaders import rows_matvec as kernels
+
+SHIM = r"""
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+struct uint4 { unsigned int x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+template <typename V> inline V __ldg(const V* p) { return *p; }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim;
+#define __device__
+#define __forceinline__ inline
+std::barrier<>* warp_barrier;
+float warp_slots[32];
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const int lane = threadIdx.x & 31;
+    warp_barrier->arrive_and_wait();
+    warp_slots[lane] = v;
+    warp_barrier->arrive_and_wait();
+    return warp_slots[lane ^ off];
+}
+"""
+MAIN = r"""
+static std::vector<char> slurp(const char* path) {
+    std::vector<char> bytes; char buf[65536]; size_t n; FILE* f = fopen(path, "rb");
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
+    fclose(f); return bytes;
+}
+int main(int argc, char** argv) {
+    std::vector<std::vector<char>> in;
+    for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
+    const int gx = atoi(argv[1 + NUM_INPUTS]), gy = atoi(argv[2 + NUM_INPUTS]), tx = atoi(argv[3 + NUM_INPUTS]);
+    std::vector<float> out(atol(argv[4 + NUM_INPUTS]), NAN);
+    blockDim.x = tx;
+    std::barrier<> bar(32); warp_barrier = &bar;
+    for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) for (int wp = 0; wp < tx / 32; ++wp) {
+        std::vector<std::thread> lanes;
+        for (int l = 0; l < 32; ++l) lanes.emplace_back([&, l] {
+            threadIdx.x = wp * 32 + l; blockIdx.x = bx; blockIdx.y = by; CALL;
+        });
+        for (auto& t : lanes) t.join();
+    }
+    FILE* f = fopen(argv[5 + NUM_INPUTS], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+}
+"""
+# name: (kernel parameters as MLX generates them for float32 inputs, body, extra template lines)
+KINDS = {
+    "dense": (["const int32_t* dims", "const float* x", "const float* w"], kernels.DENSE, "using TW = float;"),
+    "quantized": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
+                   "const float* biases"], kernels.QUANTIZED, "using TS = float;"),
+    "gather": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
+                "const float* biases", "const uint32_t* idx"], kernels.GATHER_QUANTIZED,
+               "using TS = float; using TI = uint32_t;"),
+}
+
+
+class Emulator:
+    def __init__(self, workdir: Path):
+        self.dir = workdir
+        self.built: dict[tuple, Path] = {}
+
+    def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int) -> Path:
+        key = (kind, rows, cols, bits, gs)
+        if key not in self.built:
+            params, body, extra = KINDS[kind]
+            consts = f"using T = float; {extra} constexpr int ROWS = {rows}; constexpr int COLS = {cols};"
+            if kind != "dense":
+                consts += f" constexpr int BITS = {bits}; constexpr int GS = {gs};"
+            args = ", ".join(f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params))
+            source = (SHIM + kernels.HEADER + f"void kernel({', '.join(params)}, float* out) {{\n{consts}\n{body}\n}}\n"
+                      + MAIN.replace("NUM_INPUTS", str(len(params))).replace("CALL", f"kernel({args}, out.data())"))
+            path = self.dir / "_".join(map(str, key))
+            path.with_suffix(".cpp").write_text(source)
+            subprocess.run(["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread",
+                            str(path.with_suffix(".cpp")), "-o", str(path)], check=True)
+            self.built[key] = path
+        return self.built[key]
+
+    def launch(self, kind: str, inputs: list, *, rows: int, blocks_y: int, N: int, out_rows: int, bits: int = 0,
+               gs: int = 0, cols: int = kernels.COLS) -> np.ndarray:
+        config = kernels.launch_config(rows, N, cols=cols)
+        binary = self._binary(kind, kernels.row_capacity(rows), cols, bits, gs)
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"in{i}"))
+            Path(names[-1]).write_bytes(np.ascontiguousarray(np.asarray(a)).tobytes())
+        threads = config["threadgroup"][0]
+        out = self.dir / "out"
+        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), str(blocks_y), str(threads),
+                        str(out_rows * N), str(out)], check=True)
+        return np.fromfile(out, np.float32).reshape(out_rows, N)
+
+
+def _f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def check(name: str, run, rows: int, expected: np.ndarray, alone_rows) -> bool:
+    """`run(i0, i1)`: the kernel over rows i0..i1-1 in one call."""
+    together = run(0, rows)
+    alone = np.concatenate([run(i, i + 1) for i in alone_rows])
+    same = np.array_equal(together[list(alone_rows)], alone)
+    diff = float(np.abs(together - expected).max())
+    ok = same and diff < 1e-4
+    print(f"{name:34s} rows {rows:2d}  identical to 1-row calls: {same!s:5s}  max |diff| {diff:.1e}  "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def main() -> int:
+    mx.set_default_device(mx.cpu)
+    emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")))
+    results = []
+    for K, N, bits, gs, R in ((512, 37, 4, 64, 3), (2048, 21, 4, 64, 8), (1024, 19, 8, 32, 2)):
+        x = mx.random.normal((R, K), key=mx.random.key(1))
+        qw, qs, qb = mx.quantize(mx.random.normal((N, K), key=mx.random.key(2)) * K**-0.5, gs, bits)
+
+        def run(i0, i1, x=x, qw=qw, qs=qs, qb=qb, K=K, N=N, bits=bits, gs=gs):
+            return emu.launch("quantized", [np.array([i1 - i0, K, N], np.int32), _f32(x[i0:i1]), np.array(qw),
+                                            _f32(qs), _f32(qb)], rows=i1 - i0, blocks_y=1, N=N, out_rows=i1 - i0,
+                              bits=bits, gs=gs)
+
+        expected = _f32(kernels.reference_qmatvec(x, qw, qs, qb, group_size=gs, bits=bits))
+        results.append(check(f"rows_qmatvec {bits}-bit K={K} N={N}", run, R, expected, range(R)))
+
+    K, N, R = 256, 23, 5
+    x = mx.random.normal((R, K), key=mx.random.key(3))
+    w = mx.random.normal((N, K), key=mx.random.key(4)) * K**-0.5
+
+    def run_dense(i0, i1):
+        return emu.launch("dense", [np.array([i1 - i0, K, N], np.int32), _f32(x[i0:i1]), _f32(w)],
+                          rows=i1 - i0, blocks_y=1, N=N, out_rows=i1 - i0)
+
+    results.append(check(f"rows_matvec K={K} N={N}", run_dense, R, _f32(kernels.reference_matvec(x, w)), range(R)))
+
+    K, N, E = 512, 40, 6
+    experts = mx.array([3, 1, 3, 0, 3, 5, 1, 3, 3, 3, 3, 3], dtype=mx.uint32)  # expert 3: 9 picks
+    M = experts.shape[0]
+    xg = mx.random.normal((M, K), key=mx.random.key(5))
+    qw, qs, qb = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(6)) * K**-0.5, 64, 4)
+
+    def run_gather(i0, i1):
+        return emu.launch("gather", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(qw), _f32(qs),
+                                     _f32(qb), np.array(experts[i0:i1])],
+                          rows=kernels.MAX_ROWS if i1 - i0 > 1 else 1, blocks_y=i1 - i0, N=N, out_rows=i1 - i0, bits=4, gs=64)
+
+    expected = _f32(kernels.reference_gather_qmatvec(xg, qw, qs, qb, experts, group_size=64, bits=4))
+    results.append(check(f"rows_gather_qmatvec K={K} N={N}", run_gather, M, expected, (0, 5, 8, 11)))
+    print("all kernels match" if all(results) else "MISMATCH", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
