@@ -37,13 +37,16 @@ class HealTable:
     def __init__(self, token_bytes: Sequence[bytes | None]):
         self.token_bytes = list(token_bytes)
         V = len(self.token_bytes)
-        self.lengths = np.zeros(V, dtype=np.int32)  # 0: never allowed
-        self.heads = np.zeros((V, MAX_HEAL_BYTES), dtype=np.uint8)  # each token's first bytes
-        for i, b in enumerate(self.token_bytes):
-            if b:
-                head = b[:MAX_HEAL_BYTES]
-                self.lengths[i] = len(b)
-                self.heads[i, : len(head)] = np.frombuffer(head, dtype=np.uint8)
+        self.lengths = np.array([len(b) if b else 0 for b in self.token_bytes], dtype=np.int32)  # 0: never allowed
+        padded = b"".join((b or b"")[:MAX_HEAL_BYTES].ljust(MAX_HEAL_BYTES, b"\0") for b in self.token_bytes)
+        # Each token's first MAX_HEAL_BYTES bytes, zero-padded, as two 64-bit words; byte masks
+        # that keep the first m bytes of such words (same byte order: both are views of bytes).
+        heads = np.frombuffer(padded, dtype=np.uint64).reshape(V, MAX_HEAL_BYTES // 8)
+        keep = np.frombuffer(
+            b"".join(b"\xff" * m + b"\0" * (MAX_HEAL_BYTES - m) for m in range(MAX_HEAL_BYTES + 1)), dtype=np.uint64
+        ).reshape(MAX_HEAL_BYTES + 1, MAX_HEAL_BYTES // 8)
+        self._words = [np.ascontiguousarray(heads[:, c]) for c in range(heads.shape[1])]  # (V,) each
+        self._keep = [np.ascontiguousarray(keep[:, c]) for c in range(keep.shape[1])]  # (17,) each
         self._masks: dict[bytes, np.ndarray] = {}
         self._mx_masks: dict[tuple[bytes, int], mx.array] = {}
 
@@ -58,9 +61,12 @@ class HealTable:
             n = len(tail)
             if not 0 < n <= MAX_HEAL_BYTES:
                 raise ValueError(f"a heal tail has 1..{MAX_HEAL_BYTES} bytes, got {n}")
-            equal = self.heads[:, :n] == np.frombuffer(tail, dtype=np.uint8)  # (V, n)
-            past_end = np.arange(n)[None, :] >= self.lengths[:, None]  # byte j is beyond the token
-            mask = (equal | past_end).all(axis=1) & (self.lengths > 0)
+            # Token and tail agree on their first min(len(token), n) bytes: one is a prefix of the other.
+            want = np.frombuffer(tail.ljust(MAX_HEAL_BYTES, b"\0"), dtype=np.uint64)
+            common = np.minimum(self.lengths, n)
+            mask = self.lengths > 0
+            for c in range(-(-n // 8)):  # the 8-byte words the tail reaches
+                mask &= ((self._words[c] ^ want[c]) & self._keep[c][common]) == 0
             self._masks[tail] = mask
         return mask
 
