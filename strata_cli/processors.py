@@ -21,7 +21,7 @@ Semantics:
   which each generated token shortens.
 
 Every state is a function of the tokens and the prompt length alone, and needs only the last
-`horizon` tokens besides the generated counts, so a checkpoint's tokens (serve/checkpoints.py)
+`horizon` tokens besides the generated counts and the first generated tokens (the healed tail), so a checkpoint's tokens (serve/checkpoints.py)
 restore it exactly: `ProcessorTrack.start` rebuilds it.
 """
 
@@ -156,7 +156,7 @@ class Processors:
         node = self.automaton.step(state.node, token) if self.automaton else 0
         tail = state.tail
         if self.heal is not None and state.length < prompt_length:
-            tail = self.heal.tail  # a state rebuilt from a horizon that starts in the prompt
+            tail = self.heal.tail  # after a prompt token, all of the tail is still to come
         elif tail:
             tail = self.heal.table.after(tail, token)
         return ProcessorState(state.length + 1, recent, counts, node, tail)
