@@ -135,6 +135,7 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
 
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
     from .decode import generate as decode_generate
+    from .healing import HealPlan, TailSkipper, plan_heal
     from .runtime import open_model
     from .serve.protocol import FINISH_CANCELLED
     from .telemetry import DecodeStats
@@ -155,13 +156,17 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
             detok = StreamingDetokenizer(tokenizer)
             finish, stopped = None, False
             bar = PrefillBar(console)
+            ids = tokenizer.encode(text)
+            heal = plan_heal(ids, tokenizer.heal_table()) if gen_options.heal else HealPlan(ids)
+            stats.record_heal(heal.removed)
+            skip = TailSkipper(heal.tail_text)  # the healed tail is the prompt's: printed already
             try:
                 latch.check()
                 for step in decode_generate(
-                    engine, tokenizer.encode(text), options=gen_options, spec=spec,
-                    eos_ids=tokenizer.eos_ids, stats=stats, banned=banned, prefill_progress=bar,
+                    engine, heal.prompt_ids, options=gen_options, spec=spec, eos_ids=tokenizer.eos_ids,
+                    stats=stats, banned=banned, prefill_progress=bar, heal=heal.constraint(tokenizer.heal_table()),
                 ):
-                    delta = detok.add(step.tokens)
+                    delta = skip.feed(detok.add(step.tokens))
                     if not as_json and delta:
                         out.write(delta)
                         out.flush()
@@ -172,14 +177,14 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
             finally:
                 latch.armed = False  # another error's way out
                 bar.close()  # an interrupted prefill must not leave the bar drawn
-            tail = detok.finish()
+            tail = skip.feed(detok.finish())
             for message in stats.notes:
                 click.echo(f"note: {message}", err=True)
             if as_json:
                 record = {
                     "index": n,
                     "prompt": text,
-                    "text": tokenizer.decode(detok.ids),
+                    "text": tokenizer.decode(detok.ids)[len(heal.tail_text):],
                     "token_ids": detok.ids,
                     "finish_reason": finish,
                     "weights": "verified" if runtime.verification.is_verified else "unverified",

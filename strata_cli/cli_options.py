@@ -189,7 +189,7 @@ def engine_options(command):
 
 
 def sampling_options(command):
-    """Sampling filters, penalties and phrase bans (`GenerateOptions` fields), passed to `command`
+    """Sampling filters, penalties, phrase bans and healing (`GenerateOptions` fields), passed to `command`
     as one `sampling: dict` argument; `GenerateOptions` checks them with the rest."""
     options = [
         click.option("--top-k", type=click.IntRange(min=0), default=0, envvar="STRATA_TOP_K", show_default=True,
@@ -214,15 +214,19 @@ def sampling_options(command):
         click.option("--ban-phrases", type=click.Path(exists=True, dir_okay=False), default=None,
                      envvar="STRATA_BAN_PHRASES", metavar="FILE",
                      help="Phrases (one per line) the output never contains as tokens."),
+        click.option("--no-heal", is_flag=True, envvar="STRATA_NO_HEAL",
+                     help="Take the prompt's tokens as they are: no backing up over a trailing space, newline or "
+                          "partial word to let the first tokens rewrite it."),
     ]
 
     def build(top_k, top_p, min_p, repetition_penalty, repetition_context, presence_penalty, frequency_penalty,
-              ban_phrases):
+              ban_phrases, no_heal):
         return {
             "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty,
             "repetition_context": repetition_context, "presence_penalty": presence_penalty,
             "frequency_penalty": frequency_penalty,
             "ban_phrases": read_ban_phrases(ban_phrases) if ban_phrases else (),
+            "heal": not no_heal,
         }
 
     return options_object("sampling", build, options)(command)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from .engine.window import WindowEngine
+from .healing import HealConstraint
 from .options import GenerateOptions, SpecOptions
 from .processors import Processors, ProcessorTrack
 from .sampling import TokenChooser
@@ -59,6 +60,7 @@ def generate(
     controller: DraftController | None = None,
     banned: Sequence[Sequence[int]] = (),
     prefill_progress: Callable[[int, int], None] | None = None,
+    heal: HealConstraint | None = None,
 ) -> Iterator[Step]:
     """Generate from `prompt_ids`, one window per step.
 
@@ -83,6 +85,8 @@ def generate(
             given exactly when phrases are.
         prefill_progress: called as `prefill_progress(done, total)` after each prompt chunk
             (a progress bar); None (default) = quiet.
+        heal: the healed tail the first outputs must reproduce (healing.plan_heal; `prompt_ids`
+            is then the prompt less its healed tokens); None (default) = outputs are free.
 
     Yields:
         `Step`s; the last one carries the finish reason ("stop", "length" or "context").
@@ -96,7 +100,7 @@ def generate(
             f"the prompt has {len(prompt_ids)} tokens but the context holds {engine.max_context}"
         )
     chooser = TokenChooser(options, prompt_length=len(prompt_ids))
-    processors = Processors(options, banned) if options.has_processors else None
+    processors = Processors(options, banned, heal) if options.has_processors or heal else None
     max_drafts = spec.max_drafts
     drafter = SuffixDrafter(prompt_ids, min_match=spec.min_match) if max_drafts else None
     if not (spec.auto and max_drafts):

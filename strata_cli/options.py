@@ -244,6 +244,10 @@ class GenerateOptions:
             (OpenAI semantics; 0 = off, the default; -2..2).
         ban_phrases: phrases that never appear in the output as the token sequences the
             tokenizer gives them (processors.py); () = none (the default).
+        heal: heal the prompt's edge (healing.py): back up over its trailing token(s) and make
+            the first generated tokens reproduce their text (default True). The text edges that
+            tokenize a prompt plan it (`generate`, serve-stdio's `prompt` requests); bench and
+            `decode.generate` take token ids as they are.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -257,6 +261,7 @@ class GenerateOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ban_phrases: tuple[str, ...] = ()
+    heal: bool = True
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -1,5 +1,5 @@
-"""Logit processors with per-position state: repetition, presence and frequency penalties and
-phrase bans.
+"""Logit processors with per-position state: repetition, presence and frequency penalties,
+phrase bans and the prompt-edge healing constraint.
 
 A processor's state after positions 0..n-1 is a `ProcessorState`, an immutable value, so a
 window can hold one per row and a rollback is just keeping the right one (the "logit-processor
@@ -15,10 +15,13 @@ Semantics:
   counts the token among the generated tokens (the prompt does not count);
 - phrase bans: an Aho-Corasick automaton over token ids whose state advances per position;
   a token that would complete a banned sequence gets -inf. The prompt advances it too, so a
-  phrase that starts in the prompt cannot be completed by the output.
+  phrase that starts in the prompt cannot be completed by the output;
+- healing (healing.py): while the healed tail is not yet reproduced, only tokens consistent with
+  what remains of it keep their logits (the rest get -inf); the state is the remaining tail,
+  which each generated token shortens.
 
 Every state is a function of the tokens and the prompt length alone, and needs only the last
-`horizon` tokens besides the generated counts, so a checkpoint's tokens (serve/checkpoints.py)
+`horizon` tokens besides the generated counts and the first generated tokens (the healed tail), so a checkpoint's tokens (serve/checkpoints.py)
 restore it exactly: `ProcessorTrack.start` rebuilds it.
 """
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
+from .healing import HealConstraint
 from .options import GenerateOptions
 
 
@@ -94,6 +98,7 @@ class ProcessorState:
     recent: tuple[int, ...] = ()  # the last repetition_context tokens
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times
     node: int = 0  # PhraseAutomaton node
+    tail: bytes = b""  # healed text the generated tokens have yet to reproduce
 
 
 class Processors:
@@ -103,9 +108,11 @@ class Processors:
         options: the request's penalties, repetition context and phrases.
         banned: the token sequences of `options.ban_phrases` (tokenizer.phrase_sequences); it
             must be given exactly when phrases are.
+        heal: the healed prompt's tail and token table (healing.py); None (default) = no healing.
     """
 
-    def __init__(self, options: GenerateOptions, banned: Sequence[Sequence[int]] = ()):
+    def __init__(self, options: GenerateOptions, banned: Sequence[Sequence[int]] = (),
+                 heal: HealConstraint | None = None):
         if bool(options.ban_phrases) != bool(banned):
             raise ValueError("ban phrases need their token sequences (and sequences need phrases)")
         self.repetition_penalty = options.repetition_penalty
@@ -114,6 +121,7 @@ class Processors:
         self.frequency = options.frequency_penalty
         self.is_counting = bool(self.presence or self.frequency)
         self.automaton = PhraseAutomaton(banned) if banned else None
+        self.heal = heal if heal is not None and heal.tail else None
         # Tokens a state depends on besides the counts (what `start` reads).
         self.horizon = max(self.context, self.automaton.depth if self.automaton else 0)
 
@@ -129,6 +137,13 @@ class Processors:
             for token in tokens[prompt_length:]:
                 counts[token] = counts.get(token, 0) + 1
             state = replace(state, counts=counts)
+        if self.heal is not None:  # the first generated tokens consume the tail (a few at most)
+            tail = self.heal.tail
+            for token in tokens[prompt_length:]:
+                if not tail:
+                    break
+                tail = self.heal.table.after(tail, token)
+            state = replace(state, tail=tail)
         return state
 
     def advance(self, state: ProcessorState, token: int, prompt_length: int) -> ProcessorState:
@@ -139,7 +154,12 @@ class Processors:
             counts = dict(counts)
             counts[token] = counts.get(token, 0) + 1
         node = self.automaton.step(state.node, token) if self.automaton else 0
-        return ProcessorState(state.length + 1, recent, counts, node)
+        tail = state.tail
+        if self.heal is not None and state.length < prompt_length:
+            tail = self.heal.tail  # after a prompt token, all of the tail is still to come
+        elif tail:
+            tail = self.heal.table.after(tail, token)
+        return ProcessorState(state.length + 1, recent, counts, node, tail)
 
     def apply(self, logits: mx.array, states: Sequence[ProcessorState]) -> mx.array:
         """logits (T, V) -> processed logits; row i with states[i]."""
@@ -169,6 +189,11 @@ class Processors:
             logits = logits.at[r, c].add(new - picked)
         if ban_rows:
             logits = logits.at[mx.array(ban_rows), mx.array(ban_cols)].add(-mx.inf)
+        if any(state.tail for state in states):
+            width = logits.shape[-1]
+            every = mx.ones((width,), dtype=mx.bool_)
+            masks = [self.heal.table.allowed_mx(s.tail, width) if s.tail else every for s in states]
+            logits = mx.where(mx.stack(masks), logits, -mx.inf)
         return logits
 
 

@@ -6,7 +6,9 @@ it is reported apart from the steady state.
 
 Summary keys (stable names; bench and --json consumers read them):
 
-- tokens: `prompt_tokens` (the prompt's tokens), `prefill_tokens` (those this request ran
+- tokens: `prompt_tokens` (the prompt's tokens, less those healing backed up over),
+  `healed_tokens` (the prompt's trailing tokens healing removed, healing.py: the first
+  generated tokens reproduce their text and count as generated), `prefill_tokens` (those this request ran
   through prefill: the prompt minus its last token, which the first window runs, and minus any
   positions restored from a checkpoint), `generated_tokens`, `prefill_tokens_per_s`, `tokens_per_s` (all
   windows), `steady_tokens_per_s` (without the first window), `decode_seconds`,
@@ -114,6 +116,7 @@ def percentile(values: list[float], q: float) -> float:
 @dataclass
 class DecodeStats:
     prompt_tokens: int = 0  # the prompts' tokens
+    healed_tokens: int = 0  # trailing prompt tokens healing backed up over (regenerated)
     prefill_tokens: int = 0  # of those, the ones prefill ran (not the root, not restored positions)
     prefill_seconds: float = 0.0
     windows: list[WindowRecord] = field(default_factory=list)
@@ -130,6 +133,10 @@ class DecodeStats:
     def record_prompt(self, tokens: int) -> None:
         """Count a request's prompt tokens (all of them, however many prefill ran)."""
         self.prompt_tokens += tokens
+
+    def record_heal(self, tokens: int) -> None:
+        """Count the prompt's trailing tokens healing backed up over (healing.py)."""
+        self.healed_tokens += tokens
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         self.prefill_tokens += tokens
@@ -159,6 +166,7 @@ class DecodeStats:
         latencies_ms = [1000 * w.seconds for w in steady] or [1000 * w.seconds for w in ws]
         return {
             "prompt_tokens": self.prompt_tokens,
+            "healed_tokens": self.healed_tokens,
             "prefill_tokens": self.prefill_tokens,
             "generated_tokens": self.generated,
             "prefill_tokens_per_s": _rate(self.prefill_tokens, self.prefill_seconds),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from .healing import HealTable
 from .model.loader import ModelLoadError
 
 
@@ -52,6 +53,34 @@ class Tokenizer:
             self._max_token_bytes = max((len(t.encode()) for t in vocab), default=1) or 1
         return self._max_token_bytes
 
+    def heal_table(self) -> HealTable:
+        """Every token's bytes for prompt-edge healing (healing.py), built once per tokenizer.
+
+        Byte-level vocabularies map each token's string back to its bytes; other tokenizers
+        decode each token alone (a token that decodes to a partial character, U+FFFD, is never
+        allowed while healing). Special tokens are never allowed."""
+        if not hasattr(self, "_heal_table"):
+            self._heal_table = HealTable(self._token_bytes())
+        return self._heal_table
+
+    def _token_bytes(self) -> list[bytes | None]:
+        size = self._tok.get_vocab_size(with_added_tokens=True)
+        added = self._tok.get_added_tokens_decoder()
+        is_byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        out: list[bytes | None] = [None] * size
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if not 0 <= i < size:
+                continue
+            if i in added:
+                out[i] = None if added[i].special else token.encode()
+            elif is_byte_level and all(c in byte_of for c in token):
+                out[i] = bytes(byte_of[c] for c in token)
+            else:
+                text = self.decode([i])
+                out[i] = None if "\ufffd" in text else text.encode()
+        return out
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -68,6 +97,19 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the printable character byte-level vocabularies use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return chars
 
 
 def read_json_object(path: Path) -> dict:

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 from strata_cli.engine.window import WindowEngine
+from strata_cli.healing import HealTable
 from strata_cli.options import EngineOptions, GenerateOptions, ServeOptions, SpecOptions
 from strata_cli.serve.protocol import FrameWriter
 from strata_cli.serve.server import Server
@@ -29,6 +30,9 @@ class LetterTokenizer:
 
     def decode(self, ids):
         return "".join(chr(97 + i) for i in ids)
+
+    def heal_table(self):  # no letter goes on past another: prompts are never healed
+        return HealTable([bytes([97 + i]) for i in range(VOCAB)])
 
 
 @pytest.fixture(scope="module")

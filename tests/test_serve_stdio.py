@@ -99,7 +99,8 @@ def test_scripted_conversation(tmp_path):
     script = [
         first,
         {"id": 2, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5},
-        {"id": 3, "prompt": "<|user|>\nhello\n<|assistant|>\n", "max_tokens": 5, "stream": False},
+        # The rendered template as a prompt: `messages` are never healed, so neither is this one.
+        {"id": 3, "prompt": "<|user|>\nhello\n<|assistant|>\n", "max_tokens": 5, "stream": False, "heal": False},
         "garbage",
         {"id": 4, "prompt": "def parse(line):", "max_tokens": 12, "stop": [stop, "\u0000never"]},
         {"id": 5, "prompt": "def parse(line):" + text1 + "\n", "max_tokens": 4, "temperature": 0.7, "seed": 11},
@@ -140,14 +141,19 @@ def test_prefix_reuse_matches_cold(cold):
     assert cached["long-d"] > cached["long-b"]  # the divergence point long-b planted (where it left long-a)
     assert 0 < cached["short-fork"] < done["short-fork"]["usage"]["prompt_tokens"] - 1
     # A continuation resumes from the end-of-generation checkpoint, and matches a cold run of it.
-    follow = {"prompt": REQUESTS["short"]["prompt"] + done["short"]["text"], "max_tokens": 6}
-    both = {"warm": REQUESTS["short"], "follow": follow}
+    # Healing would back up over the reply's last token, before that checkpoint: "heal": false
+    # resumes exactly; healed, it reuses less but still matches a cold run.
+    follow = {"prompt": REQUESTS["short"]["prompt"] + done["short"]["text"], "max_tokens": 6, "heal": False}
+    healed = {**follow, "heal": True}
+    both = {"warm": REQUESTS["short"], "follow": follow, "warm-again": REQUESTS["short"], "healed": healed}
     rc, warm_frames, err = serve(lines_of(both))
-    rc_cold, cold_frames, _ = serve(lines_of({"follow": follow}), "--prefix-cache", "0")
+    rc_cold, cold_frames, _ = serve(lines_of({"follow": follow, "healed": healed}), "--prefix-cache", "0")
     assert rc == rc_cold == 0, err
-    warm = by_id(warm_frames)["follow"]
-    assert warm["token_ids"] == by_id(cold_frames)["follow"]["token_ids"]
-    assert warm["usage"]["cached_tokens"] > len(cold["short"])
+    warm = by_id(warm_frames)
+    for rid in ("follow", "healed"):
+        assert warm[rid]["token_ids"] == by_id(cold_frames)[rid]["token_ids"], rid
+    assert warm["follow"]["usage"]["cached_tokens"] > len(cold["short"])
+    assert warm["healed"]["stats"]["healed_tokens"] >= 1 and warm["healed"]["usage"]["cached_tokens"] > 0
 
 
 def test_session_resumes_and_matches_cold(cold, tmp_path):

@@ -168,7 +168,8 @@ class Prefilled:
     def run(self, spec: SpecOptions, options: BenchOptions) -> RunResult:
         """Decode every prompt once in one strata mode; time decode only."""
         stats = DecodeStats()
-        gen = GenerateOptions(max_tokens=options.max_tokens, seed=options.seed, temperature=options.temperature)
+        gen = GenerateOptions(max_tokens=options.max_tokens, seed=options.seed, temperature=options.temperature,
+                              heal=False)  # bench decodes its prompts' ids as they are
         outputs, seconds = [], 0.0
         for ids, snapshot in zip(self.prompts, self.snapshots):
             self.engine.restore(snapshot)

@@ -36,7 +36,7 @@ MAX_BAN_PHRASES = 256
 SAMPLING_INTEGERS = ("top_k", "repetition_context")
 SAMPLING_NUMBERS = ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "seed", "suffix_draft", "stop", "stream",
-          *SAMPLING_INTEGERS, *SAMPLING_NUMBERS, "ban_phrases")
+          *SAMPLING_INTEGERS, *SAMPLING_NUMBERS, "ban_phrases", "heal")
 MESSAGE_FIELDS = ("role", "content")
 
 
@@ -150,7 +150,7 @@ def _check_fields(obj: dict, request_id: Any, defaults: GenerateOptions, spec: S
 
 
 def _sampling(obj: dict) -> dict:
-    """The sampling filters, penalties and banned phrases a request sets (GenerateOptions fields)."""
+    """The sampling filters, penalties, banned phrases and healing a request sets (GenerateOptions fields)."""
     overrides: dict[str, Any] = {name: _integer(name, obj[name]) for name in SAMPLING_INTEGERS if name in obj}
     overrides.update({name: _number(name, obj[name]) for name in SAMPLING_NUMBERS if name in obj})
     if "ban_phrases" in obj:
@@ -161,6 +161,10 @@ def _sampling(obj: dict) -> dict:
                 f"'ban_phrases' must be a list of at most {MAX_BAN_PHRASES} strings, got {_type_name(phrases)}",
             )
         overrides["ban_phrases"] = tuple(_text(f"ban_phrases[{i}]", p) for i, p in enumerate(phrases))
+    if "heal" in obj:
+        if not isinstance(obj["heal"], bool):
+            raise RequestError(INVALID_REQUEST, f"'heal' must be a boolean, got {_type_name(obj['heal'])}")
+        overrides["heal"] = obj["heal"]
     return overrides
 
 

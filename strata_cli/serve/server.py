@@ -25,6 +25,7 @@ import mlx.core as mx
 from ..decode import FINISH_STOP
 from ..decode import generate as decode_generate
 from ..engine.window import WindowEngine
+from ..healing import HealPlan, TailSkipper, plan_heal
 from ..options import GenerateOptions, ServeOptions, SpecOptions
 from ..runtime import Runtime
 from ..speculative.suffix_cache import GlobalSuffixCache
@@ -154,13 +155,15 @@ class Server:
         expert_cache = getattr(self.engine.model, "expert_cache", None)
         if expert_cache is not None:  # a failed prefetch of an earlier request is not this one's error
             expert_cache.begin_request()
-        prompt_ids = self._prompt_ids(request)
+        heal = self._heal(request, self._prompt_ids(request))
+        prompt_ids = heal.prompt_ids
         stats = DecodeStats()
-        reply = _Reply(request, self.frames, StreamingDetokenizer(self.tokenizer))
+        stats.record_heal(heal.removed)
+        reply = _Reply(request, self.frames, StreamingDetokenizer(self.tokenizer), TailSkipper(heal.tail_text))
         reused, is_prefilled = self._prefill(prompt_ids, stats)
         ids, finish, ttft = [], FINISH_CANCELLED, None
         if is_prefilled and not self.cancelled():
-            ids, finish, ttft = self._decode(request, prompt_ids, stats, reply, started)
+            ids, finish, ttft = self._decode(request, heal, stats, reply, started)
         text = reply.finish()
         if reply.stops.stopped:
             finish = FINISH_STOP
@@ -183,19 +186,29 @@ class Server:
             "stats": {**stats.summary(), "ttft_ms": None if ttft is None else 1000 * ttft, "notes": stats.notes},
         })
 
-    def _decode(self, request: Request, prompt_ids: list[int], stats: DecodeStats, reply: "_Reply",
+    def _heal(self, request: Request, ids: list[int]) -> HealPlan:
+        """The prompt's healing plan (healing.py). A chat-rendered prompt ends where its template
+        says, so only a `prompt` request is healed."""
+        if request.options.heal and request.messages is None:
+            return plan_heal(ids, self.tokenizer.heal_table())
+        return HealPlan(ids)
+
+    def _decode(self, request: Request, heal: HealPlan, stats: DecodeStats, reply: "_Reply",
                 started: float) -> tuple[list[int], str, float | None]:
-        """Generate from the prefilled engine until a finish, a stop string or a cancel.
+        """Generate from the prefilled engine (the healed prompt) until a finish, a stop string
+        or a cancel.
 
         Returns:
             (generated ids, finish reason, seconds from `started` to the first token or None).
         """
         ids: list[int] = []
+        prompt_ids = heal.prompt_ids
         finish, ttft = FINISH_CANCELLED, None
         steps = decode_generate(
             self.engine, prompt_ids, options=request.options, spec=request.spec, eos_ids=self.tokenizer.eos_ids,
             stats=stats, prefilled=self.engine.length, fallback_drafter=self.suffix_cache,
             banned=self.tokenizer.phrase_sequences(request.options.ban_phrases) if request.options.ban_phrases else (),
+            heal=heal.constraint(self.tokenizer.heal_table()) if heal.removed else None,
         )
         try:
             for step in steps:
@@ -288,21 +301,23 @@ class Server:
 
 
 class _Reply:
-    """A request's text on its way out: detokenized, cut at stop strings, streamed or held."""
+    """A request's text on its way out: detokenized, less the healed tail, cut at stop strings,
+    streamed or held."""
 
-    def __init__(self, request: Request, frames: FrameWriter, detok: StreamingDetokenizer):
+    def __init__(self, request: Request, frames: FrameWriter, detok: StreamingDetokenizer, skip: TailSkipper):
         self.request = request
         self.frames = frames
         self.detok = detok
+        self.skip = skip  # the healed tail: the prompt's text, not the reply's
         self.stops = StopMatcher(request.stop)
         self.parts: list[str] = []
 
     def add(self, tokens: list[int]) -> None:
-        self._emit(self.stops.feed(self.detok.add(tokens)))
+        self._emit(self.stops.feed(self.skip.feed(self.detok.add(tokens))))
 
     def finish(self) -> str:
         """Release what is held back (unless a stop string ended the text); the whole text."""
-        self._emit(self.stops.feed(self.detok.finish()))
+        self._emit(self.stops.feed(self.skip.feed(self.detok.finish())))
         self._emit(self.stops.flush())
         return "".join(self.parts)
 
