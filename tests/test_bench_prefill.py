@@ -19,3 +19,16 @@ def test_prefill_bench_tiny_synthetic(tmp_path, capsys, bits):
     # One set of weights: mlx-lm's own model and strata's agree on the last logits.
     assert data["last_logits_rel_diff"] < 1e-3 and data["same_argmax"]
     assert "| strata |" in capsys.readouterr().out
+
+
+def test_prefill_pieces_tiny(tmp_path, capsys):
+    from strata_cli.bench.prefill_pieces import main as pieces_main
+
+    out = tmp_path / "pieces.json"
+    table = pieces_main(["--synthetic-tiny", "--rows", "32", "--offset", "8", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == table
+    names = [row["piece"] for row in table]
+    assert "attn core (L=40)" in names and "moe experts" in names and "gdn scan (chunked / per row)" in names
+    assert all(row["strata_ms"] >= 0 for row in table)
+    assert all("plain_ms" in row for row in table if row["piece"] in ("moe experts", "attn core (L=40)"))
+    assert "| gdn out_proj |" in capsys.readouterr().out

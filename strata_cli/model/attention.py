@@ -6,7 +6,37 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .layer_state import AttentionState
-from .layers import RMSNorm, RowLinear, RowSplit
+from .layers import PREFILL_MIN_ROWS, RMSNorm, RowLinear, RowSplit
+
+QUERY_BLOCK = 128  # prompt rows per attention block on the CPU (64 ties it, 512 unblocked is 1.2-2x slower)
+
+
+def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+                         block: int = QUERY_BLOCK) -> mx.array:
+    """Causal attention of a prompt chunk as plain matmuls, for MLX's CPU backend.
+
+    q (B, Hq, T, D); keys, values (B, Hkv, L, D), the T query rows at the last T cells. The same
+    sums as `mx.fast.scaled_dot_product_attention` (bit-identical in float32 on the CPU), faster
+    there for two reasons (docs/benchmarks.md, "CPU prefill pieces"): MLX's CPU matmul runs 2-3x
+    slower with a transposed right operand, so scores use a contiguous Kᵀ with the query heads of
+    a KV head stacked as rows; and each block of `block` query rows multiplies only the keys it
+    can see, so the chunk's masked upper triangle is mostly never computed (nor exponentiated).
+    """
+    B, Hq, T, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    r, P = Hq // Hkv, L - T
+    kt = mx.contiguous(keys.swapaxes(-1, -2))  # (B, Hkv, D, L)
+    q = (q * scale).reshape(B, Hkv, r, T, D)
+    outs = []
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        n, seen = e - s, P + e  # rows of this block; keys the block's last row sees
+        scores = (q[:, :, :, s:e].reshape(B, Hkv, r * n, D) @ kt[..., :seen]).reshape(B, Hkv, r, n, seen)
+        visible = mx.arange(seen) <= (P + s + mx.arange(n))[:, None]  # row P+s+i sees cells 0..P+s+i
+        scores = mx.where(visible, scores, -mx.inf)
+        weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, r * n, seen)
+        outs.append((weights @ values[:, :, :seen]).reshape(B, Hkv, r, n, D))
+    return mx.concatenate(outs, axis=3).reshape(B, Hq, T, D)
 
 
 class GatedAttention(nn.Module):
@@ -64,6 +94,8 @@ class GatedAttention(nn.Module):
                                                      values[:, :, : L + i + 1], scale=self.scale)
                 for i in range(T)
             ], axis=2)
+        elif T >= PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
+            out = causal_attention_cpu(q, keys, values, self.scale)
         else:
             # Row i sees cells 0..offset+i: a causal mask aligned to the last key.
             mask = "causal" if T > 1 else None

@@ -102,7 +102,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = RowLinear(self.value_dim, hidden_size, bias=False)
 
-    def _project(self, x: mx.array):
+    def project(self, x: mx.array):
         """Split the fused projections; the checkpoint groups them per key head."""
         B, T, _ = x.shape
         nk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
@@ -121,7 +121,7 @@ class GatedDeltaNet(nn.Module):
 
     def __call__(self, x: mx.array, state: RecurrentState) -> mx.array:
         B, T, _ = x.shape
-        raw, z, b, a = self._project(x)
+        raw, z, b, a = self.project(x)
         mixed = nn.silu(self.conv1d(state.conv_window(raw)))
         q, k, v = mx.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = l2_normalize(q.reshape(B, T, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5

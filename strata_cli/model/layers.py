@@ -55,12 +55,43 @@ def _kernel_rows(x: mx.array) -> int:
     return rows if 0 < rows <= WINDOW_ROWS and RowSplit.mode != "never" and kernels.kernels_usable() else 0
 
 
+def is_cpu_prompt(x: mx.array) -> bool:
+    """Whether `x` (rows on its leading axes) is a prompt-sized matmul input on the CPU backend."""
+    return x.size >= PREFILL_MIN_ROWS * x.shape[-1] and mx.default_device() == mx.cpu
+
+
+class Transposed:
+    """A weight with its last two axes swapped, contiguous, made once per weight array.
+
+    MLX's CPU matmul (a reference BLAS in the Linux wheels) runs 2-3x slower with a transposed
+    right operand, and gives the same sums either way (docs/benchmarks.md, "CPU prefill
+    pieces"). The copy is remade only when the module's weight array is replaced (loading,
+    `set_dtype`), and costs one more copy of each weight that prompt-sized CPU matmuls use.
+    A plain object, not an array, so `nn.Module` never takes it for a parameter.
+    """
+
+    __slots__ = ("source", "value")
+
+    def __init__(self):
+        self.source = self.value = None
+
+    def of(self, weight: mx.array) -> mx.array:
+        if self.source is not weight:
+            self.source, self.value = weight, mx.contiguous(weight.swapaxes(-1, -2))
+        return self.value
+
+
+def transposed(module: nn.Module, name: str) -> mx.array:
+    """`module[name]` with its last two axes swapped, contiguous, cached on the module."""
+    cache = module.__dict__.setdefault("_transposed", {})
+    return cache.setdefault(name, Transposed()).of(module[name])
+
+
 class RowLinear(nn.Linear):
     """`nn.Linear` whose window rows keep their serial arithmetic: the row-invariant kernel
     (metal_shaders/rows_matvec.py) where it runs, else `by_row`. Quantizes to `RowQuantizedLinear`.
 
-    Prompt-sized calls on the CPU multiply by a contiguous Wᵀ: MLX's CPU matmul runs 2-3x slower
-    with a transposed right operand (docs/benchmarks.md, "Prefill"), and the product is the same.
+    Prompt-sized calls on the CPU multiply by a cached contiguous Wᵀ (`transposed`).
     """
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -68,8 +99,8 @@ class RowLinear(nn.Linear):
         if _kernel_rows(x) and kernels.supports(K):
             y = kernels.rows_matvec(x.reshape(-1, K), self.weight).reshape(*x.shape[:-1], -1)
             return y + self.bias if "bias" in self else y
-        if x.size >= PREFILL_MIN_ROWS * K and mx.default_device() == mx.cpu:
-            y = x @ mx.contiguous(self["weight"].T)
+        if is_cpu_prompt(x):
+            y = x @ transposed(self, "weight")
             return y + self["bias"] if "bias" in self else y
         return by_row(super().__call__, x)
 

@@ -12,13 +12,19 @@ import mlx.nn as nn
 
 from metal_shaders import rows_matvec as kernels
 
-from .layers import MLP, WINDOW_ROWS, RowLinear, RowSplit
+from .layers import MLP, WINDOW_ROWS, RowLinear, RowSplit, is_cpu_prompt, transposed
 
 
-def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool = True) -> mx.array:
-    """x (M, 1, A) @ w[experts]ᵀ, with w (E, B, A) -> (M, 1, B); `is_sorted`: `experts` ascending."""
+def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool = True,
+                  wt: mx.array | None = None) -> mx.array:
+    """x (M, 1, A) @ w[experts]ᵀ, with w (E, B, A) -> (M, 1, B); `is_sorted`: `experts` ascending.
+
+    `wt`: w with its last two axes swapped and contiguous, where the caller keeps one (the CPU's
+    faster layout, `layers.Transposed`); the same sums.
+    """
     if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
-        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=is_sorted)
+        rhs = w.swapaxes(-1, -2) if wt is None else wt
+        return mx.gather_mm(x, rhs, rhs_indices=experts, sorted_indices=is_sorted)
     # MLX's CPU gather_mm takes float32 only: gather the matrices instead.
     return x @ w[experts].swapaxes(-1, -2)
 
@@ -34,9 +40,14 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        return glu_by_expert(
-            x, inds, lambda name, xs, experts, is_sorted: gather_matmul(xs, self[name], experts, is_sorted=is_sorted)
-        )
+        # Prompt chunks on the CPU multiply by cached contiguous transposes: 1.5x faster there.
+        cached = x.dtype == mx.float32 and is_cpu_prompt(x)
+
+        def matmul(name, xs, experts, is_sorted):
+            wt = transposed(self, name) if cached else None
+            return gather_matmul(xs, self[name], experts, is_sorted=is_sorted, wt=wt)
+
+        return glu_by_expert(x, inds, matmul)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchGLU":
         """The same experts, affine-quantized (what `nn.quantize` calls)."""

@@ -1,0 +1,93 @@
+"""The CPU prompt path's matmul forms: blocked causal attention, cached contiguous transposes."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+from strata_cli.engine.window import WindowEngine
+from strata_cli.model.attention import QUERY_BLOCK, causal_attention_cpu
+from strata_cli.model.layers import PREFILL_MIN_ROWS, RowLinear, transposed
+from strata_cli.model.moe import SwitchGLU, gather_matmul, glu_by_expert
+
+TOL = 1e-6  # relative, float32: the same sums as the reference calls
+
+
+def rel_diff(a: mx.array, b: mx.array) -> float:
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def qkv(T: int, P: int, Hq: int, Hkv: int, D: int = 16, seed: int = 0):
+    kq, kk, kv = mx.random.split(mx.random.key(seed), 3)
+    return (mx.random.normal((1, Hq, T, D), key=kq), mx.random.normal((1, Hkv, P + T, D), key=kk),
+            mx.random.normal((1, Hkv, P + T, D), key=kv))
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2)])
+@pytest.mark.parametrize("T,P", [(16, 0), (127, 0), (128, 5), (129, 200), (300, 37)])
+@pytest.mark.parametrize("block", [QUERY_BLOCK, 32])
+def test_blocked_attention_matches_sdpa(T, P, heads, block):
+    q, k, v = qkv(T, P, *heads, seed=T + P)
+    scale = q.shape[-1] ** -0.5
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    out = causal_attention_cpu(q, k, v, scale, block=block)
+    assert out.shape == ref.shape
+    assert rel_diff(out, ref) < TOL
+
+
+def test_blocked_attention_would_notice_a_wrong_mask():
+    q, k, v = qkv(130, 20, 4, 2)
+    scale = q.shape[-1] ** -0.5
+    unmasked = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    shifted = mx.fast.scaled_dot_product_attention(q, k[:, :, :-1], v[:, :, :-1], scale=scale, mask="causal")
+    out = causal_attention_cpu(q, k, v, scale)
+    assert rel_diff(out, unmasked) > 1e-2
+    assert rel_diff(out[:, :, :-1], shifted[:, :, 1:]) > 1e-2
+
+
+def test_prompt_chunks_take_the_blocked_form_and_windows_do_not(monkeypatch):
+    import strata_cli.model.attention as attention
+
+    calls = []
+    real = attention.causal_attention_cpu
+    monkeypatch.setattr(attention, "causal_attention_cpu", lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
+    model = random_model(tiny_qwen3_next_config(), seed=2)
+    engine = WindowEngine(model)
+    engine.prefill(list(range(40)), chunk=20)
+    assert calls and set(calls) == {20}
+    calls.clear()
+    engine.run(list(range(8)), engine.length)
+    assert calls == []
+
+
+def test_transposed_is_cached_per_weight_array_and_is_no_parameter():
+    layer = RowLinear(32, 24, bias=False)
+    names = [k for k, _ in tree_flatten(layer.parameters())]
+    first = transposed(layer, "weight")
+    assert transposed(layer, "weight") is first
+    assert mx.array_equal(first, layer.weight.T)
+    assert [k for k, _ in tree_flatten(layer.parameters())] == names
+    layer.load_weights([("weight", mx.ones((24, 32)))])
+    again = transposed(layer, "weight")
+    assert again is not first and mx.array_equal(again, mx.ones((32, 24)))
+
+
+def test_prompt_sized_linear_matches_nn_linear():
+    layer = RowLinear(32, 24, bias=True)
+    x = mx.random.normal((2, PREFILL_MIN_ROWS, 32), key=mx.random.key(3))
+    ref = nn.Linear.__call__(layer, x)
+    assert rel_diff(layer(x), ref) < TOL
+
+
+def test_prompt_experts_with_cached_transposes_match_the_plain_gather():
+    glu = SwitchGLU(32, 16, 6)
+    for i, name in enumerate(("gate_proj", "up_proj", "down_proj")):
+        setattr(glu, name, 0.2 * mx.random.normal(glu[name].shape, key=mx.random.key(10 + i)))
+    x = mx.random.normal((40, 32), key=mx.random.key(4))
+    inds = mx.random.randint(0, 6, (40, 2), key=mx.random.key(5))
+    ref = glu_by_expert(x, inds, lambda name, xs, experts, is_sorted: gather_matmul(xs, glu[name], experts,
+                                                                                    is_sorted=is_sorted))
+    out = glu(x, inds)
+    assert "_transposed" in glu.__dict__  # the prompt path took the cached form
+    assert rel_diff(out, ref) < TOL
