@@ -21,8 +21,8 @@ PROMPT = ([5, 17, 33, 2, 71, 9] + [40, 41, 42]) * 3
 
 
 @pytest.fixture(scope="module")
-def streamed(tmp_path_factory):
-    return build_pair(tmp_path_factory.mktemp("moce-bench"))[1]
+def pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("moce-bench"))
 
 
 def test_settings_parse_and_bad_ones_are_refused():
@@ -64,7 +64,8 @@ def test_the_simulated_disk_queues_reads_and_returns_the_real_ones():
         SimulatedDisk(-1.0)
 
 
-def test_simulated_reads_leave_exact_decoding_unchanged(streamed):
+def test_simulated_reads_leave_exact_decoding_unchanged(pair):
+    streamed = pair[1]
     ids = {}
     for ms in (0.0, 2.0):
         disk = SimulatedDisk(ms)
@@ -77,10 +78,11 @@ def test_simulated_reads_leave_exact_decoding_unchanged(streamed):
     assert disk.reads >= (experts["bytes_read"] + experts["prefetched_bytes"]) // stride > 0  # prefill reads too
 
 
-def test_exact_knobs_measure_as_perfect_agreement(streamed):
+def test_exact_knobs_measure_as_perfect_agreement(pair):
+    full, streamed = pair
     plan = bench.Plan(tokens=4, repeats=1, fractions=(0.25,), settings=("4:3", "1:3"), prefetch_fractions=(0.25,))
     rows = bench.measure(streamed, [PROMPT], plan, num_experts=NUM_EXPERTS, read_ms=0.0,
-                         deadline=float("inf"), log=lambda m: None)
+                         deadline=float("inf"), log=lambda m: None, source=full)
     exact, moce = rows
     assert exact["setting"] == "J4 B3" and exact["top1_agreement"] == exact["greedy_agreement"] == 1.0
     assert exact["mean_kl"] < 1e-9 and exact["moce_misses_per_token"] == exact["exact_misses_per_token"]

@@ -11,8 +11,9 @@ exact routing:
 - expert misses (demand reads) and late-wait ms (compute waiting on reads) per token, and
   tokens/s of serial greedy decoding, exact and MoCE, medians of `repeats`; every engine of a cache
   size runs once per repeat in turn, so the ratios share the machine's state. Each cache size also
-  times exact routing with every expert resident (`full_tokens_per_s`): the gap between it and
-  exact at that size is what streaming costs, the most any routing change can win back.
+  times the same model loaded whole, without streaming (`resident_tokens_per_s`): the gap between
+  it and exact at that size is what streaming costs (reads, installs, the per-layer routing sync),
+  the most that saving reads can win back.
 
 `--read-ms` puts a simulated disk under the reads (bench/slow_disk.py). `--prefetch-study` measures
 `--spec-root-prefetch` (issue 15, item 4): with 3 drafts per window (only then do draft rows
@@ -161,9 +162,9 @@ def timed(engines: dict[str, WindowEngine], prompts: list[list[int]], *, tokens:
             for p in prompts:
                 _, s, summary = decode(engine, p, tokens, drafts=drafts)
                 total += s
-                ex = summary["experts"]
+                ex = summary["experts"] or {}  # None: the model does not stream
                 for key in ("misses", "late_waits", "late_wait_ms", "prefetched_bytes"):
-                    sums[name][key] += ex[key]
+                    sums[name][key] += ex.get(key, 0)
                 sums[name]["accepted"] += summary["drafts_kept"]
                 sums[name]["offered"] += summary["drafts_offered"]
             seconds[name].append(total)
@@ -194,8 +195,10 @@ def agreement(exact: WindowEngine, moce: WindowEngine, prompts, reference, exact
 
 
 def measure(path: Path, prompts: list[list[int]], plan: Plan, *, num_experts: int, read_ms: float,
-            deadline: float, log) -> list[dict]:
-    """One row per (cache size, setting) at one simulated read cost."""
+            deadline: float, log, source: Path | None = None) -> list[dict]:
+    """One row per (cache size, setting) at one simulated read cost; `source` is the checkpoint
+    `path` was converted from (default: the embedded demo model)."""
+    source = source or embedded_model_path()
     rows = []
     disk = SimulatedDisk(read_ms)
     for fraction in plan.fractions:
@@ -204,12 +207,12 @@ def measure(path: Path, prompts: list[list[int]], plan: Plan, *, num_experts: in
             continue
         slots = max(1, round(fraction * num_experts))
         exact = open_engine(path, slots, None, disk)
-        full = open_engine(path, num_experts, None, disk)
+        resident = WindowEngine(load_checkpoint(source))  # every expert loaded: no streaming at all
         reference = [decode(exact, p, plan.tokens)[0] for p in prompts]
         exact_logits = [forced_logits(exact, p, r) for p, r in zip(prompts, reference)]
         for p in prompts:
-            decode(full, p, plan.tokens)  # warm-up: every expert resident
-        engines, quality = {"exact": exact, "full": full}, {}
+            decode(resident, p, plan.tokens)  # warm-up
+        engines, quality = {"exact": exact, "resident": resident}, {}
         for text in plan.settings:
             engines[text] = open_engine(path, slots, parse_setting(text), disk)
             quality[text] = agreement(exact, engines[text], prompts, reference, exact_logits, plan.tokens)
@@ -222,12 +225,13 @@ def measure(path: Path, prompts: list[list[int]], plan: Plan, *, num_experts: in
                 "exact_misses_per_token": ex["misses_per_token"], "moce_misses_per_token": mo["misses_per_token"],
                 "exact_wait_ms_per_token": ex["late_wait_ms_per_token"],
                 "moce_wait_ms_per_token": mo["late_wait_ms_per_token"],
-                "full_tokens_per_s": speed["full"]["tokens_per_s"], "exact_tokens_per_s": ex["tokens_per_s"],
+                "resident_tokens_per_s": speed["resident"]["tokens_per_s"], "exact_tokens_per_s": ex["tokens_per_s"],
                 "moce_tokens_per_s": mo["tokens_per_s"], "speedup": mo["tokens_per_s"] / ex["tokens_per_s"],
             })
             log(json.dumps(rows[-1]))
-        for engine in engines.values():
-            engine.model.expert_cache.close()
+        for name, engine in engines.items():
+            if name != "resident":
+                engine.model.expert_cache.close()
     return rows
 
 
@@ -270,7 +274,7 @@ PREFETCH_COLUMNS = ("read_ms", "cache", "slots", "routing", "root_prefetch", "ac
 
 AGREEMENT_COLUMNS = ("read_ms", "cache", "slots", "setting", "greedy_agreement", "top1_agreement", "mean_kl",
                      "exact_misses_per_token", "moce_misses_per_token", "exact_wait_ms_per_token",
-                     "moce_wait_ms_per_token", "full_tokens_per_s", "exact_tokens_per_s", "moce_tokens_per_s",
+                     "moce_wait_ms_per_token", "resident_tokens_per_s", "exact_tokens_per_s", "moce_tokens_per_s",
                      "speedup")
 
 
