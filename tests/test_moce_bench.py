@@ -28,7 +28,9 @@ def pair(tmp_path_factory):
 def test_settings_parse_and_bad_ones_are_refused():
     assert bench.parse_setting("1:3") == MoceOptions(protect=1, bonus=3.0)
     assert bench.parse_setting("1:0.5:2") == MoceOptions(protect=1, bonus=0.5, budget=2)
-    for text in ("1", "1:x", "1:2:3:4", "1:-1", "0:1:2"):
+    assert bench.parse_setting("1:0.25:e") == MoceOptions(protect=1, bonus=0.25, exact_prefill=True)
+    assert bench.label("1:0.25:e") == "J1 B0.25 EP" and bench.label("1:3:0") == "J1 B3 N0"
+    for text in ("1", "1:x", "1:2:3:4", "1:-1", "0:1:2", "e", "1:2:0:e"):
         with pytest.raises(ConfigError):
             bench.parse_setting(text)
 
