@@ -60,7 +60,7 @@ from .workloads import default_workloads_dir, load_workloads
 
 # J:B[:N][:e] = --moce-protect J --moce-bonus B [--expert-budget N] [--moce-exact-prefill]; the demo
 # routes top-2 of 16.
-DEFAULT_SETTINGS = ("1:1", "1:3", "1:3:0")
+DEFAULT_SETTINGS = ("1:0.25:e", "1:0.5:e", "1:1:e")
 
 
 @dataclass
@@ -82,10 +82,10 @@ PRESETS = {
     # the "H200 streaming preset": the same demo model on the GPU with reads at the cost of
     # an 80B-A3B record on that machine's disk (its own page-cache reads of 98 KB records are near
     # free); smaller than cpu, and the budget stops new points so that it ends inside 3 minutes
-    "h200": Plan(tokens=32, repeats=2, settings=("1:0.25", "1:1"), read_ms=(H200_80B_RECORD_MS,),
+    "h200": Plan(tokens=32, repeats=2, settings=("1:0.25:e", "1:1:e"), read_ms=(H200_80B_RECORD_MS,),
                  prefetch_study=True, budget_seconds=120.0),
     # a smoke run (tests, CI-sized)
-    "tiny": Plan(tokens=6, repeats=1, prompt_tokens=24, fractions=(0.25,), settings=("1:3",), read_ms=(0.0,)),
+    "tiny": Plan(tokens=6, repeats=1, prompt_tokens=24, fractions=(0.25,), settings=("1:0.25:e",), read_ms=(0.0,)),
 }
 
 
