@@ -43,6 +43,8 @@ def test_presets_hold_unless_a_flag_overrides():
     assert plan.budget_seconds == bench.PRESETS["h200"].budget_seconds
     with pytest.raises(ConfigError):
         bench.plan_from_args(["--moce", "one"])
+    with pytest.raises(SystemExit):
+        bench.plan_from_args(["--repeats", "0"])
 
 
 class FakeStore:

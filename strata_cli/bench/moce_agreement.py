@@ -65,6 +65,10 @@ DEFAULT_SETTINGS = ("1:0.25:e", "1:0.5:e", "1:1:e")
 
 @dataclass
 class Plan:
+    """What one run measures: greedy tokens per prompt, timed repeats, prompt length, cache sizes
+    (shares of the experts), MoCE settings (J:B[:N][:e]), simulated ms per read, the prefetch study
+    and its cache sizes, and the seconds after which no new point starts (None: no limit)."""
+
     tokens: int = 48
     repeats: int = 3
     prompt_tokens: int = 128
@@ -315,6 +319,9 @@ def plan_from_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--budget-seconds", type=float, help="start no new point after this many seconds")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
+    for name in ("tokens", "repeats", "prompt_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     plan = PRESETS[args.preset]
     plan = Plan(**{**plan.__dict__, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(args).items()
                                          if k in Plan.__dataclass_fields__ and v is not None}})
