@@ -151,16 +151,20 @@ def model_options(command):
         option("--expert-budget", type=int, default=None, envvar="STRATA_EXPERT_BUDGET", metavar="N",
                help="With --moce-protect: at most N non-resident experts loaded per layer per window beyond "
                     "the protected ones, then residents only (default: no budget)."),
+        option("--moce-exact-prefill/--no-moce-exact-prefill", default=False, envvar="STRATA_MOCE_EXACT_PREFILL",
+               show_default=True, help="With --moce-protect: prompt chunks route exactly; only decode windows "
+                                       "use the MoCE knobs (not with --expert-budget)."),
     ]
 
     def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
-              expert_io_threads, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget):
+              expert_io_threads, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget,
+              moce_exact_prefill):
         stream = StreamOptions(
             cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
             root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
         )
         moce = MoceOptions(protect=moce_protect, bonus=moce_bonus, draft_protect=draft_moce_protect,
-                           draft_bonus=draft_moce_bonus, budget=expert_budget)
+                           draft_bonus=draft_moce_bonus, budget=expert_budget, exact_prefill=moce_exact_prefill)
         return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce)
 
     return options_object("load", build, options)(command)

@@ -148,6 +148,9 @@ class MoceOptions:
         draft_bonus: B for draft rows; None (default) = `bonus`.
         budget: most non-resident experts loaded per MoE layer per window beyond the protected
             ones, after which routing is restricted to residents; None (default) = no budget.
+        exact_prefill: prompt chunks route exactly (default False: they use the base knobs). A
+            chunk's union usually needs most experts anyway, so MoCE there saves few reads while
+            its substitutions stay in every later token's context (docs/benchmarks.md).
     """
 
     protect: int | None = None
@@ -155,10 +158,12 @@ class MoceOptions:
     draft_protect: int | None = None
     draft_bonus: float | None = None
     budget: int | None = None
+    exact_prefill: bool = False
 
     def __post_init__(self):
         knobs = {"--moce-bonus": self.bonus, "--draft-moce-protect": self.draft_protect,
-                 "--draft-moce-bonus": self.draft_bonus, "--expert-budget": self.budget}
+                 "--draft-moce-bonus": self.draft_bonus, "--expert-budget": self.budget,
+                 "--moce-exact-prefill": self.exact_prefill or None}
         if self.protect is None:
             given = [name for name, value in knobs.items() if value is not None]
             if given:
@@ -176,6 +181,9 @@ class MoceOptions:
                 f"--expert-budget needs --moce-protect and --draft-moce-protect >= 1 (every token keeps its "
                 f"top expert), got {self.protect} and {self.draft_j}"
             )
+        if self.budget is not None and self.exact_prefill:
+            raise ConfigError(f"--expert-budget ({self.budget}) caps every window; --moce-exact-prefill would "
+                              f"exceed it on prompt chunks: give one of them")
 
     @property
     def is_enabled(self) -> bool:

@@ -5,6 +5,8 @@ The checkpoint is the small synthetic streamed Qwen3-Next of tests/stream_checkp
 experts, top-4), float32 on the CPU.
 """
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -108,6 +110,31 @@ def test_draft_knobs_change_only_draft_rows():
     # Prompt chunks have no draft rows: the base knobs serve every row.
     c, _, _ = moce.select(p, resident, TOP_K, drafty, is_decode=False)
     assert [set(r) for r in c.tolist()] == [set(r) for r in a.tolist()]
+
+
+def test_exact_prefill_routes_prompt_chunks_exactly_and_decode_windows_by_the_knobs(checkpoints, monkeypatch):
+    options = MoceOptions(protect=1, bonus=50.0, exact_prefill=True)
+    picks = {True: [], False: []}
+    select = moce.select
+
+    def recording(p, resident, top_k, opts, *, is_decode):
+        out = select(p, resident, top_k, opts, is_decode=is_decode)
+        picks[is_decode].append(all(set(a) == set(n) for a, n in zip(out[0].tolist(), out[2].tolist())))
+        return out
+
+    monkeypatch.setattr(moce, "select", recording)
+    decode(checkpoints[1], slots=4, moce_options=options, drafts=0)
+    assert picks[False] and all(picks[False])  # every prompt chunk took its natural top-k
+    assert not all(picks[True])  # a huge bonus substitutes in decode windows
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(exact_prefill=True), "--moce-exact-prefill needs --moce-protect"),
+    (dict(protect=1, budget=1, exact_prefill=True), "--expert-budget (1) caps every window"),
+])
+def test_exact_prefill_is_checked(kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        MoceOptions(**kwargs)
 
 
 def budget_used(inds, mask, p, resident, options, is_decode):

@@ -4,7 +4,8 @@ Legend: N = rows, E = experts, k = experts per token, J = protected experts per 
 
 A `MoceRouter` is a MoE block's `routing_policy` (model/moe.py). For each row it keeps the
 natural top-J experts, then fills the other k - J slots by probability after multiplying
-resident experts' by exp(B). Rows 1..T-1 of a decode window use the draft knobs. With a budget,
+resident experts' by exp(B). Rows 1..T-1 of a decode window use the draft knobs; prompt chunks use
+the base knobs, or exact routing with `exact_prefill`. With a budget,
 at most N experts that are neither resident nor already loading for this window are added
 beyond the protected ones; after that a row chooses among those only, and a slot left without
 a candidate repeats one of the row's picks with weight 0. The weights are the natural
@@ -41,7 +42,10 @@ class MoceRouter:
         p = np.array(probs.astype(mx.float32))  # (N, E); routing needs the values on the host
         resident = self.cache.resident_mask(self.path)  # (E,)
         is_decode = self.cache.window_kind == DECODE
-        inds, mask, natural = select(p, resident, top_k, self.options, is_decode=is_decode)
+        options = self.options
+        if not is_decode and options.exact_prefill:
+            options = MoceOptions(protect=top_k)  # the natural top-k, counted like any MoCE pick
+        inds, mask, natural = select(p, resident, top_k, options, is_decode=is_decode)
         picked = inds[mask]
         substitutions = int(sum(len(set(inds[r][mask[r]].tolist()) - set(natural[r].tolist()))
                                 for r in range(len(inds))))
