@@ -4,7 +4,7 @@ shared expert) on offline Python source and documents that teach copying (script
 Three steps, the middle one on a GPU (PyTorch + transformers there):
 
     python scripts/train_demo_model.py prepare --data .train-data      # here: split, token ids
-    python3 scripts/train_demo_model.py train --data .train-data --out OUT --minutes 8 --batch 128   # on the GPU
+    python3 scripts/train_demo_model.py train --data .train-carry --out OUT --minutes 7.6 --batch 64   # on the GPU
     python scripts/train_demo_model.py install --checkpoint OUT --data .train-data      # here: 8-bit, into the package
 
 Data: the stdlib split of the previous demo model (every 50th *.py file held out for evaluation),
