@@ -18,7 +18,7 @@ import random
 import time
 
 from strata_cli.decode import generate
-from strata_cli.healing import HealPlan, TailSkipper, plan_heal
+from strata_cli.healing import TailSkipper, plan_heal
 from strata_cli.options import EngineOptions, GenerateOptions, LoadOptions, SpecOptions
 from strata_cli.runtime import open_model
 
@@ -37,7 +37,7 @@ def complete(runtime, prompt: str, *, heal: bool, max_tokens: int) -> tuple[str,
     """(text after the prompt, tokens generated, tokens healed) of a greedy completion."""
     tokenizer = runtime.tokenizer
     ids = tokenizer.encode(prompt)
-    plan = plan_heal(ids, tokenizer.heal_table()) if heal else HealPlan(ids)
+    plan = plan_heal(ids, tokenizer.heal_table(), enabled=heal)
     out: list[int] = []
     for step in generate(runtime.engine, plan.prompt_ids, options=GenerateOptions(max_tokens=max_tokens),
                          spec=SpecOptions(), eos_ids=tokenizer.eos_ids, heal=plan.constraint(tokenizer.heal_table())):

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from strata_cli.decode import generate
-from strata_cli.healing import HealPlan, plan_heal
+from strata_cli.healing import plan_heal
 from strata_cli.options import GenerateOptions, LoadOptions, SpecOptions
 from strata_cli.runtime import open_model
 from strata_cli.telemetry import DecodeStats
@@ -66,7 +66,7 @@ def complete(engine, tokenizer, prompt: str, max_tokens: int, drafts: int = 0, h
     prompt-edge healing unless `heal` is False): the text after the prompt, and the stats."""
     stats = DecodeStats()
     ids = tokenizer.encode(prompt)
-    plan = plan_heal(ids, tokenizer.heal_table()) if heal else HealPlan(ids)
+    plan = plan_heal(ids, tokenizer.heal_table(), enabled=heal)
     out = []
     for step in generate(engine, plan.prompt_ids, options=GenerateOptions(max_tokens=max_tokens),
                          spec=SpecOptions(max_drafts=drafts), eos_ids=tokenizer.eos_ids, stats=stats,

@@ -135,7 +135,7 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
 
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
     from .decode import generate as decode_generate
-    from .healing import HealPlan, TailSkipper, plan_heal
+    from .healing import TailSkipper, plan_heal
     from .runtime import open_model
     from .serve.protocol import FINISH_CANCELLED
     from .telemetry import DecodeStats
@@ -157,7 +157,7 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
             finish, stopped = None, False
             bar = PrefillBar(console)
             ids = tokenizer.encode(text)
-            heal = plan_heal(ids, tokenizer.heal_table()) if gen_options.heal else HealPlan(ids)
+            heal = plan_heal(ids, tokenizer.heal_table(), enabled=gen_options.heal)
             stats.record_heal(heal.removed)
             skip = TailSkipper(heal.tail_text)  # the healed tail is the prompt's: printed already
             try:

@@ -125,7 +125,7 @@ class HealPlan:
         return HealConstraint(table, self.tail) if self.removed else None
 
 
-def plan_heal(ids: Sequence[int], table: HealTable) -> HealPlan:
+def plan_heal(ids: Sequence[int], table: HealTable, *, enabled: bool = True) -> HealPlan:
     """How many trailing tokens of `ids` to heal over, and their text.
 
     The last token is backed up over when some token starts with its text and goes on (a
@@ -139,6 +139,8 @@ def plan_heal(ids: Sequence[int], table: HealTable) -> HealPlan:
     """
     ids = list(ids)
     best = HealPlan(ids)
+    if not enabled:  # `--no-heal`: the prompt's tokens as they are
+        return best
     removed, tail = 0, b""
     while removed < min(MAX_HEAL_TOKENS, len(ids) - 1):
         token = ids[-1 - removed]
