@@ -5,6 +5,10 @@ Each step runs one window [root, d1..dD] through the engine, keeps the longest v
 on. The window never exceeds the remaining token budget or the context
 (speculative/safe_window.py); emission stops at the first end-of-sequence token, and nothing
 after it is committed.
+
+Greedy serial decoding with nothing between the logits and the token (no drafts, processors or
+healing) overlaps its steps instead (`overlapped_serial`): the same tokens, commits and
+windows, with each step's graph built while the device computes the one before.
 """
 
 from __future__ import annotations
@@ -136,6 +140,9 @@ def generate(
     track = ProcessorTrack(processors, prompt_ids[:-1], len(prompt_ids)) if processors else None
 
     root, pos0, emitted = prompt_ids[-1], len(prompt_ids) - 1, 0
+    if not max_drafts and track is None and not chooser.is_sampling and getattr(engine, "can_overlap", False):
+        yield from overlapped_serial(engine, root, pos0, options.max_tokens, eos_ids, stats)
+        return
     while True:
         remaining = options.max_tokens - emitted
         if remaining <= 0:
@@ -199,6 +206,53 @@ def generate(
         pos0 += keep
         root = outputs[-1]
         yield Step(outputs)
+
+
+def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: int,
+                      eos_ids: Collection[int], stats: DecodeStats) -> Iterator[Step]:
+    """Greedy serial decoding, one token per window, each window launched before the previous
+    token is read back (as mlx-lm's generate_step does with `async_eval`).
+
+    Window n+1's input is window n's greedy token while still on the device; window n is
+    committed before n+1 is built (its input was already emitted), and n+1 is committed only
+    after its input is known not to end generation, or abandoned — so the committed state at
+    every yield and at the end is what the window loop leaves.
+    """
+    emitted, start = 0, time.perf_counter()
+    if max_tokens <= 0:
+        yield Step([], FINISH_LENGTH)
+        return
+    if engine.context_left(pos0) <= 0:
+        yield Step([], FINISH_CONTEXT)
+        return
+    current = engine.launch(root, pos0)
+    engine.commit(1)
+    pending = False  # a launched window awaiting commit or abandon
+    try:
+        while True:
+            last = emitted + 1 >= max_tokens or engine.context_left(pos0 + 1) <= 0
+            following = None if last else engine.launch(current, pos0 + 1)
+            pending = following is not None
+            token = current.value()
+            now = time.perf_counter()
+            stop = token in eos_ids
+            stats.record_window(WindowRecord(T=1, keep=1, emitted=0 if stop else 1, seconds=now - start))
+            start = now
+            if stop:
+                yield Step([], FINISH_STOP)
+                return
+            emitted, pos0 = emitted + 1, pos0 + 1
+            if last:
+                yield Step([token])
+                yield Step([], FINISH_LENGTH if emitted >= max_tokens else FINISH_CONTEXT)
+                return
+            yield Step([token])
+            engine.commit(1)
+            pending = False
+            current = following
+    finally:
+        if pending:  # an end-of-sequence token, or the caller stopped early
+            engine.abandon()
 
 
 def choose_rows(out, inputs: Sequence[int], pos0: int, chooser: TokenChooser,

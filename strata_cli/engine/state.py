@@ -6,6 +6,7 @@ Every state implements one protocol, `LayerState`:
 - the model layer then reads and writes the state through the calls model/layer_state.py
   names (`KVState.update_and_fetch`, `GDNState.conv_window` / `GDNState.recur`);
 - `commit(keep)` makes the state equal to serially processing the first `keep` rows;
+- `abandon()` closes a WINDOW-mode window that keeps nothing (committed state never changed);
 - `flush()` applies any deferred work, `snapshot()` / `restore()` save and bring back committed
   state (MLX arrays are immutable, so a snapshot is a tuple of references), and `tensors()`
   names the committed tensors, for checkpoints and for the rollback tests.
@@ -37,6 +38,7 @@ class Mode(enum.Enum):
 class LayerState(Protocol):
     def begin(self, pos0: int, T: int, mode: Mode) -> None: ...
     def commit(self, keep: int) -> None: ...
+    def abandon(self) -> None: ...
     def flush(self) -> None: ...
     def snapshot(self) -> tuple: ...
     def restore(self, snap: tuple) -> None: ...
@@ -99,6 +101,9 @@ class KVState:
         if mode is not Mode.COMMIT_ALL:
             self.length = pos0 + keep
         self._window = None
+
+    def abandon(self) -> None:
+        self._window = None  # the cells it wrote lie past the length: stale, overwritten later
 
     def flush(self) -> None:
         pass
@@ -205,6 +210,10 @@ class GDNState:
                 self.pending = kept
             else:
                 _, self.S = self._scan(kept, self.S)
+        self._rows = self._final = self._raw = self._history0 = None
+
+    def abandon(self) -> None:
+        self._window = None
         self._rows = self._final = self._raw = self._history0 = None
 
     def flush(self) -> None:

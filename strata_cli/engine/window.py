@@ -8,6 +8,11 @@ The contract (docs/design.md, "The window contract"):
 - `commit(keep)`, 1 <= keep <= T, exactly once per run, leaves every state equal to serially
   processing tokens[:keep].
 
+`launch(token, pos0)` is serial decoding's overlapped form of a 1-row run: its token may be the
+previous launch's greedy output still on the device, and it returns without waiting, so the
+caller builds the next step while the device computes this one (mlx-lm's `async_eval` habit).
+It changes no committed state until `commit(1)`; `abandon()` closes it instead.
+
 A transaction guard turns every misuse (a second run before commit, a second commit, a keep out
 of range, a window that does not start at the committed length) into a `WindowError`.
 """
@@ -31,6 +36,17 @@ class WindowError(RuntimeError):
 class WindowOutput:
     logits: mx.array  # (T, V) float32
     tokens: list[int]  # greedy out[i] for each row
+
+
+@dataclass(frozen=True)
+class PendingToken:
+    """A greedy token the device may still be computing (`WindowEngine.launch`)."""
+
+    array: mx.array  # (1, 1) int32
+
+    def value(self) -> int:
+        """The token id (waits for the device)."""
+        return self.array.item()
 
 
 @dataclass(frozen=True)
@@ -74,7 +90,7 @@ class WindowEngine:
         self.vocab_size = model.config.vocab_size
         self.states = [make_state(kind, params, self.options) for kind, params in model.state_kinds]
         self.length = 0  # committed positions
-        self._open: tuple[int, int] | None = None  # (pos0, T) of a run awaiting commit
+        self._open: tuple[int, int, Mode] | None = None  # (pos0, T, mode) of a run awaiting commit
         # Streamed experts (experts/cache.py): performance state, told where windows start, never rewound.
         self.expert_cache = getattr(model, "expert_cache", None)
         self.prefill_expert_bytes = 0  # bytes the last prefill read from the expert files
@@ -88,19 +104,58 @@ class WindowEngine:
         T = len(tokens)
         self._check_window(tokens, pos0)
         mode = Mode.PARTIAL if self.options.partial else Mode.WINDOW
-        logits = self._forward(tokens, pos0, mode)[0].astype(mx.float32)
+        logits = self._forward(mx.array([list(tokens)]), pos0, mode)[0].astype(mx.float32)
         greedy = mx.argmax(logits, axis=-1)
         mx.eval(logits, greedy)
-        self._open = (pos0, T)
+        self._open = (pos0, T, mode)
         if mode is Mode.PARTIAL:
             self.length = pos0 + 1
         return WindowOutput(logits=logits, tokens=greedy.tolist())
+
+    def launch(self, token: int | PendingToken, pos0: int) -> PendingToken:
+        """Start a 1-row window at pos0 and return its greedy token without waiting for it.
+
+        `token` is an id or the `PendingToken` of the previous launch (committed already), so
+        the device never waits for the host between steps. Nothing commits until `commit(1)`;
+        `abandon()` instead leaves committed state as it was (an end-of-sequence token came
+        back meanwhile). Only for engines whose forward pass never reads values back
+        (`can_overlap`).
+        """
+        if self._open is not None:
+            raise WindowError(f"launch() called before commit() of the window at {self._open[0]}")
+        if isinstance(token, PendingToken):
+            self._check_window([0], pos0)  # an argmax over the vocabulary: always a valid id
+            ids = token.array
+        else:
+            self._check_window([token], pos0)
+            ids = mx.array([[token]])
+        logits = self._forward(ids, pos0, Mode.WINDOW)[0].astype(mx.float32)
+        greedy = mx.argmax(logits, axis=-1, keepdims=True)
+        mx.async_eval(greedy)
+        self._open = (pos0, 1, Mode.WINDOW)
+        return PendingToken(greedy)
+
+    def abandon(self) -> None:
+        """Close the last `launch()` without committing anything."""
+        if self._open is None or self._open[2] is not Mode.WINDOW:
+            raise WindowError("abandon() needs an open launch() (a partial run has committed its root)")
+        for state in self.states:
+            state.abandon()
+        self._open = None
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether serial decoding should overlap its steps with `launch`: on a GPU, where the
+        host builds the next step while the device runs this one. On the CPU both share the
+        cores (measured slower on 2 cores), and streamed experts read routing back while the
+        graph is built."""
+        return self.expert_cache is None and mx.default_device() != mx.cpu
 
     def commit(self, keep: int) -> None:
         """Commit the first `keep` inputs of the last run."""
         if self._open is None:
             raise WindowError("commit() without an open run (each run commits exactly once)")
-        pos0, T = self._open
+        pos0, T, _ = self._open
         if not isinstance(keep, int) or not 1 <= keep <= T:
             raise WindowError(f"commit keep must be in 1..{T} for this window, got {keep!r}")
         for state in self.states:
@@ -127,7 +182,7 @@ class WindowEngine:
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             self._check_window(piece, self.length)
-            logits = self._forward(piece, self.length, Mode.COMMIT_ALL, last_only=True)
+            logits = self._forward(mx.array([list(piece)]), self.length, Mode.COMMIT_ALL, last_only=True)
             for state in self.states:
                 state.commit(len(piece))
             self.length += len(piece)
@@ -216,15 +271,16 @@ class WindowEngine:
         controller's `extra_cost`), or None when experts do not stream."""
         return self.expert_cache.draft_read_cost if self.expert_cache is not None else None
 
-    def _forward(self, tokens: Sequence[int], pos0: int, mode: Mode, *, last_only: bool = False):
-        T = len(tokens)
+    def _forward(self, ids: mx.array, pos0: int, mode: Mode, *, last_only: bool = False):
+        """ids (1, T) -> logits (1, T or 1, V), the states opened for the window."""
+        T = ids.shape[1]
         for state in self.states:
             state.begin(pos0, T, mode)
         if self.expert_cache is None:
-            return self.model(mx.array([list(tokens)]), self.states, last_only=last_only)
+            return self.model(ids, self.states, last_only=last_only)
         # Every MoE block reads its experts while the graph is built, so the window ends here.
         self.expert_cache.begin_window(kind="prefill" if mode is Mode.COMMIT_ALL else "decode")
-        out = self.model(mx.array([list(tokens)]), self.states, last_only=last_only)
+        out = self.model(ids, self.states, last_only=last_only)
         stats = self.expert_cache.end_window()
         if mode is Mode.COMMIT_ALL:
             self.prefill_expert_bytes += stats.bytes_read + stats.prefetched_bytes
