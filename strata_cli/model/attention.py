@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .layer_state import AttentionState
-from .layers import PREFILL_MIN_ROWS, RMSNorm, RowLinear, RowSplit
+from .layers import PREFILL_MIN_ROWS, RMSNorm, RowLinear, RowSplit, sigmoid_gate
 
 QUERY_BLOCK = 128  # prompt rows per attention block on the CPU (64 ties it, 512 unblocked is 1.2-2x slower)
 
@@ -102,5 +102,5 @@ class GatedAttention(nn.Module):
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         if self.output_gate:
-            out = out * mx.sigmoid(gate)
+            out = sigmoid_gate(out, gate)
         return self.o_proj(out)

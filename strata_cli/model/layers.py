@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
@@ -11,6 +12,26 @@ from metal_shaders import rows_matvec as kernels
 
 WINDOW_ROWS = 8  # a decode window: the root and at most 7 drafts
 PREFILL_MIN_ROWS = 16  # matmuls over at least this many rows take the prompt path
+
+
+# Elementwise glue, each compiled into one kernel: on a GPU every MLX op is a launch (~10 us on
+# the H200) and small-batch decoding is launch-bound. Elementwise, so a row's arithmetic never
+# depends on how many rows share the call (row invariance holds); shapeless, so prompt chunks
+# of any length reuse one compilation.
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
+    return x * mx.sigmoid(gate)
+
+
+@partial(mx.compile, shapeless=True)
+def silu_gate_f32(normed: mx.array, weight: mx.array, gate: mx.array) -> mx.array:
+    """(weight · normed) · silu(gate), the product in float32, back in normed's dtype."""
+    return ((weight * normed).astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(normed.dtype)
 
 
 class RowSplit:
@@ -146,8 +167,7 @@ class GatedRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype)
-        out = (self.weight * normed).astype(mx.float32) * nn.silu(gate.astype(mx.float32))
-        return out.astype(x.dtype)
+        return silu_gate_f32(normed, self.weight, gate)
 
 
 class MLP(nn.Module):
@@ -160,7 +180,7 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderStack(nn.Module):

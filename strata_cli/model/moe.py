@@ -7,12 +7,23 @@ routing policy is attached (`SparseMoeBlock.routing_policy`: approximate, opt-in
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from metal_shaders import rows_matvec as kernels
 
-from .layers import MLP, WINDOW_ROWS, RowLinear, RowSplit, is_cpu_prompt, transposed
+from .layers import (
+    MLP,
+    WINDOW_ROWS,
+    RowLinear,
+    RowSplit,
+    is_cpu_prompt,
+    sigmoid_gate,
+    swiglu,
+    transposed,
+)
 
 
 def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool = True,
@@ -118,13 +129,13 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
         # A decode window: each pick in row order, never grouped by the other rows' choices, so a
         # row's arithmetic is what it is alone (docs/design.md, "Row invariance").
         xs = mx.repeat(x, k, axis=0)[:, None, :]  # (N·k, 1, H)
-        h = nn.silu(matmul("gate_proj", xs, flat, False)) * matmul("up_proj", xs, flat, False)
+        h = swiglu(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
         return matmul("down_proj", h, flat, False).reshape(N, k, -1)
     # Sorting by expert keeps each expert's rows together, so each is read once, in order.
     order = mx.argsort(flat)
     experts = flat[order]
     xs = x[order // k][:, None, :]  # (N·k, 1, H)
-    h = nn.silu(matmul("gate_proj", xs, experts, True)) * matmul("up_proj", xs, experts, True)
+    h = swiglu(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
     out = matmul("down_proj", h, experts, True)  # (N·k, 1, H)
     return out[mx.argsort(order)].reshape(N, k, -1)
 
@@ -192,8 +203,13 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         inds, weights = self.route(x)
-        picks = self.switch_mlp(x, inds)
-        y = (picks * weights[..., None].astype(picks.dtype)).sum(axis=1)
+        y = weighted_sum(self.switch_mlp(x, inds), weights)
         if "shared_expert" in self:
-            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            y = y + sigmoid_gate(self.shared_expert(x), self.shared_expert_gate(x))
         return y.reshape(shape)
+
+
+@partial(mx.compile, shapeless=True)
+def weighted_sum(picks: mx.array, weights: mx.array) -> mx.array:
+    """picks (N, k, H) weighted by weights (N, k) and summed over k, in one compiled kernel."""
+    return (picks * weights[..., None].astype(picks.dtype)).sum(axis=1)
