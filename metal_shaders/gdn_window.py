@@ -19,10 +19,11 @@ tests hold the kernels to; `usable()` probes the kernels once on the running dev
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .probe import Probe, dims
 
-L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2) (model/gdn.py re-exports it)
+L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
 MAX_HEAD_DIM = 256  # gdn_scan keeps a state column of Dk floats in registers
 THREADS = 128
 
@@ -216,17 +217,19 @@ def reference_causal_conv(window: mx.array, weight: mx.array) -> mx.array:
 
 
 def reference_prepare(window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
-    """What `gdn_prepare` computes, in plain MLX (the conv and silu in the model dtype)."""
+    """What `gdn_prepare` computes, in plain MLX: the CPU's path (model/gdn.py), so these are the
+    ops serial decoding has always run. The conv and silu run in the model dtype (the kernel keeps
+    float32 throughout: in bfloat16 the two differ by the conv's rounding)."""
     B, _, C = window.shape
     T, Hv = a.shape[1], a.shape[2]
     Hk, Dk = num_k_heads, head_k_dim
-    mixed = mx.sigmoid(conv := reference_causal_conv(window, conv_weight)) * conv  # nn.silu
+    mixed = nn.silu(reference_causal_conv(window, conv_weight))
     q, k, v = mx.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
     q = reference_l2_normalize(q.reshape(B, T, Hk, Dk)) * Dk**-0.5
     k = reference_l2_normalize(k.reshape(B, T, Hk, Dk))
     v = v.reshape(B, T, Hv, -1).astype(mx.float32)
     beta = mx.sigmoid(b.astype(mx.float32))
-    g = -mx.exp(A_log.astype(mx.float32)) * mx.logaddexp(a.astype(mx.float32) + dt_bias.astype(mx.float32), 0)
+    g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + dt_bias.astype(mx.float32))
     return q, k, v, g, beta
 
 
