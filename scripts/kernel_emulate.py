@@ -6,13 +6,23 @@ small shim: a warp is 32 threads, `__shfl_xor_sync` trades values through a barr
 and `uint4` are plain C++. float32 only (bf16 needs the CUDA headers). It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
-rows than one block takes. Not a speed figure; needs g++ with C++20. Takes a minute or two.
+rows than one block takes. The GDN window kernels (metal_shaders/gdn_window.py) run the same
+way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
+(relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
+model's (2, 4, 64, 64) and a batch of 2. Not a speed figure; needs g++ with C++20. Takes a
+few minutes.
+
+`--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
+it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
+float32 and bfloat16: what NVRTC would refuse shows here without a GPU.
 
     python scripts/kernel_emulate.py
+    python scripts/kernel_emulate.py --nvcc
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -293,9 +303,69 @@ def check(name: str, run, rows: int, expected: np.ndarray, alone_rows) -> bool:
     return ok
 
 
+CUDA_TYPES = {"float": "float", "bf16": "__nv_bfloat16"}
+
+
+def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
+    """(name, header, parameters, constants, body) of every kernel, as the CUDA backend builds them."""
+    kernels_out = []
+    for tn, t in CUDA_TYPES.items():
+        rows = f"using T = {t}; constexpr int ROWS = 8; constexpr int COLS = {kernels.COLS};"
+        x = f"const {t}* x"
+        kernels_out += [
+            (f"dense_{tn}", kernels.HEADER, ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
+             rows + f" using TW = {t};", kernels.DENSE),
+            (f"quantized_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+                                                  f"const {t}* biases", f"{t}* out"],
+             rows + f" using TS = {t}; constexpr int BITS = 4; constexpr int GS = 64;", kernels.QUANTIZED),
+            (f"gather_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+                                               f"const {t}* biases", "const uint32_t* idx", f"{t}* out"],
+             rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
+             kernels.GATHER_QUANTIZED),
+            (f"gdn_prepare_{tn}", gdn_window.HEADER,
+             ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
+              f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
+             + [f"float* {n}" for n in GDN_KINDS["prepare"][1]],
+             f"using TX = {t}; using TW = {t}; using TA = {t}; using TB = {t}; using TL = float; using TD = float; "
+             "constexpr int PER = 4;", gdn_window.PREPARE),
+        ]
+    for dk in (64, 128, 256):
+        kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
+                            ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
+                            + ["float* y", "float* S_out"], f"constexpr int DK = {dk};", gdn_window.SCAN))
+    return kernels_out
+
+
+def nvcc_check(workdir: Path) -> bool:
+    """Compile every kernel body for sm_90 (a file per kernel: each header stands alone)."""
+    ok = True
+    for name, header, params, consts, body in cuda_wrappers():
+        source = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n" + header
+                  + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+                  + f"__global__ void custom_kernel_{name}({', '.join(params)}) {{\n{consts}\n{body}\n}}\n}}\n")
+        path = workdir / f"{name}.cu"
+        path.write_text(source)
+        run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
+                              "-Xptxas", "-v"], capture_output=True, text=True)
+        spills = [line.strip() for line in run.stderr.splitlines() if "spill" in line]
+        print(f"nvcc sm_90 {name:22s} {'ok' if run.returncode == 0 else 'FAIL'}  {spills[-1] if spills else ''}",
+              flush=True)
+        if run.returncode:
+            print(run.stderr, flush=True)
+        ok &= run.returncode == 0
+    return ok
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
+    args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")))
+    if args.nvcc:
+        ok = nvcc_check(emu.dir)
+        print("every body compiles" if ok else "COMPILE FAILURE", flush=True)
+        return 0 if ok else 1
     results = []
     for K, N, bits, gs, R in ((512, 37, 4, 64, 3), (2048, 21, 4, 64, 8), (1024, 19, 8, 32, 2)):
         x = mx.random.normal((R, K), key=mx.random.key(1))
