@@ -178,3 +178,11 @@ def test_speculation_with_the_kernels_is_token_identical_to_serial(monkeypatch, 
     assert spec == serial
     assert summary["drafts_offered"] > 0 and summary["drafts_kept"] > 0
     assert {n for kind, n in calls if kind == "scan"} > {1}  # multi-row windows went through the kernel
+
+
+def test_kernel_bench_times_the_gdn_window_on_the_cpu():
+    from strata_cli.bench import kernel_bench
+
+    records = kernel_bench.bench_gdn("gdn", 1, 2, 32, 32, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0)
+    assert [r["R"] for r in records] == list(kernel_bench.ROWS)
+    assert all(r["identical_to_1_row"] and r["max_abs_diff"] == 0.0 and r["ms"]["mlx"] > 0 for r in records)
