@@ -261,7 +261,7 @@ _probe = Probe("GDN window kernels", "GDN decode windows run as MLX ops")
 def usable() -> bool:
     """True on CUDA once both kernels matched the reference and were row-invariant on a probe
     (checked once per process); False elsewhere or after any failure (logged once)."""
-    return _probe.usable(_check)
+    return _probe.usable(check)
 
 
 def status() -> dict:
@@ -269,7 +269,7 @@ def status() -> dict:
     return _probe.status()
 
 
-def _check() -> str | None:
+def check() -> str | None:
     """None when the kernels pass on this device, else what failed."""
     B, T, Hk, Hv, Dk, Dv, K = 1, 8, 2, 4, 64, 64, 4
     C = 2 * Hk * Dk + Hv * Dv

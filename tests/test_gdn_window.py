@@ -115,10 +115,10 @@ def _emulated_kernels(monkeypatch, emulator, calls):
         calls.append(("scan", q.shape[1]))
         return tuple(mx.array(x) for x in emulator.scan(*(np.array(a) for a in (q, k, v, g, beta, S))))
 
-    def prepare(window, w, a, b, A_log, dt_bias, **heads):
+    def prepare(window, w, a, b, A_log, dt_bias, **heads):  # bfloat16 inputs are read as float32, as the kernel does
         calls.append(("prepare", a.shape[1]))
-        return tuple(mx.array(x) for x in emulator.prepare(*(np.array(x) for x in (window, w, a, b, A_log, dt_bias)),
-                                                            **heads))
+        arrays = (np.array(x.astype(mx.float32)) for x in (window, w, a, b, A_log, dt_bias))
+        return tuple(mx.array(x) for x in emulator.prepare(*arrays, **heads))
 
     monkeypatch.setattr(gdn_window, "usable", lambda: True)
     monkeypatch.setattr(gdn_window, "gdn_scan", scan)
@@ -168,7 +168,7 @@ def test_speculation_with_the_kernels_is_token_identical_to_serial(monkeypatch, 
 
     def decode(drafts):
         stats = DecodeStats()
-        tokens = [t for step in generate(engine, ids, options=GenerateOptions(max_tokens=20),
+        tokens = [t for step in generate(engine, ids, options=GenerateOptions(max_tokens=12),
                                          spec=SpecOptions(max_drafts=drafts), eos_ids=[], stats=stats)
                   for t in step.tokens]
         return tokens, stats.summary()
@@ -186,3 +186,19 @@ def test_kernel_bench_times_the_gdn_window_on_the_cpu():
     records = kernel_bench.bench_gdn("gdn", 1, 2, 32, 32, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0)
     assert [r["R"] for r in records] == list(kernel_bench.ROWS)
     assert all(r["identical_to_1_row"] and r["max_abs_diff"] == 0.0 and r["ms"]["mlx"] > 0 for r in records)
+
+
+def test_the_start_up_probe_passes_row_invariant_kernels_and_refuses_others(monkeypatch, emulator):
+    """The probe's own checks (float32 and bfloat16), run here on the emulated kernels."""
+    calls = []
+    _emulated_kernels(monkeypatch, emulator, calls)
+    assert gdn_window.check() is None
+    assert ("prepare", 8) in calls and ("scan", 1) in calls
+    emulated_scan = gdn_window.gdn_scan
+
+    def drifting_scan(q, k, v, g, beta, S):
+        y, S = emulated_scan(q, k, v, g, beta, S)
+        return y * (1 + 1e-6 * (q.shape[1] - 1)), S
+
+    monkeypatch.setattr(gdn_window, "gdn_scan", drifting_scan)
+    assert gdn_window.check() == "gdn_scan rows differ with the row count"
