@@ -167,7 +167,9 @@ def gdn_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
     Hv, Dv = v.shape[2], v.shape[3]
     kernel = _kernel("strata_gdn_scan_v1", ["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], SCAN)
     config = scan_launch(B, Hv, Dv)
-    y, S_out = kernel(inputs=[dims(B, T, Hk, Hv, Dv), q, k, v, g, beta, S], template=[("DK", Dk)],
+    # The dtypes are template values too (MLX caches a compile by name and template alone).
+    template = [("DK", Dk), *((f"T{i}", a.dtype) for i, a in enumerate((q, k, v, g, beta, S)))]
+    y, S_out = kernel(inputs=[dims(B, T, Hk, Hv, Dv), q, k, v, g, beta, S], template=template,
                       output_shapes=[(B, T, Hv, Dv), (B, Hv, Dk, Dv)], output_dtypes=[mx.float32] * 2, **config)
     return y, S_out
 

@@ -202,3 +202,32 @@ def test_the_start_up_probe_passes_row_invariant_kernels_and_refuses_others(monk
 
     monkeypatch.setattr(gdn_window, "gdn_scan", drifting_scan)
     assert gdn_window.check() == "gdn_scan rows differ with the row count"
+
+
+def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
+    """What the wrappers hand to mx.fast.cuda_kernel: shapes in `dims`, every input dtype and
+    the compiled sizes (DK, PER) as template values, float32 outputs of the contract's shapes."""
+    calls = []
+
+    def fake(name, inputs, outputs, source):
+        def kernel(**kw):
+            calls.append((source, kw))
+            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return kernel
+
+    monkeypatch.setattr(gdn_window, "_kernel", fake)
+    B, T, Hk, Hv, Dk, Dv, K = 2, 3, 2, 4, 32, 64, 4
+    window = mx.zeros((B, K - 1 + T, 2 * Hk * Dk + Hv * Dv), dtype=mx.bfloat16)
+    a = mx.zeros((B, T, Hv), dtype=mx.bfloat16)
+    q, k, v, g, beta = gdn_window.gdn_prepare(window, mx.zeros((window.shape[-1], K), dtype=mx.bfloat16), a, a,
+                                              mx.zeros((Hv,)), mx.zeros((Hv,)), num_k_heads=Hk, head_k_dim=Dk)
+    assert [x.shape for x in (q, k, v, g, beta)] == [(B, T, Hk, Dk)] * 2 + [(B, T, Hv, Dv)] + [(B, T, Hv)] * 2
+    y, S = gdn_window.gdn_scan(q, k, v, g, beta, mx.zeros((B, Hv, Dk, Dv)))
+    assert y.shape == (B, T, Hv, Dv) and S.shape == (B, Hv, Dk, Dv)
+    (prepare_source, prepare), (scan_source, scan) = calls
+    assert prepare_source is gdn_window.PREPARE and scan_source is gdn_window.SCAN
+    assert prepare["inputs"][0].tolist() == [B, T, Hk, Hv, Dk, Dv, K] and scan["inputs"][0].tolist() == [B, T, Hk, Hv, Dv]
+    assert dict(prepare["template"]) == {"TX": mx.bfloat16, "TW": mx.bfloat16, "TA": mx.bfloat16, "TB": mx.bfloat16,
+                                         "TL": mx.float32, "TD": mx.float32, "PER": 2}
+    assert dict(scan["template"])["DK"] == Dk and len(scan["template"]) == 7
+    assert all(d == mx.float32 for d in prepare["output_dtypes"] + scan["output_dtypes"])
