@@ -332,7 +332,9 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
     for dk in (64, 128, 256):
         kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
                             ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
-                            + ["float* y", "float* S_out"], f"constexpr int DK = {dk};", gdn_window.SCAN))
+                            + ["float* y", "float* S_out"],
+                            f"constexpr int DK = {dk}; " + " ".join(f"using T{i} = float;" for i in range(6)),
+                            gdn_window.SCAN))
     return kernels_out
 
 
