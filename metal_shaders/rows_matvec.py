@@ -15,15 +15,13 @@ reference on the running device and falls back for good when they fail.
 
 from __future__ import annotations
 
-import logging
-
 import mlx.core as mx
+
+from .probe import Probe, dims
 
 MAX_ROWS = 8
 WARPS = 4  # warps per block (128 threads): small blocks spread a 512-column matrix over the SMs
 COLS = 4  # output columns per warp: each x value loaded feeds COLS columns
-
-log = logging.getLogger("strata.kernels")
 
 # Helpers the kernel bodies share (mx.fast.cuda_kernel's `header`, outside the kernel function).
 # `strata_u2f` turns a small unsigned int into a float exactly without the slow I2F instruction
@@ -187,8 +185,7 @@ QUANTIZED = _ROWS_PLAIN + _QUANTIZED_BODY
 GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
 
 _kernels: dict[str, object] = {}
-_dims_cache: dict[tuple[int, int, int], mx.array] = {}
-_state = {"usable": None, "error": None}
+_probe = Probe("row-invariant CUDA kernels", "decode windows run row by row")
 
 
 def launch_config(rows: int, N: int, *, cols: int = COLS) -> dict:
@@ -225,22 +222,13 @@ def _launch(kernel, inputs, template, rows: int, N: int, dtype, cols: int):
     return out
 
 
-def _dims(R: int, K: int, N: int) -> mx.array:
-    # Shapes travel as data, not template values: one compile per (dtype, bits, rows) serves
-    # every weight shape, so a new matrix never waits for NVRTC.
-    key = (R, K, N)
-    if key not in _dims_cache:
-        _dims_cache[key] = mx.array(key, dtype=mx.int32)
-    return _dims_cache[key]
-
-
 def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS) -> mx.array:
     """x (R, K) @ w (N, K)ᵀ -> (R, N) in x's dtype, R <= 8, on CUDA (`cols`: columns per warp)."""
     R, K = x.shape
     N = w.shape[0]
     kernel = _kernel("strata_rows_matvec_v2", ["dims", "x", "w"], DENSE)
     template = [("T", x.dtype), ("TW", w.dtype)]
-    return _launch(kernel, [_dims(R, K, N), x, w], template, R, N, x.dtype, cols)
+    return _launch(kernel, [dims(R, K, N), x, w], template, R, N, x.dtype, cols)
 
 
 def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
@@ -251,7 +239,7 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     kernel = _kernel("strata_rows_qmatvec_v2", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
     template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
-    return _launch(kernel, [_dims(R, K, N), x, w, scales, biases], template, R, N, x.dtype, cols)
+    return _launch(kernel, [dims(R, K, N), x, w, scales, biases], template, R, N, x.dtype, cols)
 
 
 def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
@@ -267,7 +255,7 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
                      GATHER_QUANTIZED)
     config = launch_config(share or min(MAX_ROWS, max(1, M // 8)), N, cols=cols)
     template = [("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
-    (out,) = kernel(inputs=[_dims(M, K, N), x, w, scales, biases, experts], template=template + config["template"],
+    (out,) = kernel(inputs=[dims(M, K, N), x, w, scales, biases, experts], template=template + config["template"],
                     grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(M, N)],
                     output_dtypes=[x.dtype])
     return out
@@ -301,29 +289,16 @@ def supports(K: int, *, group_size: int | None = None, bits: int | None = None) 
 def kernels_usable() -> bool:
     """True on CUDA once both kernels matched the reference and were row-invariant on a probe
     (checked once per process); False elsewhere or after any failure (logged once)."""
-    if _state["usable"] is not None:
-        return _state["usable"]
-    cuda = getattr(mx, "cuda", None)
-    if not (mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()):
-        _state["usable"] = False
-        return False
-    try:
-        _state["usable"] = _probe()
-    except Exception as e:  # NVRTC compile errors and launch failures come as several types
-        _state["error"] = f"{type(e).__name__}: {e}"
-        _state["usable"] = False
-    if not _state["usable"]:
-        log.warning("row-invariant CUDA kernels disabled (%s); decode windows run row by row",
-                    _state["error"] or "probe mismatch")
-    return _state["usable"]
+    return _probe.usable(_check)
 
 
 def status() -> dict:
     """Whether the kernels are in use, and why not (for selftest and benchmarks)."""
-    return {"usable": bool(_state["usable"]), "error": _state["error"]}
+    return _probe.status()
 
 
-def _probe() -> bool:
+def _check() -> str | None:
+    """None when the kernels pass on this device, else what failed."""
     key = mx.random.key(7)
     K, N = 512, 200
     for dtype in (mx.float32, mx.bfloat16):
@@ -342,18 +317,17 @@ def _probe() -> bool:
             partial = [kernel(x[:T]) for T in (2, 3)]  # the 2- and 4-row compiles, rows left unused
             mx.eval(together, alone, expected, partial)
             if not all(mx.array_equal(y, alone[: y.shape[0]]).item() for y in [together, *partial]):
-                _state["error"] = f"rows differ with the row count ({dtype})"
-                return False
+                return f"rows differ with the row count ({dtype})"
             tol = 5e-3 if dtype == mx.float32 else 3e-2  # the reference may run at TF32
             if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
-                _state["error"] = f"kernel and reference disagree ({dtype})"
-                return False
-        if not _probe_gather(dtype):
-            return False
-    return True
+                return f"kernel and reference disagree ({dtype})"
+        error = _check_gather(dtype)
+        if error:
+            return error
+    return None
 
 
-def _probe_gather(dtype) -> bool:
+def _check_gather(dtype) -> str | None:
     # 12 picks of 6 experts, expert 3 picked 9 times: more than one block's MAX_ROWS.
     K, N = 512, 200
     experts = mx.array([3, 1, 3, 0, 3, 5, 1, 3, 3, 3, 3, 3], dtype=mx.uint32)
@@ -367,10 +341,8 @@ def _probe_gather(dtype) -> bool:
     expected = reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)
     mx.eval(together, alone, expected)
     if not mx.array_equal(together, alone).item():
-        _state["error"] = f"routed-expert picks differ with the other picks ({dtype})"
-        return False
+        return f"routed-expert picks differ with the other picks ({dtype})"
     tol = 5e-3 if dtype == mx.float32 else 3e-2
     if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
-        _state["error"] = f"routed-expert kernel and reference disagree ({dtype})"
-        return False
-    return True
+        return f"routed-expert kernel and reference disagree ({dtype})"
+    return None

@@ -6,13 +6,23 @@ small shim: a warp is 32 threads, `__shfl_xor_sync` trades values through a barr
 and `uint4` are plain C++. float32 only (bf16 needs the CUDA headers). It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
-rows than one block takes. Not a speed figure; needs g++ with C++20. Takes a minute or two.
+rows than one block takes. The GDN window kernels (metal_shaders/gdn_window.py) run the same
+way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
+(relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
+model's (2, 4, 64, 64) and a batch of 2. Not a speed figure; needs g++ with C++20. Takes a
+few minutes.
+
+`--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
+it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
+float32 and bfloat16: what NVRTC would refuse shows here without a GPU.
 
     python scripts/kernel_emulate.py
+    python scripts/kernel_emulate.py --nvcc
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -21,6 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from metal_shaders import gdn_window
 from metal_shaders import rows_matvec as kernels
 
 SHIM = r"""
@@ -33,6 +44,8 @@ SHIM = r"""
 #include <cstring>
 #include <thread>
 #include <vector>
+#include <math.h>
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 struct uint4 { unsigned int x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 template <typename V> inline V __ldg(const V* p) { return *p; }
@@ -123,6 +136,157 @@ class Emulator:
         return np.fromfile(out, np.float32).reshape(out_rows, N)
 
 
+MAIN_GDN = r"""
+static std::vector<char> slurp(const char* path) {
+    std::vector<char> bytes; char buf[65536]; size_t n; FILE* f = fopen(path, "rb");
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
+    fclose(f); return bytes;
+}
+int main(int argc, char** argv) {
+    std::vector<std::vector<char>> in;
+    for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
+    const int gx = atoi(argv[1 + NUM_INPUTS]), tx = atoi(argv[2 + NUM_INPUTS]);
+    std::vector<std::vector<float>> outs(NUM_OUTPUTS);
+    for (int o = 0; o < NUM_OUTPUTS; ++o) outs[o].assign(atol(argv[3 + NUM_INPUTS + 2 * o]), NAN);
+    blockDim.x = tx;
+    std::barrier<> bar(32); warp_barrier = &bar;
+    for (int bx = 0; bx < gx; ++bx) for (int wp = 0; wp < tx / 32; ++wp) {
+        std::vector<std::thread> lanes;
+        for (int l = 0; l < 32; ++l) lanes.emplace_back([&, l] {
+            threadIdx.x = wp * 32 + l; blockIdx.x = bx; CALL;
+        });
+        for (auto& t : lanes) t.join();
+    }
+    for (int o = 0; o < NUM_OUTPUTS; ++o) {
+        FILE* f = fopen(argv[4 + NUM_INPUTS + 2 * o], "wb"); fwrite(outs[o].data(), 4, outs[o].size(), f); fclose(f);
+    }
+}
+"""
+# name: (inputs, outputs, body); every array float32 but dims
+GDN_KINDS = {
+    "scan": (["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], gdn_window.SCAN),
+    "prepare": (["dims", "window", "conv_weight", "a", "b_in", "A_log", "dt_bias"],
+                ["q_out", "k_out", "v_out", "g_out", "beta_out"], gdn_window.PREPARE),
+}
+
+
+class GDNEmulator:
+    """The GDN window kernels on the CPU (float32): `scan` and `prepare` with gdn_window's launch shapes."""
+
+    def __init__(self, workdir: Path):
+        self.dir = workdir
+        self.built: dict[tuple, Path] = {}
+
+    def _binary(self, kind: str, const: int) -> Path:
+        key = (kind, const)
+        if key not in self.built:
+            inputs, outputs, body = GDN_KINDS[kind]
+            params = ["const int32_t* dims"] + [f"const float* {n}" for n in inputs[1:]] + [f"float* {n}" for n in outputs]
+            consts = (f"constexpr int DK = {const};" if kind == "scan" else
+                      f"using TX = float; using TW = float; using TA = float; using TB = float; using TL = float; "
+                      f"using TD = float; constexpr int PER = {const};")
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params[: len(inputs)])]
+            args += [f"outs[{o}].data()" for o in range(len(outputs))]
+            source = (SHIM + gdn_window.HEADER + f"void kernel({', '.join(params)}) {{\n{consts}\n{body}\n}}\n"
+                      + MAIN_GDN.replace("NUM_INPUTS", str(len(inputs))).replace("NUM_OUTPUTS", str(len(outputs)))
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"gdn_{kind}_{const}"
+            path.with_suffix(".cpp").write_text(source)
+            subprocess.run(["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread",
+                            str(path.with_suffix(".cpp")), "-o", str(path)], check=True)
+            self.built[key] = path
+        return self.built[key]
+
+    def _run(self, kind: str, const: int, inputs: list, config: dict, shapes: list) -> list[np.ndarray]:
+        binary = self._binary(kind, const)
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"gin{i}"))
+            Path(names[-1]).write_bytes(np.ascontiguousarray(np.asarray(a)).tobytes())
+        threads = config["threadgroup"][0]
+        outs = [self.dir / f"gout{o}" for o in range(len(shapes))]
+        sizes = [str(int(np.prod(shape))) for shape in shapes]
+        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), str(threads),
+                        *[x for pair in zip(sizes, map(str, outs)) for x in pair]], check=True)
+        return [np.fromfile(out, np.float32).reshape(shape) for out, shape in zip(outs, shapes)]
+
+    def scan(self, q, k, v, g, beta, S) -> list[np.ndarray]:
+        """gdn_window.gdn_scan's launch, emulated: numpy float32 in, [y, S_final] out."""
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2:]
+        return self._run("scan", Dk, [np.array([B, T, Hk, Hv, Dv], np.int32), q, k, v, g, beta, S],
+                         gdn_window.scan_launch(B, Hv, Dv), [(B, T, Hv, Dv), (B, Hv, Dk, Dv)])
+
+    def prepare(self, window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
+        """gdn_window.gdn_prepare's launch, emulated: [q, k, v, g, beta]."""
+        B, W, C = window.shape
+        K = conv_weight.shape[1]
+        T, Hv = a.shape[1:]
+        Hk, Dk = num_k_heads, head_k_dim
+        Dv = (C - 2 * Hk * Dk) // Hv
+        return self._run("prepare", max(Dk, Dv) // 32,
+                         [np.array([B, T, Hk, Hv, Dk, Dv, K], np.int32), window, conv_weight, a, b, A_log, dt_bias],
+                         gdn_window.prepare_launch(B, T, Hk, Hv),
+                         [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv)])
+
+
+def gdn_inputs(B: int, Hk: int, Hv: int, Dk: int, Dv: int, *, rows: int = 8, conv_kernel: int = 4, seed: int = 0):
+    """Random float32 prepare inputs (window, conv weight, a, b, A_log, dt_bias) for `rows` rows."""
+    C = 2 * Hk * Dk + Hv * Dv
+    keys = mx.random.split(mx.random.key(seed), 6)
+    return (mx.random.normal((B, conv_kernel - 1 + rows, C), key=keys[0]),
+            mx.random.normal((C, conv_kernel), key=keys[1]) * 0.5,
+            mx.random.normal((B, rows, Hv), key=keys[2]), mx.random.normal((B, rows, Hv), key=keys[3]),
+            mx.random.uniform(-1, 1, (Hv,), key=keys[4]), mx.random.uniform(0, 1, (Hv,), key=keys[5]))
+
+
+def _relative(got, expected) -> float:
+    return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def check_gdn(emu: GDNEmulator, B: int, Hk: int, Hv: int, Dk: int, Dv: int, *, rows=range(1, 9), tol=1e-5) -> bool:
+    """For each T in `rows`: the T-row call equals T chained (prepare: separate) 1-row calls bit for
+    bit, and stays within `tol` (relative to the largest value) of the reference."""
+    T_max = max(rows)
+    window, w, a, b, A_log, dt_bias = gdn_inputs(B, Hk, Hv, Dk, Dv, rows=T_max)
+    heads = {"num_k_heads": Hk, "head_k_dim": Dk}
+    K = w.shape[1]
+    np_in = [_f32(x) for x in (window, w, a, b, A_log, dt_bias)]
+    alone = [emu.prepare(np_in[0][:, t : t + K], np_in[1], np_in[2][:, t : t + 1], np_in[3][:, t : t + 1],
+                         *np_in[4:], **heads) for t in range(T_max)]
+    alone = [np.concatenate(parts, axis=1) for parts in zip(*alone)]
+    ok = True
+    for T in rows:
+        got = emu.prepare(np_in[0][:, : K - 1 + T], np_in[1], np_in[2][:, :T], np_in[3][:, :T], *np_in[4:], **heads)
+        expected = gdn_window.reference_prepare(window[:, : K - 1 + T], w, a[:, :T], b[:, :T], A_log, dt_bias, **heads)
+        same = all(np.array_equal(x, y[:, :T]) for x, y in zip(got, alone))
+        diff = max(_relative(x, _f32(y)) for x, y in zip(got, expected))
+        ok &= _report(f"gdn_prepare Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}", T, same, diff, tol)
+
+    q, k, v, g, beta = (_f32(x) for x in gdn_window.reference_prepare(window, w, a, b, A_log, dt_bias, **heads))
+    S0 = _f32(mx.random.normal((B, Hv, Dk, Dv), key=mx.random.key(1)) * 0.1)
+    chained_y, chained_S, S = [], [], S0
+    for t in range(T_max):
+        y_t, S = emu.scan(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], S)
+        chained_y.append(y_t)
+        chained_S.append(S)
+    chained_y = np.concatenate(chained_y, axis=1)
+    for T in rows:
+        y, S_T = emu.scan(q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], S0)
+        same = np.array_equal(y, chained_y[:, :T]) and np.array_equal(S_T, chained_S[T - 1])
+        y_ref, S_ref = gdn_window.reference_scan(*(mx.array(x[:, :T]) for x in (q, k, v, g, beta)), mx.array(S0))
+        diff = max(_relative(y, _f32(y_ref)), _relative(S_T, _f32(S_ref)))
+        ok &= _report(f"gdn_scan Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}", T, same, diff, tol)
+    return ok
+
+
+def _report(name: str, rows: int, same: bool, diff: float, tol: float) -> bool:
+    ok = same and diff < tol
+    print(f"{name:34s} rows {rows:2d}  identical to 1-row calls: {same!s:5s}  max rel diff {diff:.1e}  "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def _f32(a):
     return np.array(a.astype(mx.float32))
 
@@ -139,9 +303,71 @@ def check(name: str, run, rows: int, expected: np.ndarray, alone_rows) -> bool:
     return ok
 
 
+CUDA_TYPES = {"float": "float", "bf16": "__nv_bfloat16"}
+
+
+def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
+    """(name, header, parameters, constants, body) of every kernel, as the CUDA backend builds them."""
+    kernels_out = []
+    for tn, t in CUDA_TYPES.items():
+        rows = f"using T = {t}; constexpr int ROWS = 8; constexpr int COLS = {kernels.COLS};"
+        x = f"const {t}* x"
+        kernels_out += [
+            (f"dense_{tn}", kernels.HEADER, ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
+             rows + f" using TW = {t};", kernels.DENSE),
+            (f"quantized_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+                                                  f"const {t}* biases", f"{t}* out"],
+             rows + f" using TS = {t}; constexpr int BITS = 4; constexpr int GS = 64;", kernels.QUANTIZED),
+            (f"gather_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+                                               f"const {t}* biases", "const uint32_t* idx", f"{t}* out"],
+             rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
+             kernels.GATHER_QUANTIZED),
+            (f"gdn_prepare_{tn}", gdn_window.HEADER,
+             ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
+              f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
+             + [f"float* {n}" for n in GDN_KINDS["prepare"][1]],
+             f"using TX = {t}; using TW = {t}; using TA = {t}; using TB = {t}; using TL = float; using TD = float; "
+             "constexpr int PER = 4;", gdn_window.PREPARE),
+        ]
+    for dk in (64, 128, 256):
+        kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
+                            ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
+                            + ["float* y", "float* S_out"],
+                            f"constexpr int DK = {dk}; " + " ".join(f"using T{i} = float;" for i in range(6)),
+                            gdn_window.SCAN))
+    return kernels_out
+
+
+def nvcc_check(workdir: Path) -> bool:
+    """Compile every kernel body for sm_90 (a file per kernel: each header stands alone)."""
+    ok = True
+    for name, header, params, consts, body in cuda_wrappers():
+        source = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n" + header
+                  + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+                  + f"__global__ void custom_kernel_{name}({', '.join(params)}) {{\n{consts}\n{body}\n}}\n}}\n")
+        path = workdir / f"{name}.cu"
+        path.write_text(source)
+        run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
+                              "-Xptxas", "-v"], capture_output=True, text=True)
+        spills = [line.strip() for line in run.stderr.splitlines() if "spill" in line]
+        print(f"nvcc sm_90 {name:22s} {'ok' if run.returncode == 0 else 'FAIL'}  {spills[-1] if spills else ''}",
+              flush=True)
+        if run.returncode:
+            print(run.stderr, flush=True)
+        ok &= run.returncode == 0
+    return ok
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
+    args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")))
+    if args.nvcc:
+        ok = nvcc_check(emu.dir)
+        print("every body compiles" if ok else "COMPILE FAILURE", flush=True)
+        return 0 if ok else 1
     results = []
     for K, N, bits, gs, R in ((512, 37, 4, 64, 3), (2048, 21, 4, 64, 8), (1024, 19, 8, 32, 2)):
         x = mx.random.normal((R, K), key=mx.random.key(1))
@@ -178,6 +404,9 @@ def main() -> int:
 
     expected = _f32(kernels.reference_gather_qmatvec(xg, qw, qs, qb, experts, group_size=64, bits=4))
     results.append(check(f"rows_gather_qmatvec K={K} N={N}", run_gather, M, expected, (0, 5, 8, 11)))
+    gdn = GDNEmulator(emu.dir)
+    for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
+        results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 

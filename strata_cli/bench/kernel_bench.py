@@ -9,7 +9,10 @@ group size 64, bfloat16 rows) and R = 1, 2, 4, 8 rows this times, in one run:
 
 and for the routed experts (512 experts of 512 × 2048 and 2048 × 512, top-10 picks per row,
 random routing) `rows_gather_qmatvec` against MLX's unsorted `gather_qmm` on the same picks;
-each the median of `--repeats` samples after a warm-up, a sample being `--inner` back-to-back
+and the GDN decode window (Qwen3-Next-80B's heads: Hk 16, Hv 32, Dk = Dv = 128, conv kernel 4):
+`gdn_prepare` + `gdn_scan` (metal_shaders/gdn_window.py) against the MLX ops the layer runs
+without them (its references: conv, silu, l2norms, gating, the per-row scan); its "GB/s" counts
+the recurrent state read and written. Each the median of `--repeats` samples after a warm-up, a sample being `--inner` back-to-back
 calls under one `mx.eval`, divided by `--inner` (so launch latency overlaps as it does in a
 decode step). It also checks that each row of the R-row call equals that row's 1-row call bit
 for bit, and the largest difference from the float32 reference; and writes the weight bytes
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from metal_shaders import gdn_window
 from metal_shaders import rows_matvec as kernels
 
 ROWS = (1, 2, 4, 8)
@@ -146,6 +150,49 @@ def bench_experts(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: 
     return records
 
 
+def bench_gdn(name: str, Hk: int, Hv: int, Dk: int, Dv: int, *, use_kernel: bool, repeats: int, inner: int,
+              peak_gbs: float, conv_kernel: int = 4, seed: int = 0) -> list[dict]:
+    """A GDN layer's decode window between its projections, R = 1, 2, 4, 8 rows, bfloat16 inputs."""
+    C = 2 * Hk * Dk + Hv * Dv
+    keys = mx.random.split(mx.random.key(seed), 6)
+    R8 = max(ROWS)
+    window = mx.random.normal((1, conv_kernel - 1 + R8, C), key=keys[0]).astype(mx.bfloat16)
+    weight = (mx.random.normal((C, conv_kernel), key=keys[1]) * 0.5).astype(mx.bfloat16)
+    a, b = (mx.random.normal((1, R8, Hv), key=key).astype(mx.bfloat16) for key in keys[2:4])
+    A_log, dt_bias = mx.random.uniform(-1, 1, (Hv,), key=keys[4]), mx.random.uniform(0, 1, (Hv,), key=keys[5])
+    S = mx.random.normal((1, Hv, Dk, Dv), key=keys[0]) * 0.1
+    heads = {"num_k_heads": Hk, "head_k_dim": Dk}
+    mx.eval(window, weight, a, b, A_log, dt_bias, S)
+
+    def step(R, t0=0, *, kernel=use_kernel, state=S):
+        prepare, scan = ((gdn_window.gdn_prepare, gdn_window.gdn_scan) if kernel
+                         else (gdn_window.reference_prepare, gdn_window.reference_scan))
+        rows = prepare(window[:, t0 : t0 + conv_kernel - 1 + R], weight, a[:, t0 : t0 + R], b[:, t0 : t0 + R],
+                       A_log, dt_bias, **heads)
+        return scan(*rows, state)
+
+    chained, state = [], S
+    for t in range(R8):
+        y, state = step(1, t, state=state)
+        chained.append(y)
+    chained = mx.concatenate(chained, axis=1)
+    expected = step(R8, kernel=False)[0]
+    mx.eval(chained, expected)
+    state_bytes = 2 * S.nbytes
+    records = []
+    for R in ROWS:
+        y, _ = step(R)
+        mx.eval(y)
+        times = {"kernel": _median_ms(lambda R=R: step(R), repeats=repeats, inner=inner),
+                 "mlx": _median_ms(lambda R=R: step(R, kernel=False), repeats=repeats, inner=inner)}
+        gbs = state_bytes / (times["kernel"] / 1000) / 1e9
+        records.append({"shape": name, "K": C, "N": Hv * Dv, "R": R, "cols": 0,
+                        "identical_to_1_row": mx.array_equal(y, chained[:, :R]).item(),
+                        "max_abs_diff": mx.abs(y - expected[:, :R]).max().item(), "ms": times,
+                        "kernel_over_mlx": times["kernel"] / times["mlx"], "weight_gbs": gbs, "of_peak": gbs / peak_gbs})
+    return records
+
+
 def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[int, ...]) -> dict:
     use_kernel = kernels.kernels_usable()
     shapes = SMALL_SHAPES if small else SHAPES
@@ -157,9 +204,12 @@ def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[i
     for name, K, N in (("experts_gate", H, I), ("experts_down", I, H)):
         records += bench_experts(name, E, K, N, top_k, use_kernel=use_kernel, repeats=repeats, inner=inner,
                                  peak_gbs=peak_gbs)
+    gdn_heads = (2, 4, 64, 64) if small else (16, 32, 128, 128)
+    records += bench_gdn("gdn_window", *gdn_heads, use_kernel=gdn_window.usable(), repeats=repeats, inner=inner,
+                         peak_gbs=peak_gbs)
     identical = all(r.get("identical_to_1_row", True) and r.get("identical_to_default_cols", True) for r in records)
     return {"device": str(mx.default_device()), "machine": platform.node(), "mlx": mx.__version__,
-            "kernels": kernels.status(), "path": "kernel" if use_kernel else "reference",
+            "kernels": kernels.status(), "gdn_kernels": gdn_window.status(), "path": "kernel" if use_kernel else "reference",
             "bits": BITS, "group_size": GROUP_SIZE, "dtype": "bfloat16", "repeats": repeats, "inner": inner,
             "all_rows_identical": identical, "records": records}
 

@@ -4,6 +4,10 @@ Legend: T = rows, Hk/Hv = key/value heads, Dk/Dv = head dims, C = conv channels 
 K = conv kernel. The layer never owns its state: the caller's `RecurrentState` (the engine's
 `GDNState`) supplies the conv history and the recurrent state, and decides which rows reach
 committed state.
+
+The math between the projections lives in metal_shaders/gdn_window.py: its `reference_*` are
+this layer's MLX ops, and on CUDA a decode window (T <= WINDOW_ROWS) takes its two
+row-invariant kernels instead (`gdn_prepare`, `gdn_scan`): ~37 tiny ops become two calls.
 """
 
 from __future__ import annotations
@@ -11,16 +15,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from metal_shaders import gdn_window
+
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_gated_delta_scan
 from .layer_state import GDNRows, RecurrentState
-from .layers import GatedRMSNorm, RowLinear
+from .layers import WINDOW_ROWS, GatedRMSNorm, RowLinear, RowSplit
 
-L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
-
-
-def l2_normalize(x: mx.array) -> mx.array:
-    x32 = x.astype(mx.float32)
-    return x32 * mx.rsqrt((x32 * x32).sum(axis=-1, keepdims=True) + L2_EPS)
+l2_normalize = gdn_window.reference_l2_normalize
 
 
 def gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
@@ -36,21 +37,12 @@ def gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array
     Returns:
         outputs (B, T, Hv, Dv) float32 and the state after the last row.
     """
-    Hk, Hv = rows.k.shape[2], rows.v.shape[2]
-    q, k = rows.q, rows.k
-    if Hv != Hk:  # each key head serves Hv/Hk consecutive value heads
-        q = mx.repeat(q, Hv // Hk, axis=2)
-        k = mx.repeat(k, Hv // Hk, axis=2)
-    decay = mx.exp(rows.g)
-    outputs = []
-    for t in range(len(rows)):
-        k_t = k[:, t, :, :, None]  # (B, Hv, Dk, 1)
-        state = state * decay[:, t, :, None, None]
-        memory = (state * k_t).sum(axis=-2)  # (B, Hv, Dv)
-        delta = (rows.v[:, t] - memory) * rows.beta[:, t, :, None]
-        state = state + k_t * delta[:, :, None, :]
-        outputs.append((state * q[:, t, :, :, None]).sum(axis=-2))
-    return mx.stack(outputs, axis=1), state
+    return gdn_window.reference_scan(rows.q, rows.k, rows.v, rows.g, rows.beta, state)
+
+
+def kernel_gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
+    """`gated_delta_scan` in one CUDA kernel call (metal_shaders/gdn_window.py), for decode windows."""
+    return gdn_window.gdn_scan(rows.q, rows.k, rows.v, rows.g, rows.beta, state)
 
 
 class CausalConv1d(nn.Module):
@@ -62,12 +54,7 @@ class CausalConv1d(nn.Module):
 
     def __call__(self, window: mx.array) -> mx.array:
         """(B, K-1+T, C) history-prefixed inputs -> (B, T, C). Elementwise, so exact for any T."""
-        K = self.weight.shape[1]
-        T = window.shape[1] - (K - 1)
-        out = window[:, 0:T] * self.weight[:, 0]
-        for j in range(1, K):
-            out = out + window[:, j : j + T] * self.weight[:, j]
-        return out
+        return gdn_window.reference_causal_conv(window, self.weight)
 
 
 class GatedDeltaNet(nn.Module):
@@ -119,20 +106,26 @@ class GatedDeltaNet(nn.Module):
             a.reshape(B, T, self.num_v_heads),
         )
 
+    def takes_kernels(self, rows: int) -> bool:
+        """Whether a window of `rows` rows runs the GDN window kernels (CUDA, where they passed
+        their probe; RowSplit "never" keeps every window on MLX ops, as for the matmuls)."""
+        return (0 < rows <= WINDOW_ROWS and RowSplit.mode != "never"
+                and gdn_window.supports(self.head_k_dim, self.head_v_dim) and gdn_window.usable())
+
     def __call__(self, x: mx.array, state: RecurrentState) -> mx.array:
         B, T, _ = x.shape
         raw, z, b, a = self.project(x)
-        mixed = nn.silu(self.conv1d(state.conv_window(raw)))
-        q, k, v = mx.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = l2_normalize(q.reshape(B, T, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
-        k = l2_normalize(k.reshape(B, T, self.num_k_heads, self.head_k_dim))
-        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim).astype(mx.float32)
-        beta = mx.sigmoid(b.astype(mx.float32))
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
-            a.astype(mx.float32) + self.dt_bias.astype(mx.float32)
-        )
-        # Prompt chunks take the chunked form; decode windows keep the exact per-row scan.
-        scan = chunked_gated_delta_scan if T >= MIN_CHUNKED_ROWS else gated_delta_scan
+        window = state.conv_window(raw)
+        is_kernel = self.takes_kernels(T)
+        prepare = gdn_window.gdn_prepare if is_kernel else gdn_window.reference_prepare
+        q, k, v, g, beta = prepare(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias,
+                                   num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim)
+        # Prompt chunks take the chunked form; decode windows keep the exact per-row scan (the
+        # state's commit folds reuse the same `scan`, so they repeat the window's arithmetic).
+        if is_kernel:
+            scan = kernel_gated_delta_scan
+        else:
+            scan = chunked_gated_delta_scan if T >= MIN_CHUNKED_ROWS else gated_delta_scan
         y = state.recur(GDNRows(q, k, v, g, beta), scan)
         y = self.norm(y.astype(x.dtype), z)
         return self.out_proj(y.reshape(B, T, -1))

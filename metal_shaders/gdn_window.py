@@ -1,0 +1,310 @@
+"""The GDN decode window in two kernels: `gdn_prepare` (causal conv, silu, l2norm, gating) and
+`gdn_scan` (the gated delta rule over the window's rows).
+
+Legend: B batch, T rows (<= 8 in a decode window), Hk/Hv key/value heads (Hv a multiple of Hk;
+value head h reads key head h // (Hv/Hk)), Dk/Dv head dims, C = 2·Hk·Dk + Hv·Dv conv channels,
+K the conv kernel.
+
+On the H200 a GDN layer's decode window is ~37 tiny MLX ops between its projections, each ~10 µs;
+these two calls replace them. Both are row-invariant: a row's arithmetic is a function of that
+row's inputs and the shapes, never of T, so a T-row call gives the bits of T chained 1-row calls
+(what lossless speculation needs) — every sum runs in one fixed order: `gdn_scan` sums over Dk
+sequentially in one thread, `gdn_prepare` sums a head's squares lane-sequentially and then over
+a fixed xor butterfly of warp shuffles.
+
+CUDA sources (`mx.fast.cuda_kernel`); `reference_*` (pure MLX) is what the CPU runs and what the
+tests hold the kernels to; `usable()` probes the kernels once on the running device.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .probe import Probe, dims
+
+L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
+MAX_HEAD_DIM = 256  # gdn_scan keeps a state column of Dk floats in registers
+THREADS = 128
+
+# One thread per (batch b, value head h, state column j): it holds column j of S (Dk floats)
+# and runs every row in order, with fused multiply-adds over i = 0..Dk-1. dims: B, T, Hk, Hv, Dv.
+SCAN = """
+    const int B = dims[0], T = dims[1], Hk = dims[2], Hv = dims[3], Dv = dims[4];
+    const int gid = blockIdx.x * blockDim.x + threadIdx.x;
+    if (gid >= B * Hv * Dv) return;
+    const int j = gid % Dv, h = (gid / Dv) % Hv, b = gid / (Dv * Hv);
+    const int kh = h / (Hv / Hk);
+    float s[DK];
+    const size_t s0 = static_cast<size_t>(b * Hv + h) * DK * Dv + j;
+    #pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = S[s0 + static_cast<size_t>(i) * Dv];
+    for (int t = 0; t < T; ++t) {
+        const size_t bth = static_cast<size_t>(b * T + t) * Hv + h;
+        const size_t qk0 = (static_cast<size_t>(b * T + t) * Hk + kh) * DK;
+        const float decay = expf(g[bth]);
+        float memory = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            s[i] *= decay;
+            memory = fmaf(s[i], k[qk0 + i], memory);
+        }
+        const float delta = (v[bth * Dv + j] - memory) * beta[bth];
+        float out = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            s[i] = fmaf(k[qk0 + i], delta, s[i]);
+            out = fmaf(s[i], q[qk0 + i], out);
+        }
+        y[bth * Dv + j] = out;
+    }
+    #pragma unroll
+    for (int i = 0; i < DK; ++i) S_out[s0 + static_cast<size_t>(i) * Dv] = s[i];
+"""
+
+# One warp per (b, t, segment); segments: Hk query heads, Hk key heads, Hv value heads. Lane l
+# takes channels l, l+32, ... of its head: conv over the K window rows (float32 fused
+# multiply-adds, j = 0..K-1), silu; a query/key head is l2-normalised (squares summed in the
+# lane's channel order, then the xor butterfly: every lane ends with the same bits), the query
+# also times Dk^-0.5. A value head's lane 0 writes that head's g and beta.
+# dims: B, T, Hk, Hv, Dk, Dv, K; window is (B, K-1+T, C).
+PREPARE = """
+    const int B = dims[0], T = dims[1], Hk = dims[2], Hv = dims[3], Dk = dims[4], Dv = dims[5], K = dims[6];
+    const int C = 2 * Hk * Dk + Hv * Dv, W = K - 1 + T;
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int segments = 2 * Hk + Hv;
+    if (warp >= B * T * segments) return;
+    const int seg = warp % segments, t = (warp / segments) % T, b = warp / (segments * T);
+    const bool is_value = seg >= 2 * Hk;
+    const int D = is_value ? Dv : Dk;
+    const int c0 = is_value ? 2 * Hk * Dk + (seg - 2 * Hk) * Dv : seg * Dk;
+    float x[PER];
+    float squares = 0.0f;
+    #pragma unroll
+    for (int m = 0; m < PER; ++m) {
+        const int c = c0 + lane + 32 * m;
+        float acc = 0.0f;
+        if (lane + 32 * m < D) {
+            for (int j = 0; j < K; ++j)
+                acc = fmaf(static_cast<float>(window[(static_cast<size_t>(b) * W + t + j) * C + c]),
+                           static_cast<float>(conv_weight[static_cast<size_t>(c) * K + j]), acc);
+            acc = acc / (1.0f + expf(-acc));
+        }
+        x[m] = acc;
+        squares = fmaf(acc, acc, squares);
+    }
+    const size_t bt = static_cast<size_t>(b) * T + t;
+    if (is_value) {
+        const int h = seg - 2 * Hk;
+        #pragma unroll
+        for (int m = 0; m < PER; ++m)
+            if (lane + 32 * m < D) v_out[(bt * Hv + h) * Dv + lane + 32 * m] = x[m];
+        if (lane == 0) {
+            // softplus as MLX's logaddexp(x, 0); sigmoid as MLX's (exp of -|x| only)
+            const float u = static_cast<float>(a[bt * Hv + h]) + static_cast<float>(dt_bias[h]);
+            const float softplus = fmaxf(u, 0.0f) + log1pf(expf(-fabsf(u)));
+            g_out[bt * Hv + h] = -expf(static_cast<float>(A_log[h])) * softplus;
+            const float bb = static_cast<float>(b_in[bt * Hv + h]);
+            const float sig = 1.0f / (1.0f + expf(-fabsf(bb)));
+            beta_out[bt * Hv + h] = bb < 0.0f ? 1.0f - sig : sig;
+        }
+        return;
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
+    const bool is_query = seg < Hk;
+    const float inv = rsqrtf(squares + L2_EPS_F) * (is_query ? 1.0f / sqrtf(static_cast<float>(Dk)) : 1.0f);
+    float* out = is_query ? q_out : k_out;
+    const int kh = is_query ? seg : seg - Hk;
+    #pragma unroll
+    for (int m = 0; m < PER; ++m)
+        if (lane + 32 * m < D) out[(bt * Hk + kh) * Dk + lane + 32 * m] = x[m] * inv;
+"""
+HEADER = f"#define L2_EPS_F {L2_EPS!r}f\n"
+
+_kernels: dict[str, object] = {}
+
+
+def _kernel(name: str, inputs: list[str], outputs: list[str], source: str):
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                                             source=source, header=HEADER)
+    return _kernels[name]
+
+
+def supports(head_k_dim: int, head_v_dim: int) -> bool:
+    """Head dims the kernels take: multiples of 32, at most 256."""
+    return all(d % 32 == 0 and 0 < d <= MAX_HEAD_DIM for d in (head_k_dim, head_v_dim))
+
+
+def scan_launch(B: int, Hv: int, Dv: int) -> dict:
+    """Grid (in threads, as mx.fast.cuda_kernel takes it) and block of one `gdn_scan` call."""
+    blocks = -(-(B * Hv * Dv) // THREADS)
+    return {"grid": (blocks * THREADS, 1, 1), "threadgroup": (THREADS, 1, 1)}
+
+
+def prepare_launch(B: int, T: int, Hk: int, Hv: int) -> dict:
+    """Grid and block of one `gdn_prepare` call: a warp per (b, t, head segment)."""
+    warps = B * T * (2 * Hk + Hv)
+    blocks = -(-warps // (THREADS // 32))
+    return {"grid": (blocks * THREADS, 1, 1), "threadgroup": (THREADS, 1, 1)}
+
+
+def gdn_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over T rows on CUDA; all float32.
+
+    Args:
+        q, k: (B, T, Hk, Dk), l2-normalised (q also scaled by Dk^-0.5).
+        v: (B, T, Hv, Dv).
+        g, beta: (B, T, Hv): log decay and write strength.
+        S: (B, Hv, Dk, Dv), the state before the first row.
+
+    Returns:
+        y (B, T, Hv, Dv) and the state after the last row.
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    kernel = _kernel("strata_gdn_scan_v1", ["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], SCAN)
+    config = scan_launch(B, Hv, Dv)
+    # The dtypes are template values too (MLX caches a compile by name and template alone).
+    template = [("DK", Dk), *((f"T{i}", a.dtype) for i, a in enumerate((q, k, v, g, beta, S)))]
+    y, S_out = kernel(inputs=[dims(B, T, Hk, Hv, Dv), q, k, v, g, beta, S], template=template,
+                      output_shapes=[(B, T, Hv, Dv), (B, Hv, Dk, Dv)], output_dtypes=[mx.float32] * 2, **config)
+    return y, S_out
+
+
+def gdn_prepare(window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
+    """Causal conv + silu + l2norm + scale + gating of a window's rows, on CUDA, in float32.
+
+    Args:
+        window: (B, K-1+T, C) raw conv inputs with the K-1 history rows first (model dtype).
+        conv_weight: (C, K). a, b: (B, T, Hv). A_log, dt_bias: (Hv,).
+
+    Returns:
+        q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); all float32.
+    """
+    B, W, C = window.shape
+    K = conv_weight.shape[1]
+    T, Hv = a.shape[1], a.shape[2]
+    Hk, Dk = num_k_heads, head_k_dim
+    Dv = (C - 2 * Hk * Dk) // Hv
+    kernel = _kernel("strata_gdn_prepare_v1",
+                     ["dims", "window", "conv_weight", "a", "b_in", "A_log", "dt_bias"],
+                     ["q_out", "k_out", "v_out", "g_out", "beta_out"], PREPARE)
+    # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
+    template = [("TX", window.dtype), ("TW", conv_weight.dtype), ("TA", a.dtype), ("TB", b.dtype),
+                ("TL", A_log.dtype), ("TD", dt_bias.dtype), ("PER", max(Dk, Dv) // 32)]
+    outputs = kernel(inputs=[dims(B, T, Hk, Hv, Dk, Dv, K), window, conv_weight, a, b, A_log, dt_bias],
+                     template=template, output_dtypes=[mx.float32] * 5,
+                     output_shapes=[(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv)],
+                     **prepare_launch(B, T, Hk, Hv))
+    return tuple(outputs)
+
+
+def reference_l2_normalize(x: mx.array) -> mx.array:
+    x32 = x.astype(mx.float32)
+    return x32 * mx.rsqrt((x32 * x32).sum(axis=-1, keepdims=True) + L2_EPS)
+
+
+def reference_causal_conv(window: mx.array, weight: mx.array) -> mx.array:
+    """Depthwise causal conv: (B, K-1+T, C) history-prefixed inputs, weight (C, K) -> (B, T, C).
+    Elementwise, so exact for any T."""
+    K = weight.shape[1]
+    T = window.shape[1] - (K - 1)
+    out = window[:, 0:T] * weight[:, 0]
+    for j in range(1, K):
+        out = out + window[:, j : j + T] * weight[:, j]
+    return out
+
+
+def reference_prepare(window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
+    """What `gdn_prepare` computes, in plain MLX: the CPU's path (model/gdn.py), so these are the
+    ops serial decoding has always run. The conv and silu run in the model dtype (the kernel keeps
+    float32 throughout: in bfloat16 the two differ by the conv's rounding)."""
+    B, _, C = window.shape
+    T, Hv = a.shape[1], a.shape[2]
+    Hk, Dk = num_k_heads, head_k_dim
+    mixed = nn.silu(reference_causal_conv(window, conv_weight))
+    q, k, v = mx.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+    q = reference_l2_normalize(q.reshape(B, T, Hk, Dk)) * Dk**-0.5
+    k = reference_l2_normalize(k.reshape(B, T, Hk, Dk))
+    v = v.reshape(B, T, Hv, -1).astype(mx.float32)
+    beta = mx.sigmoid(b.astype(mx.float32))
+    g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + dt_bias.astype(mx.float32))
+    return q, k, v, g, beta
+
+
+def reference_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
+    """What `gdn_scan` computes, one row at a time in plain MLX (float32).
+
+    Per row: S = S·exp(g); S += k ⊗ (v - Sᵀk)·β; y = Sᵀq. Folding kept rows repeats exactly these
+    operations, which is why a fold reproduces serial decoding.
+    """
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hv != Hk:  # each key head serves Hv/Hk consecutive value heads
+        q = mx.repeat(q, Hv // Hk, axis=2)
+        k = mx.repeat(k, Hv // Hk, axis=2)
+    decay = mx.exp(g)
+    outputs = []
+    for t in range(q.shape[1]):
+        k_t = k[:, t, :, :, None]  # (B, Hv, Dk, 1)
+        S = S * decay[:, t, :, None, None]
+        memory = (S * k_t).sum(axis=-2)  # (B, Hv, Dv)
+        delta = (v[:, t] - memory) * beta[:, t, :, None]
+        S = S + k_t * delta[:, :, None, :]
+        outputs.append((S * q[:, t, :, :, None]).sum(axis=-2))
+    return mx.stack(outputs, axis=1), S
+
+
+_probe = Probe("GDN window kernels", "GDN decode windows run as MLX ops")
+
+
+def usable() -> bool:
+    """True on CUDA once both kernels matched the reference and were row-invariant on a probe
+    (checked once per process); False elsewhere or after any failure (logged once)."""
+    return _probe.usable(check)
+
+
+def status() -> dict:
+    """Whether the kernels are in use, and why not (for selftest and benchmarks)."""
+    return _probe.status()
+
+
+def check() -> str | None:
+    """None when the kernels pass on this device, else what failed."""
+    B, T, Hk, Hv, Dk, Dv, K = 1, 8, 2, 4, 64, 64, 4
+    C = 2 * Hk * Dk + Hv * Dv
+    keys = mx.random.split(mx.random.key(21), 6)
+    for dtype in (mx.float32, mx.bfloat16):
+        window = mx.random.normal((B, K - 1 + T, C), key=keys[0]).astype(dtype)
+        weight = (mx.random.normal((C, K), key=keys[1]) * 0.5).astype(dtype)
+        a, b = (mx.random.normal((B, T, Hv), key=key).astype(dtype) for key in keys[2:4])
+        A_log, dt_bias = mx.random.uniform(-1, 1, (Hv,), key=keys[4]), mx.random.uniform(0, 1, (Hv,), key=keys[5])
+        heads = {"num_k_heads": Hk, "head_k_dim": Dk}
+        together = gdn_prepare(window, weight, a, b, A_log, dt_bias, **heads)
+        alone = [gdn_prepare(window[:, t : t + K], weight, a[:, t : t + 1], b[:, t : t + 1], A_log, dt_bias, **heads)
+                 for t in range(T)]
+        alone = [mx.concatenate(parts, axis=1) for parts in zip(*alone)]
+        expected = reference_prepare(window, weight, a, b, A_log, dt_bias, **heads)
+        mx.eval(together, alone, expected)
+        if not all(mx.array_equal(x, y).item() for x, y in zip(together, alone)):
+            return f"gdn_prepare rows differ with the row count ({dtype})"
+        tol = 1e-5 if dtype == mx.float32 else 2e-2  # the reference's conv rounds to bfloat16
+        if not all(mx.allclose(x, y, rtol=tol, atol=tol).item() for x, y in zip(together, expected)):
+            return f"gdn_prepare and reference disagree ({dtype})"
+    q, k, v, g, beta = together
+    S = mx.random.normal((B, Hv, Dk, Dv), key=keys[0]) * 0.1
+    y, S_final = gdn_scan(q, k, v, g, beta, S)
+    ys, S_chain = [], S
+    for t in range(T):
+        y_t, S_chain = gdn_scan(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
+                                beta[:, t : t + 1], S_chain)
+        ys.append(y_t)
+    y_ref, S_ref = reference_scan(q, k, v, g, beta, S)
+    mx.eval(y, S_final, ys, S_chain, y_ref, S_ref)
+    if not (mx.array_equal(y, mx.concatenate(ys, axis=1)).item() and mx.array_equal(S_final, S_chain).item()):
+        return "gdn_scan rows differ with the row count"
+    if not (mx.allclose(y, y_ref, rtol=1e-4, atol=1e-5).item() and mx.allclose(S_final, S_ref, rtol=1e-4, atol=1e-5).item()):
+        return "gdn_scan and reference disagree"
+    return None
