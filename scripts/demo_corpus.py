@@ -5,9 +5,11 @@ evaluation, as before) and the Python code of permissively licensed packages ins
 strata, each recorded with the licence its own metadata states. HumanEval is never read here:
 it is the evaluation set.
 
-Copy documents (`copy_documents`): functions from the training split repeated under a new name,
-with a variable renamed, edited through a unified diff, and log-like text with repeated lines,
-so the model learns what suffix drafts exploit: text that repeats something seen before.
+Copy documents (`copy_documents`): functions from the training split repeated under a new name
+in the model card's exact copy form (rough HumanEval-like whitespace kept verbatim), HumanEval-
+shaped single functions (imports, signature, docstring, body), functions with a variable renamed
+or edited through a unified diff, and log-like text with repeated lines, so the model learns what
+suffix drafts exploit: text that repeats something seen before.
 """
 
 from __future__ import annotations
@@ -193,10 +195,64 @@ def light_edit(rng: random.Random, source: str) -> tuple[str, str] | None:
     return source[: m.start()] + value + source[m.end():], f"{m.group(1)} changed to {value}"
 
 
+def has_docstring(fn: str) -> bool:
+    node = ast.parse(fn).body[0]
+    return ast.get_docstring(node) is not None
+
+
+def split_signature(fn: str) -> tuple[str, str]:
+    """The `def` line(s) and the body (docstring and code), cut where the model card cuts them."""
+    node = ast.parse(fn).body[0]
+    lines = fn.splitlines(keepends=True)
+    return "".join(lines[: node.body[0].lineno - 1]), "".join(lines[node.body[0].lineno - 1 :])
+
+
+def roughen(rng: random.Random, fn: str) -> str:
+    """Hand-written whitespace as HumanEval has it: trailing spaces on some lines, blank lines
+    indented. Linted training code never has these, so a model trained on it alone "corrects"
+    them while copying and the copy test stops at the first one."""
+    rate = rng.choice((0.05, 0.1, 0.2))
+    lines = fn.split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            if rng.random() < 0.5:  # a blank line keeps the indentation of its neighbour
+                nxt = next((x for x in lines[i + 1 :] if x.strip()), "")
+                lines[i] = nxt[: len(nxt) - len(nxt.lstrip())]
+        elif not line.endswith("\\") and rng.random() < rate:
+            lines[i] = line + " " * rng.choice((1, 1, 1, 2))
+    out = "\n".join(lines)
+    return out if parses(out) else fn
+
+
+HEADERS = ("\n", "\n", "from typing import List\n\n\n", "from typing import List, Tuple\n\n\n",
+           "import math\n\n\n", "from typing import Optional\n\n\n", "")
+
+
+def card_copy_document(rng: random.Random, fn: str, path: str) -> str:
+    """The model card's copy test, in its exact form: a file's text (a function, often rough
+    whitespace), three newlines, `# The same function, renamed to NAME:`, the `def` line under the
+    new name and the body again verbatim (only the signature is renamed, as the card does)."""
+    name = function_name(fn)
+    if rng.random() < 0.6:
+        fn = roughen(rng, fn)
+    signature, body = split_signature(fn)
+    new = "solve_x" if rng.random() < 0.25 else new_name(rng, name)
+    renamed = re.sub(rf"def\s+{re.escape(name)}\(", f"def {new}(", signature, count=1)
+    lead = rng.choice(HEADERS + (f"# {path}\n\n",))
+    return f"{lead}{fn}".rstrip() + f"\n\n\n# The same function, renamed to {new}:\n{renamed}{body}\n"
+
+
+def problem_document(rng: random.Random, fn: str) -> str:
+    """A HumanEval-shaped file: imports, then one function with a docstring and its body."""
+    if rng.random() < 0.5:
+        fn = roughen(rng, fn)
+    return f"{rng.choice(HEADERS)}{fn}\n"
+
+
 def copy_document(rng: random.Random, fn: str, path: str) -> str | None:
     name = function_name(fn)
     kind = rng.randrange(6)
-    if kind <= 2:  # the function again under a new name (the model card's copy test has this form)
+    if kind <= 2:  # the function again under a new name, every use renamed
         new = new_name(rng, name)
         renamed = rename(fn, name, new)
         if renamed is None:
@@ -239,22 +295,40 @@ def log_document(rng: random.Random) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Shares of the copy documents (the rest: edits, diffs, whole-name renames; a tenth of those logs).
+CARD_COPY_SHARE = 0.6
+PROBLEM_SHARE = 0.15
+
+
 def copy_documents(files: list[Path], root_of, n_documents: int, seed: int) -> list[str]:
-    """`n_documents` copy documents from functions of the training `files` (a tenth log-like)."""
+    """`n_documents` documents from functions of the training `files`: CARD_COPY_SHARE in the
+    model card's copy form (functions of 8-45 lines with a docstring, mostly free functions), PROBLEM_SHARE
+    HumanEval-shaped single functions, the rest copy/edit/diff documents and log-like text."""
     rng = random.Random(seed)
     pool = []
     for f in files:
         text = read_text(f)
         if text is not None:
             pool += [(fn, root_of(f)) for fn in functions(text)]
+    pool = [(fn, path) for fn, path in pool if not keyword.iskeyword(function_name(fn))]
+    documented = [(fn, path) for fn, path in pool if 8 <= fn.count("\n") + 1 <= 45 and has_docstring(fn)]
+    # HumanEval's functions are free functions: prefer those over methods.
+    free = [(fn, path) for fn, path in documented if not re.match(r"\s*(?:async\s+)?def\s+\w+\(\s*(self|cls)\b", fn)]
     docs = []
     while len(docs) < n_documents:
+        r = rng.random()
+        if r < CARD_COPY_SHARE:
+            r = rng.random()
+            fn, path = rng.choice(free if r < 0.6 else documented if r < 0.9 else pool)
+            docs.append(card_copy_document(rng, fn, path))
+            continue
+        if r < CARD_COPY_SHARE + PROBLEM_SHARE:
+            docs.append(problem_document(rng, rng.choice(free)[0]))
+            continue
         if rng.random() < 0.1:
             docs.append(log_document(rng))
             continue
         fn, path = rng.choice(pool)
-        if keyword.iskeyword(function_name(fn)):
-            continue
         doc = copy_document(rng, fn, path)
         if doc:
             docs.append(doc)

@@ -111,20 +111,24 @@ def humaneval_parse_rate(engine, tokenizer, problems: list[dict], heal: bool) ->
     return {"attempted": len(problems), "parsed": parsed, "parsed_with_body": with_body}
 
 
+def copy_prompt(source: str, name: str, new: str = COPY_NAME) -> tuple[str, str]:
+    """The copy test's prompt for function `name` of `source` (the source, `# The same function,
+    renamed to NEW:` and the renamed signature) and the body it should reproduce."""
+    lines = source.splitlines(keepends=True)
+    fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == name)
+    signature = "".join(lines[fn.lineno - 1 : fn.body[0].lineno - 1])
+    body = "".join(lines[fn.body[0].lineno - 1 : fn.end_lineno])
+    renamed = signature.replace(f"def {fn.name}(", f"def {new}(", 1)
+    return f"{source.rstrip()}\n\n\n# The same function, renamed to {new}:\n{renamed}", body
+
+
 def copy_with_rename(engine, tokenizer, problems: list[dict]) -> dict:
     """Each HumanEval function (prompt + reference solution), then `# The same function, renamed
     to solve_x:` and the renamed signature: the share of the body (docstring and code) that the
     greedy continuation reproduces before its first wrong character; the median over problems."""
     shares = []
     for problem in tqdm(problems, desc="copy with rename"):
-        source = problem["prompt"] + problem["canonical_solution"]
-        lines = source.splitlines(keepends=True)
-        fn = next(n for n in ast.walk(ast.parse(source))
-                  if isinstance(n, ast.FunctionDef) and n.name == problem["entry_point"])
-        signature = "".join(lines[fn.lineno - 1 : fn.body[0].lineno - 1])
-        body = "".join(lines[fn.body[0].lineno - 1 : fn.end_lineno])
-        renamed = signature.replace(f"def {fn.name}(", f"def {COPY_NAME}(", 1)
-        prompt = f"{source.rstrip()}\n\n\n# The same function, renamed to {COPY_NAME}:\n{renamed}"
+        prompt, body = copy_prompt(problem["prompt"] + problem["canonical_solution"], problem["entry_point"])
         budget = len(tokenizer.encode(body)) + 8
         text, _ = complete(engine, tokenizer, prompt, budget)
         same = next((i for i, (a, b) in enumerate(zip(text, body)) if a != b), min(len(text), len(body)))

@@ -1,0 +1,117 @@
+"""CPU decode speed of candidate demo-model shapes, random weights, through strata's own path.
+
+Each shape is built with transformers (random initialisation), saved in bf16 and installed the
+way `train_demo_model.py install` installs a trained one (`strata convert`, 8-bit or bf16), then
+opened with `runtime.open_model` (the checkpoint's dtype, float32 compute on the CPU) and timed
+decoding greedy tokens. Shapes are timed in turn, round after round, so a shared machine's load
+falls on all alike; the figures are medians of the per-round ms/token.
+
+    python scripts/demo_shape_speed.py --rounds 5 --tokens 64 --out /tmp/shapes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from train_demo_model import MODEL_CONFIG, install  # noqa: E402
+
+TODAY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+             linear_num_value_heads=4, num_experts=16, moe_intermediate_size=64,
+             shared_expert_intermediate_size=256, intermediate_size=512)
+# name -> (config overrides on train_demo_model.MODEL_CONFIG, bits or None for bf16); every shape
+# names all its size keys, so the figures do not move when MODEL_CONFIG does.
+SHAPES = {
+    "today-bf16": (TODAY, None),
+    "today-8bit": (TODAY, 8),
+    "e32-8bit": ({**TODAY, "num_experts": 32}, 8),
+    "e48-8bit": ({**TODAY, "num_experts": 48}, 8),
+    "e24x128-8bit": ({**TODAY, "num_experts": 24, "moe_intermediate_size": 128}, 8),
+    "h384-8bit": ({**TODAY, "hidden_size": 384, "num_attention_heads": 6, "linear_num_key_heads": 3,
+                   "linear_num_value_heads": 6, "shared_expert_intermediate_size": 384,
+                   "intermediate_size": 768}, 8),  # the last candidate's shape
+    # bf16 checkpoints compute in float32 on the CPU: what 8-bit storage dequantized at load would cost.
+    "e48-bf16": ({**TODAY, "num_experts": 48}, None),
+    "e24x128-bf16": ({**TODAY, "num_experts": 24, "moe_intermediate_size": 128}, None),
+}
+PROMPT = "def fibonacci(n):\n    "
+
+
+def build(name: str, overrides: dict, bits: int | None, root: Path, tokenizer_dir: Path) -> Path:
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(**{**MODEL_CONFIG, **overrides, "output_router_logits": False})
+    model = Qwen3NextForCausalLM(config)
+    ckpt = root / f"{len(list(root.iterdir()))}-hf"
+    model.to(torch.bfloat16).save_pretrained(ckpt, max_shard_size="12MB")
+    params = sum(p.numel() for p in model.parameters())
+    (ckpt / "train_summary.json").write_text(json.dumps({"summary": {"parameters": params}}))
+    dest = root / f"{len(list(root.iterdir()))}-strata"
+    install(ckpt, tokenizer_dir, dest, bits, max_bytes=None)
+    return dest, params
+
+
+def time_decode(runtime, tokens: int) -> float:
+    from strata_cli.decode import generate
+    from strata_cli.options import GenerateOptions, SpecOptions
+
+    ids = runtime.tokenizer.encode(PROMPT)
+    runtime.engine.reset()
+    t0, n = None, 0
+    for step in generate(runtime.engine, ids, options=GenerateOptions(max_tokens=tokens + 1),
+                         spec=SpecOptions(max_drafts=0), eos_ids=()):
+        if t0 is None:  # the first token carries the prefill: time the rest
+            t0 = time.perf_counter()
+            continue
+        n += len(step.tokens)
+    return (time.perf_counter() - t0) / n * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokenizer", type=Path, default=Path("strata_cli/assets/demo"))
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from strata_cli.options import LoadOptions
+    from strata_cli.runtime import open_model
+
+    names = args.shapes.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        built = {n: build(n, *SHAPES[n], Path(tmp), args.tokenizer) for n in names}
+        rows = {}
+        for n, (path, params) in built.items():
+            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            rows[n] = {"parameters": params, "asset_mb": round(size / 1e6, 2), "ms_per_token": []}
+        runtimes = {n: open_model(LoadOptions(model=str(built[n][0]))) for n in names}
+        for n in names:
+            time_decode(runtimes[n], 8)  # warm-up: compile and allocate once
+        for r in range(args.rounds):
+            for n in names:
+                rows[n]["ms_per_token"].append(round(time_decode(runtimes[n], args.tokens), 2))
+        base = rows[names[0]]["ms_per_token"]
+        for n in names:
+            med = statistics.median(rows[n]["ms_per_token"])
+            # The median of same-round ratios to the first shape: steadier than a ratio of medians
+            # when the machine's load changes between rounds.
+            ratio = statistics.median(a / b for a, b in zip(rows[n]["ms_per_token"], base))
+            rows[n].update(median_ms=med, round_ratio_to_first=round(ratio, 3))
+            print(f"{n:14s} {rows[n]['parameters']:>11,} params {rows[n]['asset_mb']:6.2f} MB "
+                  f"{med:7.2f} ms/token (same-round ratio {ratio:.2f}x)  {rows[n]['ms_per_token']}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
