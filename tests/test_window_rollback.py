@@ -132,3 +132,25 @@ def test_snapshot_restore_round_trip(tiny_model, serial):
     assert engine.length == 20
     out = engine.run([seq[20]], 20)
     assert float(mx.abs(out.logits[0] - serial_logits[20]).max()) <= TOL
+
+
+def test_lazy_fold_before_a_prompt_chunk_repeats_the_windows_scan(tiny_model, serial):
+    """Rows a decode window kept lazily are folded as that window scanned them — per row — even
+    when the next forward is a prompt chunk (a serve-stdio continuation) that scans in chunked
+    form: the state is then bit-identical to serial decoding's, not merely close."""
+    seq = serial[0]
+    serial_engine = WindowEngine(tiny_model)
+    serial_engine.prefill(seq[:8])
+    for pos in range(8, 11):
+        serial_engine.run([seq[pos]], pos)
+        serial_engine.commit(1)
+    serial_engine.prefill(seq[11:35])
+    engine = WindowEngine(tiny_model, EngineOptions(fold="lazy"))
+    engine.prefill(seq[:8])
+    engine.run(seq[8:11] + [0, 0], 8)
+    engine.commit(3)  # three of five rows kept: folded lazily
+    engine.prefill(seq[11:35])  # 24 rows: the chunked scan
+    assert engine.length == serial_engine.length
+    for mine, theirs in zip(engine.state_tensors(), serial_engine.state_tensors()):
+        for name in mine:
+            assert mx.array_equal(mine[name], theirs[name]).item(), name

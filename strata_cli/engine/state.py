@@ -142,6 +142,7 @@ class GDNState:
         self.history: mx.array | None = None  # (B, K-1, C) raw conv inputs
         self.pending: GDNRows | None = None  # kept rows not yet folded into S (lazy)
         self._scan: Scan | None = None
+        self._pending_scan: Scan | None = None  # the scan of the window `pending` came from
         self._window: tuple[int, int, Mode] | None = None
         self._history0: mx.array | None = None
         self._raw: mx.array | None = None
@@ -207,7 +208,7 @@ class GDNState:
         elif keep > start:
             kept = self._rows.rows(start, keep)
             if self.is_lazy:
-                self.pending = kept
+                self.pending, self._pending_scan = kept, self._scan  # folded as the window ran them
             else:
                 _, self.S = self._scan(kept, self.S)
         self._rows = self._final = self._raw = self._history0 = None
@@ -218,8 +219,8 @@ class GDNState:
 
     def flush(self) -> None:
         if self.pending is not None:
-            _, self.S = self._scan(self.pending, self.S)
-            self.pending = None
+            _, self.S = self._pending_scan(self.pending, self.S)
+            self.pending = self._pending_scan = None
 
     def snapshot(self) -> tuple:
         self.flush()
