@@ -8,13 +8,17 @@ exact routing:
 - teacher-forced top-1 agreement: both models read exact's greedy sequence one token at a time;
   the share of positions whose argmax agrees;
 - mean KL(exact ‖ MoCE) per token over those positions;
-- expert misses (demand reads) and late-wait ms (compute waiting on reads) per token, and
+- expert misses (demand reads), prefetch reads, wasted prefetches (read ahead, picked by no row)
+  and disk reads (misses plus prefetch reads) per token: counts, which the machine's load does not move;
+- late-wait ms (compute waiting on reads) per token, and
   tokens/s of serial greedy decoding, exact and MoCE, medians of `repeats`; every engine of a cache
   size runs once per repeat in turn, so the ratios share the machine's state. Each cache size also
   times the same model loaded whole, without streaming (`resident_tokens_per_s`): the gap between
   it and exact at that size is what streaming costs (reads, installs, the per-layer routing sync),
   the most that saving reads can win back.
 
+A setting with `:n` keeps the natural router prefetch (`--moce-natural-prefetch`), so one run
+compares it with MoCE-aware prefetch against the same exact engine.
 `--read-ms` puts a simulated disk under the reads (bench/slow_disk.py). `--prefetch-study` measures
 `--spec-root-prefetch` (issue 15, item 4): with 3 drafts per window (only then do draft rows
 exist to leave out of read-ahead), exact routing and the first MoCE setting, router prefetch from
