@@ -8,8 +8,8 @@ exact routing:
 - teacher-forced top-1 agreement: both models read exact's greedy sequence one token at a time;
   the share of positions whose argmax agrees;
 - mean KL(exact ‖ MoCE) per token over those positions;
-- expert misses (demand reads), prefetch reads, wasted prefetches (read ahead, picked by no row)
-  and disk reads (misses plus prefetch reads) per token: counts, which the machine's load does not move;
+- expert misses (demand reads), prefetch reads, wasted prefetches (read ahead, picked by no
+  row) and disk reads (misses plus prefetch reads) per token: counts, which load does not move;
 - late-wait ms (compute waiting on reads) per token, and
   tokens/s of serial greedy decoding, exact and MoCE, medians of `repeats`; every engine of a cache
   size runs once per repeat in turn, so the ratios share the machine's state. Each cache size also
