@@ -154,17 +154,22 @@ def model_options(command):
         option("--moce-exact-prefill/--no-moce-exact-prefill", default=False, envvar="STRATA_MOCE_EXACT_PREFILL",
                show_default=True, help="With --moce-protect: prompt chunks route exactly; only decode windows "
                                        "use the MoCE knobs (not with --expert-budget)."),
+        option("--moce-natural-prefetch/--no-moce-natural-prefetch", default=False,
+               envvar="STRATA_MOCE_NATURAL_PREFETCH", show_default=True,
+               help="With --moce-protect: router prefetch reads the next layer's natural top-k, as exact "
+                    "routing does, instead of predicting MoCE's own picks."),
     ]
 
     def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
               expert_io_threads, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget,
-              moce_exact_prefill):
+              moce_exact_prefill, moce_natural_prefetch):
         stream = StreamOptions(
             cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
             root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
         )
         moce = MoceOptions(protect=moce_protect, bonus=moce_bonus, draft_protect=draft_moce_protect,
-                           draft_bonus=draft_moce_bonus, budget=expert_budget, exact_prefill=moce_exact_prefill)
+                           draft_bonus=draft_moce_bonus, budget=expert_budget, exact_prefill=moce_exact_prefill,
+                           natural_prefetch=moce_natural_prefetch)
         return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce)
 
     return options_object("load", build, options)(command)

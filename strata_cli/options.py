@@ -151,6 +151,9 @@ class MoceOptions:
         exact_prefill: prompt chunks route exactly (default False: they use the base knobs). A
             chunk's union usually needs most experts anyway, so MoCE there saves few reads while
             its substitutions stay in every later token's context (docs/benchmarks.md).
+        natural_prefetch: router prefetch reads the next layer's natural top-k, as with exact
+            routing (default False: it predicts MoCE's own picks from the predicted router
+            probabilities and the residency, so it does not read experts MoCE will replace).
     """
 
     protect: int | None = None
@@ -159,11 +162,13 @@ class MoceOptions:
     draft_bonus: float | None = None
     budget: int | None = None
     exact_prefill: bool = False
+    natural_prefetch: bool = False
 
     def __post_init__(self):
         knobs = {"--moce-bonus": self.bonus, "--draft-moce-protect": self.draft_protect,
                  "--draft-moce-bonus": self.draft_bonus, "--expert-budget": self.budget,
-                 "--moce-exact-prefill": self.exact_prefill or None}
+                 "--moce-exact-prefill": self.exact_prefill or None,
+                 "--moce-natural-prefetch": self.natural_prefetch or None}
         if self.protect is None:
             given = [name for name, value in knobs.items() if value is not None]
             if given:

@@ -131,6 +131,7 @@ def test_exact_prefill_routes_prompt_chunks_exactly_and_decode_windows_by_the_kn
 @pytest.mark.parametrize("kwargs, message", [
     (dict(exact_prefill=True), "--moce-exact-prefill needs --moce-protect"),
     (dict(protect=1, budget=1, exact_prefill=True), "--expert-budget (1) caps every window"),
+    (dict(natural_prefetch=True), "--moce-natural-prefetch needs --moce-protect"),
 ])
 def test_exact_prefill_is_checked(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -210,3 +211,74 @@ def test_routing_policy_weights_padding_zero():
     block.routing_policy = lambda probs, k: (mx.stack([top, top], axis=1), mx.array([[1.0, 0.0]] * 3))
     _, weights = block.route(x)
     assert np.allclose(np.array(weights), [[1.0, 0.0]] * 3)
+
+
+# -- MoCE-aware prefetch -----------------------------------------------------------------------
+
+def test_prefetch_picks_are_the_picks_moce_routing_makes():
+    for seed in range(10):
+        p, resident = random_case(seed)
+        exact = moce.prefetch_picks(p, resident, TOP_K, MoceOptions(protect=TOP_K))
+        assert sorted(exact.tolist()) == sorted(np.argsort(-p, axis=-1)[:, :TOP_K].reshape(-1).tolist())
+        options = MoceOptions(protect=1, bonus=50.0, draft_bonus=0.0)
+        inds, mask, natural = moce.select(p, resident, TOP_K, options, is_decode=True)
+        picks = moce.prefetch_picks(p, resident, TOP_K, options)
+        assert picks.tolist() == inds[mask].tolist()
+        # the root row (base knobs) reads no non-resident expert beyond its protected top-1
+        assert {e for e in inds[0] if not resident[e]} <= {natural[0, 0]}
+
+
+def record_prefetch(monkeypatch):
+    """Every prefetch prediction of a decode: (block, predicted array, next block's residency, guess)."""
+    from strata_cli.experts.cache import ExpertCache
+
+    calls = []
+    guess = ExpertCache._prefetch_guess
+
+    def recording(self, i, ids, predicted):
+        resident = self.resident_mask(self.paths[i + 1]).copy()
+        out = guess(self, i, ids, predicted)
+        calls.append((i, None if predicted is None else np.array(predicted), resident, np.array(out)))
+        return out
+
+    monkeypatch.setattr(ExpertCache, "_prefetch_guess", recording)
+    return calls
+
+
+def test_exact_routing_prefetch_is_unchanged_and_exact_knobs_predict_the_same(checkpoints, monkeypatch):
+    calls = record_prefetch(monkeypatch)
+    exact, exact_stats, model = decode(checkpoints[1])
+    assert all(rule is None for rule in model.expert_cache._prefetch_rules)
+    exact_calls, calls[:] = list(calls), []
+    # exact routing's read-ahead is the next router's natural top-k: (N, k) ids
+    assert exact_calls and all(g.shape[-1] == TOP_K and g.dtype == np.int64 for *_, g in exact_calls)
+    ids, stats, model = decode(checkpoints[1], moce_options=MoceOptions(protect=TOP_K))
+    assert ids == exact
+    assert all(rule is not None for rule in model.expert_cache._prefetch_rules)
+    assert len(calls) == len(exact_calls)
+    for (i, _, _, want), (j, probs, _, got) in zip(exact_calls, calls):
+        assert i == j and probs.shape[-1] == 32  # MoCE's rule gets the probabilities
+        assert [sorted(r) for r in got.reshape(-1, TOP_K).tolist()] == [sorted(r) for r in want.tolist()]
+    a, b = exact_stats.summary()["experts"], stats.summary()["experts"]
+    for key in ("misses", "prefetched_bytes", "prefetch_hits", "wasted_prefetches"):
+        assert a[key] == b[key], key
+
+
+def test_moce_prefetch_skips_the_natural_picks_moce_replaces(checkpoints, monkeypatch):
+    calls = record_prefetch(monkeypatch)
+    options = MoceOptions(protect=1, bonus=50.0)
+    decode(checkpoints[1], moce_options=options)
+    natural_cold = aware_cold = 0
+    for _, probs, resident, guess in calls:
+        assert guess.tolist() == moce.prefetch_picks(probs, resident, TOP_K, options).tolist()
+        top1 = set(np.argmax(probs, axis=-1).tolist())
+        # a huge bonus: every non-resident expert read ahead is some row's protected top-1
+        assert {e for e in guess.tolist() if not resident[e]} <= top1
+        natural = np.argsort(-probs, axis=-1, kind="stable")[:, :TOP_K]
+        natural_cold += len({e for e in natural.reshape(-1).tolist() if not resident[e]})
+        aware_cold += len({e for e in guess.tolist() if not resident[e]})
+    assert calls and aware_cold < natural_cold
+    calls[:] = []
+    _, _, model = decode(checkpoints[1], moce_options=MoceOptions(protect=1, bonus=50.0, natural_prefetch=True))
+    assert all(rule is None for rule in model.expert_cache._prefetch_rules)
+    assert calls and all(g.shape[-1] == TOP_K and g.dtype == np.int64 for *_, g in calls)

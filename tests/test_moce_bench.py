@@ -30,7 +30,10 @@ def test_settings_parse_and_bad_ones_are_refused():
     assert bench.parse_setting("1:0.5:2") == MoceOptions(protect=1, bonus=0.5, budget=2)
     assert bench.parse_setting("1:0.25:e") == MoceOptions(protect=1, bonus=0.25, exact_prefill=True)
     assert bench.label("1:0.25:e") == "J1 B0.25 EP" and bench.label("1:3:0") == "J1 B3 N0"
-    for text in ("1", "1:x", "1:2:3:4", "1:-1", "0:1:2", "e", "1:2:0:e"):
+    assert bench.parse_setting("1:0.25:e:n") == bench.parse_setting("1:0.25:n:e") == MoceOptions(
+        protect=1, bonus=0.25, exact_prefill=True, natural_prefetch=True)
+    assert bench.label("1:1:n:e") == "J1 B1 EP NP" and bench.label("1:1:n") == "J1 B1 NP"
+    for text in ("1", "1:x", "1:2:3:4", "1:-1", "0:1:2", "e", "1:2:0:e", "1:2:e:e", "n"):
         with pytest.raises(ConfigError):
             bench.parse_setting(text)
 
@@ -90,6 +93,9 @@ def test_exact_knobs_measure_as_perfect_agreement(pair):
     exact, moce = rows
     assert exact["setting"] == "J4 B3" and exact["top1_agreement"] == exact["greedy_agreement"] == 1.0
     assert exact["mean_kl"] < 1e-9 and exact["moce_misses_per_token"] == exact["exact_misses_per_token"]
+    for key in ("prefetch_reads_per_token", "wasted_prefetches_per_token", "disk_reads_per_token"):
+        assert exact[f"moce_{key}"] == exact[f"exact_{key}"], key  # exact knobs read ahead as exact does
+    assert exact["exact_disk_reads_per_token"] >= exact["exact_misses_per_token"]
     assert moce["moce_misses_per_token"] < moce["exact_misses_per_token"]  # a bonus saves reads
     assert 0.0 <= moce["top1_agreement"] <= 1.0 and moce["mean_kl"] >= 0.0
     prefetch = bench.measure_prefetch(streamed, [PROMPT], plan, num_experts=NUM_EXPERTS, read_ms=0.0,

@@ -8,13 +8,17 @@ exact routing:
 - teacher-forced top-1 agreement: both models read exact's greedy sequence one token at a time;
   the share of positions whose argmax agrees;
 - mean KL(exact ‖ MoCE) per token over those positions;
-- expert misses (demand reads) and late-wait ms (compute waiting on reads) per token, and
+- expert misses (demand reads), prefetch reads, wasted prefetches (read ahead, picked by no
+  row) and disk reads (misses plus prefetch reads) per token: counts, which load does not move;
+- late-wait ms (compute waiting on reads) per token, and
   tokens/s of serial greedy decoding, exact and MoCE, medians of `repeats`; every engine of a cache
   size runs once per repeat in turn, so the ratios share the machine's state. Each cache size also
   times the same model loaded whole, without streaming (`resident_tokens_per_s`): the gap between
   it and exact at that size is what streaming costs (reads, installs, the per-layer routing sync),
   the most that saving reads can win back.
 
+A setting with `:n` keeps the natural router prefetch (`--moce-natural-prefetch`), so one run
+compares it with MoCE-aware prefetch against the same exact engine.
 `--read-ms` puts a simulated disk under the reads (bench/slow_disk.py). `--prefetch-study` measures
 `--spec-root-prefetch` (issue 15, item 4): with 3 drafts per window (only then do draft rows
 exist to leave out of read-ahead), exact routing and the first MoCE setting, router prefetch from
@@ -58,15 +62,15 @@ from ..tokenizer import Tokenizer
 from .slow_disk import H200_80B_RECORD_MS, SimulatedDisk
 from .workloads import default_workloads_dir, load_workloads
 
-# J:B[:N][:e] = --moce-protect J --moce-bonus B [--expert-budget N] [--moce-exact-prefill]; the demo
-# routes top-2 of 16.
+# J:B[:N][:e][:n] = --moce-protect J --moce-bonus B [--expert-budget N] [--moce-exact-prefill]
+# [--moce-natural-prefetch]; the demo routes top-2 of 16.
 DEFAULT_SETTINGS = ("1:0.25:e", "1:0.5:e", "1:1:e")
 
 
 @dataclass
 class Plan:
     """What one run measures: greedy tokens per prompt, timed repeats, prompt length, cache sizes
-    (shares of the experts), MoCE settings (J:B[:N][:e]), simulated ms per read, the prefetch study
+    (shares of the experts), MoCE settings (J:B[:N][:e][:n]), simulated ms per read, the prefetch study
     and its cache sizes, and the seconds after which no new point starts (None: no limit)."""
 
     tokens: int = 48
@@ -93,31 +97,40 @@ PRESETS = {
 }
 
 
+FLAGS = {"e": " EP", "n": " NP"}  # exact prefill, natural (not MoCE-aware) prefetch
+
+
+def split_setting(text: str) -> tuple[list[str], set[str]]:
+    """`J:B[:N][:e][:n]` as (["J", "B"(, "N")], trailing flags)."""
+    parts, flags = text.split(":"), set()
+    while parts and parts[-1] in FLAGS and parts[-1] not in flags:
+        flags.add(parts.pop())
+    return parts, flags
+
+
 def parse_setting(text: str) -> MoceOptions:
-    """`J:B[:N][:e]` as MoceOptions(protect=J, bonus=B, budget=N, exact_prefill=bool(e)).
+    """`J:B[:N][:e][:n]` as MoceOptions(protect=J, bonus=B, budget=N, exact_prefill=bool(e),
+    natural_prefetch=bool(n)).
 
     Raises:
         ConfigError: a malformed setting or a knob MoceOptions refuses.
     """
-    parts = text.split(":")
-    exact_prefill = parts[-1] == "e"
-    parts = parts[:-1] if exact_prefill else parts
+    parts, flags = split_setting(text)
     try:
         if len(parts) not in (2, 3):
             raise ValueError
         protect, bonus = int(parts[0]), float(parts[1])
         budget = int(parts[2]) if len(parts) == 3 else None
     except ValueError:
-        raise ConfigError(f"a MoCE setting is J:B[:N][:e] (protect, bonus, budget, exact prefill), got {text!r}") \
-            from None
-    return MoceOptions(protect=protect, bonus=bonus, budget=budget, exact_prefill=exact_prefill)
+        raise ConfigError(f"a MoCE setting is J:B[:N][:e][:n] (protect, bonus, budget, exact prefill, natural "
+                          f"prefetch), got {text!r}") from None
+    return MoceOptions(protect=protect, bonus=bonus, budget=budget, exact_prefill="e" in flags,
+                       natural_prefetch="n" in flags)
 
 
 def label(text: str) -> str:
-    parts = text.split(":")
-    suffix = " EP" if parts[-1] == "e" else ""
-    parts = parts[:-1] if suffix else parts
-    return " ".join(f"{n}{v}" for n, v in zip(("J", "B", "N"), parts)) + suffix
+    parts, flags = split_setting(text)
+    return " ".join(f"{n}{v}" for n, v in zip(("J", "B", "N"), parts)) + "".join(FLAGS[f] for f in FLAGS if f in flags)
 
 
 def open_engine(path: Path, slots: int, moce: MoceOptions | None, disk: SimulatedDisk, *,
@@ -163,10 +176,13 @@ def kl(exact: np.ndarray, approx: np.ndarray) -> np.ndarray:
 def timed(engines: dict[str, WindowEngine], prompts: list[list[int]], *, tokens: int, repeats: int,
           drafts: int = 0) -> dict[str, dict]:
     """Every engine decodes every prompt once per repeat, in turn; per engine the median tokens/s
-    and per-token means of misses, late waits, late-wait ms and prefetched MB."""
+    and per-token means of misses, late waits, late-wait ms, prefetched MB, prefetch reads (used
+    or wasted), wasted prefetches (read ahead, picked by no row) and disk reads (demand misses and
+    prefetch reads)."""
     seconds = {name: [] for name in engines}
     sums = {name: {"misses": 0.0, "late_waits": 0.0, "late_wait_ms": 0.0, "prefetched_bytes": 0.0,
-                   "accepted": 0.0, "offered": 0.0} for name in engines}
+                   "prefetch_hits": 0.0, "wasted_prefetches": 0.0, "accepted": 0.0, "offered": 0.0}
+            for name in engines}
     for _ in range(repeats):
         for name, engine in engines.items():
             total = 0.0
@@ -174,7 +190,8 @@ def timed(engines: dict[str, WindowEngine], prompts: list[list[int]], *, tokens:
                 _, s, summary = decode(engine, p, tokens, drafts=drafts)
                 total += s
                 ex = summary["experts"] or {}  # None: the model does not stream
-                for key in ("misses", "late_waits", "late_wait_ms", "prefetched_bytes"):
+                for key in ("misses", "late_waits", "late_wait_ms", "prefetched_bytes", "prefetch_hits",
+                            "wasted_prefetches"):
                     sums[name][key] += ex.get(key, 0)
                 sums[name]["accepted"] += summary["drafts_kept"]
                 sums[name]["offered"] += summary["drafts_offered"]
@@ -187,6 +204,10 @@ def timed(engines: dict[str, WindowEngine], prompts: list[list[int]], *, tokens:
             "tokens_per_s": tokens * len(prompts) / statistics.median(ts),
             "misses_per_token": s["misses"] / n, "late_waits_per_token": s["late_waits"] / n,
             "late_wait_ms_per_token": s["late_wait_ms"] / n, "prefetched_mb_per_token": s["prefetched_bytes"] / n / 1e6,
+            # every prefetch ends used (a prefetch hit) or wasted (experts/cache.py)
+            "prefetch_reads_per_token": (s["prefetch_hits"] + s["wasted_prefetches"]) / n,
+            "wasted_prefetches_per_token": s["wasted_prefetches"] / n,
+            "disk_reads_per_token": (s["misses"] + s["prefetch_hits"] + s["wasted_prefetches"]) / n,
             "acceptance": s["accepted"] / s["offered"] if s["offered"] else 0.0,
         }
     return out
@@ -236,6 +257,8 @@ def measure(path: Path, prompts: list[list[int]], plan: Plan, *, num_experts: in
                 "exact_misses_per_token": ex["misses_per_token"], "moce_misses_per_token": mo["misses_per_token"],
                 "exact_wait_ms_per_token": ex["late_wait_ms_per_token"],
                 "moce_wait_ms_per_token": mo["late_wait_ms_per_token"],
+                **{f"{who}_{key}": d[key] for who, d in (("exact", ex), ("moce", mo))
+                   for key in ("prefetch_reads_per_token", "wasted_prefetches_per_token", "disk_reads_per_token")},
                 "resident_tokens_per_s": speed["resident"]["tokens_per_s"], "exact_tokens_per_s": ex["tokens_per_s"],
                 "moce_tokens_per_s": mo["tokens_per_s"], "speedup": mo["tokens_per_s"] / ex["tokens_per_s"],
             })
@@ -284,9 +307,11 @@ PREFETCH_COLUMNS = ("read_ms", "cache", "slots", "routing", "root_prefetch", "ac
                     "vs_all_rows")
 
 AGREEMENT_COLUMNS = ("read_ms", "cache", "slots", "setting", "greedy_agreement", "top1_agreement", "mean_kl",
-                     "exact_misses_per_token", "moce_misses_per_token", "exact_wait_ms_per_token",
-                     "moce_wait_ms_per_token", "resident_tokens_per_s", "exact_tokens_per_s", "moce_tokens_per_s",
-                     "speedup")
+                     "exact_misses_per_token", "moce_misses_per_token", "exact_prefetch_reads_per_token",
+                     "moce_prefetch_reads_per_token", "exact_wasted_prefetches_per_token",
+                     "moce_wasted_prefetches_per_token", "exact_disk_reads_per_token", "moce_disk_reads_per_token",
+                     "exact_wait_ms_per_token", "moce_wait_ms_per_token", "resident_tokens_per_s",
+                     "exact_tokens_per_s", "moce_tokens_per_s", "speedup")
 
 
 def table(rows: list[dict], columns: tuple[str, ...]) -> str:
@@ -311,8 +336,9 @@ def plan_from_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--repeats", type=int, help="timed runs per engine (median)")
     parser.add_argument("--prompt-tokens", type=int, help="each prompt's last N tokens")
     parser.add_argument("--fractions", type=float, nargs="+", help="expert-cache sizes, shares of the experts")
-    parser.add_argument("--moce", dest="settings", nargs="+", metavar="J:B[:N][:e]",
-                        help="MoCE settings: protect J, bonus B, optional budget N, e: exact prefill")
+    parser.add_argument("--moce", dest="settings", nargs="+", metavar="J:B[:N][:e][:n]",
+                        help="MoCE settings: protect J, bonus B, optional budget N, e: exact prefill, "
+                             "n: natural (not MoCE-aware) prefetch")
     parser.add_argument("--read-ms", type=float, nargs="+", help="simulated ms per expert read (0: real reads)")
     parser.add_argument("--prefetch-study", action=argparse.BooleanOptionalAction, default=None,
                         help="also measure --spec-root-prefetch with drafts, exact and the first MoCE setting")

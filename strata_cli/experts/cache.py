@@ -14,7 +14,10 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
 - Prefetch reads the next block's predicted experts into host buffers while this block and the
   next block's attention compute: "router" applies the next block's router to this block's input,
   "history" ranks experts by how often they followed this block's picks before, "off" reads on
-  demand only. With `root_prefetch` only row 0 of a window drives read-ahead.
+  demand only. With `root_prefetch` only row 0 of a window drives read-ahead. A block with a
+  prefetch rule (cache-aware routing's, experts/moce.py) gets the predicted router probabilities
+  and its residency through that rule instead of their top-k, so read-ahead follows the picks
+  MoCE will make rather than the natural ones it would replace.
 
 Exactness: routing is the model's own (each token's softmax top-k, computed before the cache is
 asked) unless the user opts into cache-aware routing (experts/moce.py, `is_approximate`); the cache only decides where an expert's weights sit, and the matmuls are the resident
@@ -28,7 +31,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -46,6 +49,8 @@ COUNTERS = (
 )
 _C = {name: i for i, name in enumerate(COUNTERS)}
 DECODE, PREFILL = "decode", "prefill"
+# (predicted router probabilities (N, E), resident mask (E,)) -> the expert ids to read ahead
+PrefetchRule = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 class DraftReadCost:
@@ -129,6 +134,7 @@ class ExpertCache:
         self._position = {path: i for i, path in enumerate(self.paths)}
         self._blocks = [_Block(store.blocks[path], num_slots, dtype, E) for path in self.paths]
         self._routers = [(moe.gate, moe.top_k) for _, moe in blocks]
+        self._prefetch_rules: list[PrefetchRule | None] = [None] * len(self.paths)
         mx.eval([b.banks for b in self._blocks])
         # transitions[i][e, f]: how often expert f at block i+1 followed expert e at block i
         self._transitions = [np.zeros((E, E), np.float32) for _ in self.paths[:-1]]
@@ -208,6 +214,11 @@ class ExpertCache:
     def window_kind(self) -> str:
         """"decode" (row 0 is the root, the rest drafts) or "prefill" (prompt chunks)."""
         return self._kind
+
+    def set_prefetch_rule(self, path: str, rule: PrefetchRule) -> None:
+        """Router prefetch for block `path` reads `rule(probs (N, E), resident (E,))`: the experts
+        the block's routing will pick given its predicted router probabilities and residency."""
+        self._prefetch_rules[self._position[path]] = rule
 
     def record_routing(self, path: str, *, substitutions: int, misses_saved: int) -> None:
         """Count what cache-aware routing changed at block `path` in this window."""
@@ -355,20 +366,15 @@ class ExpertCache:
         gate, k = self._routers[i + 1]
         rows = x.reshape(-1, x.shape[-1])
         rows = rows[:1] if self.options.root_prefetch else rows
+        if self._prefetch_rules[i + 1] is not None:
+            return mx.softmax(gate(rows).astype(mx.float32), axis=-1)  # (N', E), as the block routes
         return mx.argpartition(-gate(rows), kth=k - 1, axis=-1)[:, :k]
 
     def _prefetch(self, i: int, ids: np.ndarray, predicted: mx.array | None) -> None:
         if not self._prefetch_active(i):
             return
         nxt = self._blocks[i + 1]
-        if predicted is not None:
-            guess = np.array(predicted, dtype=np.int64)
-        else:  # history: each row's k most frequent successors of its own picks
-            rows = ids[:1] if self.options.root_prefetch else ids
-            scores = self._transitions[i][rows].sum(axis=1)  # (N', E)
-            k = self._routers[i + 1][1]
-            guess = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
-            guess = guess[np.take_along_axis(scores, guess, axis=-1) > 0]
+        guess = self._prefetch_guess(i, ids, predicted)
         experts, counts = np.unique(guess, return_counts=True)
         experts = experts[np.argsort(-counts, kind="stable")]
         wanted = [e for e in experts.tolist() if nxt.slot_of[e] < 0 and e not in nxt.inflight]
@@ -376,6 +382,20 @@ class ExpertCache:
         for e in wanted[: max(room, 0)]:
             nxt.inflight[e] = self._submit(i + 1, e)
             self._counts[i + 1, _C["prefetched_bytes"]] += nxt.layout.stride
+
+    def _prefetch_guess(self, i: int, ids: np.ndarray, predicted: mx.array | None) -> np.ndarray:
+        """Block i+1's predicted picks (expert ids, a row's repeated in the next's)."""
+        rule = self._prefetch_rules[i + 1]
+        if predicted is not None and rule is not None:
+            return rule(np.array(predicted), self._blocks[i + 1].slot_of >= 0)
+        if predicted is not None:
+            return np.array(predicted, dtype=np.int64)
+        # history: each row's k most frequent successors of its own picks
+        rows = ids[:1] if self.options.root_prefetch else ids
+        scores = self._transitions[i][rows].sum(axis=1)  # (N', E)
+        k = self._routers[i + 1][1]
+        guess = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+        return guess[np.take_along_axis(scores, guess, axis=-1) > 0]
 
     def _learn(self, i: int, ids: np.ndarray) -> None:
         """Count which experts followed which across consecutive blocks (the history predictor)."""

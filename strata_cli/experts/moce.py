@@ -13,6 +13,12 @@ probabilities of the picks (the block renormalises them as `norm_topk_prob` says
 
 Counted per block and window (experts/cache.py): substitutions (picks not in the natural
 top-k) and the misses this routing saved against exact routing on the same residency.
+
+Router prefetch (experts/cache.py) predicts the next block's picks with this same rule
+(`prefetch_picks`) on the predicted router probabilities and that block's residency, which does
+not change before the block routes; otherwise it would read natural picks MoCE then replaces by
+residents, and those reads would hold the disk (docs/benchmarks.md). `natural_prefetch` keeps
+exact routing's prediction.
 """
 
 from __future__ import annotations
@@ -93,6 +99,13 @@ def select(p: np.ndarray, resident: np.ndarray, top_k: int, options: MoceOptions
     return inds, mask, natural
 
 
+def prefetch_picks(p: np.ndarray, resident: np.ndarray, top_k: int, options: MoceOptions) -> np.ndarray:
+    """The experts a decode window's MoCE routing would pick for router probabilities `p` (N, E)
+    given the resident mask (E,): the ids of `select`'s real (unpadded) picks, row by row."""
+    inds, mask, _ = select(p, resident, top_k, options, is_decode=True)
+    return inds[mask]
+
+
 def attach_moce(cache: ExpertCache, blocks, options: MoceOptions) -> None:
     """Give every streamed block in `blocks` ((path, SparseMoeBlock) pairs) a `MoceRouter`.
 
@@ -106,4 +119,6 @@ def attach_moce(cache: ExpertCache, blocks, options: MoceOptions) -> None:
             if J > moe.top_k:
                 raise ConfigError(f"{name} ({J}) must be at most the model's experts per token ({moe.top_k})")
         moe.routing_policy = MoceRouter(cache, path, options)
+        if not options.natural_prefetch:
+            cache.set_prefetch_rule(path, lambda p, resident, k=moe.top_k: prefetch_picks(p, resident, k, options))
     cache.is_approximate = True
