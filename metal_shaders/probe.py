@@ -54,4 +54,5 @@ class Probe:
         return self.is_usable
 
     def status(self) -> dict:
-        return {"usable": bool(self.is_usable), "error": self.error}
+        """`probed` False: nothing has asked yet (no forward pass), so `usable` says nothing."""
+        return {"usable": bool(self.is_usable), "probed": self.is_usable is not None, "error": self.error}

@@ -98,7 +98,7 @@ def test_the_cpu_never_takes_the_kernels():
     if mx.default_device() != mx.cpu:
         pytest.fail("this check is for the CPU test machine")
     assert gdn_window.usable() is False
-    assert gdn_window.status() == {"usable": False, "error": None}
+    assert gdn_window.status() == {"usable": False, "probed": True, "error": None}
 
 
 def test_supported_head_dims_and_launch_shapes():

@@ -39,7 +39,7 @@ def test_the_cpu_never_takes_the_kernel_path():
     if mx.default_device() != mx.cpu:
         pytest.fail("this check is for the CPU test machine")
     assert kernels.kernels_usable() is False
-    assert kernels.status() == {"usable": False, "error": None}
+    assert kernels.status() == {"usable": False, "probed": True, "error": None}
 
 
 def test_row_capacity_and_launch_shape():
