@@ -27,7 +27,6 @@ from .model.loader import ModelLoadError, compute_dtype, load_model
 from .options import (
     DEMO_MODEL,
     MAX_SUFFIX_DRAFT,
-    PREFILL_CHUNK,
     EngineOptions,
     LoadOptions,
     MoceOptions,
@@ -170,7 +169,7 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
     warmup_seconds = 0.0
     if should_warm_shapes(window_engine.options):
         start = time.perf_counter()
-        window_engine.warm_up(MAX_SUFFIX_DRAFT + 1, PREFILL_CHUNK)
+        window_engine.warm_up(MAX_SUFFIX_DRAFT + 1)
         warmup_seconds = time.perf_counter() - start
     return Runtime(
         path=path, model=model, tokenizer=tokenizer, engine=window_engine,

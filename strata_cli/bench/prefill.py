@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..engine.window import WindowEngine
+from ..engine.window import GPU_PREFILL_CHUNK, WindowEngine, default_prefill_chunk
 from ..model import qwen3_next
 from ..model.loader import read_quantization
 from ..model.quant import apply_to_load
@@ -84,7 +84,7 @@ def build_synthetic(kind: str, *, layers: int, bits: int, group_size: int, dtype
     return model, peer
 
 
-def strata_prefill(engine: WindowEngine, ids: list[int], chunk: int) -> mx.array:
+def strata_prefill(engine: WindowEngine, ids: list[int], chunk: int | None) -> mx.array:
     engine.reset()
     return engine.prefill(ids, chunk=chunk)  # evaluated inside, chunk by chunk
 
@@ -108,7 +108,7 @@ def timed(fn) -> tuple[float, mx.array]:
     return time.perf_counter() - start, out
 
 
-def measure(engine: WindowEngine, peer, ids: list[int], *, chunk: int, repeats: int, warmup: int) -> dict:
+def measure(engine: WindowEngine, peer, ids: list[int], *, chunk: int | None, repeats: int, warmup: int) -> dict:
     """Median prefill seconds of each side (alternating), tokens/s, ratio and last-logit agreement."""
     sides = {"strata": lambda: strata_prefill(engine, ids, chunk)}
     if peer is not None:
@@ -120,7 +120,7 @@ def measure(engine: WindowEngine, peer, ids: list[int], *, chunk: int, repeats: 
             s, logits[name] = timed(fn)
             if i >= warmup:
                 seconds[name].append(s)
-    result = {"tokens": len(ids), "chunk": chunk, "repeats": repeats, "warmup": warmup, "sides": {}}
+    result = {"tokens": len(ids), "chunk": chunk or default_prefill_chunk(), "repeats": repeats, "warmup": warmup, "sides": {}}
     for name, runs in seconds.items():
         median = statistics.median(runs)
         result["sides"][name] = {"median_s": median, "seconds": runs, "tokens_per_s": len(ids) / median}
@@ -145,7 +145,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="compute dtype (default: bfloat16 for --synthetic 80b, else float32 on the CPU and "
                              "the checkpoint's own elsewhere)")
-    parser.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help=f"strata prompt chunk (default {PREFILL_CHUNK})")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help=f"strata prompt chunk (default {PREFILL_CHUNK} on the CPU, {GPU_PREFILL_CHUNK} on a GPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-peer", action="store_true", help="time strata only")
@@ -157,7 +158,7 @@ def parse_args(argv=None):
         args.tokens = 4096 if args.synthetic == "80b" else 3000
     if args.bits is None:
         args.bits = 4 if args.synthetic == "80b" else 0
-    if args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.chunk < 1:
+    if args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or (args.chunk is not None and args.chunk < 1):
         parser.error("--tokens, --repeats and --chunk must be at least 1, --warmup at least 0")
     if args.synthetic and args.layers < 4:  # mlx-lm's qwen3_next needs an attention layer (every 4th)
         parser.error(f"--layers must be at least 4 with --synthetic, got {args.layers}")
@@ -203,7 +204,7 @@ def main(argv=None) -> dict:
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{label}, {len(c.layer_types)} layers, {dtype_name}, {result['device']}: prefill of {args.tokens} tokens, "
-          f"median of {args.repeats} after {args.warmup} warm-up (strata chunk {args.chunk})")
+          f"median of {args.repeats} after {args.warmup} warm-up (strata chunk {args.chunk or default_prefill_chunk()})")
     print("| side | median s | tok/s |")
     print("|---|---|---|")
     for name, side in result["sides"].items():

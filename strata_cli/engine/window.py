@@ -27,6 +27,16 @@ import mlx.core as mx
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .state import GDNState, KVState, Mode
 
+# Prompt rows per chunk on a GPU: on the H200 (80B-A3B shape, 4,096 tokens) 2,048-row chunks
+# prefill at 7,699 tok/s against 6,736 with PREFILL_CHUNK's 512 (docs/benchmarks.md, issue 11);
+# the CPU keeps 512 (1,024 is no faster there and holds twice the activations).
+GPU_PREFILL_CHUNK = 2048
+
+
+def default_prefill_chunk() -> int:
+    """Prompt rows per chunk on the running backend."""
+    return PREFILL_CHUNK if mx.default_device() == mx.cpu else GPU_PREFILL_CHUNK
+
 
 class WindowError(RuntimeError):
     """The window contract was broken by the caller."""
@@ -167,10 +177,11 @@ class WindowEngine:
         self,
         tokens: Sequence[int],
         *,
-        chunk: int = PREFILL_CHUNK,
+        chunk: int | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> mx.array | None:
-        """Process and commit `tokens` at the committed length, in chunks.
+        """Process and commit `tokens` at the committed length, in chunks of `chunk` rows
+        (default `default_prefill_chunk()`).
 
         Prompt rows are always kept, so every state commits inside the run and nothing is
         folded twice. Returns the last row's logits (V,), or None for no tokens.
@@ -179,6 +190,7 @@ class WindowEngine:
             raise WindowError("prefill() while a run awaits commit()")
         logits = None
         self.prefill_expert_bytes = 0
+        chunk = chunk or default_prefill_chunk()
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             self._check_window(piece, self.length)
@@ -191,7 +203,7 @@ class WindowEngine:
                 progress(len(piece))
         return None if logits is None else logits[0, -1].astype(mx.float32)
 
-    def warm_up(self, max_T: int, chunk: int = PREFILL_CHUNK) -> None:
+    def warm_up(self, max_T: int, chunk: int | None = None) -> None:
         """Run every window shape once on a scratch state, then reset.
 
         Backends that build kernels per shape (MLX's CUDA backend) pay that the first time a
@@ -204,6 +216,7 @@ class WindowEngine:
         if self.length:
             raise WindowError(f"warm_up() needs an empty engine, this one holds {self.length} positions")
         max_T = min(max_T, self.max_context - 1)
+        chunk = chunk or default_prefill_chunk()
         tokens = [i % self.vocab_size for i in range(max(1, min(chunk, self.max_context - 1)))]
         self.prefill(tokens)
         self.reset()
