@@ -65,12 +65,14 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     return warp_slots[lane ^ off];
 }
 """
-MAIN = r"""
+SLURP = r"""
 static std::vector<char> slurp(const char* path) {
     std::vector<char> bytes; char buf[65536]; size_t n; FILE* f = fopen(path, "rb");
     while ((n = fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
     fclose(f); return bytes;
 }
+"""
+MAIN = SLURP + r"""
 int main(int argc, char** argv) {
     std::vector<std::vector<char>> in;
     for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
@@ -136,12 +138,7 @@ class Emulator:
         return np.fromfile(out, np.float32).reshape(out_rows, N)
 
 
-MAIN_GDN = r"""
-static std::vector<char> slurp(const char* path) {
-    std::vector<char> bytes; char buf[65536]; size_t n; FILE* f = fopen(path, "rb");
-    while ((n = fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
-    fclose(f); return bytes;
-}
+MAIN_GDN = SLURP + r"""
 int main(int argc, char** argv) {
     std::vector<std::vector<char>> in;
     for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
