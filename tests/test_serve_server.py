@@ -2,6 +2,7 @@
 offered, kept and rejected): every checkpoint equals serially prefilling its tokens, reuse
 gives the cold output, cancellation and internal errors leave a working server."""
 
+import dataclasses
 import io
 import json
 import random
@@ -152,3 +153,26 @@ def test_internal_error_is_answered_and_the_server_recovers(loop_model):
     ok = ask(server, out, id=2, prompt="abcdabcd", max_tokens=10)
     fresh, fresh_out = make_server(loop_model, prefix_cache_entries=0)
     assert ok["token_ids"] == ask(fresh, fresh_out, id=3, prompt="abcdabcd", max_tokens=10)["token_ids"]
+
+
+def test_an_auto_request_gets_its_spec_completed_by_the_runtime(loop_model):
+    """A request asking for `auto` when the server's default is not auto still gets the device's
+    cost curve: every request's spec goes through `spec_for` (Runtime.spec_for in serve-stdio)."""
+    from strata_cli.speculative.controller import CostPrior
+
+    seen = []
+    prior = CostPrior.from_seconds([0.01 * (1 + 0.1 * t) for t in range(8)], source="test")
+
+    def spec_for(spec):
+        seen.append(spec)
+        return dataclasses.replace(spec, cost_prior=prior) if spec.auto else spec
+
+    out = io.BytesIO()
+    server = Server(
+        WindowEngine(loop_model), LetterTokenizer(), chat=None, options=ServeOptions(),
+        defaults=GenerateOptions(max_tokens=8), spec=SpecOptions(), frames=FrameWriter(out), spec_for=spec_for,
+    )
+    reply = ask(server, out, id=1, prompt="abcabc", suffix_draft="auto")
+    assert reply["stats"]["controller"]["cost_prior"] == "test"
+    assert "controller" not in ask(server, out, id=2, prompt="abcabc")["stats"]
+    assert [s.auto for s in seen] == [True, False] and seen[0].cost_prior is None

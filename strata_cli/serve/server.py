@@ -72,6 +72,9 @@ class Server:
         frames: where reply frames go.
         cancelled: polled between prefill pieces and decode steps; True aborts the request in
             flight with a "cancelled" reply (default: never).
+        spec_for: completes each request's speculative options (`Runtime.spec_for`: an `auto`
+            request gets the device's measured cost curve even when the server's default is not
+            auto); default: as given.
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class Server:
         spec: SpecOptions,
         frames: FrameWriter,
         cancelled: Callable[[], bool] = lambda: False,
+        spec_for: Callable[[SpecOptions], SpecOptions] = lambda spec: spec,
     ):
         self.engine = engine
+        self.spec_for = spec_for
         self.tokenizer = tokenizer
         self.chat = chat
         self.options = options
@@ -205,7 +210,8 @@ class Server:
         prompt_ids = heal.prompt_ids
         finish, ttft = FINISH_CANCELLED, None
         steps = decode_generate(
-            self.engine, prompt_ids, options=request.options, spec=request.spec, eos_ids=self.tokenizer.eos_ids,
+            self.engine, prompt_ids, options=request.options, spec=self.spec_for(request.spec),
+            eos_ids=self.tokenizer.eos_ids,
             stats=stats, prefilled=self.engine.length, fallback_drafter=self.suffix_cache,
             banned=self.tokenizer.phrase_sequences(request.options.ban_phrases) if request.options.ban_phrases else (),
             heal=heal.constraint(self.tokenizer.heal_table()) if heal.removed else None,
@@ -399,7 +405,7 @@ def serve_stdio(
         with protocol_stdout() as stream:
             server = Server(
                 engine, tokenizer, chat=chat, options=serve_options, defaults=defaults, spec=spec,
-                frames=FrameWriter(stream), cancelled=latch.is_set,
+                frames=FrameWriter(stream), cancelled=latch.is_set, spec_for=runtime.spec_for,
             )
             server.adopt(restored or [])
             log.info("ready: %s", runtime.path)
