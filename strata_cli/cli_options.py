@@ -158,18 +158,22 @@ def model_options(command):
                envvar="STRATA_MOCE_NATURAL_PREFETCH", show_default=True,
                help="With --moce-protect: router prefetch reads the next layer's natural top-k, as exact "
                     "routing does, instead of predicting MoCE's own picks."),
+        option("--moce-count-inflight/--no-moce-count-inflight", default=False,
+               envvar="STRATA_MOCE_COUNT_INFLIGHT", show_default=True,
+               help="With --moce-protect: experts whose read-ahead is already in flight for a layer get "
+                    "the resident bonus there (their read is already paid for)."),
     ]
 
     def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
               expert_io_threads, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget,
-              moce_exact_prefill, moce_natural_prefetch):
+              moce_exact_prefill, moce_natural_prefetch, moce_count_inflight):
         stream = StreamOptions(
             cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
             root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
         )
         moce = MoceOptions(protect=moce_protect, bonus=moce_bonus, draft_protect=draft_moce_protect,
                            draft_bonus=draft_moce_bonus, budget=expert_budget, exact_prefill=moce_exact_prefill,
-                           natural_prefetch=moce_natural_prefetch)
+                           natural_prefetch=moce_natural_prefetch, count_inflight=moce_count_inflight)
         return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce)
 
     return options_object("load", build, options)(command)

@@ -154,6 +154,9 @@ class MoceOptions:
         natural_prefetch: router prefetch reads the next layer's natural top-k, as with exact
             routing (default False: it predicts MoCE's own picks from the predicted router
             probabilities and the residency, so it does not read experts MoCE will replace).
+        count_inflight: experts whose read is already in flight for the block being routed
+            (read ahead, not yet resident) count as resident for the bonus, as their read is
+            already paid for (default False: only resident experts get it).
     """
 
     protect: int | None = None
@@ -163,12 +166,14 @@ class MoceOptions:
     budget: int | None = None
     exact_prefill: bool = False
     natural_prefetch: bool = False
+    count_inflight: bool = False
 
     def __post_init__(self):
         knobs = {"--moce-bonus": self.bonus, "--draft-moce-protect": self.draft_protect,
                  "--draft-moce-bonus": self.draft_bonus, "--expert-budget": self.budget,
                  "--moce-exact-prefill": self.exact_prefill or None,
-                 "--moce-natural-prefetch": self.natural_prefetch or None}
+                 "--moce-natural-prefetch": self.natural_prefetch or None,
+                 "--moce-count-inflight": self.count_inflight or None}
         if self.protect is None:
             given = [name for name, value in knobs.items() if value is not None]
             if given:

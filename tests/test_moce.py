@@ -132,6 +132,7 @@ def test_exact_prefill_routes_prompt_chunks_exactly_and_decode_windows_by_the_kn
     (dict(exact_prefill=True), "--moce-exact-prefill needs --moce-protect"),
     (dict(protect=1, budget=1, exact_prefill=True), "--expert-budget (1) caps every window"),
     (dict(natural_prefetch=True), "--moce-natural-prefetch needs --moce-protect"),
+    (dict(count_inflight=True), "--moce-count-inflight needs --moce-protect"),
 ])
 def test_exact_prefill_is_checked(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -163,7 +164,8 @@ def test_the_budget_is_never_exceeded(budget):
 def test_exact_knobs_reproduce_exact_routing_token_for_token(checkpoints):
     exact, exact_stats, _ = decode(checkpoints[1])
     assert "approximate" not in exact_stats.summary()
-    for options in (MoceOptions(protect=1, bonus=0.0), MoceOptions(protect=TOP_K, bonus=5.0)):
+    for options in (MoceOptions(protect=1, bonus=0.0), MoceOptions(protect=TOP_K, bonus=5.0),
+                    MoceOptions(protect=TOP_K, bonus=5.0, count_inflight=True)):
         ids, stats, _ = decode(checkpoints[1], moce_options=options)
         assert ids == exact, options
         summary = stats.summary()
@@ -282,3 +284,55 @@ def test_moce_prefetch_skips_the_natural_picks_moce_replaces(checkpoints, monkey
     _, _, model = decode(checkpoints[1], moce_options=MoceOptions(protect=1, bonus=50.0, natural_prefetch=True))
     assert all(rule is None for rule in model.expert_cache._prefetch_rules)
     assert calls and all(g.shape[-1] == TOP_K and g.dtype == np.int64 for *_, g in calls)
+
+
+# -- in-flight reads count as resident ---------------------------------------------------------
+
+def record_masks(monkeypatch):
+    """Every decode-window routing: (the mask MoCE routed by, the block's residency, its in-flight
+    read-ahead), the last two read straight from the cache's slots and futures."""
+    from strata_cli.experts.cache import ExpertCache
+
+    seen, where = [], {}
+    call = moce.MoceRouter.__call__
+    select = moce.select
+
+    def routing(self, probs, top_k):
+        block = self.cache._blocks[self.cache._position[self.path]]
+        where["now"] = (block.slot_of >= 0, np.isin(np.arange(len(block.slot_of)), list(block.inflight)))
+        return call(self, probs, top_k)
+
+    def recording(p, resident, top_k, opts, *, is_decode):
+        now = where.pop("now", None)  # None: the prefetch rule's call for the next block
+        if is_decode and now is not None:
+            seen.append((resident.copy(), *now))
+        return select(p, resident, top_k, opts, is_decode=is_decode)
+
+    monkeypatch.setattr(moce.MoceRouter, "__call__", routing)
+    monkeypatch.setattr(moce, "select", recording)
+    return seen, ExpertCache
+
+
+def test_off_routes_by_residency_only_and_never_asks_for_reads_in_flight(checkpoints, monkeypatch):
+    seen, cache_class = record_masks(monkeypatch)
+
+    def refuse(self, path):
+        raise AssertionError("count_inflight off must not look at reads in flight")
+
+    monkeypatch.setattr(cache_class, "inflight_mask", refuse)
+    decode(checkpoints[1], slots=4, moce_options=MoceOptions(protect=1, bonus=3.0), drafts=0)
+    assert seen and all((mask == resident).all() for mask, resident, _ in seen)
+    assert any((inflight & ~resident).any() for _, resident, inflight in seen)  # there were some to ignore
+
+
+def test_count_inflight_adds_the_reads_in_flight_to_the_residents(checkpoints, monkeypatch):
+    seen, _ = record_masks(monkeypatch)
+    options = MoceOptions(protect=1, bonus=3.0, count_inflight=True)
+    ids, stats, _ = decode(checkpoints[1], slots=4, moce_options=options, drafts=0)
+    assert seen and all((mask == (resident | inflight)).all() for mask, resident, inflight in seen)
+    assert any((mask & ~resident).any() for mask, resident, _ in seen)
+    assert stats.summary()["approximate"] is True
+    # it acts only through reads in flight: without read-ahead the routing is the plain MoCE's
+    off, _, _ = decode(checkpoints[1], slots=4, moce_options=MoceOptions(protect=1, bonus=3.0), prefetch="off")
+    on, _, _ = decode(checkpoints[1], slots=4, moce_options=options, prefetch="off")
+    assert on == off

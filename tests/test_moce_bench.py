@@ -33,7 +33,10 @@ def test_settings_parse_and_bad_ones_are_refused():
     assert bench.parse_setting("1:0.25:e:n") == bench.parse_setting("1:0.25:n:e") == MoceOptions(
         protect=1, bonus=0.25, exact_prefill=True, natural_prefetch=True)
     assert bench.label("1:1:n:e") == "J1 B1 EP NP" and bench.label("1:1:n") == "J1 B1 NP"
-    for text in ("1", "1:x", "1:2:3:4", "1:-1", "0:1:2", "e", "1:2:0:e", "1:2:e:e", "n"):
+    assert bench.parse_setting("1:0.5:e:i") == MoceOptions(protect=1, bonus=0.5, exact_prefill=True,
+                                                           count_inflight=True)
+    assert bench.label("1:0.5:i:e") == "J1 B0.5 EP IF"
+    for text in ("1", "1:x", "1:2:3:4", "1:-1", "0:1:2", "e", "1:2:0:e", "1:2:e:e", "n", "1:2:i:i"):
         with pytest.raises(ConfigError):
             bench.parse_setting(text)
 

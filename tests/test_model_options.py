@@ -18,7 +18,7 @@ from strata_cli.runtime import embedded_model_path, open_model
 MODEL_OPTIONS = ("--model", "--dtype", "--expert-cache", "--resident-experts", "--expert-prefetch",
                  "--spec-root-prefetch", "--expert-io", "--expert-io-threads", "--moce-protect", "--moce-bonus",
                  "--draft-moce-protect", "--draft-moce-bonus", "--expert-budget", "--moce-exact-prefill",
-                 "--moce-natural-prefetch")
+                 "--moce-natural-prefetch", "--moce-count-inflight")
 MOCE = ("--resident-experts", "4", "--moce-protect", "1", "--moce-bonus", "2", "--draft-moce-protect", "1",
         "--expert-budget", "2")
 NUM_LAYERS = 6  # the demo model's, every one of them a MoE block

@@ -17,8 +17,9 @@ exact routing:
   it and exact at that size is what streaming costs (reads, installs, the per-layer routing sync),
   the most that saving reads can win back.
 
-A setting with `:n` keeps the natural router prefetch (`--moce-natural-prefetch`), so one run
-compares it with MoCE-aware prefetch against the same exact engine.
+A setting with `:n` keeps the natural router prefetch (`--moce-natural-prefetch`), and one with
+`:i` counts experts whose read-ahead is in flight as resident (`--moce-count-inflight`), so one
+run compares them against the same exact engine.
 `--read-ms` puts a simulated disk under the reads (bench/slow_disk.py). `--prefetch-study` measures
 `--spec-root-prefetch` (issue 15, item 4): with 3 drafts per window (only then do draft rows
 exist to leave out of read-ahead), exact routing and the first MoCE setting, router prefetch from
@@ -62,15 +63,15 @@ from ..tokenizer import Tokenizer
 from .slow_disk import H200_80B_RECORD_MS, SimulatedDisk
 from .workloads import default_workloads_dir, load_workloads
 
-# J:B[:N][:e][:n] = --moce-protect J --moce-bonus B [--expert-budget N] [--moce-exact-prefill]
-# [--moce-natural-prefetch]; the demo routes top-2 of 16.
+# J:B[:N][:e][:n][:i] = --moce-protect J --moce-bonus B [--expert-budget N] [--moce-exact-prefill]
+# [--moce-natural-prefetch] [--moce-count-inflight]; the demo routes top-2 of 16.
 DEFAULT_SETTINGS = ("1:0.25:e", "1:0.5:e", "1:1:e")
 
 
 @dataclass
 class Plan:
     """What one run measures: greedy tokens per prompt, timed repeats, prompt length, cache sizes
-    (shares of the experts), MoCE settings (J:B[:N][:e][:n]), simulated ms per read, the prefetch study
+    (shares of the experts), MoCE settings (J:B[:N][:e][:n][:i]), simulated ms per read, the prefetch study
     and its cache sizes, and the seconds after which no new point starts (None: no limit)."""
 
     tokens: int = 48
@@ -97,11 +98,11 @@ PRESETS = {
 }
 
 
-FLAGS = {"e": " EP", "n": " NP"}  # exact prefill, natural (not MoCE-aware) prefetch
+FLAGS = {"e": " EP", "n": " NP", "i": " IF"}  # exact prefill, natural (not MoCE-aware) prefetch, in flight counts
 
 
 def split_setting(text: str) -> tuple[list[str], set[str]]:
-    """`J:B[:N][:e][:n]` as (["J", "B"(, "N")], trailing flags)."""
+    """`J:B[:N][:e][:n][:i]` as (["J", "B"(, "N")], trailing flags)."""
     parts, flags = text.split(":"), set()
     while parts and parts[-1] in FLAGS and parts[-1] not in flags:
         flags.add(parts.pop())
@@ -109,8 +110,8 @@ def split_setting(text: str) -> tuple[list[str], set[str]]:
 
 
 def parse_setting(text: str) -> MoceOptions:
-    """`J:B[:N][:e][:n]` as MoceOptions(protect=J, bonus=B, budget=N, exact_prefill=bool(e),
-    natural_prefetch=bool(n)).
+    """`J:B[:N][:e][:n][:i]` as MoceOptions(protect=J, bonus=B, budget=N, exact_prefill=bool(e),
+    natural_prefetch=bool(n), count_inflight=bool(i)).
 
     Raises:
         ConfigError: a malformed setting or a knob MoceOptions refuses.
@@ -122,10 +123,10 @@ def parse_setting(text: str) -> MoceOptions:
         protect, bonus = int(parts[0]), float(parts[1])
         budget = int(parts[2]) if len(parts) == 3 else None
     except ValueError:
-        raise ConfigError(f"a MoCE setting is J:B[:N][:e][:n] (protect, bonus, budget, exact prefill, natural "
-                          f"prefetch), got {text!r}") from None
+        raise ConfigError(f"a MoCE setting is J:B[:N][:e][:n][:i] (protect, bonus, budget, exact prefill, natural "
+                          f"prefetch, in-flight reads count as resident), got {text!r}") from None
     return MoceOptions(protect=protect, bonus=bonus, budget=budget, exact_prefill="e" in flags,
-                       natural_prefetch="n" in flags)
+                       natural_prefetch="n" in flags, count_inflight="i" in flags)
 
 
 def label(text: str) -> str:
@@ -336,9 +337,9 @@ def plan_from_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--repeats", type=int, help="timed runs per engine (median)")
     parser.add_argument("--prompt-tokens", type=int, help="each prompt's last N tokens")
     parser.add_argument("--fractions", type=float, nargs="+", help="expert-cache sizes, shares of the experts")
-    parser.add_argument("--moce", dest="settings", nargs="+", metavar="J:B[:N][:e][:n]",
+    parser.add_argument("--moce", dest="settings", nargs="+", metavar="J:B[:N][:e][:n][:i]",
                         help="MoCE settings: protect J, bonus B, optional budget N, e: exact prefill, "
-                             "n: natural (not MoCE-aware) prefetch")
+                             "n: natural (not MoCE-aware) prefetch, i: in-flight reads count as resident")
     parser.add_argument("--read-ms", type=float, nargs="+", help="simulated ms per expert read (0: real reads)")
     parser.add_argument("--prefetch-study", action=argparse.BooleanOptionalAction, default=None,
                         help="also measure --spec-root-prefetch with drafts, exact and the first MoCE setting")

@@ -210,6 +210,13 @@ class ExpertCache:
         """(E,) bool: which experts of block `path` are resident now."""
         return self._blocks[self._position[path]].slot_of >= 0
 
+    def inflight_mask(self, path: str) -> np.ndarray:
+        """(E,) bool: which experts of block `path` are being read ahead now (not yet resident)."""
+        block = self._blocks[self._position[path]]
+        mask = np.zeros(len(block.slot_of), bool)
+        mask[list(block.inflight)] = True
+        return mask
+
     @property
     def window_kind(self) -> str:
         """"decode" (row 0 is the root, the rest drafts) or "prefill" (prompt chunks)."""

@@ -19,6 +19,11 @@ Router prefetch (experts/cache.py) predicts the next block's picks with this sam
 not change before the block routes; otherwise it would read natural picks MoCE then replaces by
 residents, and those reads would hold the disk (docs/benchmarks.md). `natural_prefetch` keeps
 exact routing's prediction.
+
+With `count_inflight`, experts whose read-ahead for this block is in flight count as resident:
+for the bonus, the budget and the counters (a miss is then an expert neither resident nor in
+flight, the reads routing still adds). Whatever the prefetch read becomes the cheap choice, so the
+natural prefetch's hedge (its second guesses) is used rather than wasted.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class MoceRouter:
     def __call__(self, probs: mx.array, top_k: int) -> tuple[mx.array, mx.array]:
         p = np.array(probs.astype(mx.float32))  # (N, E); routing needs the values on the host
         resident = self.cache.resident_mask(self.path)  # (E,)
+        if self.options.count_inflight:  # read ahead for this block: the read is already paid for
+            resident = resident | self.cache.inflight_mask(self.path)
         is_decode = self.cache.window_kind == DECODE
         options = self.options
         if not is_decode and options.exact_prefill:
