@@ -145,11 +145,9 @@ def generate(
         return
     while True:
         remaining = options.max_tokens - emitted
-        if remaining <= 0:
-            yield Step([], FINISH_LENGTH)
-            return
-        if engine.context_left(pos0) <= 0:
-            yield Step([], FINISH_CONTEXT)
+        finish = limit_reached(remaining, engine.context_left(pos0))
+        if finish:
+            yield Step([], finish)
             return
         start = time.perf_counter()
         proposal = drafter.propose(max_drafts) if drafter else EMPTY_PROPOSAL
@@ -208,6 +206,15 @@ def generate(
         yield Step(outputs)
 
 
+def limit_reached(remaining_tokens: int, context_left: int) -> str | None:
+    """Why no further window may run — the token budget first, then the context — or None."""
+    if remaining_tokens <= 0:
+        return FINISH_LENGTH
+    if context_left <= 0:
+        return FINISH_CONTEXT
+    return None
+
+
 def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: int,
                       eos_ids: Collection[int], stats: DecodeStats) -> Iterator[Step]:
     """Greedy serial decoding, one token per window, each window launched before the previous
@@ -219,19 +226,18 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
     every yield and at the end is what the window loop leaves.
     """
     emitted, start = 0, time.perf_counter()
-    if max_tokens <= 0:
-        yield Step([], FINISH_LENGTH)
-        return
-    if engine.context_left(pos0) <= 0:
-        yield Step([], FINISH_CONTEXT)
+    finish = limit_reached(max_tokens, engine.context_left(pos0))
+    if finish:
+        yield Step([], finish)
         return
     current = engine.launch(root, pos0)
     engine.commit(1)
     pending = False  # a launched window awaiting commit or abandon
     try:
         while True:
-            last = emitted + 1 >= max_tokens or engine.context_left(pos0 + 1) <= 0
-            following = None if last else engine.launch(current, pos0 + 1)
+            # Known before this token is read: whether it is the last one the limits allow.
+            finish = limit_reached(max_tokens - emitted - 1, engine.context_left(pos0 + 1))
+            following = None if finish else engine.launch(current, pos0 + 1)
             pending = following is not None
             token = current.value()
             now = time.perf_counter()
@@ -242,9 +248,9 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
                 yield Step([], FINISH_STOP)
                 return
             emitted, pos0 = emitted + 1, pos0 + 1
-            if last:
+            if finish:
                 yield Step([token])
-                yield Step([], FINISH_LENGTH if emitted >= max_tokens else FINISH_CONTEXT)
+                yield Step([], finish)
                 return
             yield Step([token])
             engine.commit(1)
