@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .probe import Probe, dims
+from .probe import Probe, cuda_kernel, dims
 
 L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
 MAX_HEAD_DIM = 256  # gdn_scan keeps a state column of Dk floats in registers
@@ -123,16 +123,6 @@ PREPARE = """
 """
 HEADER = f"#define L2_EPS_F {L2_EPS!r}f\n"
 
-_kernels: dict[str, object] = {}
-
-
-def _kernel(name: str, inputs: list[str], outputs: list[str], source: str):
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
-                                             source=source, header=HEADER)
-    return _kernels[name]
-
-
 def supports(head_k_dim: int, head_v_dim: int) -> bool:
     """Head dims the kernels take: multiples of 32, at most 256."""
     return all(d % 32 == 0 and 0 < d <= MAX_HEAD_DIM for d in (head_k_dim, head_v_dim))
@@ -165,7 +155,8 @@ def gdn_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
-    kernel = _kernel("strata_gdn_scan_v1", ["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], SCAN)
+    kernel = cuda_kernel("strata_gdn_scan_v1", ["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], SCAN,
+                         HEADER)
     config = scan_launch(B, Hv, Dv)
     # The dtypes are template values too (MLX caches a compile by name and template alone).
     template = [("DK", Dk), *((f"T{i}", a.dtype) for i, a in enumerate((q, k, v, g, beta, S)))]
@@ -189,9 +180,9 @@ def gdn_prepare(window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, 
     T, Hv = a.shape[1], a.shape[2]
     Hk, Dk = num_k_heads, head_k_dim
     Dv = (C - 2 * Hk * Dk) // Hv
-    kernel = _kernel("strata_gdn_prepare_v1",
-                     ["dims", "window", "conv_weight", "a", "b_in", "A_log", "dt_bias"],
-                     ["q_out", "k_out", "v_out", "g_out", "beta_out"], PREPARE)
+    kernel = cuda_kernel("strata_gdn_prepare_v1",
+                         ["dims", "window", "conv_weight", "a", "b_in", "A_log", "dt_bias"],
+                         ["q_out", "k_out", "v_out", "g_out", "beta_out"], PREPARE, HEADER)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
     template = [("TX", window.dtype), ("TW", conv_weight.dtype), ("TA", a.dtype), ("TB", b.dtype),
                 ("TL", A_log.dtype), ("TD", dt_bias.dtype), ("PER", max(Dk, Dv) // 32)]

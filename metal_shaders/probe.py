@@ -1,4 +1,5 @@
-"""What every kernel module of metal_shaders shares: shapes passed as data, and the start-up probe.
+"""What every kernel module of metal_shaders shares: compiled kernels kept by name, shapes
+passed as data, and the start-up probe.
 
 A kernel runs only after it matched its reference on the running device once; any failure
 (an NVRTC compile error, a launch error, a mismatch) is logged once and turns the kernel off for
@@ -15,6 +16,15 @@ import mlx.core as mx
 log = logging.getLogger("strata.kernels")
 
 _dims_cache: dict[tuple[int, ...], mx.array] = {}
+_kernels: dict[str, object] = {}
+
+
+def cuda_kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str):
+    """`mx.fast.cuda_kernel` made once per name for the process."""
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                                             source=source, header=header)
+    return _kernels[name]
 
 
 def dims(*values: int) -> mx.array:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .probe import Probe, dims
+from .probe import Probe, cuda_kernel, dims
 
 MAX_ROWS = 8
 WARPS = 4  # warps per block (128 threads): small blocks spread a 512-column matrix over the SMs
@@ -184,7 +184,6 @@ _QUANTIZED_BODY = _HEAD + """
 QUANTIZED = _ROWS_PLAIN + _QUANTIZED_BODY
 GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
 
-_kernels: dict[str, object] = {}
 _probe = Probe("row-invariant CUDA kernels", "decode windows run row by row")
 
 
@@ -209,10 +208,7 @@ def row_capacity(rows: int) -> int:
 
 
 def _kernel(name: str, inputs: list[str], source: str):
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=["out"],
-                                             source=source, header=HEADER)
-    return _kernels[name]
+    return cuda_kernel(name, inputs, ["out"], source, HEADER)
 
 
 def _launch(kernel, inputs, template, rows: int, N: int, dtype, cols: int):

@@ -209,13 +209,13 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
     the compiled sizes (DK, PER) as template values, float32 outputs of the contract's shapes."""
     calls = []
 
-    def fake(name, inputs, outputs, source):
+    def fake(name, inputs, outputs, source, header):
         def kernel(**kw):
             calls.append((source, kw))
             return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
         return kernel
 
-    monkeypatch.setattr(gdn_window, "_kernel", fake)
+    monkeypatch.setattr(gdn_window, "cuda_kernel", fake)
     B, T, Hk, Hv, Dk, Dv, K = 2, 3, 2, 4, 32, 64, 4
     window = mx.zeros((B, K - 1 + T, 2 * Hk * Dk + Hv * Dv), dtype=mx.bfloat16)
     a = mx.zeros((B, T, Hv), dtype=mx.bfloat16)
