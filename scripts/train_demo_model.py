@@ -152,16 +152,42 @@ def prepare(data: Path, tokenizer_from: Path | None, copy_documents_n: int) -> N
 # -- train (GPU) -----------------------------------------------------------------------------------
 
 
-def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator):
+def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator, copy_start: int | None = None,
+            copy_share: float | None = None):
+    """Training windows of SEQ_LEN tokens, forever.
+
+    Half the windows start at a document (after an EOS): a copy document then has its first copy in
+    the window whenever it fits, and the model sees file starts as the prompts begin. With
+    `copy_share`, that share of the windows comes from the copy documents (tokens from `copy_start`
+    on) and the rest from plain code, whatever their token counts; without it, windows are drawn
+    over all tokens alike (and, there being 50,000 short copy documents against 5,000 files, most
+    document-aligned windows then start a copy document).
+    """
     import torch
 
-    # Half the windows start at a document (after an EOS): a copy document then has its first
-    # copy in the window whenever it fits, and the model sees file starts as the prompts begin.
-    doc_starts = np.flatnonzero(tokens[: len(tokens) - SEQ_LEN - 1] == EOS_ID) + 1
+    def sampler(lo: int, hi: int):
+        doc_starts = lo + np.flatnonzero(tokens[lo : hi - SEQ_LEN - 1] == EOS_ID) + 1
+
+        def draw(n: int) -> np.ndarray:
+            starts = rng.integers(lo, hi - SEQ_LEN - 1, size=n)
+            aligned = rng.random(n) < DOC_ALIGNED_SHARE
+            starts[aligned] = rng.choice(doc_starts, size=int(aligned.sum()))
+            return starts
+
+        return draw
+
+    if copy_share is None or copy_start is None:
+        draw_all = sampler(0, len(tokens))
+    else:
+        draw_plain, draw_copy = sampler(0, copy_start), sampler(copy_start, len(tokens))
     while True:
-        starts = rng.integers(0, len(tokens) - SEQ_LEN - 1, size=batch)
-        aligned = rng.random(batch) < DOC_ALIGNED_SHARE
-        starts[aligned] = rng.choice(doc_starts, size=int(aligned.sum()))
+        if copy_share is None or copy_start is None:
+            starts = draw_all(batch)
+        else:
+            from_copy = rng.random(batch) < copy_share
+            starts = np.empty(batch, dtype=np.int64)
+            starts[from_copy] = draw_copy(int(from_copy.sum()))
+            starts[~from_copy] = draw_plain(int((~from_copy).sum()))
         x = np.stack([tokens[s : s + SEQ_LEN] for s in starts]).astype(np.int64)
         yield torch.from_numpy(x)
 
@@ -188,7 +214,8 @@ def evaluate(model, tokens: np.ndarray, *, max_windows: int, batch: int, device)
 
 
 def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: str, max_steps: int | None,
-          eval_windows: int = 10_000) -> None:
+          eval_windows: int = 10_000, copy_share: float | None = None, experts: int | None = None,
+          expert_width: int | None = None) -> None:
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -201,7 +228,15 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
 
         train_tokens = np.frombuffer(lzma.decompress((data / "train.bin.xz").read_bytes()), dtype=np.uint16)
     val_tokens = np.fromfile(data / "val.bin", dtype=np.uint16)
-    config = Qwen3NextConfig(**MODEL_CONFIG)
+    shape = dict(MODEL_CONFIG)
+    if experts is not None:
+        shape["num_experts"] = experts
+    if expert_width is not None:
+        shape["moe_intermediate_size"] = expert_width
+    config = Qwen3NextConfig(**shape)
+    # The copy documents are the last part of train.bin (prepare writes stdlib, packages, copy).
+    split = json.loads((data / "split.json").read_text())
+    copy_start = len(train_tokens) - split["train_copy"]["tokens"] if "train_copy" in split else None
     model = Qwen3NextForCausalLM(config).to(device)
     params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -211,7 +246,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
     rng = np.random.default_rng(SEED)
-    stream = batches(train_tokens, batch, rng)
+    stream = batches(train_tokens, batch, rng, copy_start, copy_share)
     budget = minutes * 60
     warmup, log = 100, []
     start = time.time()
@@ -261,6 +296,9 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         "val_perplexity": round(math.exp(val_loss), 3),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else device.type,
         "torch": torch.__version__,
+        "copy_share": copy_share,
+        "experts": config.num_experts,
+        "expert_width": config.moe_intermediate_size,
     }
     print(json.dumps(summary), flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,18 +364,26 @@ def main() -> None:
     t.add_argument("--max-steps", type=int, default=None, help="fixed step count (smoke tests)")
     t.add_argument("--eval-windows", type=int, default=10_000,
                    help="held-out windows scored at the end (default all; a few for a CPU smoke run)")
+    t.add_argument("--copy-share", type=float, default=None,
+                   help="share of training windows taken from the copy documents (default: windows "
+                        "drawn over all tokens alike)")
+    t.add_argument("--experts", type=int, default=None, help=f"routed experts (default {MODEL_CONFIG['num_experts']})")
+    t.add_argument("--expert-width", type=int, default=None,
+                   help=f"routed expert width (default {MODEL_CONFIG['moe_intermediate_size']})")
     i = sub.add_parser("install")
     i.add_argument("--checkpoint", type=Path, required=True)
     i.add_argument("--data", type=Path, default=Path(".train-data"))
     i.add_argument("--dest", type=Path, default=Path("strata_cli/assets/demo"))
-    i.add_argument("--bits", type=int, choices=(4, 8), default=8, help="quantize to this many bits (default 8)")
+    i.add_argument("--bits", type=int, choices=(4, 8, 16), default=8,
+                   help="quantize to this many bits (default 8); 16 keeps the trained bfloat16 weights")
     args = parser.parse_args()
     if args.step == "prepare":
         prepare(args.data, None if str(args.tokenizer_from) == "none" else args.tokenizer_from, args.copy_documents)
     elif args.step == "train":
-        train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows)
+        train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows,
+              args.copy_share, args.experts, args.expert_width)
     else:
-        install(args.checkpoint, args.data, args.dest, args.bits)
+        install(args.checkpoint, args.data, args.dest, None if args.bits == 16 else args.bits)
 
 
 if __name__ == "__main__":
