@@ -10,6 +10,7 @@ The checkpoints are tiny random models of each family, built once per session (h
 """
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -114,7 +115,7 @@ def test_mlx_layout_matches_mlx_lm(root, prompt_ids, family, bits):
     path = mlx_checkpoint(root, family, bits)
     reference_model, _ = mlx_lm_load(str(path))
     reference = np.array(reference_model(mx.array([prompt_ids]))[0])
-    model = load_model(path)
+    model = load_model(path, dequantize=False)  # the quantized path itself (the CPU default dequantizes)
     layer = model.layers[0]
     moe = layer.block_sparse_moe if family == "mixtral" else layer.mlp  # layer 0 is MoE in every family
     assert isinstance(moe.switch_mlp, QuantizedSwitchGLU) == (bits is not None)
@@ -126,3 +127,27 @@ def test_mlx_layout_matches_mlx_lm(root, prompt_ids, family, bits):
     assert diff <= LOGIT_TOLERANCE, f"{family} {bits}-bit: max abs logit diff {diff:.2e}"
     tokens = [int(t) for t, _ in generate_step(mx.array(prompt_ids), reference_model, max_tokens=NUM_TOKENS)]
     check_greedy(model, prompt_ids, tokens)
+
+
+@pytest.mark.parametrize("bits", [4, 8], ids=["q4", "q8"])
+def test_cpu_runs_small_quantized_dense_layers_dequantized(root, prompt_ids, bits, monkeypatch):
+    """On the CPU a small quantized checkpoint's dense layers run dequantized (quant.dequantize_dense),
+    its experts stay quantized, and the logits are the quantized path's up to float32 rounding."""
+    from strata_cli.model import quant
+    from strata_cli.model.layers import RowLinear, RowQuantizedLinear
+
+    path = mlx_checkpoint(root, "qwen3_next", bits)
+    quantized = load_model(path, dequantize=False)
+    dense = load_model(path)  # the default on the CPU
+    attention = next(layer.self_attn for layer in dense.layers if "self_attn" in layer)
+    assert type(attention.q_proj) is RowLinear and type(dense.model.embed_tokens) is nn.Embedding
+    assert isinstance(dense.layers[0].mlp.switch_mlp, QuantizedSwitchGLU)
+    assert isinstance(next(layer.self_attn for layer in quantized.layers if "self_attn" in layer).q_proj,
+                      RowQuantizedLinear)
+    expected = strata_logits(quantized, prompt_ids)
+    got = strata_logits(dense, prompt_ids)
+    assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
+
+    monkeypatch.setattr(quant, "DEQUANTIZE_DENSE_MAX_BYTES", 0)  # a big model keeps its quantized layers
+    monkeypatch.setattr("strata_cli.model.loader.DEQUANTIZE_DENSE_MAX_BYTES", 0)
+    assert isinstance(load_model(path).model.embed_tokens, nn.QuantizedEmbedding)

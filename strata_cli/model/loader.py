@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from ..integrity import IntegrityError, verify_files
 from .config import DTYPES, ConfigError
 from .layout import LayoutError
-from .quant import Quantization, apply_to_load
+from .quant import DEQUANTIZE_DENSE_MAX_BYTES, Quantization, apply_to_load, dense_bytes, dequantize_dense
 
 # model_type -> module in strata_cli.model
 ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
@@ -181,8 +181,16 @@ def _some(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def should_dequantize_dense(model, requested: bool | None) -> bool:
+    """`requested`, or by default: on the CPU, when the dense layers are small (quant.dequantize_dense)."""
+    if requested is not None:
+        return requested
+    return mx.default_device() == mx.cpu and dense_bytes(model) <= DEQUANTIZE_DENSE_MAX_BYTES
+
+
 def load_model(
-    path: str | Path, *, dtype: str | None = None, before_weights: Callable[[object, mx.Dtype], None] | None = None
+    path: str | Path, *, dtype: str | None = None, before_weights: Callable[[object, mx.Dtype], None] | None = None,
+    dequantize: bool | None = None,
 ):
     """Build the model a checkpoint directory describes and load its weights.
 
@@ -192,6 +200,8 @@ def load_model(
         before_weights: called as `before_weights(model, compute_dtype)` once the model is built
             and before its weights are checked and loaded; the runtime attaches streamed experts
             there (runtime.py), which take the routed experts' parameters out of the model.
+        dequantize: run a quantized checkpoint's dense layers dequantized (True), quantized
+            (False), or None: dequantized on the CPU when they are small (`should_dequantize_dense`).
 
     Returns:
         The model, with `model.config` set and `model.verification` (integrity.py): each weight
@@ -244,6 +254,8 @@ def load_model(
     check_weights(model, weights, sources, path)
     weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()))
+    if quantization is not None and should_dequantize_dense(model, dequantize):
+        dequantize_dense(model, target)
     mx.eval(model.parameters())
     model.eval()
     model.verification = verification

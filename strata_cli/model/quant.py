@@ -19,9 +19,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ConfigError
+from .layers import RowLinear
 from .moe import SwitchGLU
 
 MODE = "affine"
+# Below this many bytes of dense (non-expert) weights in float32, the CPU runs a quantized model's
+# dense layers dequantized (`dequantize_dense`): the embedded demo model is 8-bit to fit the package.
+DEQUANTIZE_DENSE_MAX_BYTES = 256 * 2**20
 BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports in affine mode
 GROUP_SIZES = (32, 64, 128)  # weights per scale and bias that strata reads and writes
 ROUTER_BITS = 8  # routers and the shared-expert gate stay at 8 bits, as mlx-lm quantizes them
@@ -133,3 +137,48 @@ def router_overrides(group_size: int) -> Overrides:
         return None
 
     return overrides
+
+
+def dequantize_dense(model: nn.Module, dtype: mx.Dtype) -> int:
+    """Turn quantized linear and embedding layers back into dense ones of `dtype`, in place;
+    returns the bytes of the dense weights made. Routed experts stay quantized.
+
+    On the CPU a quantized matmul of a few rows costs more than the float32 one: the 8-bit demo
+    model decodes 7-13% slower than the same weights dense (docs/benchmarks.md, "Demo model
+    candidate 2"). The values are the stored weights dequantized, once. Experts keep their
+    quantized form so that resident and streamed experts (experts/switch.py) stay one code path
+    and bit-identical; a decode step runs two of them, against every dense layer.
+    """
+    made = 0
+    for module in model.modules():
+        for name, child in list(module.items()):
+            dense = _dense(child, dtype)
+            if dense is not None:
+                module[name] = dense
+                made += dense.weight.nbytes
+    return made
+
+
+def dense_bytes(model: nn.Module) -> int:
+    """Bytes in float32 of the quantized dense layers' weights once dequantized."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            rows, packed = module.weight.shape[-2:]
+            total += rows * packed * (32 // module.bits) * 4
+    return total
+
+
+def _dense(layer: Any, dtype: mx.Dtype) -> nn.Module | None:
+    if not isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or layer.mode != MODE:
+        return None
+    weight = mx.dequantize(layer.weight, layer.scales, layer.get("biases"), group_size=layer.group_size,
+                           bits=layer.bits, mode=layer.mode).astype(dtype)
+    if isinstance(layer, nn.QuantizedEmbedding):
+        dense = nn.Embedding(*weight.shape)
+    else:
+        dense = RowLinear(weight.shape[1], weight.shape[0], bias="bias" in layer)
+        if "bias" in layer:
+            dense.bias = layer.bias.astype(dtype)
+    dense.weight = weight
+    return dense
