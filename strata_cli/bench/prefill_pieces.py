@@ -9,6 +9,8 @@ shared machine disturbs less than wall time; `--wall` times wall-clock instead.
 
     python scripts/prefill_pieces.py                        # demo model, 512 rows at offset 2,048
     python scripts/prefill_pieces.py --synthetic-tiny --rows 64 --offset 64   # seconds: checks the script
+    python scripts/prefill_pieces.py --synthetic 80b --device gpu --rows 2048 --wall --gdn-chunks 32,64,128
+        # the 80B-A3B shape (4-bit, bfloat16, built as prefill_bench builds it) on a GPU
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..model.layer_state import GDNRows
 from ..model.moe import gather_matmul, glu_by_expert
 from ..options import LoadOptions
 from ..runtime import open_model
+from .prefill import SYNTHETIC, build_synthetic
 from .synthetic import random_model, tiny_qwen3_next_config
 
 
@@ -46,26 +49,35 @@ def plain_linear(layer, x):
     return x @ layer["weight"].T
 
 
-def pieces(model, rows: int, offset: int, *, with_reference: bool = True):
-    """[(piece, strata fn, plain fn or None)] for one chunk of `rows` rows of each layer kind."""
+def pieces(model, rows: int, offset: int, *, with_reference: bool = True, gdn_chunks: tuple[int, ...] = ()):
+    """[(piece, strata fn, plain fn or None)] for one chunk of `rows` rows of each layer kind;
+    `gdn_chunks`: also the chunked scan at these chunk sizes (the constant to tune per backend)."""
     layers = model.layers
     gdn_layer = next(layer for layer in layers if layer.is_linear)
     attn_layer = next(layer for layer in layers if not layer.is_linear)
     H = model.config.hidden_size
-    x = mx.random.normal((1, rows, H), key=mx.random.key(0))
+    dtype = gdn_layer.input_layernorm.weight.dtype
+    x = mx.random.normal((1, rows, H), key=mx.random.key(0)).astype(dtype)
     g, at, moe = gdn_layer.linear_attn, attn_layer.self_attn, gdn_layer.mlp
     raw, z, b, a = g.project(x)
-    window = mx.concatenate([mx.zeros((1, g.conv_kernel - 1, raw.shape[-1])), raw], axis=1)
+    window = mx.concatenate([mx.zeros((1, g.conv_kernel - 1, raw.shape[-1]), dtype=raw.dtype), raw], axis=1)
     mixed = nn.silu(g.conv1d(window))
     gdn_rows = _gdn_rows(g, mixed, b, a)
     S0 = mx.zeros((1, g.num_v_heads, g.head_k_dim, g.head_v_dim))
     y = g.norm(chunked_gated_delta_scan(gdn_rows, S0)[0].astype(x.dtype), z).reshape(1, rows, -1)
     L = offset + rows
     kq, kk, kv = mx.random.split(mx.random.key(1), 3)
-    q = mx.random.normal((1, at.num_heads, rows, at.head_dim), key=kq)
-    k = mx.random.normal((1, at.num_kv_heads, L, at.head_dim), key=kk)
-    v = mx.random.normal((1, at.num_kv_heads, L, at.head_dim), key=kv)
-    o = mx.random.normal((1, rows, at.num_heads * at.head_dim), key=kq)
+    q = mx.random.normal((1, at.num_heads, rows, at.head_dim), key=kq).astype(dtype)
+    k = mx.random.normal((1, at.num_kv_heads, L, at.head_dim), key=kk).astype(dtype)
+    v = mx.random.normal((1, at.num_kv_heads, L, at.head_dim), key=kv).astype(dtype)
+    o = mx.random.normal((1, rows, at.num_heads * at.head_dim), key=kq).astype(dtype)
+    on_cpu = mx.default_device() == mx.cpu
+
+    def attention_core():  # what strata's prompt path runs on this device
+        if on_cpu:
+            return causal_attention_cpu(q, k, v, at.scale)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=at.scale, mask="causal")
+
     xf = x.reshape(-1, H)
     inds, _ = moe.route(xf)
     mx.eval(x, raw, window, mixed, y, q, k, v, o, inds, *vars(gdn_rows).values())
@@ -83,8 +95,8 @@ def pieces(model, rows: int, offset: int, *, with_reference: bool = True):
         ("gdn out_proj", lambda: g.out_proj(y), plain and (lambda: plain_linear(g.out_proj, y))),
         ("attn q/k/v proj", lambda: [at.q_proj(x), at.k_proj(x), at.v_proj(x)],
          plain and (lambda: [plain_linear(at.q_proj, x), plain_linear(at.k_proj, x), plain_linear(at.v_proj, x)])),
-        (f"attn core (L={L})", lambda: causal_attention_cpu(q, k, v, at.scale),
-         plain and (lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=at.scale, mask="causal"))),
+        (f"attn core (L={L})", attention_core,
+         plain and on_cpu and (lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=at.scale, mask="causal"))),
         ("attn o_proj", lambda: at.o_proj(o), plain and (lambda: plain_linear(at.o_proj, o))),
         ("moe router + top-k", lambda: list(moe.route(xf)), None),
         ("moe experts", lambda: sw(xf, inds),
@@ -92,6 +104,8 @@ def pieces(model, rows: int, offset: int, *, with_reference: bool = True):
         ("moe shared expert", lambda: moe.shared_expert(xf),
          plain and (lambda: _plain_mlp(moe.shared_expert, xf))),
         ("moe block (whole)", lambda: moe(x), None),
+        *[(f"gdn scan, chunk {c}", lambda c=c: chunked_gated_delta_scan(gdn_rows, S0, chunk=c), None)
+          for c in gdn_chunks],
     ]
 
 
@@ -114,6 +128,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo' (default demo)")
     parser.add_argument("--synthetic-tiny", action="store_true", help="a tiny random model instead of --model")
+    parser.add_argument("--synthetic", choices=SYNTHETIC, default=None,
+                        help="a random model of this shape, 4-bit and bfloat16, built as prefill_bench builds it")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--gdn-chunks", default="", help="also time the chunked scan at these chunk sizes, e.g. 32,64")
     parser.add_argument("--rows", type=int, default=512, help="rows of the chunk (default 512, PREFILL_CHUNK)")
     parser.add_argument("--offset", type=int, default=2048, help="earlier cells attention sees (default 2048)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -127,19 +145,23 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    mx.set_default_device(mx.cpu)
-    if args.synthetic_tiny:
+    mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
+    reference = not args.synthetic  # the plain forms are float32 ones; a synthetic model is quantized
+    if args.synthetic:
+        model, _ = build_synthetic(args.synthetic, layers=4, bits=4, group_size=64, dtype=mx.bfloat16, seed=0)
+    elif args.synthetic_tiny:
         model = random_model(tiny_qwen3_next_config(max_position_embeddings=args.offset + args.rows))
     else:
         model = open_model(LoadOptions(model=args.model, dtype="float32")).model
     clock = time.perf_counter if args.wall else time.process_time
     table = []
-    for name, fn, plain in pieces(model, args.rows, args.offset):
+    chunks = tuple(int(c) for c in args.gdn_chunks.split(",") if c)
+    for name, fn, plain in pieces(model, args.rows, args.offset, with_reference=reference, gdn_chunks=chunks):
         row = {"piece": name, "strata_ms": median_ms(fn, args.repeats, clock)}
         if plain:
             row["plain_ms"] = median_ms(plain, args.repeats, clock)
         table.append(row)
-    print(f"{args.rows} rows at offset {args.offset}, float32 CPU, median of {args.repeats} "
+    print(f"{args.rows} rows at offset {args.offset}, {args.synthetic or 'float32'} {args.device}, median of {args.repeats} "
           f"({'wall' if args.wall else 'CPU'} ms)")
     print("| piece | strata ms | plain form ms |")
     print("|---|---|---|")
