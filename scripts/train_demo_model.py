@@ -152,16 +152,16 @@ def prepare(data: Path, tokenizer_from: Path | None, copy_documents_n: int) -> N
 # -- train (GPU) -----------------------------------------------------------------------------------
 
 
-def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator, copy_start: int | None = None,
-            copy_share: float | None = None):
+def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
+            parts: list[tuple[int, int, float]] | None = None):
     """Training windows of SEQ_LEN tokens, forever.
 
     Half the windows start at a document (after an EOS): a copy document then has its first copy in
-    the window whenever it fits, and the model sees file starts as the prompts begin. With
-    `copy_share`, that share of the windows comes from the copy documents (tokens from `copy_start`
-    on) and the rest from plain code, whatever their token counts; without it, windows are drawn
-    over all tokens alike (and, there being 50,000 short copy documents against 5,000 files, most
-    document-aligned windows then start a copy document).
+    the window whenever it fits, and the model sees file starts as the prompts begin. `parts`
+    ([(first token, end, share)]) draws each window from one part with that part's share, whatever
+    the parts' token counts; without it, windows are drawn over all tokens alike (and, there being
+    50,000 short copy documents against 5,000 files, most document-aligned windows then start a
+    copy document).
     """
     import torch
 
@@ -176,20 +176,30 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator, copy_start
 
         return draw
 
-    if copy_share is None or copy_start is None:
-        draw_all = sampler(0, len(tokens))
-    else:
-        draw_plain, draw_copy = sampler(0, copy_start), sampler(copy_start, len(tokens))
+    parts = parts or [(0, len(tokens), 1.0)]
+    draws = [sampler(lo, hi) for lo, hi, _ in parts]
+    shares = np.array([share for _, _, share in parts]) / sum(share for _, _, share in parts)
     while True:
-        if copy_share is None or copy_start is None:
-            starts = draw_all(batch)
-        else:
-            from_copy = rng.random(batch) < copy_share
-            starts = np.empty(batch, dtype=np.int64)
-            starts[from_copy] = draw_copy(int(from_copy.sum()))
-            starts[~from_copy] = draw_plain(int((~from_copy).sum()))
+        which = rng.choice(len(parts), size=batch, p=shares)
+        starts = np.empty(batch, dtype=np.int64)
+        for i, draw in enumerate(draws):
+            starts[which == i] = draw(int((which == i).sum()))
         x = np.stack([tokens[s : s + SEQ_LEN] for s in starts]).astype(np.int64)
         yield torch.from_numpy(x)
+
+
+def training_parts(split: dict, copy_share: float | None, stdlib_share: float | None):
+    """(first token, end, share) of the stdlib, package and copy parts of train.bin (prepare writes
+    them in that order); None (windows over all tokens alike) when no share is given."""
+    if copy_share is None and stdlib_share is None:
+        return None
+    sizes = [split[f"train_{name}"]["tokens"] for name in ("stdlib", "packages", "copy")]
+    ends = np.cumsum(sizes)
+    copy = copy_share if copy_share is not None else sizes[2] / ends[-1]
+    plain = 1.0 - copy
+    stdlib = stdlib_share if stdlib_share is not None else sizes[0] / (sizes[0] + sizes[1])
+    shares = [plain * stdlib, plain * (1 - stdlib), copy]
+    return [(int(lo), int(hi), share) for lo, hi, share in zip([0, *ends[:-1]], ends, shares)]
 
 
 def evaluate(model, tokens: np.ndarray, *, max_windows: int, batch: int, device) -> float:
@@ -215,7 +225,7 @@ def evaluate(model, tokens: np.ndarray, *, max_windows: int, batch: int, device)
 
 def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: str, max_steps: int | None,
           eval_windows: int = 10_000, copy_share: float | None = None, experts: int | None = None,
-          expert_width: int | None = None) -> None:
+          expert_width: int | None = None, stdlib_share: float | None = None) -> None:
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -234,9 +244,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
     if expert_width is not None:
         shape["moe_intermediate_size"] = expert_width
     config = Qwen3NextConfig(**shape)
-    # The copy documents are the last part of train.bin (prepare writes stdlib, packages, copy).
-    split = json.loads((data / "split.json").read_text())
-    copy_start = len(train_tokens) - split["train_copy"]["tokens"] if "train_copy" in split else None
+    parts = training_parts(json.loads((data / "split.json").read_text()), copy_share, stdlib_share)
     model = Qwen3NextForCausalLM(config).to(device)
     params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -246,7 +254,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
     rng = np.random.default_rng(SEED)
-    stream = batches(train_tokens, batch, rng, copy_start, copy_share)
+    stream = batches(train_tokens, batch, rng, parts)
     budget = minutes * 60
     warmup, log = 100, []
     start = time.time()
@@ -297,6 +305,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else device.type,
         "torch": torch.__version__,
         "copy_share": copy_share,
+        "stdlib_share": stdlib_share,
         "experts": config.num_experts,
         "expert_width": config.moe_intermediate_size,
     }
@@ -367,6 +376,9 @@ def main() -> None:
     t.add_argument("--copy-share", type=float, default=None,
                    help="share of training windows taken from the copy documents (default: windows "
                         "drawn over all tokens alike)")
+    t.add_argument("--stdlib-share", type=float, default=None,
+                   help="share of the plain-code windows taken from the stdlib (the held-out files' kind; "
+                        "default: by token count)")
     t.add_argument("--experts", type=int, default=None, help=f"routed experts (default {MODEL_CONFIG['num_experts']})")
     t.add_argument("--expert-width", type=int, default=None,
                    help=f"routed expert width (default {MODEL_CONFIG['moe_intermediate_size']})")
@@ -381,7 +393,7 @@ def main() -> None:
         prepare(args.data, None if str(args.tokenizer_from) == "none" else args.tokenizer_from, args.copy_documents)
     elif args.step == "train":
         train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows,
-              args.copy_share, args.experts, args.expert_width)
+              args.copy_share, args.experts, args.expert_width, args.stdlib_share)
     else:
         install(args.checkpoint, args.data, args.dest, None if args.bits == 16 else args.bits)
 
