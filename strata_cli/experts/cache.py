@@ -17,7 +17,11 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
   demand only. With `root_prefetch` only row 0 of a window drives read-ahead. A block with a
   prefetch rule (cache-aware routing's, experts/moce.py) gets the predicted router probabilities
   and its residency through that rule instead of their top-k, so read-ahead follows the picks
-  MoCE will make rather than the natural ones it would replace.
+  MoCE will make rather than the natural ones it would replace. With `readahead_min_prob`, router
+  prefetch reads only the picks some row predicts with at least that probability. Reads go
+  through a `ReadQueue` (experts/reads.py): with `readahead_depth`, demand reads go first, and a
+  block that routes cancels its read-aheads still queued that it did not pick and promotes the
+  ones it did to demand reads.
 
 Exactness: routing is the model's own (each token's softmax top-k, computed before the cache is
 asked) unless the user opts into cache-aware routing (experts/moce.py, `is_approximate`); the cache only decides where an expert's weights sit, and the matmuls are the resident
