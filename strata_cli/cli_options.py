@@ -139,6 +139,15 @@ def model_options(command):
                show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
         option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
                envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
+        option("--expert-readahead-depth", type=click.IntRange(min=1), default=None,
+               envvar="STRATA_EXPERT_READAHEAD_DEPTH", metavar="N",
+               help="Demand reads first: at most N read-aheads at the disk at once and none while a demand "
+                    "read waits; queued ones a layer did not pick are cancelled (default: no queue, every "
+                    "read as it comes)."),
+        option("--expert-readahead-min-prob", type=FiniteFloatRange(min=0, max=1, max_open=True), default=0.0,
+               envvar="STRATA_EXPERT_READAHEAD_MIN_PROB", metavar="P", show_default=True,
+               help="Router prefetch reads an expert only when its predicted router probability is at "
+                    "least P (0: every predicted pick)."),
         option("--moce-protect", type=int, default=None, envvar="STRATA_MOCE_PROTECT", metavar="J",
                help="Streamed checkpoints, APPROXIMATE: cache-aware routing; each token keeps its top J "
                     "experts and fills the rest preferring resident ones (default: off, exact routing)."),
@@ -165,11 +174,12 @@ def model_options(command):
     ]
 
     def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
-              expert_io_threads, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget,
+              expert_io_threads, expert_readahead_depth, expert_readahead_min_prob, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget,
               moce_exact_prefill, moce_natural_prefetch, moce_count_inflight):
         stream = StreamOptions(
             cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
             root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
+            readahead_depth=expert_readahead_depth, readahead_min_prob=expert_readahead_min_prob,
         )
         moce = MoceOptions(protect=moce_protect, bonus=moce_bonus, draft_protect=draft_moce_protect,
                            draft_bonus=draft_moce_bonus, budget=expert_budget, exact_prefill=moce_exact_prefill,

@@ -102,6 +102,12 @@ class StreamOptions:
         io: "auto" (default: O_DIRECT where allowed, else the page cache), "direct" or "buffered".
         io_threads: reader threads (default 8).
         verify: check each record's crc32 on read (default True).
+        readahead_depth: demand reads first: at most this many read-aheads at the disk at once,
+            none while a demand read is queued or running; the rest wait in strata's queue, where
+            a layer that routes without them cancels them (experts/reads.py). None (default):
+            every read goes to the reader threads as it comes.
+        readahead_min_prob: router prefetch reads an expert only when some row's predicted
+            router probability for it is at least this (default 0: every predicted pick).
     """
 
     cache_gb: float | None = None
@@ -111,6 +117,8 @@ class StreamOptions:
     io: str = "auto"
     io_threads: int = DEFAULT_EXPERT_IO_THREADS
     verify: bool = True
+    readahead_depth: int | None = None
+    readahead_min_prob: float = 0.0
 
     def __post_init__(self):
         if self.cache_gb is not None and self.resident_experts is not None:
@@ -127,6 +135,16 @@ class StreamOptions:
             raise ConfigError(f"expert io must be one of {EXPERT_IO_MODES}, got {self.io!r}")
         if self.io_threads < 1:
             raise ConfigError(f"expert io threads must be at least 1, got {self.io_threads}")
+        if self.readahead_depth is not None and self.readahead_depth < 1:
+            raise ConfigError(f"--expert-readahead-depth must be at least 1, got {self.readahead_depth}")
+        if self.readahead_depth is not None and self.prefetch == "off":
+            raise ConfigError("--expert-readahead-depth orders read-ahead behind demand reads; "
+                              "it needs prefetch on (router or history), not 'off'")
+        if not 0 <= self.readahead_min_prob < 1:  # also rejects NaN
+            raise ConfigError(f"--expert-readahead-min-prob must be in [0, 1), got {self.readahead_min_prob}")
+        if self.readahead_min_prob and self.prefetch != "router":
+            raise ConfigError(f"--expert-readahead-min-prob gates router prefetch by its predicted probability; "
+                              f"prefetch is {self.prefetch!r}, use --expert-prefetch router")
 
     @property
     def is_default(self) -> bool:

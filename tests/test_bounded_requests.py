@@ -95,6 +95,7 @@ def test_a_prefetch_error_of_one_request_is_not_raised_in_the_next(streamed):
     assert ask(server, out, id=1, prompt="abcabc", max_tokens=3)["done"]
     cache = model.expert_cache
     failed = Future()  # a prefetch of request 1 still in flight when it ended, failing afterwards
+    failed.set_running_or_notify_cancel()  # at the disk: a read-ahead still queued would be cancelled
     cache._blocks[1].inflight[9] = failed
     cache._drop_prefetches(1, cache._blocks[1])
     failed.set_exception(ExpertReadError("layer_001.bin: read of expert 9 failed (Input/output error)"))

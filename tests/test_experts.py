@@ -90,9 +90,12 @@ def test_union_larger_than_slots_is_served_in_passes(checkpoints):
     model.expert_cache.close()
 
 
-@pytest.mark.parametrize("prefetch, root_only", [("router", False), ("history", False), ("router", True), ("off", False)])
-def test_prefetch_accounting(checkpoints, prefetch, root_only):
-    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=8, prefetch=prefetch, root_prefetch=root_only))
+@pytest.mark.parametrize("prefetch, root_only, depth", [("router", False, None), ("history", False, None),
+                                                        ("router", True, None), ("off", False, None),
+                                                        ("router", False, 1)])
+def test_prefetch_accounting(checkpoints, prefetch, root_only, depth):
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=8, prefetch=prefetch,
+                                                                 root_prefetch=root_only, readahead_depth=depth))
     cache, engine = model.expert_cache, WindowEngine(model)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, model.config.vocab_size, 60).tolist()
@@ -107,7 +110,8 @@ def test_prefetch_accounting(checkpoints, prefetch, root_only):
         stats = engine.last_window_experts()
         for row, union in zip(stats.layers, stats.union_experts):
             assert row["hits"] + row["cold_misses"] + row["capacity_misses"] + row["prefetch_hits"] == union
-        # every prefetch of a window is used by its next block or counted as wasted there
+        # every prefetch of a window is used by its next block, counted as wasted there, or
+        # cancelled before it was read (and then not counted as prefetched)
         assert stats.prefetched_bytes == (stats.prefetch_hits + stats.wasted_prefetches) * stride
         assert stats.layers[0]["prefetched_bytes"] == 0  # nothing predicts the first block
         if root_only:

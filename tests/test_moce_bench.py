@@ -41,6 +41,19 @@ def test_settings_parse_and_bad_ones_are_refused():
             bench.parse_setting(text)
 
 
+def test_read_options_in_settings():
+    assert bench.read_options("1:0.25:e:d1:c0.3") == {"readahead_depth": 1, "readahead_min_prob": 0.3}
+    assert bench.parse_setting("1:0.25:c0.3:e:d2") == MoceOptions(protect=1, bonus=0.25, exact_prefill=True)
+    assert bench.label("1:0.25:e:d1:c0.3") == "J1 B0.25 EP D1 C0.3" and bench.label("x:d1") == "exact D1"
+    assert bench.parse_setting("x:d1") is None and bench.read_options("1:1") == {}
+    for text in ("1:1:d1:d2", "x:e", "1:1:c0.1.2"):
+        with pytest.raises(ConfigError):
+            bench.read_options(text)
+            bench.parse_setting(text)
+    with pytest.raises(ConfigError, match="must be in"):
+        bench.plan_from_args(["--moce", "x:c1.5"])
+
+
 def test_presets_hold_unless_a_flag_overrides():
     plan, _ = bench.plan_from_args(["--preset", "h200"])
     assert plan == bench.PRESETS["h200"] and plan.budget_seconds <= 180

@@ -88,8 +88,11 @@ def test_logits_bit_identical(checkpoints, reference, fraction, mode):
         StreamOptions(resident_experts=16, prefetch="history"),
         StreamOptions(resident_experts=16, prefetch="router", root_prefetch=True),
         StreamOptions(resident_experts=32, prefetch="off", io="buffered"),
+        StreamOptions(resident_experts=8, readahead_depth=1, io_threads=2),
+        StreamOptions(resident_experts=8, readahead_min_prob=0.1),
     ],
-    ids=["10%-router", "50%-history", "50%-root-prefetch", "100%-off-buffered"],
+    ids=["10%-router", "50%-history", "50%-root-prefetch", "100%-off-buffered", "25%-demand-first",
+         "25%-confident-readahead"],
 )
 def test_generate_tokens_identical(checkpoints, reference, stream):
     streamed = load_checkpoint(checkpoints[1], stream=stream)

@@ -99,24 +99,52 @@ PRESETS = {
 
 
 FLAGS = {"e": " EP", "n": " NP", "i": " IF"}  # exact prefill, natural (not MoCE-aware) prefetch, in flight counts
+# read options a setting may end with: dN = --expert-readahead-depth N, cP = --expert-readahead-min-prob P
+READS = {"d": ("readahead_depth", int, " D"), "c": ("readahead_min_prob", float, " C")}
+EXACT = "x"  # a setting "x[:dN][:cP]" is exact routing with those read options
 
 
-def split_setting(text: str) -> tuple[list[str], set[str]]:
-    """`J:B[:N][:e][:n][:i]` as (["J", "B"(, "N")], trailing flags)."""
-    parts, flags = text.split(":"), set()
-    while parts and parts[-1] in FLAGS and parts[-1] not in flags:
-        flags.add(parts.pop())
-    return parts, flags
+def split_setting(text: str) -> tuple[list[str], set[str], dict[str, str]]:
+    """`J:B[:N][:e][:n][:i][:dN][:cP]` as (["J", "B"(, "N")], trailing flags, {read letter: value})."""
+    parts, flags, reads = text.split(":"), set(), {}
+    while parts:
+        last = parts[-1]
+        if last in FLAGS and last not in flags:
+            flags.add(parts.pop())
+        elif len(last) > 1 and last[0] in READS and last[0] not in reads and last[1].isdigit():
+            reads[last[0]] = parts.pop()[1:]
+        else:
+            break
+    return parts, flags, reads
 
 
-def parse_setting(text: str) -> MoceOptions:
+def read_options(text: str) -> dict:
+    """The StreamOptions read knobs a setting ends with (`dN`, `cP`), as keyword arguments.
+
+    Raises:
+        ConfigError: a value that is not a number.
+    """
+    out = {}
+    for letter, value in split_setting(text)[2].items():
+        name, kind, _ = READS[letter]
+        try:
+            out[name] = kind(value)
+        except ValueError:
+            raise ConfigError(f"{letter}{value} in {text!r}: {letter} takes a number") from None
+    return out
+
+
+def parse_setting(text: str) -> MoceOptions | None:
     """`J:B[:N][:e][:n][:i]` as MoceOptions(protect=J, bonus=B, budget=N, exact_prefill=bool(e),
-    natural_prefetch=bool(n), count_inflight=bool(i)).
+    natural_prefetch=bool(n), count_inflight=bool(i)); None for exact routing (`x`). Trailing read
+    options (`read_options`) are skipped.
 
     Raises:
         ConfigError: a malformed setting or a knob MoceOptions refuses.
     """
-    parts, flags = split_setting(text)
+    parts, flags, _ = split_setting(text)
+    if parts == [EXACT] and not flags:
+        return None
     try:
         if len(parts) not in (2, 3):
             raise ValueError
@@ -130,14 +158,18 @@ def parse_setting(text: str) -> MoceOptions:
 
 
 def label(text: str) -> str:
-    parts, flags = split_setting(text)
-    return " ".join(f"{n}{v}" for n, v in zip(("J", "B", "N"), parts)) + "".join(FLAGS[f] for f in FLAGS if f in flags)
+    parts, flags, reads = split_setting(text)
+    name = "exact" if parts == [EXACT] else " ".join(f"{n}{v}" for n, v in zip(("J", "B", "N"), parts))
+    return (name + "".join(FLAGS[f] for f in FLAGS if f in flags)
+            + "".join(f"{READS[r][2]}{reads[r]}" for r in READS if r in reads))
 
 
 def open_engine(path: Path, slots: int, moce: MoceOptions | None, disk: SimulatedDisk, *,
-                root_prefetch: bool = False) -> WindowEngine:
-    model = load_checkpoint(path, stream=StreamOptions(resident_experts=slots, root_prefetch=root_prefetch),
-                            moce=moce)
+                root_prefetch: bool = False, reads: dict | None = None) -> WindowEngine:
+    """A streamed engine of `slots` resident experts per layer on `disk`; `reads`: StreamOptions
+    read knobs (`read_options`)."""
+    stream = StreamOptions(resident_experts=slots, root_prefetch=root_prefetch, **(reads or {}))
+    model = load_checkpoint(path, stream=stream, moce=moce)
     disk.attach(model.expert_cache.store)
     return WindowEngine(model)
 
@@ -247,7 +279,7 @@ def measure(path: Path, prompts: list[list[int]], plan: Plan, *, num_experts: in
             decode(resident, p, plan.tokens)  # warm-up
         engines, quality = {"exact": exact, "resident": resident}, {}
         for text in plan.settings:
-            engines[text] = open_engine(path, slots, parse_setting(text), disk)
+            engines[text] = open_engine(path, slots, parse_setting(text), disk, reads=read_options(text))
             quality[text] = agreement(exact, engines[text], prompts, reference, exact_logits, plan.tokens)
         speed = timed(engines, prompts, tokens=plan.tokens, repeats=plan.repeats)
         ex = speed["exact"]
@@ -278,15 +310,17 @@ def measure_prefetch(path: Path, prompts: list[list[int]], plan: Plan, *, num_ex
     """Root-only prefetch on and off, exact and MoCE, with drafts: one row per engine and cache size."""
     rows = []
     disk = SimulatedDisk(read_ms)
-    routings = {"exact": None, label(plan.settings[0]): parse_setting(plan.settings[0])} if plan.settings \
-        else {"exact": None}
+    routings = {"exact": "x"}  # label -> setting
+    if plan.settings:
+        routings[label(plan.settings[0])] = plan.settings[0]
     for fraction in plan.prefetch_fractions:
         if time.perf_counter() > deadline:
             log(f"budget reached: skipping the prefetch study at {fraction:.0%}, read {read_ms} ms")
             continue
         slots = max(1, round(fraction * num_experts))
-        engines = {(routing, root): open_engine(path, slots, moce, disk, root_prefetch=root)
-                   for routing, moce in routings.items() for root in (False, True)}
+        engines = {(routing, root): open_engine(path, slots, parse_setting(text), disk, root_prefetch=root,
+                                                reads=read_options(text))
+                   for routing, text in routings.items() for root in (False, True)}
         for engine in engines.values():
             decode(engine, prompts[0], plan.tokens, drafts=PREFETCH_DRAFTS)  # warm-up
         speed = timed({f"{r}|{root}": e for (r, root), e in engines.items()}, prompts, tokens=plan.tokens,
@@ -337,9 +371,11 @@ def plan_from_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--repeats", type=int, help="timed runs per engine (median)")
     parser.add_argument("--prompt-tokens", type=int, help="each prompt's last N tokens")
     parser.add_argument("--fractions", type=float, nargs="+", help="expert-cache sizes, shares of the experts")
-    parser.add_argument("--moce", dest="settings", nargs="+", metavar="J:B[:N][:e][:n][:i]",
+    parser.add_argument("--moce", dest="settings", nargs="+", metavar="J:B[:N][:e][:n][:i][:dN][:cP]",
                         help="MoCE settings: protect J, bonus B, optional budget N, e: exact prefill, "
-                             "n: natural (not MoCE-aware) prefetch, i: in-flight reads count as resident")
+                             "n: natural (not MoCE-aware) prefetch, i: in-flight reads count as resident, "
+                             "dN: read-ahead depth N (demand reads first), cP: read ahead only at predicted "
+                             "probability >= P; 'x[:dN][:cP]' is exact routing with those read options")
     parser.add_argument("--read-ms", type=float, nargs="+", help="simulated ms per expert read (0: real reads)")
     parser.add_argument("--prefetch-study", action=argparse.BooleanOptionalAction, default=None,
                         help="also measure --spec-root-prefetch with drafts, exact and the first MoCE setting")
@@ -354,6 +390,7 @@ def plan_from_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
                                          if k in Plan.__dataclass_fields__ and v is not None}})
     for text in plan.settings:
         parse_setting(text)
+        StreamOptions(**read_options(text))
     return plan, args
 
 

@@ -17,7 +17,11 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
   demand only. With `root_prefetch` only row 0 of a window drives read-ahead. A block with a
   prefetch rule (cache-aware routing's, experts/moce.py) gets the predicted router probabilities
   and its residency through that rule instead of their top-k, so read-ahead follows the picks
-  MoCE will make rather than the natural ones it would replace.
+  MoCE will make rather than the natural ones it would replace. With `readahead_min_prob`, router
+  prefetch reads only the picks some row predicts with at least that probability. Reads go
+  through a `ReadQueue` (experts/reads.py): with `readahead_depth`, demand reads go first, and a
+  block that routes cancels its read-aheads still queued that it did not pick and promotes the
+  ones it did to demand reads.
 
 Exactness: routing is the model's own (each token's softmax top-k, computed before the cache is
 asked) unless the user opts into cache-aware routing (experts/moce.py, `is_approximate`); the cache only decides where an expert's weights sit, and the matmuls are the resident
@@ -29,7 +33,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -39,11 +43,13 @@ import numpy as np
 from ..model.moe import SparseMoeBlock
 from ..options import StreamOptions
 from ..telemetry import ExpertWindowStats
+from .reads import ReadQueue
 from .store import DTYPES, BlockLayout, ExpertStore, layer_of
 
 # Per-block counters of one window (ExpertCache._counts columns).
 COUNTERS = (
     "hits", "cold_misses", "capacity_misses", "prefetch_hits", "late_prefetches", "wasted_prefetches",
+    "cancelled_prefetches",  # read-aheads dropped from the queue before they reached the disk
     "bytes_read", "prefetched_bytes", "wait_seconds", "union", "cold_beyond_root", "passes",
     "substitutions", "misses_saved", "bytes_saved",  # cache-aware routing (experts/moce.py) only
 )
@@ -139,7 +145,7 @@ class ExpertCache:
         # transitions[i][e, f]: how often expert f at block i+1 followed expert e at block i
         self._transitions = [np.zeros((E, E), np.float32) for _ in self.paths[:-1]]
         self._window_ids: dict[int, np.ndarray] = {}
-        self._pool = ThreadPoolExecutor(options.io_threads, thread_name_prefix="strata-experts")
+        self._pool = ReadQueue(options.io_threads, readahead_depth=options.readahead_depth, name="strata-experts")
         self._deferred: list[BaseException] = []
         self._request_no = 0  # which request a prefetch belongs to: its error is that request's only
         self._kind = DECODE
@@ -258,6 +264,7 @@ class ExpertCache:
         ids = np.array(inds, dtype=np.int64)  # (N, k)
         self._rows = max(self._rows, len(ids))
         union = np.unique(ids)
+        self._cancel_prefetches(i, keep=union)
         missing = union[block.slot_of[union] < 0]
         count[_C["union"]] += len(union)
         count[_C["cold_beyond_root"]] += len(np.setdiff1d(missing, ids[0]))
@@ -292,6 +299,7 @@ class ExpertCache:
                 continue
             future = block.inflight.pop(e, None)
             if future is not None:
+                self._pool.promote(future)  # needed now: a demand read, if it has not started
                 count[_C["prefetch_hits"]] += 1
                 count[_C["late_prefetches"]] += not future.done()
             else:
@@ -348,7 +356,7 @@ class ExpertCache:
         assert len(free) == n, "a pass never holds more experts than there are slots"
         return free
 
-    def _submit(self, i: int, expert: int) -> Future:
+    def _submit(self, i: int, expert: int, *, demand: bool = True) -> Future:
         path, pool = self.paths[i], self.store.pools[self._blocks[i].layout.stride]
 
         def read():
@@ -359,7 +367,7 @@ class ExpertCache:
                 pool.give(buf)
                 raise
 
-        return self._pool.submit(read)
+        return self._pool.submit(read, demand=demand)
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -367,13 +375,14 @@ class ExpertCache:
         return self.options.prefetch != "off" and self._kind == DECODE and i + 1 < len(self.paths)
 
     def _router_prediction(self, i: int, x: mx.array) -> mx.array | None:
-        """The next block's router applied to this block's input rows: (N', k) ids, lazy."""
+        """The next block's router applied to this block's input rows, lazy: its probabilities
+        (N', E) when a prefetch rule or the confidence gate needs them, else its top-k ids (N', k)."""
         if not self._prefetch_active(i) or self.options.prefetch != "router":
             return None
         gate, k = self._routers[i + 1]
         rows = x.reshape(-1, x.shape[-1])
         rows = rows[:1] if self.options.root_prefetch else rows
-        if self._prefetch_rules[i + 1] is not None:
+        if self._prefetch_rules[i + 1] is not None or self.options.readahead_min_prob:
             return mx.softmax(gate(rows).astype(mx.float32), axis=-1)  # (N', E), as the block routes
         return mx.argpartition(-gate(rows), kth=k - 1, axis=-1)[:, :k]
 
@@ -387,16 +396,24 @@ class ExpertCache:
         wanted = [e for e in experts.tolist() if nxt.slot_of[e] < 0 and e not in nxt.inflight]
         room = self.num_slots - len(nxt.inflight)
         for e in wanted[: max(room, 0)]:
-            nxt.inflight[e] = self._submit(i + 1, e)
+            nxt.inflight[e] = self._submit(i + 1, e, demand=False)
             self._counts[i + 1, _C["prefetched_bytes"]] += nxt.layout.stride
 
     def _prefetch_guess(self, i: int, ids: np.ndarray, predicted: mx.array | None) -> np.ndarray:
         """Block i+1's predicted picks (expert ids, a row's repeated in the next's)."""
         rule = self._prefetch_rules[i + 1]
-        if predicted is not None and rule is not None:
-            return rule(np.array(predicted), self._blocks[i + 1].slot_of >= 0)
+        if predicted is not None and mx.issubdtype(predicted.dtype, mx.integer):
+            return np.array(predicted, dtype=np.int64)  # top-k ids
         if predicted is not None:
-            return np.array(predicted, dtype=np.int64)
+            probs = np.array(predicted)  # (N', E)
+            if rule is not None:
+                guess = rule(probs, self._blocks[i + 1].slot_of >= 0)
+            else:
+                k = self._routers[i + 1][1]
+                guess = np.argsort(-probs, axis=-1, kind="stable")[:, :k].reshape(-1)
+            # a guess no row gives at least min_prob is more likely wasted than used
+            confident = probs.max(axis=0) >= self.options.readahead_min_prob
+            return guess[confident[guess]]
         # history: each row's k most frequent successors of its own picks
         rows = ids[:1] if self.options.root_prefetch else ids
         scores = self._transitions[i][rows].sum(axis=1)  # (N', E)
@@ -426,8 +443,20 @@ class ExpertCache:
         if keep:
             self._write(i, keep, free[: len(keep)])
 
+    def _cancel_prefetches(self, i: int, *, keep: np.ndarray | None = None) -> None:
+        """Read-aheads of block i still queued (not at the disk) and not in `keep`: cancelled,
+        so the disk never reads them (counted apart from the wasted ones, which were read)."""
+        block = self._blocks[i]
+        for e in [e for e in block.inflight if keep is None or e not in keep]:
+            if block.inflight[e].cancel():
+                del block.inflight[e]
+                self._counts[i, _C["cancelled_prefetches"]] += 1
+                self._counts[i, _C["prefetched_bytes"]] -= block.layout.stride
+
     def _drop_prefetches(self, i: int, block: _Block) -> None:
-        """Every prefetch still in flight for `block`: counted as wasted, buffers recycled."""
+        """Every prefetch still in flight for `block`: cancelled if still queued, else counted as
+        wasted and its buffer recycled."""
+        self._cancel_prefetches(i)
         for e in list(block.inflight):
             future = block.inflight.pop(e)
             self._counts[i, _C["wasted_prefetches"]] += 1
@@ -465,8 +494,8 @@ class ExpertCache:
         self._finalizer()
 
 
-def _shutdown(pool: ThreadPoolExecutor, store: ExpertStore) -> None:
-    pool.shutdown(wait=True, cancel_futures=True)
+def _shutdown(pool: ReadQueue, store: ExpertStore) -> None:
+    pool.shutdown(wait=True)
     store.close()
 
 
