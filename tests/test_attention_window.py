@@ -132,21 +132,30 @@ def test_on_the_cpu_windows_attend_row_by_row_without_the_kernel(monkeypatch):
     def refuse(*args):
         raise AssertionError("the kernel ran on the CPU")
 
+    split_rows = []
+    reference = attention_window.reference_attention_window
+
+    def spy(q, *args):
+        split_rows.append(q.shape[2])
+        return reference(q, *args)
+
     monkeypatch.setattr(attention_window, "attention_window", refuse)
+    monkeypatch.setattr(attention_window, "reference_attention_window", spy)
     monkeypatch.setattr(RowSplit, "mode", "always")
     layer = _attention_layer(random_model(tiny_qwen3_next_config(head_dim=32), seed=2))
-    x = mx.random.normal((1, 9, 32), key=mx.random.key(7))
+    x = mx.random.normal((1, 20, 32), key=mx.random.key(7))
     window_state, serial_state = KVState(), KVState()
     for state in (window_state, serial_state):
-        state.begin(0, 6, Mode.COMMIT_ALL)
-        layer(x[:, :6], state)
-    window_state.begin(6, 3, Mode.COMMIT_ALL)
-    window = layer(x[:, 6:], window_state)
+        state.begin(0, 17, Mode.COMMIT_ALL)
+        layer(x[:, :17], state)  # a prompt chunk (PREFILL_MIN_ROWS or more): blocked matmuls
+    window_state.begin(17, 3, Mode.COMMIT_ALL)
+    window = layer(x[:, 17:], window_state)
     serial = []
-    for t in range(6, 9):
+    for t in range(17, 20):
         serial_state.begin(t, 1, Mode.COMMIT_ALL)
         serial.append(layer(x[:, t : t + 1], serial_state))
     assert mx.array_equal(window, mx.concatenate(serial, axis=1)).item()
+    assert split_rows == [3]  # the window split by row; prompts and 1-row steps take sdpa whole
 
 
 def test_decode_windows_take_the_kernel_and_prompts_do_not(monkeypatch, emulator):
