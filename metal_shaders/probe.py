@@ -19,11 +19,14 @@ _dims_cache: dict[tuple[int, ...], mx.array] = {}
 _kernels: dict[str, object] = {}
 
 
-def cuda_kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str):
-    """`mx.fast.cuda_kernel` made once per name for the process."""
+def cuda_kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str, *,
+                ensure_row_contiguous: bool = True):
+    """`mx.fast.cuda_kernel` made once per name for the process. `ensure_row_contiguous=False`
+    passes views as they are (a body that reads `<input>_strides`), so no copy precedes the call."""
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
-                                             source=source, header=header)
+                                             source=source, header=header,
+                                             ensure_row_contiguous=ensure_row_contiguous)
     return _kernels[name]
 
 

@@ -9,8 +9,12 @@ float32 reference, including column tails, 8-bit packing and a routed expert pic
 rows than one block takes. The GDN window kernels (metal_shaders/gdn_window.py) run the same
 way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
 (relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
-model's (2, 4, 64, 64) and a batch of 2. Not a speed figure; needs g++ with C++20. Takes a
-few minutes.
+model's (2, 4, 64, 64) and a batch of 2. The attention window kernel
+(metal_shaders/attention_window.py) runs a whole block at a time (its warps share memory): for
+T = 1..8 each row of a T-row call equals its 1-row call over the same cache buffer bit for bit
+and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
+L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2. Not a speed figure; needs
+g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
 it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
@@ -31,10 +35,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import gdn_window
+from metal_shaders import attention_window, gdn_window
 from metal_shaders import rows_matvec as kernels
 
-SHIM = r"""
+SHIM_BASE = r"""
 #include <barrier>
 #include <cmath>
 #include <cstddef>
@@ -55,6 +59,8 @@ thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim;
 #define __device__
 #define __forceinline__ inline
+"""
+SHIM = SHIM_BASE + r"""
 std::barrier<>* warp_barrier;
 float warp_slots[32];
 inline float __shfl_xor_sync(unsigned, float v, int off) {
@@ -277,6 +283,121 @@ def check_gdn(emu: GDNEmulator, B: int, Hk: int, Hv: int, Dk: int, Dv: int, *, r
     return ok
 
 
+# A whole block at once, for bodies whose warps cooperate through shared memory: every thread of
+# the block runs concurrently; `__shared__` is a static (blocks run one after another),
+# `__syncthreads` a block barrier, shuffles and `__syncwarp` go through their warp's barrier.
+SHIM_BLOCK = SHIM_BASE + r"""
+#include <memory>
+using std::min;
+#define __shared__ static
+constexpr int MAX_WARPS = 32;
+std::barrier<>* warp_barriers[MAX_WARPS];
+std::barrier<>* block_barrier;
+float warp_slots[MAX_WARPS][32];
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    warp_barriers[w]->arrive_and_wait();
+    warp_slots[w][lane] = v;
+    warp_barriers[w]->arrive_and_wait();
+    return warp_slots[w][lane ^ off];
+}
+inline void __syncwarp() { warp_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+"""
+MAIN_BLOCK = SLURP + r"""
+int main(int argc, char** argv) {
+    std::vector<std::vector<char>> in;
+    for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
+    const int gx = atoi(argv[1 + NUM_INPUTS]), tx = atoi(argv[2 + NUM_INPUTS]);
+    std::vector<float> out(atol(argv[3 + NUM_INPUTS]), NAN);
+    blockDim.x = tx;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    for (int w = 0; w < tx / 32; ++w) warps.emplace_back(new std::barrier<>(32)), warp_barriers[w] = warps.back().get();
+    std::barrier<> block(tx); block_barrier = &block;
+    for (int bx = 0; bx < gx; ++bx) {
+        std::vector<std::thread> threads;
+        for (int i = 0; i < tx; ++i) threads.emplace_back([&, i] { threadIdx.x = i; blockIdx.x = bx; CALL; });
+        for (auto& t : threads) t.join();
+    }
+    FILE* f = fopen(argv[4 + NUM_INPUTS], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+}
+"""
+# (parameter, file) pairs as MLX passes them with ensure_row_contiguous=False: an input, then its strides
+ATTENTION_PARAMS = ["const int32_t* dims", "const float* scale", "const float* q", "const int64_t* q_strides",
+                    "const float* keys", "const int64_t* keys_strides", "const float* values",
+                    "const int64_t* values_strides"]
+
+
+class AttentionEmulator:
+    """attention_window's kernel on the CPU (float32), a block at a time, through strides as MLX passes views."""
+
+    def __init__(self, workdir: Path):
+        self.dir = workdir
+        self.built: dict[int, Path] = {}
+        self.source = attention_window.SOURCE
+
+    def _binary(self, D: int) -> Path:
+        if D not in self.built:
+            consts = f"using TQ = float; using TK = float; using TV = float; constexpr int DH = {D};"
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(ATTENTION_PARAMS)] + ["out.data()"]
+            source = (SHIM_BLOCK + attention_window.HEADER_ATTENTION
+                      + f"void kernel({', '.join(ATTENTION_PARAMS)}, float* out) {{\n{consts}\n{self.source}\n}}\n"
+                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(ATTENTION_PARAMS)))
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"attention_{D}_{len(self.built)}"
+            path.with_suffix(".cpp").write_text(source)
+            subprocess.run(["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread",
+                            str(path.with_suffix(".cpp")), "-o", str(path)], check=True)
+            self.built[D] = path
+        return self.built[D]
+
+    def run(self, q_rows: np.ndarray, keys: np.ndarray, values: np.ndarray, L: int, scale: float) -> np.ndarray:
+        """q_rows (B, T, Hq, D), read as the (B, Hq, T, D) view the layer passes; keys, values
+        (B, Hkv, capacity, D) buffers of which the kernel sees cells 0..L-1. Returns (B, T, Hq, D)."""
+        B, T, Hq, D = q_rows.shape
+        Hkv = keys.shape[1]
+        q_rows, keys, values = (np.ascontiguousarray(a, np.float32) for a in (q_rows, keys, values))
+
+        def strides(a, order=(0, 1, 2, 3)):
+            return np.array([a.strides[i] // a.itemsize for i in order], np.int64)
+
+        inputs = [np.array([B, Hq, Hkv, T, L], np.int32), np.array([scale], np.float32), q_rows,
+                  strides(q_rows, (0, 2, 1, 3)), keys, strides(keys), values, strides(values)]
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"ain{i}"))
+            Path(names[-1]).write_bytes(a.tobytes())
+        config = attention_window.launch(B, Hq, T)
+        threads = config["threadgroup"][0]
+        out = self.dir / "aout"
+        subprocess.run([str(self._binary(D)), *names, str(config["grid"][0] // threads), str(threads),
+                        str(B * T * Hq * D), str(out)], check=True)
+        return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
+
+
+def check_attention(emu: AttentionEmulator, B: int, Hq: int, Hkv: int, D: int, cells: int, *, rows=range(1, 9),
+                    tol=1e-5, seed: int = 0) -> bool:
+    """Row t of a window sees `cells` + t cells (row 0 sees `cells`). For each T in `rows`: the
+    T-row call equals each row's 1-row call bit for bit (serial decoding's step over the same
+    cache buffer) and stays within `tol` (relative to the largest value) of the reference."""
+    T_max, P = max(rows), cells - 1
+    keys_ = mx.random.split(mx.random.key(seed), 3)
+    capacity = P + T_max + 5  # the kernel reads a view of a longer buffer, as the KV cache passes it
+    q = mx.random.normal((B, T_max, Hq, D), key=keys_[0])
+    k, v = (mx.random.normal((B, Hkv, capacity, D), key=key) for key in keys_[1:])
+    q_np, k_np, v_np = _f32(q), _f32(k), _f32(v)
+    scale = D**-0.5
+    alone = np.concatenate([emu.run(q_np[:, t : t + 1], k_np, v_np, P + t + 1, scale) for t in range(T_max)], axis=1)
+    ok = True
+    for T in rows:
+        got = emu.run(q_np[:, :T], k_np, v_np, P + T, scale)
+        expected = attention_window.reference_attention_window(q[:, :T].transpose(0, 2, 1, 3), k[:, :, : P + T],
+                                                               v[:, :, : P + T], scale)
+        same = np.array_equal(got, alone[:, :T])
+        ok &= _report(f"attention B={B} Hq={Hq} Hkv={Hkv} D={D} L={cells}", T, same, _relative(got, _f32(expected)), tol)
+    return ok
+
+
 def _report(name: str, rows: int, same: bool, diff: float, tol: float) -> bool:
     ok = same and diff < tol
     print(f"{name:34s} rows {rows:2d}  identical to 1-row calls: {same!s:5s}  max rel diff {diff:.1e}  "
@@ -301,6 +422,7 @@ def check(name: str, run, rows: int, expected: np.ndarray, alone_rows) -> bool:
 
 
 CUDA_TYPES = {"float": "float", "bf16": "__nv_bfloat16"}
+ATTENTION_NVCC_HEADER = "#include <cuda/std/array>\nusing Strides = cuda::std::array<int64_t, 8>;\n"  # MLX's type
 
 
 def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
@@ -326,6 +448,13 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
              f"using TX = {t}; using TW = {t}; using TA = {t}; using TB = {t}; using TL = float; using TD = float; "
              "constexpr int PER = 4;", gdn_window.PREPARE),
         ]
+        for D in (64, 256):  # inputs passed as views: each with its strides, as MLX declares them
+            params = ["const int32_t* dims", "const float* scale"]
+            for name in ("q", "keys", "values"):
+                params += [f"const {t}* {name}", f"const __grid_constant__ Strides {name}_strides"]
+            kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.HEADER_ATTENTION,
+                                params + [f"{t}* out"], f"using TQ = {t}; using TK = {t}; using TV = {t}; "
+                                f"constexpr int DH = {D};", attention_window.SOURCE))
     for dk in (64, 128, 256):
         kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
                             ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
@@ -404,6 +533,11 @@ def main() -> int:
     gdn = GDNEmulator(emu.dir)
     for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
         results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
+    attention = AttentionEmulator(emu.dir)
+    for B, Hq, Hkv, D, cells in ((1, 16, 2, 256, 1), (1, 16, 2, 256, 7), (1, 16, 2, 256, 300), (1, 4, 2, 64, 1),
+                                 (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000),
+                                 (2, 4, 1, 64, 40)):
+        results.append(check_attention(attention, B, Hq, Hkv, D, cells))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 

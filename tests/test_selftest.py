@@ -14,6 +14,7 @@ def test_selftest_reports_identity_and_window_costs():
     report = json.loads(result.stdout)
     assert report["passed"] and report["backend"].startswith("Device(cpu")
     assert report["gdn_kernels"] == {"usable": False, "probed": True, "error": None}  # the CPU runs the GDN window as MLX ops
+    assert report["attention_kernel"] == {"usable": False, "probed": True, "error": None}
     assert {(r["mode"], r["dtype"]) for r in report["results"]} == {("3", "float32"), ("auto", "float32")}
     assert len(report["results"]) == 2 * len(selftest_module.PROMPTS)
     assert sorted(report["window_ms"]["float32"], key=int) == [str(T) for T in range(1, 9)]

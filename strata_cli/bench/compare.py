@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import gdn_window
+from metal_shaders import attention_window, gdn_window
 from metal_shaders import rows_matvec as kernels
 
 from ..decode import generate
@@ -159,7 +159,7 @@ def run(args) -> dict:
             "commit": git_commit(), "layers": args.layers, "bits": args.bits, "tiny": args.tiny,
             "context": args.context, "tokens": args.tokens, "serial": serial, "window_cost": windows,
             "identity_80b_shape": same, "identity_demo": demo, "kernels": kernels.status(),
-            "gdn_kernels": gdn_window.status()}
+            "gdn_kernels": gdn_window.status(), "attention_kernel": attention_window.status()}
 
 
 def main(argv=None) -> dict:

@@ -12,9 +12,12 @@ random routing) `rows_gather_qmatvec` against MLX's unsorted `gather_qmm` on the
 and the GDN decode window (Qwen3-Next-80B's heads: Hk 16, Hv 32, Dk = Dv = 128, conv kernel 4):
 `gdn_prepare` + `gdn_scan` (metal_shaders/gdn_window.py) against the MLX ops the layer runs
 without them (its references: conv, silu, l2norms, gating, the per-row scan); its "GB/s" counts
-the recurrent state read and written. Each the median of `--repeats` samples after a warm-up, a sample being `--inner` back-to-back
-calls under one `mx.eval`, divided by `--inner` (so launch latency overlaps as it does in a
-decode step). It also checks that each row of the R-row call equals that row's 1-row call bit
+the recurrent state read and written; and a decode window's attention (80B heads: Hq 16, Hkv 2,
+D 256; 512 and 16,384 cached cells): `attention_window` (metal_shaders/attention_window.py)
+against MLX's sdpa in one causal call (`mlx`, mlx-lm's path) and once per row (`split`, strata's
+path without the kernel); its "GB/s" counts the keys and values read. Each the median of
+`--repeats` samples after a warm-up, a sample being `--inner` back-to-back calls under one
+`mx.eval`, divided by `--inner` (so launch latency overlaps as it does in a decode step). It also checks that each row of the R-row call equals that row's 1-row call bit
 for bit, and the largest difference from the float32 reference; and writes the weight bytes
 read per second (and the share of `--peak-gbs`, 4,800 GB/s for an H200's HBM3e).
 
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from metal_shaders import gdn_window
+from metal_shaders import attention_window, gdn_window
 from metal_shaders import rows_matvec as kernels
 
 ROWS = (1, 2, 4, 8)
@@ -193,6 +196,49 @@ def bench_gdn(name: str, Hk: int, Hv: int, Dk: int, Dv: int, *, use_kernel: bool
     return records
 
 
+def bench_attention(name: str, Hq: int, Hkv: int, D: int, cells: int, *, use_kernel: bool, repeats: int, inner: int,
+                    peak_gbs: float, seed: int = 0) -> list[dict]:
+    """A decode window's attention over `cells` cached cells (the window's rows the last R),
+    R = 1, 2, 4, 8 query rows, bfloat16: `attention_window` (the reference where the kernel does
+    not run) against MLX's sdpa in one causal call (mlx-lm's path) and once per row (the split)."""
+    R8 = max(ROWS)
+    q8, keys, values = attention_window.probe_inputs(1, Hq, Hkv, D, cells + R8, capacity=cells + R8 + 256,
+                                                     dtype=mx.bfloat16, seed=seed)
+    scale = D**-0.5
+    mx.eval(q8, keys, values)
+
+    def ours(R, t0=0, *, kernel=use_kernel):
+        fn = attention_window.attention_window if kernel else attention_window.reference_attention_window
+        end = cells + t0 + R
+        return fn(q8[:, :, t0 : t0 + R], keys[:, :, :end], values[:, :, :end], scale)
+
+    def theirs(R):
+        return mx.fast.scaled_dot_product_attention(q8[:, :, :R], keys[:, :, : cells + R], values[:, :, : cells + R],
+                                                    scale=scale, mask="causal" if R > 1 else None)
+
+    alone = mx.concatenate([ours(1, t) for t in range(R8)], axis=1)
+    expected = attention_window.reference_attention_window(*(a.astype(mx.float32) for a in
+                                                             (q8, keys[:, :, : cells + R8], values[:, :, : cells + R8])),
+                                                           scale)
+    mx.eval(alone, expected)
+    records = []
+    for R in ROWS:
+        together = ours(R)
+        mx.eval(together)
+        times = {"kernel": _median_ms(lambda R=R: ours(R), repeats=repeats, inner=inner),
+                 "mlx": _median_ms(lambda R=R: theirs(R), repeats=repeats, inner=inner),
+                 "split": _median_ms(lambda R=R: ours(R, kernel=False), repeats=repeats, inner=inner)}
+        kv_bytes = 2 * Hkv * (cells + R) * D * keys.itemsize
+        gbs = kv_bytes / (times["kernel"] / 1000) / 1e9
+        # row t sees cells + t + 1 cells in every call here, so R = 8's first R rows are the reference
+        diff = mx.abs(together.astype(mx.float32) - expected[:, :R]).max().item()
+        records.append({"shape": name, "K": cells, "N": Hq * D, "R": R, "cols": 0,
+                        "identical_to_1_row": mx.array_equal(together, alone[:, :R]).item(), "max_abs_diff": diff,
+                        "ms": times, "kernel_over_mlx": times["kernel"] / times["mlx"], "weight_gbs": gbs,
+                        "of_peak": gbs / peak_gbs})
+    return records
+
+
 def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[int, ...]) -> dict:
     use_kernel = kernels.kernels_usable()
     shapes = SMALL_SHAPES if small else SHAPES
@@ -207,9 +253,14 @@ def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[i
     gdn_heads = (2, 4, 64, 64) if small else (16, 32, 128, 128)
     records += bench_gdn("gdn_window", *gdn_heads, use_kernel=gdn_window.usable(), repeats=repeats, inner=inner,
                          peak_gbs=peak_gbs)
+    heads, contexts = ((4, 2, 64), (64,)) if small else ((16, 2, 256), (512, 16384))
+    for cells in contexts:
+        records += bench_attention(f"attention_{cells}", *heads, cells, use_kernel=attention_window.usable(),
+                                   repeats=repeats, inner=inner, peak_gbs=peak_gbs)
     identical = all(r.get("identical_to_1_row", True) and r.get("identical_to_default_cols", True) for r in records)
     return {"device": str(mx.default_device()), "machine": platform.node(), "mlx": mx.__version__,
-            "kernels": kernels.status(), "gdn_kernels": gdn_window.status(), "path": "kernel" if use_kernel else "reference",
+            "kernels": kernels.status(), "gdn_kernels": gdn_window.status(),
+            "attention_kernel": attention_window.status(), "path": "kernel" if use_kernel else "reference",
             "bits": BITS, "group_size": GROUP_SIZE, "dtype": "bfloat16", "repeats": repeats, "inner": inner,
             "all_rows_identical": identical, "records": records}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from metal_shaders import gdn_window
+from metal_shaders import attention_window, gdn_window
 from metal_shaders import rows_matvec as kernels
 
 from ..calibrate import measure_curve
@@ -78,7 +78,7 @@ def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_wind
         if with_window_costs:
             costs[dtype_name(runtime.dtype)] = window_costs(engine, len(tokenizer.encode(PROMPTS[0])))
     report = {"backend": str(mx.default_device()), "kernels": kernels.status(),
-              "gdn_kernels": gdn_window.status(), "results": results,
+              "gdn_kernels": gdn_window.status(), "attention_kernel": attention_window.status(), "results": results,
               "passed": all(r["identical"] for r in results)}
     if with_window_costs:
         report["window_ms"] = costs

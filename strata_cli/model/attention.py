@@ -1,12 +1,20 @@
-"""Full attention with a gated output, q/k RMSNorm and partial rotary embedding (Qwen3-Next)."""
+"""Full attention with a gated output, q/k RMSNorm and partial rotary embedding (Qwen3-Next).
+
+Decode windows (1..8 rows) attend through metal_shaders/attention_window.py: its kernel on CUDA
+(one call, row-invariant by construction), else its reference (one sdpa call per row) where
+RowSplit applies; prompt chunks and the CPU's 1-row steps take MLX's sdpa (or the CPU's blocked
+matmuls) whole.
+"""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from metal_shaders import attention_window
+
 from .layer_state import AttentionState
-from .layers import PREFILL_MIN_ROWS, RMSNorm, RowLinear, RowSplit, sigmoid_gate
+from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RMSNorm, RowLinear, RowSplit, sigmoid_gate
 
 QUERY_BLOCK = 128  # prompt rows per attention block on the CPU (64 ties it, 512 unblocked is 1.2-2x slower)
 
@@ -68,6 +76,13 @@ class GatedAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
 
+    def takes_kernel(self, rows: int) -> bool:
+        """Whether a window of `rows` rows attends through the row-invariant kernel (CUDA, where it
+        passed its probe; serial decoding's 1-row steps too, so they share its arithmetic).
+        RowSplit "never" keeps every window on MLX ops, as for the matmuls."""
+        return (0 < rows <= WINDOW_ROWS and RowSplit.mode != "never" and attention_window.supports(self.head_dim)
+                and attention_window.usable())
+
     def __call__(self, x: mx.array, state: AttentionState) -> mx.array:
         B, T, _ = x.shape
         q = self.q_proj(x)
@@ -86,21 +101,19 @@ class GatedAttention(nn.Module):
         q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         keys, values = state.update_and_fetch(k, v)
-        if RowSplit.applies(T):
+        if self.takes_kernel(T):
+            out = attention_window.attention_window(q, keys, values, self.scale)  # (B, T, heads, D)
+        elif RowSplit.applies(T):
             # Each query row alone over the cells it sees (0..offset+i): serial decoding's call.
-            L = keys.shape[2] - T
-            out = mx.concatenate([
-                mx.fast.scaled_dot_product_attention(q[:, :, i : i + 1], keys[:, :, : L + i + 1],
-                                                     values[:, :, : L + i + 1], scale=self.scale)
-                for i in range(T)
-            ], axis=2)
+            out = attention_window.reference_attention_window(q, keys, values, self.scale)
         elif T >= PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
-            out = causal_attention_cpu(q, keys, values, self.scale)
+            out = causal_attention_cpu(q, keys, values, self.scale).transpose(0, 2, 1, 3)
         else:
             # Row i sees cells 0..offset+i: a causal mask aligned to the last key.
             mask = "causal" if T > 1 else None
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+            out = out.transpose(0, 2, 1, 3)
+        out = out.reshape(B, T, -1)
         if self.output_gate:
             out = sigmoid_gate(out, gate)
         return self.o_proj(out)

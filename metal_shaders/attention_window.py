@@ -1,0 +1,219 @@
+"""Attention of a decode window's rows over the KV cache in one kernel: `attention_window`.
+
+Legend: B batch, T query rows (<= 8 in a decode window), Hq/Hkv query/KV heads (query head h
+reads KV head h // (Hq/Hkv)), D head dim, L cells in the cache view (the window's rows are its
+last T cells, so row t at absolute position L-T+t sees cells 0..L-T+t).
+
+On the H200 a window's attention was T `scaled_dot_product_attention` calls plus slices and a
+concatenate (~33 ops of ~10 µs at T = 8, per attention layer); this is one call. It is
+row-invariant by construction: a block serves one (b, h, t) and its arithmetic is a function of
+that row's query, the cells it sees and the compiled shapes alone, never of T — so a T-row call
+gives each row the bits of its 1-row call (serial decoding, which goes through the same kernel).
+The fixed order, for a row seeing n cells: warp w of WARPS takes the 32-cell chunks w, w+WARPS,
+...; lane l scores cell 32c+l with a dot over D in one order (4 interleaved float32 partial sums,
+added as (p0+p1)+(p2+p3)); the chunk's max is a xor butterfly (exact); the exponentials are summed
+and the values accumulated cell by cell in chunk order, lane l owning D/32 consecutive output
+dims; last, the warps' (max, sum, values) are combined in warp order 0..WARPS-1.
+
+CUDA source (`mx.fast.cuda_kernel`); `reference_attention_window` (pure MLX: serial decoding's
+sdpa call, once per row) is what the CPU runs and what the tests hold the kernel to; `usable()`
+probes the kernel once on the running device.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .probe import Probe, cuda_kernel, dims
+from .rows_matvec import HEADER
+
+MAX_HEAD_DIM = 256  # a lane keeps D/32 output dims in registers; the block's partials sit in shared memory
+WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 threads busy per row
+
+# One block per (b, h, t), WARPS warps. q, keys, values are read through their strides (views of
+# the KV buffer are passed without a copy; the head dim must be contiguous, as every view the
+# layer makes keeps it). The scores are scaled in float32 (q·scale, rounded once per dim).
+# NEG_BIG (not -inf) starts the running max, so exp(m - m_new) is 0, never NaN, on a warp's first
+# chunk; a warp that gets no chunk enters the combine with weight exp(NEG_BIG - M) = 0.
+# dims: B, Hq, Hkv, T, L. Output (B, T, Hq, D): the layout o_proj reads.
+SOURCE = """
+    constexpr int PER = DH / 32;
+    constexpr float NEG_BIG = -3.402823466e38f;
+    const int Hq = dims[1], Hkv = dims[2], T = dims[3], L = dims[4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t = blockIdx.x % T, h = (blockIdx.x / T) % Hq, b = blockIdx.x / (T * Hq);
+    const int kh = h / (Hq / Hkv);
+    const int n = L - T + t + 1;
+    __shared__ float q_s[DH];
+    __shared__ float p_s[WARPS][32];
+    __shared__ float m_s[WARPS];
+    __shared__ float l_s[WARPS];
+    __shared__ float acc_s[WARPS][DH];
+    const TQ* qp = q + b * q_strides[0] + h * q_strides[1] + t * q_strides[2];
+    for (int d = threadIdx.x; d < DH; d += WARPS * 32) q_s[d] = static_cast<float>(qp[d]) * scale[0];
+    __syncthreads();
+    const TK* k0 = keys + b * keys_strides[0] + kh * keys_strides[1];
+    const TV* v0 = values + b * values_strides[0] + kh * values_strides[1];
+    float m = NEG_BIG, l = 0.0f, acc[PER];
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) acc[e] = 0.0f;
+    for (int j0 = warp * 32; j0 < n; j0 += WARPS * 32) {
+        float s = NEG_BIG;
+        if (j0 + lane < n) {
+            const TK* kp = k0 + (j0 + lane) * keys_strides[2];
+            const bool vec = (reinterpret_cast<size_t>(kp) & 15) == 0;
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            #pragma unroll 4
+            for (int d0 = 0; d0 < DH; d0 += 8) {
+                float kv[8];
+                strata_load<TK, 8>(kp + d0, vec, kv);
+                #pragma unroll
+                for (int c = 0; c < 8; ++c) part[c & 3] = fmaf(q_s[d0 + c], kv[c], part[c & 3]);
+            }
+            s = (part[0] + part[1]) + (part[2] + part[3]);
+        }
+        float chunk_max = s;
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, off));
+        const float m_new = fmaxf(m, chunk_max);
+        const float rescale = expf(m - m_new);
+        p_s[warp][lane] = expf(s - m_new);
+        __syncwarp();
+        l *= rescale;
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) acc[e] *= rescale;
+        const int count = min(32, n - j0);
+        for (int c = 0; c < count; ++c) {
+            const float p = p_s[warp][c];
+            float v[PER];
+            const TV* vp = v0 + (j0 + c) * values_strides[2] + lane * PER;
+            strata_load<TV, PER>(vp, (reinterpret_cast<size_t>(vp) & 15) == 0, v);
+            l += p;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) acc[e] = fmaf(p, v[e], acc[e]);
+        }
+        m = m_new;
+        __syncwarp();
+    }
+    if (lane == 0) {
+        m_s[warp] = m;
+        l_s[warp] = l;
+    }
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) acc_s[warp][lane * PER + e] = acc[e];
+    __syncthreads();
+    float M = m_s[0];
+    #pragma unroll
+    for (int w = 1; w < WARPS; ++w) M = fmaxf(M, m_s[w]);
+    for (int d = threadIdx.x; d < DH; d += WARPS * 32) {
+        float total = 0.0f, o = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float c = expf(m_s[w] - M);
+            total = fmaf(l_s[w], c, total);
+            o = fmaf(acc_s[w][d], c, o);
+        }
+        out[((static_cast<size_t>(b) * T + t) * Hq + h) * DH + d] = static_cast<TQ>(o / total);
+    }
+"""
+HEADER_ATTENTION = HEADER + f"#define WARPS {WARPS}\n"
+
+_scales: dict[float, mx.array] = {}
+
+
+def supports(head_dim: int) -> bool:
+    """Head dims the kernel takes: multiples of 32, at most 256 (the models': 64 and 256)."""
+    return head_dim % 32 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+
+
+def launch(B: int, Hq: int, T: int) -> dict:
+    """Grid (in threads, as mx.fast.cuda_kernel takes it) and block: a block per (b, h, t)."""
+    return {"grid": (B * Hq * T * WARPS * 32, 1, 1), "threadgroup": (WARPS * 32, 1, 1)}
+
+
+def _scale(scale: float) -> mx.array:
+    if scale not in _scales:
+        _scales[scale] = mx.array([scale], dtype=mx.float32)
+    return _scales[scale]
+
+
+def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Attention of T <= 8 query rows over the cache, on CUDA, one call.
+
+    Args:
+        q: (B, Hq, T, D), the rows at the last T cells of the cache view.
+        keys, values: (B, Hkv, L, D): every cell up to the window's end (a view is fine).
+        scale: the score scale (D^-0.5).
+
+    Returns:
+        (B, T, Hq, D) in q's dtype; float32 throughout inside.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    kernel = cuda_kernel("strata_attention_window_v1", ["dims", "scale", "q", "keys", "values"], ["out"], SOURCE,
+                         HEADER_ATTENTION, ensure_row_contiguous=False)
+    # The dtypes are template values too (MLX caches a compile by name and template alone).
+    template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
+    (out,) = kernel(inputs=[dims(B, Hq, Hkv, T, L), _scale(scale), q, keys, values], template=template,
+                    output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype], **launch(B, Hq, T))
+    return out
+
+
+def reference_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """What `attention_window` computes, in plain MLX: each row alone over the cells it sees
+    (0..L-T+t), serial decoding's sdpa call. Shapes as `attention_window`'s: (B, T, Hq, D)."""
+    T = q.shape[2]
+    L = keys.shape[2] - T
+    rows = [mx.fast.scaled_dot_product_attention(q[:, :, t : t + 1], keys[:, :, : L + t + 1],
+                                                 values[:, :, : L + t + 1], scale=scale) for t in range(T)]
+    out = rows[0] if T == 1 else mx.concatenate(rows, axis=2)
+    return out.transpose(0, 2, 1, 3)
+
+
+_probe = Probe("attention window kernel", "decode windows attend row by row with MLX's sdpa")
+
+
+def usable() -> bool:
+    """True on CUDA once the kernel matched the reference and was row-invariant on a probe
+    (checked once per process); False elsewhere or after any failure (logged once)."""
+    return _probe.usable(check)
+
+
+def status() -> dict:
+    """Whether the kernel is in use, and why not (for selftest and benchmarks)."""
+    return _probe.status()
+
+
+def probe_inputs(B: int, Hq: int, Hkv: int, D: int, L: int, *, capacity: int = 0, dtype=mx.float32, seed: int = 0):
+    """Random q (B, Hq, 8, D) and keys, values (B, Hkv, L, D); with `capacity` > L the keys and
+    values are views of a larger buffer, as the KV cache hands them over."""
+    keys_ = mx.random.split(mx.random.key(seed), 3)
+    cells = max(capacity, L)
+    q = mx.random.normal((B, Hq, 8, D), key=keys_[0]).astype(dtype)
+    k = mx.random.normal((B, Hkv, cells, D), key=keys_[1]).astype(dtype)
+    v = mx.random.normal((B, Hkv, cells, D), key=keys_[2]).astype(dtype)
+    return q, k[:, :, :L], v[:, :, :L]
+
+
+PROBE_CASES = ((64, mx.float32, 4, 300), (256, mx.bfloat16, 16, 1200))  # (D, dtype, Hq, L); Hkv 2
+
+
+def check(cases=PROBE_CASES) -> str | None:
+    """None when the kernel passes on this device, else what failed: for T = 8 (and 3), each row
+    equals its 1-row call over the cells it sees, bit for bit, and the reference within tolerance."""
+    for D, dtype, Hq, L in cases:
+        q, keys, values = probe_inputs(1, Hq, 2, D, L, capacity=L + 256, dtype=dtype)
+        scale = D**-0.5
+        alone = [attention_window(q[:, :, t : t + 1], keys[:, :, : L - 8 + t + 1], values[:, :, : L - 8 + t + 1],
+                                  scale) for t in range(8)]
+        together = attention_window(q, keys, values, scale)
+        three = attention_window(q[:, :, 5:], keys, values, scale)
+        expected = reference_attention_window(q, keys, values, scale)
+        mx.eval(alone, together, three, expected)
+        alone = mx.concatenate(alone, axis=1)
+        if not (mx.array_equal(together, alone).item() and mx.array_equal(three, alone[:, 5:]).item()):
+            return f"attention_window rows differ with the row count (D={D}, {dtype})"
+        tol = 1e-5 if dtype == mx.float32 else 2e-2
+        if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
+            return f"attention_window and reference disagree (D={D}, {dtype})"
+    return None

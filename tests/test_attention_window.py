@@ -1,0 +1,242 @@
+"""metal_shaders/attention_window.py: the decode-window attention kernel, its reference, and where it runs.
+
+The CUDA body runs here through scripts/kernel_emulate.py (g++, float32, a block's threads at
+once): each row of a T-row call must equal its 1-row call bit for bit and stay within 1e-5 of
+the reference. The reference is held to plain causal sdpa and to float64 NumPy, and decoding
+with the (emulated) kernel is shown to keep greedy speculation token-identical to serial.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal_shaders import attention_window
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def emulate():
+    spec = importlib.util.spec_from_file_location("kernel_emulate", ROOT / "scripts" / "kernel_emulate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_emulate"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["kernel_emulate"]
+
+
+@pytest.fixture(scope="module")
+def emulator(emulate, tmp_path_factory):
+    return emulate.AttentionEmulator(tmp_path_factory.mktemp("attention-emulate"))
+
+
+def numpy_attention(q, keys, values, scale):
+    """Row t of T sees cells 0..L-T+t; float64; (B, T, Hq, D)."""
+    q, keys, values = (np.array(x, np.float64) for x in (q, keys, values))
+    B, Hq, T, D = q.shape
+    keys, values = (np.repeat(x, Hq // x.shape[1], axis=1) for x in (keys, values))
+    L = keys.shape[2]
+    scores = np.einsum("bhtd,bhld->bhtl", q, keys) * scale
+    scores = np.where(np.arange(L) <= (L - T + np.arange(T))[:, None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bhtl,bhld->bthd", weights, values)
+
+
+@pytest.mark.parametrize("T, L", [(1, 1), (3, 3), (5, 40), (8, 300)])
+def test_reference_matches_plain_causal_sdpa(T, L):
+    q, keys, values = attention_window.probe_inputs(1, 4, 2, 32, L, seed=T)
+    q = q[:, :, :T]
+    got = attention_window.reference_attention_window(q, keys, values, 32**-0.5)
+    plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=32**-0.5, mask="causal" if T > 1 else None)
+    assert got.shape == (1, T, 4, 32)
+    assert mx.allclose(got, plain.transpose(0, 2, 1, 3), rtol=1e-5, atol=1e-6).item()
+    assert np.allclose(np.array(got), numpy_attention(q, keys, values, 32**-0.5), rtol=1e-5, atol=1e-6)
+
+
+def test_emulated_kernel_is_row_invariant_and_matches_the_reference(emulate, emulator):
+    """Hq = 2·Hkv, batch 2, and 300 cells: some warps of a block take two chunks, so a head,
+    cell or chunk read from the wrong place shows (kernel_emulate.py runs T = 1..8, longer
+    contexts and the models' head dims)."""
+    assert emulate.check_attention(emulator, 2, 4, 2, 32, 300, rows=(1, 4))
+
+
+def test_the_emulator_notices_a_row_count_dependent_body(emulate, tmp_path):
+    drifting = emulate.AttentionEmulator(tmp_path)
+    drifting.source = attention_window.SOURCE.replace("float total = 0.0f", "float total = 1e-6f * T")
+    assert drifting.source != attention_window.SOURCE
+    assert not emulate.check_attention(drifting, 1, 2, 1, 32, 7, rows=(2,))
+
+
+def test_the_cpu_never_takes_the_kernel():
+    if mx.default_device() != mx.cpu:
+        pytest.fail("this check is for the CPU test machine")
+    assert attention_window.usable() is False
+    assert attention_window.status() == {"usable": False, "probed": True, "error": None}
+
+
+def test_supported_head_dims_and_launch_shape():
+    assert attention_window.supports(256) and attention_window.supports(64) and attention_window.supports(32)
+    assert not attention_window.supports(16) and not attention_window.supports(80) and not attention_window.supports(512)
+    config = attention_window.launch(2, 16, 3)  # a block per (batch, head, row)
+    threads = attention_window.WARPS * 32
+    assert config["threadgroup"] == (threads, 1, 1) and config["grid"][0] == 2 * 16 * 3 * threads
+
+
+def test_the_call_passes_views_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
+    calls = []
+
+    def fake(name, inputs, outputs, source, header, *, ensure_row_contiguous=True):
+        def kernel(**kw):
+            calls.append((source, ensure_row_contiguous, kw))
+            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return kernel
+
+    monkeypatch.setattr(attention_window, "cuda_kernel", fake)
+    q, keys, values = attention_window.probe_inputs(2, 4, 2, 64, 20, capacity=40, dtype=mx.bfloat16)
+    out = attention_window.attention_window(q[:, :, :3], keys, values, 0.125)
+    assert out.shape == (2, 3, 4, 64) and out.dtype == mx.bfloat16
+    (source, contiguous, kw), = calls
+    assert source is attention_window.SOURCE and contiguous is False  # the cache's view, not a copy
+    assert kw["inputs"][0].tolist() == [2, 4, 2, 3, 20] and kw["inputs"][1].tolist() == [0.125]
+    assert dict(kw["template"]) == {"DH": 64, "TQ": mx.bfloat16, "TK": mx.bfloat16, "TV": mx.bfloat16}
+
+
+def _emulated_kernel(monkeypatch, emulator, calls):
+    def kernel(q, keys, values, scale):
+        calls.append(q.shape[2])
+        L = keys.shape[2]
+        q_rows = np.array(q.transpose(0, 2, 1, 3).astype(mx.float32))
+        out = emulator.run(q_rows, np.array(keys.astype(mx.float32)), np.array(values.astype(mx.float32)), L, scale)
+        return mx.array(out).astype(q.dtype)
+
+    monkeypatch.setattr(attention_window, "usable", lambda: True)
+    monkeypatch.setattr(attention_window, "attention_window", kernel)
+
+
+def _attention_layer(model):
+    return next(m for _, m in model.named_modules() if type(m).__name__ == "GatedAttention")
+
+
+def test_on_the_cpu_windows_attend_row_by_row_without_the_kernel(monkeypatch):
+    """The CPU's path is unchanged: no kernel call, and with the row split each window row
+    equals serial decoding's 1-row step bit for bit."""
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.engine.state import KVState, Mode
+    from strata_cli.model.layers import RowSplit
+
+    def refuse(*args):
+        raise AssertionError("the kernel ran on the CPU")
+
+    split_rows = []
+    reference = attention_window.reference_attention_window
+
+    def spy(q, *args):
+        split_rows.append(q.shape[2])
+        return reference(q, *args)
+
+    monkeypatch.setattr(attention_window, "attention_window", refuse)
+    monkeypatch.setattr(attention_window, "reference_attention_window", spy)
+    monkeypatch.setattr(RowSplit, "mode", "always")
+    layer = _attention_layer(random_model(tiny_qwen3_next_config(head_dim=32), seed=2))
+    x = mx.random.normal((1, 20, 32), key=mx.random.key(7))
+    window_state, serial_state = KVState(), KVState()
+    for state in (window_state, serial_state):
+        state.begin(0, 17, Mode.COMMIT_ALL)
+        layer(x[:, :17], state)  # a prompt chunk (PREFILL_MIN_ROWS or more): blocked matmuls
+    window_state.begin(17, 3, Mode.COMMIT_ALL)
+    window = layer(x[:, 17:], window_state)
+    serial = []
+    for t in range(17, 20):
+        serial_state.begin(t, 1, Mode.COMMIT_ALL)
+        serial.append(layer(x[:, t : t + 1], serial_state))
+    assert mx.array_equal(window, mx.concatenate(serial, axis=1)).item()
+    assert split_rows == [3]  # the window split by row; prompts and 1-row steps take sdpa whole
+
+
+def test_decode_windows_take_the_kernel_and_prompts_do_not(monkeypatch, emulator):
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.engine.state import KVState, Mode
+    from strata_cli.model.layers import RowSplit
+
+    layer = _attention_layer(random_model(tiny_qwen3_next_config(head_dim=32), seed=1))
+    calls = []
+    _emulated_kernel(monkeypatch, emulator, calls)
+    x = mx.random.normal((1, 20, 32), key=mx.random.key(4))
+    kernel_state, mlx_state = KVState(), KVState()
+    for state in (kernel_state, mlx_state):
+        state.begin(0, 17, Mode.COMMIT_ALL)
+        layer(x[:, :17], state)  # a prompt chunk: MLX's sdpa
+    assert calls == []
+    for state in (kernel_state, mlx_state):
+        state.begin(17, 3, Mode.WINDOW)
+    y = layer(x[:, 17:], kernel_state)
+    assert calls == [3]
+    monkeypatch.setattr(RowSplit, "mode", "never")
+    y_mlx = layer(x[:, 17:], mlx_state)
+    assert calls == [3]
+    assert mx.allclose(y, y_mlx, rtol=1e-4, atol=1e-5).item()
+
+
+def test_speculation_with_the_kernel_is_token_identical_to_serial(monkeypatch, emulator):
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.decode import generate
+    from strata_cli.engine.window import WindowEngine
+    from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
+    from strata_cli.telemetry import DecodeStats
+
+    model = random_model(tiny_qwen3_next_config(head_dim=32), seed=2)
+    calls = []
+    _emulated_kernel(monkeypatch, emulator, calls)
+    engine = WindowEngine(model, EngineOptions())
+
+    def decode(prompt, drafts, max_tokens=12):
+        stats = DecodeStats()
+        tokens = [t for step in generate(engine, prompt, options=GenerateOptions(max_tokens=max_tokens),
+                                         spec=SpecOptions(max_drafts=drafts), eos_ids=[], stats=stats)
+                  for t in step.tokens]
+        return tokens, stats.summary()
+
+    ids = [5, 17, 42, 8, 5, 17, 42, 8]
+    continuation, _ = decode(ids, 0, max_tokens=8)
+    prompt = ids + continuation + ids  # a random model repeats itself here, so drafts get kept
+    calls.clear()
+    serial, _ = decode(prompt, 0)
+    serial_calls = calls[:]
+    assert serial_calls.count(1) >= len(serial) - 1  # serial steps go through the kernel too
+    calls.clear()
+    spec, summary = decode(prompt, 3)
+    assert spec == serial
+    assert summary["drafts_offered"] > 0 and summary["drafts_kept"] > 0
+    # multi-row windows went through the kernel (beyond the prompt's short last chunk, as in serial)
+    assert sum(n > 1 for n in calls) > sum(n > 1 for n in serial_calls)
+
+
+def test_kernel_bench_times_the_attention_window_on_the_cpu():
+    from strata_cli.bench import kernel_bench
+
+    records = kernel_bench.bench_attention("attention", 4, 2, 32, 20, use_kernel=False, repeats=1, inner=1,
+                                           peak_gbs=1.0)
+    assert [r["R"] for r in records] == list(kernel_bench.ROWS)
+    assert all(r["identical_to_1_row"] and r["max_abs_diff"] < 2e-2 and r["ms"]["mlx"] > 0 for r in records)
+
+
+def test_the_start_up_probe_passes_a_row_invariant_kernel_and_refuses_others(monkeypatch, emulator):
+    """The probe's own checks (float32 and bfloat16, views of a longer buffer), on the emulated
+    kernel at smaller shapes than the device's probe (the emulator takes seconds per call there)."""
+    calls = []
+    _emulated_kernel(monkeypatch, emulator, calls)
+    cases = ((32, mx.float32, 2, 40), (64, mx.bfloat16, 4, 100))
+    assert attention_window.check(cases) is None
+    assert 8 in calls and 1 in calls
+    emulated = attention_window.attention_window
+
+    def drifting(q, keys, values, scale):
+        return emulated(q, keys, values, scale) * (1 + 1e-3 * (q.shape[2] - 1))
+
+    monkeypatch.setattr(attention_window, "attention_window", drifting)
+    assert attention_window.check(cases).startswith("attention_window rows differ with the row count")
