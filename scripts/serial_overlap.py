@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import gdn_window
+from metal_shaders import attention_window, gdn_window
 from metal_shaders import rows_matvec as kernels
 from strata_cli.bench import compare
 from strata_cli.bench.peers import MlxLmPeer
@@ -61,7 +61,7 @@ for i in range(0 if '--skip-serial' in sys.argv else 7):
 med = {k: N / statistics.median(v[1:]) for k, v in S.items()} if S["on"] else {"on": 1, "off": 1, "mlx": 1}
 R["serial_tok_s"] = med; R["ratio_on"] = med["on"] / med["mlx"]; R["ratio_off"] = med["off"] / med["mlx"]
 R["overlap_identical_to_plain"] = outs.get("on") == outs.get("off")
-R["kernels"] = {"rows": kernels.status(), "gdn": gdn_window.status()}  # after the first forwards (the probe)
+R["kernels"] = {"rows": kernels.status(), "gdn": gdn_window.status(), "attention": attention_window.status()}  # after the first forwards (the probe)
 save()
 # build vs wait split of overlapped steps
 WindowEngine.can_overlap = property(lambda self: True)
@@ -83,4 +83,5 @@ repeated = (motif * (512 // 24 + 1))[:512]
 if "--no-identity" in sys.argv: sys.exit(0)
 R["identity_80b"] = []
 for dtype in (("float32",) if TINY else ("bfloat16", "float32")):
-    t = time.time(); R["identity_80b"].append(compare.identity(path, dtype, repeated, N)); R[f"identity_{dtype}_s"] = time.time() - t; save()
+    t = time.time(); R["identity_80b"].append(compare.identity(path, dtype, repeated, N)); R[f"identity_{dtype}_s"] = time.time() - t
+    R["kernels_after_identity"] = {"rows": kernels.status(), "gdn": gdn_window.status(), "attention": attention_window.status()}; save()
