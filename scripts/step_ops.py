@@ -239,12 +239,15 @@ def mlx_lm_steps(model, prompt: list[int], T: int, n: int, steps: Steps) -> None
             mx.eval(model(mx.array([[(i * T + j) % model.args.vocab_size for j in range(T)]]), cache=cache))
 
 
-def measure(run, model, stand_ins: StandIns, n: int) -> dict:
+def measure(run, model, stand_ins: StandIns, n: int, *, count: bool = True) -> dict:
     """Counts of an instrumented pass, then build times of a plain one (the wrappers cost time)."""
+    timed = Steps(stand_ins, count=False)
+    if not count:
+        run(timed)
+        return {"build_ms": 1e3 * statistics.median(timed.build_s[WARMUP:]), "steps": len(timed.build_s)}
     counted = Steps(stand_ins, count=True)
     with parts_of(model, counted):
         run(counted)
-    timed = Steps(stand_ins, count=False)
     run(timed)
     counts = [c for c in counted.counts[WARMUP:] if c.total]
     totals = [c.total for c in counts]
@@ -269,6 +272,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--windows", default="1,4,8", help="row counts T to measure")
     parser.add_argument("--no-mlx-lm", action="store_true")
+    parser.add_argument("--no-count", action="store_true", help="build times only (quicker)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/strata-step-ops"))
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
@@ -294,8 +298,11 @@ def main() -> None:
             if peer is not None:
                 sides.append(("mlx-lm", peer, lambda s, T=T: mlx_lm_steps(peer, prompt, T, args.steps, s)))
             for name, m, run in sides:
-                row = {"engine": name, "T": T, **measure(run, m, stand_ins, args.steps)}
+                row = {"engine": name, "T": T, **measure(run, m, stand_ins, args.steps, count=not args.no_count)}
                 report["results"].append(row)
+                if args.no_count:
+                    print(f"{name:7s} T={T}  build {row['build_ms']:6.2f} ms", flush=True)
+                    continue
                 parts = " ".join(f"{k}={v}" for k, v in row["by_part"].items())
                 print(f"{name:7s} T={T}  ops {row['ops']:5.0f} (views {row['views']:3d})  "
                       f"build {row['build_ms']:6.2f} ms  {parts}", flush=True)
