@@ -49,8 +49,8 @@ def kernel_gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, m
 
 @lru_cache
 def projection_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[mx.array, ...]:
-    """Column indices that take, from the fused projections, the conv inputs [q | k | v] (C,),
-    z (Hv, Dv), b (Hv,) and a (Hv,). Per key head the checkpoint stores [q dk | k dk | v | z]
+    """Column indices that take, from the fused projections, the conv inputs [q | k | v] (C),
+    z (Hv·Dv), b (Hv) and a (Hv), each shaped (1, 1, n). Per key head the checkpoint stores [q dk | k dk | v | z]
     (v, z: nv/nk value heads each) in `in_proj_qkvz` and [b | a] (nv/nk each) in `in_proj_ba`."""
     pv = nv // nk * dv  # value channels per key head
     width = 2 * dk + 2 * pv
@@ -61,7 +61,7 @@ def projection_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[mx.array, ..
     per = nv // nk
     ba_head = mx.arange(nk)[:, None] * 2 * per
     b, a = (ba_head + mx.arange(per)).reshape(-1), (ba_head + per + mx.arange(per)).reshape(-1)
-    columns = tuple(c.astype(mx.uint32) for c in (raw, z.reshape(nv, dv), b, a))
+    columns = tuple(c.reshape(1, 1, -1).astype(mx.uint32) for c in (raw, z, b, a))  # (1, 1, n): any B, T
     mx.eval(columns)
     return columns
 
@@ -114,15 +114,17 @@ class GatedDeltaNet(nn.Module):
         """Split the fused projections; the checkpoint groups them per key head.
 
         Each output is one gather of columns (`projection_columns`): the same values as
-        splitting per head and concatenating, in 4 ops instead of 13 (on the H200 each op costs
+        splitting per head and concatenating, in 5-9 ops instead of 13 (on the H200 each op costs
         ~10 µs of host dispatch, docs/benchmarks.md, issue 10).
         """
         raw_cols, z_cols, b_cols, a_cols = projection_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim,
                                                               self.head_v_dim)
+        B, T, _ = x.shape
         qkvz = self.in_proj_qkvz(x)
         ba = self.in_proj_ba(x)
-        take = partial(mx.take, axis=-1)
-        return take(qkvz, raw_cols), take(qkvz, z_cols), take(ba, b_cols), take(ba, a_cols)
+        take = partial(mx.take_along_axis, axis=-1)  # one GatherAxis each (mx.take adds a transpose, a squeeze)
+        z = take(qkvz, z_cols).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        return take(qkvz, raw_cols), z, take(ba, b_cols), take(ba, a_cols)
 
     def takes_kernels(self, rows: int) -> bool:
         """Whether a window of `rows` rows runs the GDN window kernels (CUDA, where they passed
