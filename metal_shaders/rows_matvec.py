@@ -211,48 +211,58 @@ def _kernel(name: str, inputs: list[str], source: str):
     return cuda_kernel(name, inputs, ["out"], source, HEADER)
 
 
-def _launch(kernel, inputs, template, rows: int, N: int, dtype, cols: int):
+def _launch(kernel, inputs, template, lead: tuple[int, ...], rows: int, N: int, dtype, cols: int):
     config = launch_config(rows, N, cols=cols)
     (out,) = kernel(inputs=inputs, template=template + config["template"], grid=config["grid"],
-                    threadgroup=config["threadgroup"], output_shapes=[(rows, N)], output_dtypes=[dtype])
+                    threadgroup=config["threadgroup"], output_shapes=[(*lead, N)], output_dtypes=[dtype])
     return out
 
 
+def rows(x: mx.array) -> tuple[int, int]:
+    """(R, K) of x (..., K): its rows over every leading axis. The kernels read their inputs
+    row-contiguous (MLX copies one that is not), so leading axes need no reshape: on the H200
+    each reshape is one more node for the evaluator (docs/benchmarks.md, issue 10)."""
+    K = x.shape[-1]
+    return x.size // K, K
+
+
 def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS) -> mx.array:
-    """x (R, K) @ w (N, K)ᵀ -> (R, N) in x's dtype, R <= 8, on CUDA (`cols`: columns per warp)."""
-    R, K = x.shape
+    """x (..., K) @ w (N, K)ᵀ -> (..., N) in x's dtype, at most 8 rows, on CUDA (`cols`: columns
+    per warp)."""
+    R, K = rows(x)
     N = w.shape[0]
     kernel = _kernel("strata_rows_matvec_v2", ["dims", "x", "w"], DENSE)
     template = [("T", x.dtype), ("TW", w.dtype)]
-    return _launch(kernel, [dims(R, K, N), x, w], template, R, N, x.dtype, cols)
+    return _launch(kernel, [dims(R, K, N), x, w], template, x.shape[:-1], R, N, x.dtype, cols)
 
 
 def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                  bits: int, cols: int = COLS) -> mx.array:
-    """x (R, K) @ dequantized w (N, K·bits/32 packed)ᵀ -> (R, N), R <= 8, affine 4 or 8 bits, on CUDA."""
-    R, K = x.shape
+    """x (..., K) @ dequantized w (N, K·bits/32 packed)ᵀ -> (..., N), at most 8 rows, affine 4 or 8
+    bits, on CUDA."""
+    R, K = rows(x)
     N = w.shape[0]
     kernel = _kernel("strata_rows_qmatvec_v2", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
     template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
-    return _launch(kernel, [dims(R, K, N), x, w, scales, biases], template, R, N, x.dtype, cols)
+    return _launch(kernel, [dims(R, K, N), x, w, scales, biases], template, x.shape[:-1], R, N, x.dtype, cols)
 
 
 def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
                         group_size: int, bits: int, share: int | None = None, cols: int = COLS) -> mx.array:
-    """Routed experts: x (M, K), experts (M,) -> (M, N), row m times dequantized w[experts[m]]ᵀ,
+    """Routed experts: x (..., K) of M rows, experts (M,) -> (..., N), row m times dequantized w[experts[m]]ᵀ,
     w (E, N, K·bits/32 packed), affine 4 or 8 bits, on CUDA. Each expert is read once for up to
     `share` picks of it (1, 2, 4 or 8; by default about M / 8, the window's rows at top-8..10:
     a one-row call has no repeats and runs the lean 1-row compile); a pick's result is the same
     bits whatever the other picks are and whatever `share` is."""
-    M, K = x.shape
+    M, K = rows(x)
     N = w.shape[1]
     kernel = _kernel("strata_rows_gather_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "idx"],
                      GATHER_QUANTIZED)
     config = launch_config(share or min(MAX_ROWS, max(1, M // 8)), N, cols=cols)
     template = [("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
     (out,) = kernel(inputs=[dims(M, K, N), x, w, scales, biases, experts], template=template + config["template"],
-                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(M, N)],
+                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(*x.shape[:-1], N)],
                     output_dtypes=[x.dtype])
     return out
 

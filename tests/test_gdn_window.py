@@ -231,3 +231,26 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
                                          "TL": mx.float32, "TD": mx.float32, "PER": 2}
     assert dict(scan["template"])["DK"] == Dk and len(scan["template"]) == 7
     assert all(d == mx.float32 for d in prepare["output_dtypes"] + scan["output_dtypes"])
+
+
+@pytest.mark.parametrize("nk, nv", [(2, 4), (3, 3)])
+def test_project_takes_the_per_head_split_in_four_gathers(nk, nv):
+    """`GatedDeltaNet.project` gives exactly the checkpoint's per-key-head split: [q | k | v]
+    concatenated over heads for the conv, z per value head, b and a (one gather each)."""
+    from strata_cli.model.gdn import GatedDeltaNet
+
+    dk, dv, H = 8, 4, 16
+    layer = GatedDeltaNet(hidden_size=H, num_k_heads=nk, num_v_heads=nv, head_k_dim=dk, head_v_dim=dv,
+                          conv_kernel=4, eps=1e-6)
+    layer.in_proj_qkvz.weight = mx.random.normal(layer.in_proj_qkvz.weight.shape, key=mx.random.key(1))
+    layer.in_proj_ba.weight = mx.random.normal(layer.in_proj_ba.weight.shape, key=mx.random.key(2))
+    x = mx.random.normal((1, 3, H), key=mx.random.key(3))
+    raw, z, b, a = layer.project(x)
+    qkvz = layer.in_proj_qkvz(x).reshape(1, 3, nk, -1)
+    pv = nv // nk * dv
+    q, k, v, zz = mx.split(qkvz, [dk, 2 * dk, 2 * dk + pv], axis=-1)
+    bb, aa = mx.split(layer.in_proj_ba(x).reshape(1, 3, nk, -1), 2, axis=-1)
+    expected = mx.concatenate([q.reshape(1, 3, -1), k.reshape(1, 3, -1), v.reshape(1, 3, -1)], axis=-1)
+    assert mx.array_equal(raw, expected).item()
+    assert mx.array_equal(z, zz.reshape(1, 3, nv, dv)).item()
+    assert mx.array_equal(b, bb.reshape(1, 3, nv)).item() and mx.array_equal(a, aa.reshape(1, 3, nv)).item()

@@ -121,7 +121,9 @@ def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
 
     def fake(x, w, s, b, experts, *, group_size, bits):
         calls.append(x.shape)
-        return kernels.reference_gather_qmatvec(x, w, s, b, experts, group_size=group_size, bits=bits)
+        rows = x.reshape(-1, x.shape[-1])
+        out = kernels.reference_gather_qmatvec(rows, w, s, b, experts, group_size=group_size, bits=bits)
+        return out.reshape(*x.shape[:-1], -1)
 
     monkeypatch.setattr(kernels, "kernels_usable", lambda: True)
     monkeypatch.setattr(kernels, "rows_gather_qmatvec", fake)
@@ -130,7 +132,7 @@ def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
     experts = mx.array([2, 0, 2, 1], dtype=mx.uint32)
     plain = mx.gather_qmm(x, qw, qs, qb, rhs_indices=experts, transpose=True, group_size=64, bits=4)
     got = moe.gather_qmatmul(x, qw, qs, qb, experts, group_size=64, bits=4, is_sorted=False)
-    assert calls == [(4, 128)] and got.shape == (4, 1, 40)
+    assert calls == [(4, 1, 128)] and got.shape == (4, 1, 40)  # handed over without a reshape
     assert mx.allclose(got, plain, atol=1e-4, rtol=1e-4).item()
     order = mx.array([1, 3, 0, 2])
     moe.gather_qmatmul(x[order], qw, qs, qb, experts[order], group_size=64, bits=4, is_sorted=True)
@@ -168,3 +170,28 @@ def test_gather_serves_a_pick_per_block_alone_and_shares_experts_in_windows(monk
         source, kw = calls[-1]
         assert source is kernels.GATHER_QUANTIZED and kw["grid"][1] == M
         assert dict(kw["template"])["ROWS"] == tier and kw["inputs"][0].tolist() == [M, 128, 40]
+
+
+def test_row_kernels_take_leading_axes_without_reshapes(monkeypatch):
+    """x (..., K) goes to the kernel as it stands and the result keeps x's leading axes: the
+    kernel counts rows over all of them (a reshape would be one more op per projection)."""
+    calls = []
+
+    def fake(name, inputs, source):
+        def kernel(**kw):
+            calls.append(kw)
+            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+        return kernel
+
+    monkeypatch.setattr(kernels, "_kernel", fake)
+    w = mx.zeros((40, 128))
+    qw, qs, qb = mx.quantize(w, 64, 4)
+    x = mx.zeros((1, 3, 128))
+    assert kernels.rows_matvec(x, w).shape == (1, 3, 40)
+    assert kernels.rows_qmatvec(x, qw, qs, qb, group_size=64, bits=4).shape == (1, 3, 40)
+    picks = mx.zeros((6, 1, 128))
+    eqw, eqs, eqb = mx.quantize(mx.zeros((2, 40, 128)), 64, 4)
+    out = kernels.rows_gather_qmatvec(picks, eqw, eqs, eqb, mx.zeros((6,), dtype=mx.uint32), group_size=64, bits=4)
+    assert out.shape == (6, 1, 40)
+    assert [c["inputs"][0].tolist() for c in calls] == [[3, 128, 40], [3, 128, 40], [6, 128, 40]]
+    assert all(c["inputs"][1] is x for c in calls[:2]) and calls[2]["inputs"][1] is picks

@@ -47,12 +47,14 @@ TINY = dict(hidden_size=64, vocab_size=256, num_attention_heads=2, num_key_value
             intermediate_size=128, max_position_embeddings=4096)
 
 
-def build_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, seed: int) -> Path:
-    """An mlx-lm Qwen3-Next with random weights, quantized and saved by mlx-lm."""
+def build_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, seed: int,
+                     shape: dict | None = None) -> Path:
+    """An mlx-lm Qwen3-Next with random weights, quantized and saved by mlx-lm; `shape`
+    overrides config entries (scripts/step_ops.py: small dims, the 80B's layer pattern)."""
     from mlx_lm.models import qwen3_next
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    config = {**QWEN3_NEXT_80B_A3B, **(TINY if tiny else {}), "num_hidden_layers": layers,
+    config = {**QWEN3_NEXT_80B_A3B, **(TINY if tiny else {}), **(shape or {}), "num_hidden_layers": layers,
               "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     config = {k: v for k, v in config.items() if k in qwen3_next.ModelArgs.__dataclass_fields__}
     mx.random.seed(seed)

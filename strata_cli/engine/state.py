@@ -144,8 +144,7 @@ class GDNState:
         self._scan: Scan | None = None
         self._pending_scan: Scan | None = None  # the scan of the window `pending` came from
         self._window: tuple[int, int, Mode] | None = None
-        self._history0: mx.array | None = None
-        self._raw: mx.array | None = None
+        self._joined: mx.array | None = None  # (B, K-1+T, C): history then the window's raw inputs
         self._rows: GDNRows | None = None
         self._final: mx.array | None = None
 
@@ -157,17 +156,18 @@ class GDNState:
         B, T, C = raw.shape
         if self.history is None:
             self.history = mx.zeros((B, self.num_history, C), dtype=raw.dtype)
-        self._history0, self._raw = self.history, raw
+        self._joined = mx.concatenate([self.history, raw], axis=1)
         mode = self._window[2]
         if mode is Mode.COMMIT_ALL:
             self.history = self._history_after(T)
         elif mode is Mode.PARTIAL:
             self.history = self._history_after(1)
-        return mx.concatenate([self._history0, raw], axis=1)
+        return self._joined
 
     def _history_after(self, n: int) -> mx.array:
-        joined = mx.concatenate([self._history0, self._raw[:, :n]], axis=1)
-        return joined[:, joined.shape[1] - self.num_history :]
+        # The K-1 inputs before row n of the window: one slice of the joined window (one op,
+        # where concatenating history and kept rows again took three).
+        return self._joined[:, n : n + self.num_history]
 
     def recur(self, rows: GDNRows, scan: Scan) -> mx.array:
         """Run the recurrence over the window's rows from committed state; returns outputs."""
@@ -211,11 +211,11 @@ class GDNState:
                 self.pending, self._pending_scan = kept, self._scan  # folded as the window ran them
             else:
                 _, self.S = self._scan(kept, self.S)
-        self._rows = self._final = self._raw = self._history0 = None
+        self._rows = self._final = self._joined = None
 
     def abandon(self) -> None:
         self._window = None
-        self._rows = self._final = self._raw = self._history0 = None
+        self._rows = self._final = self._joined = None
 
     def flush(self) -> None:
         if self.pending is not None:

@@ -29,9 +29,17 @@ def sigmoid_gate(x: mx.array, gate: mx.array) -> mx.array:
 
 
 @partial(mx.compile, shapeless=True)
+def rounded_f32(x: mx.array, like: mx.array) -> mx.array:
+    """x rounded to like's dtype, then in float32 (two casts, one kernel)."""
+    return x.astype(like.dtype).astype(mx.float32)
+
+
+@partial(mx.compile, shapeless=True)
 def silu_gate_f32(normed: mx.array, weight: mx.array, gate: mx.array) -> mx.array:
-    """(weight · normed) · silu(gate), the product in float32, back in normed's dtype."""
-    return ((weight * normed).astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(normed.dtype)
+    """(weight · normed) · silu(gate), normed first rounded to gate's dtype, the product in
+    float32, back in gate's dtype."""
+    normed = normed.astype(gate.dtype)
+    return ((weight * normed).astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(gate.dtype)
 
 
 class RowSplit:
@@ -118,7 +126,7 @@ class RowLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         K = x.shape[-1]
         if _kernel_rows(x) and kernels.supports(K):
-            y = kernels.rows_matvec(x.reshape(-1, K), self.weight).reshape(*x.shape[:-1], -1)
+            y = kernels.rows_matvec(x, self.weight)
             return y + self.bias if "bias" in self else y
         if is_cpu_prompt(x):
             y = x @ transposed(self, "weight")
@@ -139,8 +147,8 @@ class RowQuantizedLinear(nn.QuantizedLinear):
         K = x.shape[-1]
         if (_kernel_rows(x) and self.mode == "affine" and self.get("biases") is not None
                 and kernels.supports(K, group_size=self.group_size, bits=self.bits)):
-            y = kernels.rows_qmatvec(x.reshape(-1, K), self.weight, self.scales, self.biases,
-                                     group_size=self.group_size, bits=self.bits).reshape(*x.shape[:-1], -1)
+            y = kernels.rows_qmatvec(x, self.weight, self.scales, self.biases, group_size=self.group_size,
+                                     bits=self.bits)
             return y + self.bias if "bias" in self else y
         return by_row(super().__call__, x)
 
@@ -158,7 +166,8 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """rms_norm(x) * weight * silu(gate), computed in float32 as the reference does."""
+    """rms_norm(x) * weight * silu(gate), computed in float32 as the reference does, x rounded
+    to gate's (the model's) dtype first: the casts share kernels with their neighbours."""
 
     def __init__(self, dims: int, eps: float):
         super().__init__()
@@ -166,8 +175,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype)
-        return silu_gate_f32(normed, self.weight, gate)
+        return silu_gate_f32(mx.fast.rms_norm(rounded_f32(x, gate), None, self.eps), self.weight, gate)
 
 
 class MLP(nn.Module):
