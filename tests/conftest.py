@@ -1,4 +1,7 @@
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +21,15 @@ def tiny_model():
     from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 
     return random_model(tiny_qwen3_next_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def emulate():
+    """scripts/kernel_emulate.py as a module: the CUDA kernels' bodies compiled with g++ (CPU)."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("kernel_emulate", root / "scripts" / "kernel_emulate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_emulate"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["kernel_emulate"]

@@ -6,9 +6,6 @@ the reference. The reference is held to plain causal sdpa and to float64 NumPy, 
 with the (emulated) kernel is shown to keep greedy speculation token-identical to serial.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -16,17 +13,6 @@ import pytest
 
 from metal_shaders import attention_window
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def emulate():
-    spec = importlib.util.spec_from_file_location("kernel_emulate", ROOT / "scripts" / "kernel_emulate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_emulate"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["kernel_emulate"]
 
 
 @pytest.fixture(scope="module")
