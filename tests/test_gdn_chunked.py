@@ -8,6 +8,7 @@ from strata_cli.engine.window import WindowEngine
 from strata_cli.model.gdn import gated_delta_scan, l2_normalize
 from strata_cli.model.gdn_chunked import (
     CHUNK,
+    GPU_CHUNK,
     MIN_CHUNKED_ROWS,
     chunked_gated_delta_scan,
     unit_lower_inverse,
@@ -36,7 +37,7 @@ def random_rows(T: int, *, Hk=2, Hv=4, Dk=16, Dv=8, seed=0, decay=1.0) -> GDNRow
     return GDNRows(q, k, v, g, beta)
 
 
-@pytest.mark.parametrize("chunk", [CHUNK, 64])
+@pytest.mark.parametrize("chunk", [CHUNK, GPU_CHUNK])
 @pytest.mark.parametrize("T", LENGTHS)
 def test_chunked_scan_matches_per_row_scan(T, chunk):
     rows = random_rows(T, seed=T)
@@ -48,12 +49,13 @@ def test_chunked_scan_matches_per_row_scan(T, chunk):
     assert rel_diff(S, S_ref) < RTOL
 
 
+@pytest.mark.parametrize("chunk", [CHUNK, GPU_CHUNK])
 @pytest.mark.parametrize("decay", [0.01, 30.0])  # almost no forgetting; forgetting within a row or two
-def test_chunked_scan_holds_at_extreme_decay(decay):
+def test_chunked_scan_holds_at_extreme_decay(decay, chunk):
     rows = random_rows(200, seed=3, decay=decay)
     S0 = mx.random.normal((1, 4, 16, 8), key=mx.random.key(5))
     y_ref, S_ref = gated_delta_scan(rows, S0)
-    y, S = chunked_gated_delta_scan(rows, S0, chunk=32)
+    y, S = chunked_gated_delta_scan(rows, S0, chunk=chunk)
     assert rel_diff(y, y_ref) < RTOL and rel_diff(S, S_ref) < RTOL
 
 
@@ -136,3 +138,11 @@ def test_decode_windows_keep_the_per_row_scan(model, monkeypatch):
     engine.run(list(range(8)), engine.length)
     engine.commit(8)
     assert calls == []
+
+
+def test_default_chunk_is_the_cpu_one_here_and_the_gpu_one_elsewhere(monkeypatch):
+    from strata_cli.model import gdn_chunked
+
+    assert gdn_chunked.default_chunk() == CHUNK
+    monkeypatch.setattr(gdn_chunked.mx, "default_device", lambda: mx.gpu)
+    assert gdn_chunked.default_chunk() == GPU_CHUNK

@@ -22,6 +22,10 @@ import mlx.core as mx
 from .layer_state import GDNRows
 
 CHUNK = 32  # rows per chunk (FLA uses 64): on the CPU 32 ties 16 with half its sequential steps; 64 is slower
+# On a GPU the sequential chunk steps are what costs: one 80B-A3B GDN layer's 2,048-row scan took
+# 11.0 / 5.9 / 3.9 / 3.3 ms at chunks 16 / 32 / 64 / 128 on the H200 (docs/benchmarks.md, issue 11);
+# 64 is flash-linear-attention's choice and tested to the same tolerance.
+GPU_CHUNK = 64
 MIN_CHUNKED_ROWS = 16  # shorter windows (every decode window: T <= 8) keep the exact per-row scan
 
 
@@ -48,13 +52,18 @@ def unit_lower_inverse(L: mx.array) -> mx.array:
     return inv.reshape(*lead, C, C)
 
 
-def chunked_gated_delta_scan(rows: GDNRows, state: mx.array, *, chunk: int = CHUNK) -> tuple[mx.array, mx.array]:
+def default_chunk() -> int:
+    return CHUNK if mx.default_device() == mx.cpu else GPU_CHUNK
+
+
+def chunked_gated_delta_scan(rows: GDNRows, state: mx.array, *, chunk: int | None = None) -> tuple[mx.array, mx.array]:
     """The gated delta rule over all rows in chunks; same contract as `gated_delta_scan`.
 
     Args:
         rows: post-conv inputs; q, k l2-normalised, q scaled by Dk^-0.5 (model/gdn.py).
         state: (B, Hv, Dk, Dv) float32, the state before the first row.
-        chunk: rows per chunk, a power of two (default `CHUNK`).
+        chunk: rows per chunk, a power of two (default `default_chunk()`: CHUNK on the CPU,
+            GPU_CHUNK elsewhere).
 
     Returns:
         outputs (B, T, Hv, Dv) float32 and the state after the last row.
@@ -67,7 +76,7 @@ def chunked_gated_delta_scan(rows: GDNRows, state: mx.array, *, chunk: int = CHU
         k = mx.repeat(k, Hv // Hk, axis=2)
     v = rows.v.astype(mx.float32)
     g, beta = rows.g.astype(mx.float32), rows.beta.astype(mx.float32)
-    C = chunk
+    C = chunk or default_chunk()
     N = -(-T // C)
     pad = N * C - T
     if pad:  # padded rows have k = v = β = 0 and g = 0: they leave the state unchanged
