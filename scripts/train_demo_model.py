@@ -1,10 +1,10 @@
-"""Train strata's embedded demo model: a small Qwen3-Next (GDN + attention + 24-expert MoE with a
+"""Train strata's embedded demo model: a small Qwen3-Next (GDN + attention + 48-expert MoE with a
 shared expert) on offline Python source and documents that teach copying (scripts/demo_corpus.py).
 
 Three steps, the middle one on a GPU (PyTorch + transformers there):
 
     python scripts/train_demo_model.py prepare --data .train-data      # here: split, token ids
-    python3 scripts/train_demo_model.py train --data .train-carry --out OUT --minutes 7.6 --batch 64   # on the GPU
+    python3 scripts/train_demo_model.py train --data .train-carry --out OUT --minutes 6.0 --batch 64   # on the GPU
     python scripts/train_demo_model.py install --checkpoint OUT --data .train-data      # here: 8-bit, into the package
 
 Smoke run of the whole pipeline on the CPU (about 4 minutes on 2 cores; the model is useless):
@@ -40,7 +40,8 @@ DOC_ALIGNED_SHARE = 0.5
 
 # Today's width and depth (hidden 256, 6 layers: CPU decode pays for width, docs/benchmarks.md
 # "Demo model: data and shape") with the capacity in the experts, which decode does not pay for:
-# 24 experts of 128 instead of 16 of 64, top-2, stored 8-bit (19.5 MB with the tokenizer).
+# 48 experts of 64, top-2, stored 8-bit (19.5 MB with the tokenizer): candidate 3d, the best so far
+# (docs/benchmarks.md, "Demo model candidates 3a-3d").
 MODEL_CONFIG = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=256,
@@ -60,10 +61,10 @@ MODEL_CONFIG = dict(
     linear_key_head_dim=64,
     linear_value_head_dim=64,
     linear_conv_kernel_dim=4,
-    num_experts=24,
+    num_experts=48,
     num_experts_per_tok=2,
     norm_topk_prob=True,
-    moe_intermediate_size=128,
+    moe_intermediate_size=64,
     shared_expert_intermediate_size=256,
     intermediate_size=512,
     decoder_sparse_step=1,
@@ -373,12 +374,12 @@ def main() -> None:
     t.add_argument("--max-steps", type=int, default=None, help="fixed step count (smoke tests)")
     t.add_argument("--eval-windows", type=int, default=10_000,
                    help="held-out windows scored at the end (default all; a few for a CPU smoke run)")
-    t.add_argument("--copy-share", type=float, default=None,
-                   help="share of training windows taken from the copy documents (default: windows "
-                        "drawn over all tokens alike)")
-    t.add_argument("--stdlib-share", type=float, default=None,
+    t.add_argument("--copy-share", type=float, default=0.3,
+                   help="share of training windows taken from the copy documents (default 0.3; "
+                        "0 or less: windows drawn over all tokens alike)")
+    t.add_argument("--stdlib-share", type=float, default=0.5,
                    help="share of the plain-code windows taken from the stdlib (the held-out files' kind; "
-                        "default: by token count)")
+                        "default 0.5)")
     t.add_argument("--experts", type=int, default=None, help=f"routed experts (default {MODEL_CONFIG['num_experts']})")
     t.add_argument("--expert-width", type=int, default=None,
                    help=f"routed expert width (default {MODEL_CONFIG['moe_intermediate_size']})")
@@ -393,7 +394,8 @@ def main() -> None:
         prepare(args.data, None if str(args.tokenizer_from) == "none" else args.tokenizer_from, args.copy_documents)
     elif args.step == "train":
         train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows,
-              args.copy_share, args.experts, args.expert_width, args.stdlib_share)
+              args.copy_share if args.copy_share > 0 else None, args.experts, args.expert_width,
+              args.stdlib_share if args.copy_share > 0 else None)
     else:
         install(args.checkpoint, args.data, args.dest, None if args.bits == 16 else args.bits)
 
