@@ -107,6 +107,13 @@ KINDS = {
 }
 
 
+def compile_program(path: Path, source: str) -> None:
+    """Write `source` beside `path` (.cpp) and build it with g++ into the executable `path`."""
+    path.with_suffix(".cpp").write_text(source)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread",
+                    str(path.with_suffix(".cpp")), "-o", str(path)], check=True)
+
+
 class Emulator:
     def __init__(self, workdir: Path):
         self.dir = workdir
@@ -123,9 +130,7 @@ class Emulator:
             source = (SHIM + kernels.HEADER + f"void kernel({', '.join(params)}, float* out) {{\n{consts}\n{body}\n}}\n"
                       + MAIN.replace("NUM_INPUTS", str(len(params))).replace("CALL", f"kernel({args}, out.data())"))
             path = self.dir / "_".join(map(str, key))
-            path.with_suffix(".cpp").write_text(source)
-            subprocess.run(["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread",
-                            str(path.with_suffix(".cpp")), "-o", str(path)], check=True)
+            compile_program(path, source)
             self.built[key] = path
         return self.built[key]
 
@@ -194,9 +199,7 @@ class GDNEmulator:
                       + MAIN_GDN.replace("NUM_INPUTS", str(len(inputs))).replace("NUM_OUTPUTS", str(len(outputs)))
                       .replace("CALL", f"kernel({', '.join(args)})"))
             path = self.dir / f"gdn_{kind}_{const}"
-            path.with_suffix(".cpp").write_text(source)
-            subprocess.run(["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread",
-                            str(path.with_suffix(".cpp")), "-o", str(path)], check=True)
+            compile_program(path, source)
             self.built[key] = path
         return self.built[key]
 
@@ -345,9 +348,7 @@ class AttentionEmulator:
                       + MAIN_BLOCK.replace("NUM_INPUTS", str(len(ATTENTION_PARAMS)))
                       .replace("CALL", f"kernel({', '.join(args)})"))
             path = self.dir / f"attention_{D}_{len(self.built)}"
-            path.with_suffix(".cpp").write_text(source)
-            subprocess.run(["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread",
-                            str(path.with_suffix(".cpp")), "-o", str(path)], check=True)
+            compile_program(path, source)
             self.built[D] = path
         return self.built[D]
 
