@@ -8,6 +8,7 @@ own operations, and the CPU is shown to never take the kernel path.
 import mlx.core as mx
 import pytest
 
+from metal_shaders import attention_window, gdn_window
 from metal_shaders import rows_matvec as kernels
 
 
@@ -35,11 +36,17 @@ def test_supported_shapes():
     assert not kernels.supports(2048, group_size=64, bits=3) and not kernels.supports(96, group_size=64, bits=4)
 
 
-def test_the_cpu_never_takes_the_kernel_path():
+@pytest.mark.parametrize("usable, status", [
+    (kernels.kernels_usable, kernels.status),
+    (gdn_window.usable, gdn_window.status),
+    (attention_window.usable, attention_window.status),
+], ids=["rows_matvec", "gdn_window", "attention_window"])
+def test_the_cpu_never_takes_a_kernel_path(usable, status):
+    """Every kernel family of metal_shaders stays off on the CPU, and says it was asked."""
     if mx.default_device() != mx.cpu:
         pytest.fail("this check is for the CPU test machine")
-    assert kernels.kernels_usable() is False
-    assert kernels.status() == {"usable": False, "probed": True, "error": None}
+    assert usable() is False
+    assert status() == {"usable": False, "probed": True, "error": None}
 
 
 def test_row_capacity_and_launch_shape():
