@@ -139,9 +139,9 @@ def router_overrides(group_size: int) -> Overrides:
     return overrides
 
 
-def dequantize_dense(model: nn.Module, dtype: mx.Dtype) -> int:
-    """Turn quantized linear and embedding layers back into dense ones of `dtype`, in place;
-    returns the bytes of the dense weights made. Routed experts stay quantized.
+def dequantize_dense(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Turn quantized linear and embedding layers back into dense ones of `dtype`, in place.
+    Routed experts stay quantized.
 
     On the CPU a quantized matmul of a few rows costs more than the float32 one: the 8-bit demo
     model decodes 7-13% slower than the same weights dense (docs/benchmarks.md, "Demo model
@@ -149,14 +149,11 @@ def dequantize_dense(model: nn.Module, dtype: mx.Dtype) -> int:
     quantized form so that resident and streamed experts (experts/switch.py) stay one code path
     and bit-identical; a decode step runs two of them, against every dense layer.
     """
-    made = 0
     for module in model.modules():
         for name, child in list(module.items()):
             dense = _dense(child, dtype)
             if dense is not None:
                 module[name] = dense
-                made += dense.weight.nbytes
-    return made
 
 
 def dense_bytes(model: nn.Module) -> int:
@@ -164,8 +161,8 @@ def dense_bytes(model: nn.Module) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            rows, packed = module.weight.shape[-2:]
-            total += rows * packed * (32 // module.bits) * 4
+            rows, packed = module.weight.shape[-2:]  # packed: 32-bit words of `bits`-bit values
+            total += rows * (packed * 32 // module.bits) * 4
     return total
 
 
