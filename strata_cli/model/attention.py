@@ -14,7 +14,7 @@ import mlx.nn as nn
 from metal_shaders import attention_window
 
 from .layer_state import AttentionState
-from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RMSNorm, RowLinear, RowSplit, sigmoid_gate
+from .layers import PREFILL_MIN_ROWS, RMSNorm, RowLinear, RowSplit, sigmoid_gate
 
 QUERY_BLOCK = 128  # prompt rows per attention block on the CPU (64 ties it, 512 unblocked is 1.2-2x slower)
 
@@ -80,7 +80,7 @@ class GatedAttention(nn.Module):
         """Whether a window of `rows` rows attends through the row-invariant kernel (CUDA, where it
         passed its probe; serial decoding's 1-row steps too, so they share its arithmetic).
         RowSplit "never" keeps every window on MLX ops, as for the matmuls."""
-        return (0 < rows <= WINDOW_ROWS and RowSplit.mode != "never" and attention_window.supports(self.head_dim)
+        return (RowSplit.kernel_may_take(rows) and attention_window.supports(self.head_dim)
                 and attention_window.usable())
 
     def __call__(self, x: mx.array, state: AttentionState) -> mx.array:

@@ -21,7 +21,7 @@ from metal_shaders import gdn_window
 
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_gated_delta_scan
 from .layer_state import GDNRows, RecurrentState
-from .layers import WINDOW_ROWS, GatedRMSNorm, RowLinear, RowSplit
+from .layers import GatedRMSNorm, RowLinear, RowSplit
 
 l2_normalize = gdn_window.reference_l2_normalize
 
@@ -129,8 +129,8 @@ class GatedDeltaNet(nn.Module):
     def takes_kernels(self, rows: int) -> bool:
         """Whether a window of `rows` rows runs the GDN window kernels (CUDA, where they passed
         their probe; RowSplit "never" keeps every window on MLX ops, as for the matmuls)."""
-        return (0 < rows <= WINDOW_ROWS and RowSplit.mode != "never"
-                and gdn_window.supports(self.head_k_dim, self.head_v_dim) and gdn_window.usable())
+        return (RowSplit.kernel_may_take(rows) and gdn_window.supports(self.head_k_dim, self.head_v_dim)
+                and gdn_window.usable())
 
     def __call__(self, x: mx.array, state: RecurrentState) -> mx.array:
         B, T, _ = x.shape

@@ -64,6 +64,13 @@ class RowSplit:
             return False
         return cls.mode == "always" or mx.default_device() != mx.cpu
 
+    @classmethod
+    def kernel_may_take(cls, rows: int) -> bool:
+        """Whether a window of `rows` rows (serial 1-row steps included, so they share the
+        kernel's arithmetic) may go to a row-invariant kernel; "never" keeps every window on MLX
+        ops. The kernel's own probe (`usable()`) and shape support decide the rest."""
+        return 0 < rows <= WINDOW_ROWS and cls.mode != "never"
+
 
 def by_row(fn: Callable[[mx.array], mx.array], x: mx.array, axis: int = -2) -> mx.array:
     """`fn(x)`, or, where `RowSplit` applies, `fn` of each row along `axis`, concatenated."""
@@ -81,7 +88,7 @@ def by_row(fn: Callable[[mx.array], mx.array], x: mx.array, axis: int = -2) -> m
 def _kernel_rows(x: mx.array) -> int:
     """Rows of `x` (all leading axes) when the row-invariant CUDA kernel takes them, else 0."""
     rows = x.size // x.shape[-1] if x.ndim else 0
-    return rows if 0 < rows <= WINDOW_ROWS and RowSplit.mode != "never" and kernels.kernels_usable() else 0
+    return rows if RowSplit.kernel_may_take(rows) and kernels.kernels_usable() else 0
 
 
 def is_cpu_prompt(x: mx.array) -> bool:
