@@ -32,9 +32,9 @@ import time
 from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -106,30 +106,20 @@ def result_type(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
 
 
 @contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
-@contextmanager
 def gpu_shaped(stand_ins: StandIns):
     """Build steps as a CUDA device with strata's kernels would (see the module docstring)."""
     mode = RowSplit.mode
     RowSplit.mode = "always"
     try:
-        with patched(rows_matvec, "kernels_usable", lambda: True), \
-                patched(rows_matvec, "cuda_kernel", stand_ins.kernel), \
-                patched(gdn_window, "usable", lambda: True), \
-                patched(gdn_window, "cuda_kernel", stand_ins.kernel), \
-                patched(mx.fast, "rms_norm", stand_ins.rms_norm), \
-                patched(mx.fast, "rope", stand_ins.rope), \
-                patched(mx, "dequantize", stand_ins.dequantize), \
-                patched(mx.fast, "scaled_dot_product_attention", stand_ins.sdpa), \
-                patched(WindowEngine, "can_overlap", property(lambda self: True)):
+        with mock.patch.object(rows_matvec, "kernels_usable", lambda: True), \
+                mock.patch.object(rows_matvec, "cuda_kernel", stand_ins.kernel), \
+                mock.patch.object(gdn_window, "usable", lambda: True), \
+                mock.patch.object(gdn_window, "cuda_kernel", stand_ins.kernel), \
+                mock.patch.object(mx.fast, "rms_norm", stand_ins.rms_norm), \
+                mock.patch.object(mx.fast, "rope", stand_ins.rope), \
+                mock.patch.object(mx, "dequantize", stand_ins.dequantize), \
+                mock.patch.object(mx.fast, "scaled_dot_product_attention", stand_ins.sdpa), \
+                mock.patch.object(WindowEngine, "can_overlap", property(lambda self: True)):
             yield
     finally:
         RowSplit.mode = mode
@@ -165,7 +155,7 @@ class Steps:
     @contextmanager
     def hooked(self):
         self.start()
-        with patched(mx, "eval", self.on_eval), patched(mx, "async_eval", self.on_eval):
+        with mock.patch.object(mx, "eval", self.on_eval), mock.patch.object(mx, "async_eval", self.on_eval):
             yield
         self._since = None
 
@@ -276,6 +266,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/strata-step-ops"))
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
+    if args.steps < 4:
+        parser.error("--steps must be at least 4 (the first 3 are warm-up)")
     if args.path == "native" and mx.default_device() == mx.cpu:
         print("note: --path native on the CPU counts the CPU's graph (fast ops decomposed, no kernels)")
 
