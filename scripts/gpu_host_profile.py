@@ -2,9 +2,10 @@
 
 Writes $OUT/gpu_prof.json: per op (quantized matmul, gather_qmm, rope, sdpa, rms_norm, a compiled
 elementwise op, and strata's row kernels where they run) the microseconds to build one node and to
-dispatch it inside an eval of 300; strata's T=1 step split into graph build and eval, with and
-without the kernels (`RowSplit.mode = "never"`); mlx-lm's step split the same way; and a cProfile
-of strata's graph build (30 functions by own time). On the 80B-A3B-shaped 8-layer 4-bit
+dispatch it inside an eval of 300; strata's T=1 step split into graph build and eval, as it
+runs, with its layer ends not compiled (`LayerCompile.mode = "never"`) and without the kernels
+(`RowSplit.mode = "never"`); mlx-lm's step split the same way; and a cProfile of strata's graph
+build (30 functions by own time). On the 80B-A3B-shaped 8-layer 4-bit
 checkpoint that bench/compare.py builds.
 
     OUT=. MLX_PTX_CACHE_DIR=/tmp/ptx python scripts/gpu_host_profile.py     # the GPU run
@@ -28,6 +29,7 @@ from strata_cli.bench import compare
 from strata_cli.bench.peers import MlxLmPeer, require_mlx_lm
 from strata_cli.engine.state import Mode
 from strata_cli.engine.window import WindowEngine
+from strata_cli.model.compiled import LayerCompile
 from strata_cli.model.layers import RowSplit, swiglu
 from strata_cli.runtime import load_checkpoint
 
@@ -85,6 +87,8 @@ def strata_split(n=40):
     return {"build_ms": 1e3 * statistics.median(b[5:]), "eval_ms": 1e3 * statistics.median(e[5:])}
 strata_split(10)
 R["strata_step"] = strata_split(); save()
+LayerCompile.mode = "never"; strata_split(10)
+R["strata_step_eager"] = strata_split(); LayerCompile.mode = "always"; save()
 RowSplit.mode = "never"; strata_split(10)
 R["strata_step_no_kernels"] = strata_split(); RowSplit.mode = "auto"; save()
 engine.reset(); engine.prefill(prompt)

@@ -1,5 +1,6 @@
 """Serial decoding on the 80B-A3B-shaped 8-layer 4-bit checkpoint (bench/compare.py builds it):
-strata with overlapped steps, strata without, and mlx-lm, alternating, 7 rounds (medians of the
+strata with overlapped steps, strata without, strata with its layers' ends not compiled
+(model/compiled.py) and mlx-lm, alternating, 7 rounds (medians of the
 last 6); the host-build / device-wait split of overlapped steps; window costs T = 1..8 against
 mlx-lm's forward; greedy identity of `--suffix-draft 3` and auto against serial in bfloat16 and
 float32. Writes $OUT/<tag>.json after every stage (the GPU run of docs/benchmarks.md, issue 10).
@@ -24,6 +25,7 @@ from strata_cli.bench import compare
 from strata_cli.bench.peers import MlxLmPeer
 from strata_cli.bench.selftest import window_costs
 from strata_cli.engine.window import WindowEngine
+from strata_cli.model.compiled import LayerCompile
 from strata_cli.options import SpecOptions
 from strata_cli.runtime import load_checkpoint
 
@@ -47,20 +49,26 @@ model = load_checkpoint(path, dtype=DT); engine = WindowEngine(model)
 peer = MlxLmPeer.load(path, dtype=getattr(mx, DT))
 R["load_s"] = time.time() - t; save()
 N = 16 if TINY else 128
-def strata(overlap):
+def strata(overlap, compiled="always"):
     WindowEngine.can_overlap = property(lambda self: overlap)
-    return compare.timed_decode(engine, prompt, N, SpecOptions())
-S = {"on": [], "off": [], "mlx": []}
+    LayerCompile.mode = compiled
+    try:
+        return compare.timed_decode(engine, prompt, N, SpecOptions())
+    finally:
+        LayerCompile.mode = "always"
+S = {"on": [], "off": [], "eager": [], "mlx": []}
 outs = {}
 for i in range(0 if '--skip-serial' in sys.argv else 7):
     t = time.time()
     o, s = strata(True); outs.setdefault("on", o); S["on"].append(s)
     o, s = strata(False); outs.setdefault("off", o); S["off"].append(s)
+    o, s = strata(True, "never"); outs.setdefault("eager", o); S["eager"].append(s)
     S["mlx"].append(peer.run("mlx-lm", prompt, N).seconds)
     R["serial_raw_s"] = S; R[f"round{i}_s"] = time.time() - t; save()
-med = {k: N / statistics.median(v[1:]) for k, v in S.items()} if S["on"] else {"on": 1, "off": 1, "mlx": 1}
+med = {k: N / statistics.median(v[1:]) for k, v in S.items()} if S["on"] else dict.fromkeys(S, 1)
 R["serial_tok_s"] = med; R["ratio_on"] = med["on"] / med["mlx"]; R["ratio_off"] = med["off"] / med["mlx"]
 R["overlap_identical_to_plain"] = outs.get("on") == outs.get("off")
+R["compiled_identical_to_eager"] = outs.get("on") == outs.get("eager")
 R["kernels"] = {"rows": kernels.status(), "gdn": gdn_window.status(), "attention": attention_window.status()}  # after the first forwards (the probe)
 save()
 # build vs wait split of overlapped steps

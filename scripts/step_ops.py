@@ -7,7 +7,9 @@ or its window loop's `run` on the CPU), strata's T = 4 and 8 windows (run + comm
 row), mlx-lm's `generate_step` step and its forward of T = 4 and 8 tokens on its cache.
 The count walks the step's lazy graph (`mx.export_to_dot`, bench/graph_ops.py); the parts are
 the model's modules (norms, GDN mixer with its state, attention mixer with its KV writes, MoE
-block, residual adds, embedding, lm_head; "rest" is sampling and loop glue). Build time is the
+block, residual adds, embedding, lm_head; "rest" is sampling and loop glue). `ops` is what runs
+(strata's compiled layer ends included, model/compiled.py); the parts come from the same step
+built eagerly (`ops_eager`), since a compiled trace hides its parts. Build time is the
 host time between one step's eval and the next, the eval itself excluded (medians).
 
 --path gpu (default) counts what a CUDA device runs, on any backend: strata's CUDA kernels
@@ -46,6 +48,7 @@ from strata_cli.bench.peers import MlxLmPeer, require_mlx_lm
 from strata_cli.bench.runner import git_commit
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
+from strata_cli.model.compiled import LayerCompile
 from strata_cli.model.layers import RowSplit
 from strata_cli.options import GenerateOptions, SpecOptions
 from strata_cli.runtime import load_checkpoint
@@ -108,8 +111,8 @@ def result_type(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
 @contextmanager
 def gpu_shaped(stand_ins: StandIns):
     """Build steps as a CUDA device with strata's kernels would (see the module docstring)."""
-    mode = RowSplit.mode
-    RowSplit.mode = "always"
+    mode, compiled = RowSplit.mode, LayerCompile.mode
+    RowSplit.mode = LayerCompile.mode = "always"
     try:
         with mock.patch.object(rows_matvec, "kernels_usable", lambda: True), \
                 mock.patch.object(rows_matvec, "cuda_kernel", stand_ins.kernel), \
@@ -122,7 +125,7 @@ def gpu_shaped(stand_ins: StandIns):
                 mock.patch.object(WindowEngine, "can_overlap", property(lambda self: True)):
             yield
     finally:
-        RowSplit.mode = mode
+        RowSplit.mode, LayerCompile.mode = mode, compiled
 
 
 # -- recording steps ----------------------------------------------------------------------------
@@ -162,18 +165,27 @@ class Steps:
 
 @contextmanager
 def parts_of(model, steps: Steps):
-    """Record each part's output as it is built (both engines name their modules alike)."""
+    """Record each part's output as it is built (both engines name their modules alike).
+
+    strata's mixers run as head, core and tail (model/decoder_layer.py): each is recorded as
+    the mixer. Inside compiled layer ends nothing is seen: count with LayerCompile "never".
+    """
     names = {id(model.model.embed_tokens): "embed", id(model.model.norm): "norm", id(model.lm_head): "lm_head"}
+    mixers = set()
     for layer in model.model.layers:
         is_linear = "linear_attn" in layer
-        names[id(layer.linear_attn if is_linear else layer.self_attn)] = "gdn" if is_linear else "attention"
+        mixer = layer.linear_attn if is_linear else layer.self_attn
+        names[id(mixer)] = "gdn" if is_linear else "attention"
+        mixers.add(id(mixer))
         names[id(layer.input_layernorm)] = names[id(layer.post_attention_layernorm)] = "norm"
         names[id(layer.mlp)] = "moe"
         names[id(layer)] = "residual"
     modules = [m for _, m in model.named_modules() if id(m) in names]
-    owners = {next(c for c in type(m).__mro__ if "__call__" in c.__dict__) for m in modules}
+    methods = {("__call__", next(c for c in type(m).__mro__ if "__call__" in c.__dict__)) for m in modules}
+    methods |= {(name, c) for m in modules if id(m) in mixers for name in ("head", "core", "tail")
+                for c in type(m).__mro__[:1] if name in c.__dict__}
     active: set[int] = set()
-    originals = {cls: cls.__call__ for cls in owners}
+    originals = {(name, cls): cls.__dict__[name] for name, cls in methods}
 
     def wrap(original):
         def call(self, *args, **kwargs):
@@ -184,17 +196,17 @@ def parts_of(model, steps: Steps):
                 out = original(self, *args, **kwargs)
             finally:
                 active.discard(id(self))
-            steps.parts.append((names[id(self)], out))
+            steps.parts.extend((names[id(self)], a) for _, a in tree_flatten(out) if isinstance(a, mx.array))
             return out
         return call
 
-    for cls, original in originals.items():
-        cls.__call__ = wrap(original)
+    for (name, cls), original in originals.items():
+        setattr(cls, name, wrap(original))
     try:
         yield
     finally:
-        for cls, original in originals.items():
-            cls.__call__ = original
+        for (name, cls), original in originals.items():
+            setattr(cls, name, original)
 
 
 # -- the two engines' steps ---------------------------------------------------------------------
@@ -236,15 +248,18 @@ def measure(run, model, stand_ins: StandIns, n: int, *, count: bool = True) -> d
         run(timed)
         return {"build_ms": 1e3 * statistics.median(timed.build_s[WARMUP:]), "steps": len(timed.build_s)}
     counted = Steps(stand_ins, count=True)
-    with parts_of(model, counted):
-        run(counted)
+    with parts_of(model, counted), mock.patch.object(LayerCompile, "mode", "never"):
+        run(counted)  # eager, so that every part is seen
+    compiled = Steps(stand_ins, count=True)
+    run(compiled)  # what runs: compiled layer ends where LayerCompile applies
     run(timed)
     counts = [c for c in counted.counts[WARMUP:] if c.total]
+    totals_run = [c.total for c in compiled.counts[WARMUP:] if c.total]
     totals = [c.total for c in counts]
     typical = counts[len(counts) // 2]
     return {
-        "ops": statistics.median(totals), "ops_min": min(totals), "ops_max": max(totals),
-        "views": typical.views,
+        "ops": statistics.median(totals_run), "ops_min": min(totals_run), "ops_max": max(totals_run),
+        "ops_eager": statistics.median(totals), "views": typical.views,
         "by_part": dict(sorted(typical.by_part.items())),
         "by_primitive": dict(typical.by_primitive.most_common()),
         "build_ms": 1e3 * statistics.median(timed.build_s[WARMUP:]),
@@ -296,8 +311,8 @@ def main() -> None:
                     print(f"{name:7s} T={T}  build {row['build_ms']:6.2f} ms", flush=True)
                     continue
                 parts = " ".join(f"{k}={v}" for k, v in row["by_part"].items())
-                print(f"{name:7s} T={T}  ops {row['ops']:5.0f} (views {row['views']:3d})  "
-                      f"build {row['build_ms']:6.2f} ms  {parts}", flush=True)
+                print(f"{name:7s} T={T}  ops {row['ops']:5.0f} (eager {row['ops_eager']:4.0f}, views "
+                      f"{row['views']:3d})  build {row['build_ms']:6.2f} ms  {parts}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 

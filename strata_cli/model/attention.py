@@ -83,20 +83,27 @@ class GatedAttention(nn.Module):
         return (RowSplit.kernel_may_take(rows) and attention_window.supports(self.head_dim)
                 and attention_window.usable())
 
-    def __call__(self, x: mx.array, state: AttentionState) -> mx.array:
+    # A layer call is head (pure), core (the state's part), tail (pure): decoder_layer.py
+    # compiles head and tail for decode windows.
+    def head(self, x: mx.array) -> tuple[tuple, tuple]:
+        """x (B, T, H) -> the core's inputs (q, k, v (B, heads, T, D)) and the tail's (the gate)."""
         B, T, _ = x.shape
         q = self.q_proj(x)
+        gate = ()
         if self.output_gate:  # per head: [query | gate]
-            q, gate = mx.split(q.reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
-            gate = gate.reshape(B, T, -1)
+            q, g = mx.split(q.reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+            gate = (g.reshape(B, T, -1),)
         else:
             q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # (B, heads, T, D)
+        return tuple(a.transpose(0, 2, 1, 3) for a in (q, k, v)), gate  # (B, heads, T, D)
 
+    def core(self, q: mx.array, k: mx.array, v: mx.array, state: AttentionState) -> mx.array:
+        """Rotary at the state's offset, the window's KV written, attention -> (B, T, heads·D)."""
+        B, _, T, _ = q.shape
         offset = state.offset
         q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
@@ -113,7 +120,14 @@ class GatedAttention(nn.Module):
             mask = "causal" if T > 1 else None
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
             out = out.transpose(0, 2, 1, 3)
-        out = out.reshape(B, T, -1)
-        if self.output_gate:
+        return out.reshape(B, T, -1)
+
+    def tail(self, out: mx.array, gate: mx.array | None = None) -> mx.array:
+        """Attention output (B, T, heads·D), gated where the model gates it -> (B, T, H)."""
+        if gate is not None:
             out = sigmoid_gate(out, gate)
         return self.o_proj(out)
+
+    def __call__(self, x: mx.array, state: AttentionState) -> mx.array:
+        core_in, tail_in = self.head(x)
+        return self.tail(self.core(*core_in, state), *tail_in)

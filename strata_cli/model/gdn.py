@@ -132,9 +132,16 @@ class GatedDeltaNet(nn.Module):
         return (RowSplit.kernel_may_take(rows) and gdn_window.supports(self.head_k_dim, self.head_v_dim)
                 and gdn_window.usable())
 
-    def __call__(self, x: mx.array, state: RecurrentState) -> mx.array:
-        B, T, _ = x.shape
+    # A layer call is head (pure), core (the state's part), tail (pure): decoder_layer.py
+    # compiles head and tail for decode windows.
+    def head(self, x: mx.array) -> tuple[tuple, tuple]:
+        """x (B, T, H) -> the core's inputs (conv inputs, b, a) and the tail's (z)."""
         raw, z, b, a = self.project(x)
+        return (raw, b, a), (z,)
+
+    def core(self, raw: mx.array, b: mx.array, a: mx.array, state: RecurrentState) -> mx.array:
+        """Causal conv over the state's history and the gated-delta recurrence from its state."""
+        T = raw.shape[1]
         window = state.conv_window(raw)
         is_kernel = self.takes_kernels(T)
         prepare = gdn_window.gdn_prepare if is_kernel else gdn_window.reference_prepare
@@ -146,6 +153,14 @@ class GatedDeltaNet(nn.Module):
             scan = kernel_gated_delta_scan
         else:
             scan = chunked_gated_delta_scan if T >= MIN_CHUNKED_ROWS else gated_delta_scan
-        y = state.recur(GDNRows(q, k, v, g, beta), scan)
+        return state.recur(GDNRows(q, k, v, g, beta), scan)
+
+    def tail(self, y: mx.array, z: mx.array) -> mx.array:
+        """Recurrence outputs (B, T, Hv, Dv) float32 -> (B, T, H)."""
+        B, T = y.shape[:2]
         y = self.norm(y, z)  # float32 rows, rounded to the model dtype inside (z's)
         return self.out_proj(y.reshape(B, T, -1))
+
+    def __call__(self, x: mx.array, state: RecurrentState) -> mx.array:
+        core_in, tail_in = self.head(x)
+        return self.tail(self.core(*core_in, state), *tail_in)

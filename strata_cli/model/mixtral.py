@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from .attention import GatedAttention
 from .config import ConfigError, ModelConfig, lift_rope_parameters
+from .decoder_layer import PreNormLayer
 from .layers import DecoderStack, RMSNorm
 from .layout import stack_experts
 from .moe import SparseMoeBlock
@@ -48,7 +49,7 @@ class MixtralConfig(ModelConfig):
 Config = MixtralConfig
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: MixtralConfig):
         super().__init__()
         self.self_attn = GatedAttention(
@@ -72,9 +73,13 @@ class DecoderLayer(nn.Module):
             norm_topk_prob=True,
         )
 
-    def __call__(self, x: mx.array, state) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), state)
-        return h + self.block_sparse_moe(self.post_attention_layernorm(h))
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe
 
 
 class Model(DecoderStack):

@@ -185,6 +185,13 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(hidden_size, shared_expert_size)
             self.shared_expert_gate = RowLinear(hidden_size, 1, bias=False)
 
+    @property
+    def compilable(self) -> bool:
+        """Whether a decode window may run this block inside an `mx.compile` trace
+        (model/compiled.py): not when routing or the experts consult the expert cache, whose
+        contents a trace would freeze."""
+        return self.routing_policy is None and type(self.switch_mlp) in (SwitchGLU, QuantizedSwitchGLU)
+
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)

@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from .attention import GatedAttention
 from .config import ConfigError, ModelConfig, lift_rope_parameters
+from .decoder_layer import PreNormLayer
 from .layers import MLP, DecoderStack, RMSNorm
 from .layout import stack_experts
 from .moe import SparseLayerRule, SparseMoeBlock
@@ -54,7 +55,7 @@ class Qwen3MoeConfig(SparseLayerRule, ModelConfig):
 Config = Qwen3MoeConfig
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: Qwen3MoeConfig, index: int):
         super().__init__()
         self.self_attn = GatedAttention(
@@ -82,9 +83,13 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def __call__(self, x: mx.array, state) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), state)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.mlp
 
 
 class Model(DecoderStack):

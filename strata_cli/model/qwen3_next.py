@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from .attention import GatedAttention
 from .config import ConfigError, ModelConfig, lift_rope_parameters
+from .decoder_layer import PreNormLayer
 from .gdn import GatedDeltaNet
 from .layers import MLP, DecoderStack, RMSNorm
 from .layout import HF, detect_layout, stack_experts
@@ -66,7 +67,7 @@ class Qwen3NextConfig(SparseLayerRule, ModelConfig):
 Config = Qwen3NextConfig
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: Qwen3NextConfig, index: int):
         super().__init__()
         self.is_linear = config.layer_types[index] == LINEAR
@@ -105,10 +106,13 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def __call__(self, x: mx.array, state) -> mx.array:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), state)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.is_linear else self.self_attn
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.mlp
 
 
 class Model(DecoderStack):

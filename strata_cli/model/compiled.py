@@ -1,0 +1,69 @@
+"""Decode windows replay each layer's pure parts from `mx.compile` traces (issue 10).
+
+On a GPU, small-batch decoding is host-bound: every MLX op costs Python to build and a launch
+to dispatch (docs/benchmarks.md). A compiled function is traced once per window size and
+dtype, then replayed in C++ with its elementwise chains fused. Only pure parts are compiled —
+projections, norms, residual adds, the MoE block — never state: KV writes, the GDN conv history
+and recurrence stay eager, so the rollback rules are untouched. Serial steps and windows both
+take the compiled parts, so a row still computes what it computes alone.
+
+A trace holds the weights it saw as constants. `Compiled` retraces when any array or submodule
+of its owner has been replaced (loading, `set_dtype`, quantizing), when `RowSplit.mode` or the
+default device changes, and runs the first call of each such setting eagerly: the kernels'
+start-up probes evaluate arrays, which a trace may not.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import WINDOW_ROWS, RowSplit
+
+
+class LayerCompile:
+    """Whether window-sized calls run compiled: "always" (the default; serial decoding on the
+    H200 and on a 2-core CPU both run faster, docs/benchmarks.md) or "never"."""
+
+    mode = "always"
+
+    @classmethod
+    def applies(cls, x: mx.array) -> bool:
+        return cls.mode == "always" and 0 < x.size // x.shape[-1] <= WINDOW_ROWS
+
+
+def identity(module: nn.Module) -> tuple:
+    """The ids of every array and submodule under `module`: changes when anything is replaced."""
+    ids = []
+    stack = [module]
+    while stack:
+        node = stack.pop()
+        for value in node.values() if isinstance(node, dict) else node:
+            if isinstance(value, mx.array):
+                ids.append(id(value))
+            elif isinstance(value, (dict, list, tuple)):
+                ids.append(id(value))
+                stack.append(value)
+    return tuple(ids)
+
+
+class Compiled:
+    """`fns` compiled over `owner`'s current weights; see the module docstring for when they retrace."""
+
+    __slots__ = ("owner", "fns", "key", "compiled")
+
+    def __init__(self, owner: nn.Module, *fns: Callable):
+        self.owner, self.fns = owner, fns
+        self.key = self.compiled = None
+
+    def functions(self) -> tuple[Callable, ...]:
+        """The functions to call now: compiled, or eager for the first call of a new setting."""
+        key = (identity(self.owner), RowSplit.mode, mx.default_device())
+        if key != self.key:
+            self.key, self.compiled = key, None
+            return self.fns  # eager: probes and lazily built constants run outside a trace
+        if self.compiled is None:
+            self.compiled = tuple(mx.compile(fn) for fn in self.fns)
+        return self.compiled

@@ -1,0 +1,44 @@
+"""The pre-norm decoder layer every family shares: x + mixer(norm(x)), then h + ffn(norm(h)).
+
+The mixer (attention or GDN) splits its call into `head` (projections: pure), `core` (what
+touches the layer's state) and `tail` (output projection: pure). Decode windows run the layer's
+pure ends compiled (compiled.py): the input norm and the mixer's head in one trace; the mixer's
+tail, the residual adds, the post norm and the feed-forward block in another.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .compiled import Compiled, LayerCompile
+
+
+class PreNormLayer(nn.Module):
+    """Subclasses build `input_layernorm`, `post_attention_layernorm` and the modules that
+    `mixer` and `ffn` return (the checkpoint names them per family)."""
+
+    @property
+    def mixer(self) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def ffn(self) -> nn.Module:
+        raise NotImplementedError
+
+    def head(self, x: mx.array) -> tuple[tuple, tuple]:
+        return self.mixer.head(self.input_layernorm(x))
+
+    def tail(self, x: mx.array, mixed: mx.array, *tail_in: mx.array) -> mx.array:
+        h = x + self.mixer.tail(mixed, *tail_in)
+        return h + self.ffn(self.post_attention_layernorm(h))
+
+    def __call__(self, x: mx.array, state) -> mx.array:
+        head, tail = self.head, self.tail
+        if LayerCompile.applies(x) and getattr(self.ffn, "compilable", True):
+            compiled = self.__dict__.get("_compiled")
+            if compiled is None:
+                compiled = self.__dict__["_compiled"] = Compiled(self, self.head, self.tail)
+            head, tail = compiled.functions()
+        core_in, tail_in = head(x)
+        return tail(x, self.mixer.core(*core_in, state), *tail_in)

@@ -1,0 +1,111 @@
+"""Compiled layer ends (model/compiled.py): decode windows run each layer's pure parts from an
+`mx.compile` trace. They must compute the eager bits, follow weight changes, and never freeze
+anything that consults the expert cache."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+from strata_cli.engine.window import WindowEngine
+from strata_cli.model.compiled import Compiled, LayerCompile
+from strata_cli.model.layers import WINDOW_ROWS, RowSplit
+from strata_cli.model.quant import quantize
+
+PREFIX = 9
+
+
+@pytest.fixture(scope="module", params=["float32", "4-bit"])
+def model(request):
+    model = random_model(tiny_qwen3_next_config(), seed=3)
+    if request.param == "4-bit":
+        quantize(model, group_size=32, bits=4)
+        mx.eval(model.parameters())
+    return model
+
+
+def windows(model, tokens, sizes):
+    """Logits of consecutive windows of `sizes` rows after a prefix, every row kept."""
+    engine = WindowEngine(model)
+    engine.prefill(tokens[:PREFIX])
+    pos, out = PREFIX, []
+    for T in sizes:
+        out.append(np.array(engine.run(tokens[pos:pos + T], pos).logits))
+        engine.commit(T)
+        pos += T
+    return out
+
+
+@pytest.mark.parametrize("row_split", ["auto", "always"])
+def test_compiled_windows_compute_the_eager_bits(model, row_split, monkeypatch):
+    monkeypatch.setattr(RowSplit, "mode", row_split)
+    rng = random.Random(1)
+    sizes = [1, 3, 8, 1, 5, 2, 8, 1]  # each size twice or more: the second call replays a trace
+    tokens = [rng.randrange(model.config.vocab_size) for _ in range(PREFIX + sum(sizes))]
+    monkeypatch.setattr(LayerCompile, "mode", "never")
+    eager = windows(model, tokens, sizes)
+    monkeypatch.setattr(LayerCompile, "mode", "always")
+    compiled = windows(model, tokens, sizes)
+    assert all(layer._compiled.compiled is not None for layer in model.layers)
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        np.testing.assert_array_equal(a, b, err_msg=f"window {i} ({sizes[i]} rows)")
+
+
+def test_prompts_run_eager_and_windows_compiled():
+    x = mx.zeros((1, WINDOW_ROWS + 1, 4))
+    assert not LayerCompile.applies(x) and LayerCompile.applies(x[:, :WINDOW_ROWS]) and LayerCompile.applies(x[:, :1])
+
+
+def test_the_first_call_of_a_setting_is_eager_then_traced_once(monkeypatch):
+    module = random_model(tiny_qwen3_next_config(), seed=0).layers[0].mlp
+    traces = []
+
+    def fn(x):
+        traces.append(x.shape)
+        return module(x)
+
+    parts = Compiled(module, fn)
+    x = mx.ones((1, 2, module.gate.weight.shape[1]))
+    eager = parts.functions()[0]
+    assert eager is fn  # probes may evaluate arrays: not inside a trace
+    for _ in range(3):
+        mx.eval(parts.functions()[0](x))
+    assert traces == [x.shape]  # traced once, then replayed
+    monkeypatch.setattr(RowSplit, "mode", "never")
+    assert parts.functions()[0] is fn  # a new setting: eager again, then a new trace
+
+
+def test_a_replaced_weight_is_seen(monkeypatch):
+    monkeypatch.setattr(LayerCompile, "mode", "always")
+    model = random_model(tiny_qwen3_next_config(), seed=4)
+    tokens = list(range(3, 3 + PREFIX + 4))
+    before = windows(model, tokens, [1, 1, 1])
+    layer = model.layers[0]
+    layer.mlp.gate.weight = layer.mlp.gate.weight * -1.0  # reroutes every token
+    layer.post_attention_layernorm.weight = layer.post_attention_layernorm.weight * 2.0
+    after = windows(model, tokens, [1, 1, 1])
+    monkeypatch.setattr(LayerCompile, "mode", "never")
+    expected = windows(model, tokens, [1, 1, 1])
+    for a, b in zip(after, expected):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_routing_that_consults_the_cache_is_never_traced(monkeypatch):
+    monkeypatch.setattr(LayerCompile, "mode", "always")
+    model = random_model(tiny_qwen3_next_config(), seed=6)
+    calls = []
+
+    def policy(probs, k):  # what experts/moce.py attaches: it reads the cache each call
+        calls.append(probs.shape)
+        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]
+        return inds, mx.ones(inds.shape)
+
+    for layer in model.layers:
+        layer.mlp.routing_policy = policy
+    assert not any(layer.mlp.compilable for layer in model.layers)
+    windows(model, list(range(5, 5 + PREFIX + 6)), [1, 1, 2, 2])
+    window_calls = [s for s in calls if s[0] <= 2]
+    assert len(window_calls) == 4 * len(model.layers)  # every window called the policy: nothing frozen
