@@ -40,8 +40,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from metal_shaders import gdn_window
-from metal_shaders import rows_matvec
+from metal_shaders import gdn_window, rows_matvec
 from strata_cli.bench import compare
 from strata_cli.bench.graph_ops import count_step
 from strata_cli.bench.peers import MlxLmPeer, require_mlx_lm
