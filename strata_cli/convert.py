@@ -1,9 +1,10 @@
 """`strata convert`: any checkpoint strata reads -> strata's own on-disk format.
 
 The output is a directory with config.json (marked `strata_format`, with a `quantization` block
-when quantized), the sanitized parameters under the model's own names in one or more safetensors
-shards (with model.safetensors.index.json when sharded), and the tokenizer files. The loader
-applies no transform to it, so nothing (Qwen3-Next's 1 + w norms, say) is ever applied twice.
+when quantized), the sanitized parameters in mlx-lm's layout (model/layout.py `to_mlx_layout`) in one or more
+safetensors shards (with model.safetensors.index.json when sharded), and the tokenizer files: what
+mlx-lm's own converter writes, so mlx-lm loads it too. strata's loader only renames and reshapes
+it back (`from_mlx_layout`), so nothing (Qwen3-Next's 1 + w norms, say) is ever applied twice.
 
 Writing is atomic: everything goes into a hidden sibling directory (`.DST.partial-<pid>-<tag>`)
 that is renamed into place only when complete, so an interrupted convert never leaves a destination
@@ -36,6 +37,7 @@ from tqdm import tqdm
 from . import safe_files
 from .experts.store import INDEX_NAME, STREAM_DIR, write_streamed_experts
 from .integrity import write_checksums
+from .model.layout import to_mlx_layout
 from .model.loader import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -169,7 +171,7 @@ def _quantize(model, options: ConvertOptions) -> dict:
 
 def _write_shards(model, out: Path, *, max_shard_bytes: int, show_progress: bool) -> dict[str, list[str]]:
     """Save every parameter, shard by shard; returns shard file name -> tensor names."""
-    params = tree_flatten(model.parameters())
+    params = list(to_mlx_layout(dict(tree_flatten(model.parameters()))).items())
     pending: dict[str, mx.array] = {}
     written: list[list[str]] = []
     size = 0
