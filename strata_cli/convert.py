@@ -1,7 +1,8 @@
 """`strata convert`: any checkpoint strata reads -> strata's own on-disk format.
 
-The output is a directory with config.json (marked `strata_format`, with a `quantization` block
-when quantized), the sanitized parameters in mlx-lm's layout (model/layout.py `to_mlx_layout`) in one or more
+The output is a directory with config.json (marked `strata_format`, with `quantization` and
+`quantization_config` blocks when quantized, and every hyperparameter strata read at the top level),
+the sanitized parameters in mlx-lm's layout (model/layout.py `to_mlx_layout`) in one or more
 safetensors shards (with model.safetensors.index.json when sharded), and the tokenizer files: what
 mlx-lm's own converter writes, so mlx-lm loads it too. strata's loader only renames and reshapes
 it back (`from_mlx_layout`), so nothing (Qwen3-Next's 1 + w norms, say) is ever applied twice.
@@ -19,6 +20,7 @@ checksums.json (integrity.py), which loading checks.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import json
 import os
@@ -118,7 +120,7 @@ def convert(
         names = list(shards) + ([f"{STREAM_DIR}/{INDEX_NAME}"] if options.stream else [])
         write_checksums(staging, names)
         # config.json last: until it exists, not even the staging directory looks like a model.
-        _write_config(staging, output_config(params, dtype=dtype, quantization=quantization))
+        _write_config(staging, output_config(params, model.config, dtype=dtype, quantization=quantization))
         _move_into_place(staging, dst)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -143,11 +145,15 @@ def stored_dtype_name(path: Path) -> str:
     return counts.most_common(1)[0][0] if counts else "float32"
 
 
-def output_config(params: dict, *, dtype: str, quantization: dict | None) -> dict:
+def output_config(params: dict, model_config, *, dtype: str, quantization: dict | None) -> dict:
+    """SRC's config.json with every field strata parsed (`model_config`) at the top level, where
+    mlx-lm reads them (transformers 5 nests rope_theta in rope_parameters, for one), and the
+    quantization recorded under both keys mlx-lm writes."""
     config = {k: v for k, v in params.items() if k not in ("quantization", "quantization_config", "torch_dtype")}
+    config.update({k: v for k, v in dataclasses.asdict(model_config).items() if v is not None})
     config.update({FORMAT_KEY: FORMAT_VERSION, "dtype": dtype})
     if quantization is not None:
-        config["quantization"] = quantization
+        config["quantization"] = config["quantization_config"] = quantization
     return dict(sorted(config.items()))
 
 
