@@ -336,12 +336,7 @@ def install(checkpoint: Path, data: Path, dest: Path, bits: int | None, max_byte
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(data / name, staging / name)
         config = json.loads((staging / "config.json").read_text())
-        # mlx-lm reads these at the top level; transformers 5 nests them under rope_parameters.
-        rope = config.get("rope_parameters") or {}
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if key in rope:
-                config.setdefault(key, rope[key])
-        config.pop("output_router_logits", None)
+        config.pop("output_router_logits", None)  # convert lifts what mlx-lm needs to the top level
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # Shards under GitHub's comfortable file size; checksums.json comes with them.
         convert(staging, dest, options=ConvertOptions(bits=bits, force=True), max_shard_bytes=12_000_000)

@@ -1,9 +1,11 @@
 """`strata convert`: any checkpoint strata reads -> strata's own on-disk format.
 
-The output is a directory with config.json (marked `strata_format`, with a `quantization` block
-when quantized), the sanitized parameters under the model's own names in one or more safetensors
-shards (with model.safetensors.index.json when sharded), and the tokenizer files. The loader
-applies no transform to it, so nothing (Qwen3-Next's 1 + w norms, say) is ever applied twice.
+The output is a directory with config.json (marked `strata_format`, with `quantization` and
+`quantization_config` blocks when quantized, and every hyperparameter strata read at the top level),
+the sanitized parameters in mlx-lm's layout (model/layout.py `to_mlx_layout`) in one or more
+safetensors shards (with model.safetensors.index.json when sharded), and the tokenizer files: what
+mlx-lm's own converter writes, so mlx-lm loads it too. strata's loader only renames and reshapes
+it back (`from_mlx_layout`), so nothing (Qwen3-Next's 1 + w norms, say) is ever applied twice.
 
 Writing is atomic: everything goes into a hidden sibling directory (`.DST.partial-<pid>-<tag>`)
 that is renamed into place only when complete, so an interrupted convert never leaves a destination
@@ -18,6 +20,7 @@ checksums.json (integrity.py), which loading checks.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import json
 import os
@@ -36,6 +39,7 @@ from tqdm import tqdm
 from . import safe_files
 from .experts.store import INDEX_NAME, STREAM_DIR, write_streamed_experts
 from .integrity import write_checksums
+from .model.layout import to_mlx_layout
 from .model.loader import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -116,7 +120,7 @@ def convert(
         names = list(shards) + ([f"{STREAM_DIR}/{INDEX_NAME}"] if options.stream else [])
         write_checksums(staging, names)
         # config.json last: until it exists, not even the staging directory looks like a model.
-        _write_config(staging, output_config(params, dtype=dtype, quantization=quantization))
+        _write_config(staging, output_config(params, model.config, dtype=dtype, quantization=quantization))
         _move_into_place(staging, dst)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -141,11 +145,15 @@ def stored_dtype_name(path: Path) -> str:
     return counts.most_common(1)[0][0] if counts else "float32"
 
 
-def output_config(params: dict, *, dtype: str, quantization: dict | None) -> dict:
+def output_config(params: dict, model_config, *, dtype: str, quantization: dict | None) -> dict:
+    """SRC's config.json with every field strata parsed (`model_config`) at the top level, where
+    mlx-lm reads them (transformers 5 nests rope_theta in rope_parameters, for one), and the
+    quantization recorded under both keys mlx-lm writes."""
     config = {k: v for k, v in params.items() if k not in ("quantization", "quantization_config", "torch_dtype")}
+    config.update({k: v for k, v in dataclasses.asdict(model_config).items() if v is not None})
     config.update({FORMAT_KEY: FORMAT_VERSION, "dtype": dtype})
     if quantization is not None:
-        config["quantization"] = quantization
+        config["quantization"] = config["quantization_config"] = quantization
     return dict(sorted(config.items()))
 
 
@@ -169,7 +177,7 @@ def _quantize(model, options: ConvertOptions) -> dict:
 
 def _write_shards(model, out: Path, *, max_shard_bytes: int, show_progress: bool) -> dict[str, list[str]]:
     """Save every parameter, shard by shard; returns shard file name -> tensor names."""
-    params = tree_flatten(model.parameters())
+    params = list(to_mlx_layout(dict(tree_flatten(model.parameters()))).items())
     pending: dict[str, mx.array] = {}
     written: list[list[str]] = []
     size = 0

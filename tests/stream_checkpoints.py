@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.convert import convert
+from strata_cli.model.layout import to_mlx_layout
 from strata_cli.model.loader import FORMAT_KEY, FORMAT_VERSION
 from strata_cli.options import ConvertOptions
 
@@ -21,12 +22,12 @@ NUM_EXPERTS, TOP_K = 32, 4
 
 
 def save_strata_checkpoint(model, path: Path) -> Path:
-    """A model as a checkpoint in strata's own format (parameters under their own names)."""
+    """A model as a checkpoint in strata's own format (its parameters in mlx-lm's layout)."""
     path.mkdir(parents=True)
     params = {k: v for k, v in dataclasses.asdict(model.config).items() if v is not None}
     params.update({FORMAT_KEY: FORMAT_VERSION, "dtype": "float32"})
     (path / "config.json").write_text(json.dumps(params))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(path / "model.safetensors"), to_mlx_layout(dict(tree_flatten(model.parameters()))))
     return path
 
 

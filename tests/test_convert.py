@@ -4,6 +4,7 @@ half-written."""
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -15,13 +16,14 @@ from hf_checkpoints import (
     prompt_text,
     tokenizer_dir,
 )
+from mlx.utils import tree_flatten
 
 import strata_cli.convert as convert_module
 from strata_cli.cli import cli
 from strata_cli.convert import ConvertError, convert
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import load_model, qwen3_next
-from strata_cli.model.loader import read_header
+from strata_cli.model.loader import FORMAT_VERSION, read_header
 from strata_cli.options import ConfigError, ConvertOptions
 from strata_cli.tokenizer import Tokenizer
 
@@ -50,7 +52,7 @@ def test_unquantized_convert_gives_the_source_logits(root, ids, tmp_path, family
     result = convert(src, tmp_path / "out", options=ConvertOptions())
     out = result.path
     config = json.loads((out / "config.json").read_text())
-    assert config["strata_format"] == 1 and config["dtype"] == "float32" and "quantization" not in config
+    assert config["strata_format"] == FORMAT_VERSION and config["dtype"] == "float32" and "quantization" not in config
     assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     # Exactly equal: the same float32 parameters, and no transform applied twice (Qwen3-Next's
     # 1 + w norms would be off by one).
@@ -71,6 +73,21 @@ def test_converted_checkpoint_is_not_sanitized_again(root, tmp_path, monkeypatch
     load_model(out)
     with pytest.raises(AssertionError, match="sanitize called"):
         load_model(src)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_format_1_checkpoints_still_load(root, ids, tmp_path, bits):
+    """Version 1 stored the modules' parameters as they are (conv1d (C, K), bare expert stacks)."""
+    out = convert(hf_checkpoint(root, "qwen3_next"), tmp_path / "v2", options=ConvertOptions(bits=bits)).path
+    params = dict(tree_flatten(load_model(out, dequantize=False).parameters()))
+    assert params["model.layers.0.linear_attn.conv1d.weight"].ndim == 2
+    old = tmp_path / "v1"
+    old.mkdir()
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (old / "config.json").write_text(json.dumps({**config, "strata_format": 1}))
+    mx.save_safetensors(str(old / "model.safetensors"), params)
+    np.testing.assert_array_equal(logits(old, ids), logits(out, ids))
 
 
 @pytest.mark.parametrize("family, bits", [(f, 4) for f in FAMILIES] + [("qwen3_next", 8)])

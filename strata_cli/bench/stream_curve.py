@@ -43,6 +43,7 @@ from ..decode import generate
 from ..engine.window import WindowEngine
 from ..experts.store import ExpertLayoutWriter, ExpertStore
 from ..model import qwen3_next
+from ..model.layout import to_mlx_layout
 from ..model.loader import FORMAT_KEY, FORMAT_VERSION
 from ..options import ConvertOptions, GenerateOptions, SpecOptions, StreamOptions
 from ..runtime import load_checkpoint
@@ -89,7 +90,7 @@ def build(out: Path, params: dict, *, seed: int, dtype: mx.Dtype, log) -> dict:
     for name, value in tree_flatten(model.parameters()):
         if ".switch_mlp." not in name:
             dense[name] = _draw_dense(name, value.shape, next(keys)).astype(dtype)
-    mx.save_safetensors(str(out / "model.safetensors"), dense)
+    mx.save_safetensors(str(out / "model.safetensors"), to_mlx_layout(dense))
     rng = np.random.default_rng(seed)
     E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
     writer = ExpertLayoutWriter(out, num_experts=E)

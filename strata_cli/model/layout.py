@@ -9,17 +9,23 @@ Three layouts reach strata:
 - "mlx": what mlx-lm writes (the MLX-community checkpoints). Experts are stacked as
   `switch_mlp.{gate,up,down}_proj.weight`, quantized ones with `.scales` and `.biases`, and every
   family transform has already been applied.
-- strata's own (`strata convert`): the modules' own parameter names; config.json says so, and the
-  loader applies no transform at all.
+- strata's own (`strata convert`), marked in config.json. Version 2 is exactly the MLX layout (so
+  mlx-lm loads it too); `from_mlx_layout` turns it into the modules' parameters by names and
+  shapes alone, with no family transform. Version 1 held the modules' parameters as they are.
 """
 
 from __future__ import annotations
+
+import re
 
 import mlx.core as mx
 
 HF, MLX = "hf", "mlx"
 GLU = ("gate_proj", "up_proj", "down_proj")
 QUANT_PARTS = ("scales", "biases")
+# Unquantized stacked experts: strata's SwitchGLU holds them as bare arrays, mlx-lm as `<proj>.weight`.
+_BARE_EXPERTS = re.compile(r"\.switch_mlp\.(gate|up|down)_proj$")
+_CONV = ".conv1d.weight"  # strata's depthwise conv weight (C, K); MLX's conv layout is (C, K, 1)
 
 
 class LayoutError(ValueError):
@@ -38,6 +44,31 @@ def detect_layout(weights: dict[str, mx.array]) -> str | None:
     if any(".experts." in k for k in weights):
         return HF
     return None
+
+
+def to_mlx_layout(params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A model's parameters (tree_flatten) under the names and shapes mlx-lm stores them."""
+    out = {}
+    for name, value in params.items():
+        if _BARE_EXPERTS.search(name):
+            name = f"{name}.weight"
+        elif name.endswith(_CONV) and value.ndim == 2:
+            value = value[..., None]
+        out[name] = value
+    return out
+
+
+def from_mlx_layout(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The inverse of `to_mlx_layout`: tensors it wrote back under the modules' names and shapes."""
+    out = {}
+    for name, value in weights.items():
+        base = name.removesuffix(".weight")
+        if base != name and _BARE_EXPERTS.search(base) and f"{base}.scales" not in weights:
+            name = base
+        elif name.endswith(_CONV) and value.ndim == 3 and value.shape[-1] == 1:
+            value = value.squeeze(-1)
+        out[name] = value
+    return out
 
 
 def stack_experts(

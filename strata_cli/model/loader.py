@@ -19,14 +19,22 @@ from mlx.utils import tree_flatten
 
 from ..integrity import IntegrityError, verify_files
 from .config import DTYPES, ConfigError
-from .layout import LayoutError
-from .quant import DEQUANTIZE_DENSE_MAX_BYTES, Quantization, apply_to_load, dense_bytes, dequantize_dense
+from .layout import LayoutError, from_mlx_layout
+from .quant import (
+    DEQUANTIZE_DENSE_MAX_BYTES,
+    Quantization,
+    apply_to_load,
+    dense_bytes,
+    dequantize_dense,
+)
 
 # model_type -> module in strata_cli.model
 ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
-# config.json key that marks strata's own layout (already sanitized), and its version.
+# config.json key that marks strata's own layout (already sanitized), and its version:
+# 2 stores the tensors in mlx-lm's layout (layout.to_mlx_layout), so mlx-lm loads them too;
+# 1 stored the modules' parameters as they are (conv1d (C, K), bare expert stacks), still read.
 FORMAT_KEY = "strata_format"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_HEADER_BYTES = 100_000_000  # a safetensors JSON header; larger means a corrupt length prefix
 
 
@@ -166,14 +174,15 @@ def read_quantization(params: dict) -> Quantization | None:
     return None
 
 
-def is_strata_format(params: dict) -> bool:
-    """True for checkpoints `strata convert` wrote: their tensors need no sanitizing."""
+def strata_format(params: dict) -> int | None:
+    """The format version of a checkpoint `strata convert` wrote (its tensors need no sanitizing),
+    None for any other checkpoint."""
     version = params.get(FORMAT_KEY)
     if version is None:
-        return False
-    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        return None
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
         raise ConfigError(f"{FORMAT_KEY} {version!r} is not one this strata reads (1..{FORMAT_VERSION})")
-    return True
+    return version
 
 
 def _some(names: list[str], limit: int = 5) -> str:
@@ -228,7 +237,7 @@ def load_model(
         config = arch.Config.from_dict(params)
         model = arch.Model(config)
         quantization = read_quantization(params)
-        is_strata = is_strata_format(params)
+        version = strata_format(params)
     except (ConfigError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
 
@@ -240,8 +249,10 @@ def load_model(
     weights, sources = load_weights(files)
     stored = stored_dtype(weights)
     try:
-        if not is_strata:
+        if version is None:
             weights = model.sanitize(weights)
+        elif version >= 2:
+            weights = from_mlx_layout(weights)
         if quantization is not None:
             apply_to_load(model, quantization, weights)
     except LayoutError as e:
