@@ -17,6 +17,7 @@ def test_selftest_reports_identity_and_window_costs():
     assert report["attention_kernel"] == {"usable": False, "probed": True, "error": None}
     assert {(r["mode"], r["dtype"]) for r in report["results"]} == {("3", "float32"), ("auto", "float32")}
     assert len(report["results"]) == 2 * len(selftest_module.PROMPTS)
+    assert all(r["tokens"] == 6 for r in report["results"])  # end-of-text never cuts a comparison short
     assert sorted(report["window_ms"]["float32"], key=int) == [str(T) for T in range(1, 9)]
     assert all(ms > 0 for ms in report["window_ms"]["float32"].values())
 
