@@ -95,10 +95,20 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
         # (M, 1, in) -> (M, 1, out) as it stands: the kernel reads rows, a reshape is one more op.
         return kernels.rows_gather_qmatvec(x, weight, scales, biases, experts if experts.ndim == 1 else
                                            experts.reshape(-1), group_size=group_size, bits=bits)
+    if (is_sorted and x.dtype == mx.float32 and is_cpu_prompt(x)
+            and weight.size * 32 // bits * 4 <= CPU_PROMPT_DEQUANTIZE_BYTES):
+        # A prompt chunk on the CPU: MLX's CPU quantized gather runs slower than dequantizing the
+        # bank once per chunk and multiplying by its contiguous transpose (docs/benchmarks.md).
+        # Streamed slot banks take this very call too, so they stay bit-identical to resident ones.
+        dense = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
+        return mx.gather_mm(x, mx.contiguous(dense.swapaxes(-1, -2)), rhs_indices=experts, sorted_indices=True)
     return mx.gather_qmm(
         x, weight, scales, biases, rhs_indices=experts, transpose=True,
         group_size=group_size, bits=bits, mode=mode, sorted_indices=is_sorted,
     )
+
+
+CPU_PROMPT_DEQUANTIZE_BYTES = 64 * 2**20  # largest expert bank dequantized per prompt chunk (float32 bytes)
 
 
 class QuantizedSwitchGLU(nn.Module):
