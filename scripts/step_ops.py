@@ -181,8 +181,8 @@ def parts_of(model, steps: Steps):
         names[id(layer)] = "residual"
     modules = [m for _, m in model.named_modules() if id(m) in names]
     methods = {("__call__", next(c for c in type(m).__mro__ if "__call__" in c.__dict__)) for m in modules}
-    methods |= {(name, c) for m in modules if id(m) in mixers for name in ("head", "core", "tail")
-                for c in type(m).__mro__[:1] if name in c.__dict__}
+    methods |= {(name, type(m)) for m in modules if id(m) in mixers
+                for name in ("head", "core", "tail") if name in type(m).__dict__}  # strata's mixers only
     active: set[int] = set()
     originals = {(name, cls): cls.__dict__[name] for name, cls in methods}
 

@@ -25,8 +25,8 @@ def test_selftest_reports_identity_and_window_costs():
 def test_selftest_exits_1_on_a_difference(monkeypatch):
     real = selftest_module._tokens
 
-    def broken(engine, ids, max_tokens, spec, eos_ids):
-        tokens = real(engine, ids, max_tokens, spec, eos_ids)
+    def broken(engine, ids, max_tokens, spec):
+        tokens = real(engine, ids, max_tokens, spec)
         return tokens[:-1] + [(tokens[-1] + 1) % engine.vocab_size] if spec.max_drafts else tokens
 
     monkeypatch.setattr(selftest_module, "_tokens", broken)
