@@ -23,6 +23,21 @@ def tiny_model():
     return random_model(tiny_qwen3_next_config(), seed=0)
 
 
+@pytest.fixture(scope="module", params=["float32", "4-bit"])
+def next_model(request):
+    """A tiny random Qwen3-Next, as stored and 4-bit quantized: what the window tests run on."""
+    import mlx.core as mx
+
+    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.model.quant import quantize
+
+    model = random_model(tiny_qwen3_next_config(), seed=5)
+    if request.param == "4-bit":
+        quantize(model, group_size=32, bits=4)
+        mx.eval(model.parameters())
+    return model
+
+
 @pytest.fixture(scope="module")
 def emulate():
     """scripts/kernel_emulate.py as a module: the CUDA kernels' bodies compiled with g++ (CPU)."""

@@ -12,18 +12,8 @@ from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.compiled import Compiled, LayerCompile
 from strata_cli.model.layers import WINDOW_ROWS, RowSplit
-from strata_cli.model.quant import quantize
 
 PREFIX = 9
-
-
-@pytest.fixture(scope="module", params=["float32", "4-bit"])
-def model(request):
-    model = random_model(tiny_qwen3_next_config(), seed=3)
-    if request.param == "4-bit":
-        quantize(model, group_size=32, bits=4)
-        mx.eval(model.parameters())
-    return model
 
 
 def windows(model, tokens, sizes):
@@ -39,7 +29,8 @@ def windows(model, tokens, sizes):
 
 
 @pytest.mark.parametrize("row_split", ["auto", "always"])
-def test_compiled_windows_compute_the_eager_bits(model, row_split, monkeypatch):
+def test_compiled_windows_compute_the_eager_bits(next_model, row_split, monkeypatch):
+    model = next_model
     monkeypatch.setattr(RowSplit, "mode", row_split)
     rng = random.Random(1)
     sizes = [1, 3, 8, 1, 5, 2, 8, 1]  # each size twice or more: the second call replays a trace

@@ -11,7 +11,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.layers import (
     WINDOW_ROWS,
@@ -20,7 +19,6 @@ from strata_cli.model.layers import (
     RowSplit,
     by_row,
 )
-from strata_cli.model.quant import quantize
 
 PREFIX = 11
 
@@ -31,16 +29,8 @@ def row_split(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["float32", "4-bit"])
-def model(request):
-    model = random_model(tiny_qwen3_next_config(), seed=5)
-    if request.param == "4-bit":
-        quantize(model, group_size=32, bits=4)
-        mx.eval(model.parameters())
-    return model
-
-
-def test_every_row_of_a_window_equals_its_serial_logits(model, row_split):
+def test_every_row_of_a_window_equals_its_serial_logits(next_model, row_split):
+    model = next_model
     rng = random.Random(7)
     tokens = [rng.randrange(model.config.vocab_size) for _ in range(PREFIX + WINDOW_ROWS)]
     serial = WindowEngine(model)
