@@ -15,17 +15,16 @@ added as (p0+p1)+(p2+p3)); the chunk's max is a xor butterfly (exact); the expon
 and the values accumulated cell by cell in chunk order, lane l owning D/32 consecutive output
 dims; last, the warps' (max, sum, values) are combined in warp order 0..WARPS-1.
 
-CUDA source (`mx.fast.cuda_kernel`); `reference_attention_window` (pure MLX: serial decoding's
-sdpa call, once per row) is what the CPU runs and what the tests hold the kernel to; `usable()`
-probes the kernel once on the running device.
+One body for CUDA and Metal (backends.py); `reference_attention_window` (pure MLX: serial
+decoding's sdpa call, once per row) is what the CPU runs and what the tests hold the kernel to;
+`usable()` probes the kernel once on the running device.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .probe import Probe, cuda_kernel, dims
-from .rows_matvec import HEADER
+from .probe import Probe, dims, gpu_kernel
 
 MAX_HEAD_DIM = 256  # a lane keeps D/32 output dims in registers; the block's partials sit in shared memory
 WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 threads busy per row
@@ -40,28 +39,28 @@ SOURCE = """
     constexpr int PER = DH / 32;
     constexpr float NEG_BIG = -3.402823466e38f;
     const int Hq = dims[1], Hkv = dims[2], T = dims[3], L = dims[4];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = blockIdx.x % T, h = (blockIdx.x / T) % Hq, b = blockIdx.x / (T * Hq);
+    const int lane = thread_x & 31, warp = thread_x >> 5;
+    const int t = block_x % T, h = (block_x / T) % Hq, b = block_x / (T * Hq);
     const int kh = h / (Hq / Hkv);
     const int n = L - T + t + 1;
-    __shared__ float q_s[DH];
-    __shared__ float p_s[WARPS][32];
-    __shared__ float m_s[WARPS];
-    __shared__ float l_s[WARPS];
-    __shared__ float acc_s[WARPS][DH];
-    const TQ* qp = q + b * q_strides[0] + h * q_strides[1] + t * q_strides[2];
-    for (int d = threadIdx.x; d < DH; d += WARPS * 32) q_s[d] = static_cast<float>(qp[d]) * scale[0];
-    __syncthreads();
-    const TK* k0 = keys + b * keys_strides[0] + kh * keys_strides[1];
-    const TV* v0 = values + b * values_strides[0] + kh * values_strides[1];
+    STRATA_SHARED float q_s[DH];
+    STRATA_SHARED float p_s[WARPS][32];
+    STRATA_SHARED float m_s[WARPS];
+    STRATA_SHARED float l_s[WARPS];
+    STRATA_SHARED float acc_s[WARPS][DH];
+    auto qp = q + b * q_strides[0] + h * q_strides[1] + t * q_strides[2];
+    for (int d = thread_x; d < DH; d += WARPS * 32) q_s[d] = static_cast<float>(qp[d]) * scale[0];
+    strata_sync();
+    auto k0 = keys + b * keys_strides[0] + kh * keys_strides[1];
+    auto v0 = values + b * values_strides[0] + kh * values_strides[1];
     float m = NEG_BIG, l = 0.0f, acc[PER];
     #pragma unroll
     for (int e = 0; e < PER; ++e) acc[e] = 0.0f;
     for (int j0 = warp * 32; j0 < n; j0 += WARPS * 32) {
         float s = NEG_BIG;
         if (j0 + lane < n) {
-            const TK* kp = k0 + (j0 + lane) * keys_strides[2];
-            const bool vec = (reinterpret_cast<size_t>(kp) & 15) == 0;
+            auto kp = k0 + (j0 + lane) * keys_strides[2];
+            const bool vec = strata_aligned16(kp, 0);
             float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             #pragma unroll 4
             for (int d0 = 0; d0 < DH; d0 += 8) {
@@ -74,26 +73,26 @@ SOURCE = """
         }
         float chunk_max = s;
         #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, off));
+        for (int off = 16; off > 0; off >>= 1) chunk_max = fmaxf(chunk_max, strata_xor(chunk_max, off));
         const float m_new = fmaxf(m, chunk_max);
         const float rescale = expf(m - m_new);
         p_s[warp][lane] = expf(s - m_new);
-        __syncwarp();
+        strata_sync_warp();
         l *= rescale;
         #pragma unroll
         for (int e = 0; e < PER; ++e) acc[e] *= rescale;
-        const int count = min(32, n - j0);
+        const int count = n - j0 < 32 ? n - j0 : 32;
         for (int c = 0; c < count; ++c) {
             const float p = p_s[warp][c];
             float v[PER];
-            const TV* vp = v0 + (j0 + c) * values_strides[2] + lane * PER;
-            strata_load<TV, PER>(vp, (reinterpret_cast<size_t>(vp) & 15) == 0, v);
+            auto vp = v0 + (j0 + c) * values_strides[2] + lane * PER;
+            strata_load<TV, PER>(vp, strata_aligned16(vp, 0), v);
             l += p;
             #pragma unroll
             for (int e = 0; e < PER; ++e) acc[e] = fmaf(p, v[e], acc[e]);
         }
         m = m_new;
-        __syncwarp();
+        strata_sync_warp();
     }
     if (lane == 0) {
         m_s[warp] = m;
@@ -101,11 +100,11 @@ SOURCE = """
     }
     #pragma unroll
     for (int e = 0; e < PER; ++e) acc_s[warp][lane * PER + e] = acc[e];
-    __syncthreads();
+    strata_sync();
     float M = m_s[0];
     #pragma unroll
     for (int w = 1; w < WARPS; ++w) M = fmaxf(M, m_s[w]);
-    for (int d = threadIdx.x; d < DH; d += WARPS * 32) {
+    for (int d = thread_x; d < DH; d += WARPS * 32) {
         float total = 0.0f, o = 0.0f;
         #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
@@ -116,7 +115,7 @@ SOURCE = """
         out[((static_cast<size_t>(b) * T + t) * Hq + h) * DH + d] = static_cast<TQ>(o / total);
     }
 """
-HEADER_ATTENTION = HEADER + f"#define WARPS {WARPS}\n"
+HEADER = f"#define WARPS {WARPS}\n"
 
 _scales: dict[float, mx.array] = {}
 
@@ -127,7 +126,7 @@ def supports(head_dim: int) -> bool:
 
 
 def launch(B: int, Hq: int, T: int) -> dict:
-    """Grid (in threads, as mx.fast.cuda_kernel takes it) and block: a block per (b, h, t)."""
+    """Grid (in threads, as MLX's custom kernels take it) and block: a block per (b, h, t)."""
     return {"grid": (B * Hq * T * WARPS * 32, 1, 1), "threadgroup": (WARPS * 32, 1, 1)}
 
 
@@ -138,7 +137,7 @@ def _scale(scale: float) -> mx.array:
 
 
 def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-    """Attention of T <= 8 query rows over the cache, on CUDA, one call.
+    """Attention of T <= 8 query rows over the cache, on a GPU, one call.
 
     Args:
         q: (B, Hq, T, D), the rows at the last T cells of the cache view.
@@ -150,8 +149,8 @@ def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float
     """
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
-    kernel = cuda_kernel("strata_attention_window_v1", ["dims", "scale", "q", "keys", "values"], ["out"], SOURCE,
-                         HEADER_ATTENTION, ensure_row_contiguous=False)
+    kernel = gpu_kernel("strata_attention_window_v2", ["dims", "scale", "q", "keys", "values"], ["out"], SOURCE,
+                        HEADER, ensure_row_contiguous=False)
     # The dtypes are template values too (MLX caches a compile by name and template alone).
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
     (out,) = kernel(inputs=[dims(B, Hq, Hkv, T, L), _scale(scale), q, keys, values], template=template,
@@ -174,8 +173,8 @@ _probe = Probe("attention window kernel", "decode windows attend row by row with
 
 
 def usable() -> bool:
-    """True on CUDA once the kernel matched the reference and was row-invariant on a probe
-    (checked once per process); False elsewhere or after any failure (logged once)."""
+    """True on a GPU (CUDA, Metal) once the kernel matched the reference and was row-invariant
+    on a probe (checked once per process); False elsewhere or after any failure (logged once)."""
     return _probe.usable(check)
 
 

@@ -12,8 +12,9 @@ row's inputs and the shapes, never of T, so a T-row call gives the bits of T cha
 sequentially in one thread, `gdn_prepare` sums a head's squares lane-sequentially and then over
 a fixed xor butterfly of warp shuffles.
 
-CUDA sources (`mx.fast.cuda_kernel`); `reference_*` (pure MLX) is what the CPU runs and what the
-tests hold the kernels to; `usable()` probes the kernels once on the running device.
+One body per kernel for CUDA and Metal (backends.py); `reference_*` (pure MLX) is what the CPU
+runs and what the tests hold the kernels to; `usable()` probes the kernels once on the running
+device.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .probe import Probe, cuda_kernel, dims
+from .probe import Probe, dims, gpu_kernel
 
 L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
 MAX_HEAD_DIM = 256  # gdn_scan keeps a state column of Dk floats in registers
@@ -31,7 +32,7 @@ THREADS = 128
 # and runs every row in order, with fused multiply-adds over i = 0..Dk-1. dims: B, T, Hk, Hv, Dv.
 SCAN = """
     const int B = dims[0], T = dims[1], Hk = dims[2], Hv = dims[3], Dv = dims[4];
-    const int gid = blockIdx.x * blockDim.x + threadIdx.x;
+    const int gid = block_x * block_dim + thread_x;
     if (gid >= B * Hv * Dv) return;
     const int j = gid % Dv, h = (gid / Dv) % Hv, b = gid / (Dv * Hv);
     const int kh = h / (Hv / Hk);
@@ -71,8 +72,8 @@ SCAN = """
 PREPARE = """
     const int B = dims[0], T = dims[1], Hk = dims[2], Hv = dims[3], Dk = dims[4], Dv = dims[5], K = dims[6];
     const int C = 2 * Hk * Dk + Hv * Dv, W = K - 1 + T;
-    const int lane = threadIdx.x & 31;
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = thread_x & 31;
+    const int warp = (block_x * block_dim + thread_x) >> 5;
     const int segments = 2 * Hk + Hv;
     if (warp >= B * T * segments) return;
     const int seg = warp % segments, t = (warp / segments) % T, b = warp / (segments * T);
@@ -112,10 +113,10 @@ PREPARE = """
         return;
     }
     #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
+    for (int off = 16; off > 0; off >>= 1) squares += strata_xor(squares, off);
     const bool is_query = seg < Hk;
     const float inv = rsqrtf(squares + L2_EPS_F) * (is_query ? 1.0f / sqrtf(static_cast<float>(Dk)) : 1.0f);
-    float* out = is_query ? q_out : k_out;
+    auto out = is_query ? q_out : k_out;
     const int kh = is_query ? seg : seg - Hk;
     #pragma unroll
     for (int m = 0; m < PER; ++m)
@@ -129,7 +130,7 @@ def supports(head_k_dim: int, head_v_dim: int) -> bool:
 
 
 def scan_launch(B: int, Hv: int, Dv: int) -> dict:
-    """Grid (in threads, as mx.fast.cuda_kernel takes it) and block of one `gdn_scan` call."""
+    """Grid (in threads, as MLX's custom kernels take it) and block of one `gdn_scan` call."""
     blocks = -(-(B * Hv * Dv) // THREADS)
     return {"grid": (blocks * THREADS, 1, 1), "threadgroup": (THREADS, 1, 1)}
 
@@ -142,7 +143,7 @@ def prepare_launch(B: int, T: int, Hk: int, Hv: int) -> dict:
 
 
 def gdn_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
-    """The gated delta rule over T rows on CUDA; all float32.
+    """The gated delta rule over T rows on a GPU; all float32.
 
     Args:
         q, k: (B, T, Hk, Dk), l2-normalised (q also scaled by Dk^-0.5).
@@ -155,7 +156,7 @@ def gdn_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
-    kernel = cuda_kernel("strata_gdn_scan_v1", ["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], SCAN,
+    kernel = gpu_kernel("strata_gdn_scan_v2", ["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], SCAN,
                          HEADER)
     config = scan_launch(B, Hv, Dv)
     # The dtypes are template values too (MLX caches a compile by name and template alone).
@@ -166,7 +167,7 @@ def gdn_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
 
 
 def gdn_prepare(window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
-    """Causal conv + silu + l2norm + scale + gating of a window's rows, on CUDA, in float32.
+    """Causal conv + silu + l2norm + scale + gating of a window's rows, on a GPU, in float32.
 
     Args:
         window: (B, K-1+T, C) raw conv inputs with the K-1 history rows first (model dtype).
@@ -180,7 +181,7 @@ def gdn_prepare(window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, 
     T, Hv = a.shape[1], a.shape[2]
     Hk, Dk = num_k_heads, head_k_dim
     Dv = (C - 2 * Hk * Dk) // Hv
-    kernel = cuda_kernel("strata_gdn_prepare_v1",
+    kernel = gpu_kernel("strata_gdn_prepare_v2",
                          ["dims", "window", "conv_weight", "a", "b_in", "A_log", "dt_bias"],
                          ["q_out", "k_out", "v_out", "g_out", "beta_out"], PREPARE, HEADER)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
@@ -252,8 +253,8 @@ _probe = Probe("GDN window kernels", "GDN decode windows run as MLX ops")
 
 
 def usable() -> bool:
-    """True on CUDA once both kernels matched the reference and were row-invariant on a probe
-    (checked once per process); False elsewhere or after any failure (logged once)."""
+    """True on a GPU (CUDA, Metal) once both kernels matched the reference and were row-invariant
+    on a probe (checked once per process); False elsewhere or after any failure (logged once)."""
     return _probe.usable(check)
 
 

@@ -5,11 +5,11 @@ an affine-quantized w (4 or 8 bits, MLX's packing: `mx.quantize`). Each output e
 in float32 in one fixed order — lane l of a warp takes the 16-byte weight chunks l, l+32, ...
 with fused multiply-adds, then a fixed butterfly of warp shuffles — that does not depend on R,
 so a row's result is the same bits whether it runs alone (serial decoding) or with seven others
-(a window). The weights are read once per window for all its rows, with 128-bit loads, several
-output columns per warp; x is read as needed (it is small and stays in L1).
+(a window). The weights are read once per window for all its rows (on CUDA with 128-bit
+loads), several output columns per warp; x is read as needed (it is small and stays in cache).
 
-CUDA sources (`mx.fast.cuda_kernel`); on other backends `reference_*` (pure MLX, the tests' and
-the CPU's path) is what callers use. `kernels_usable()` checks the kernels once against the
+One body per kernel for CUDA and Metal (backends.py); on the CPU `reference_*` (pure MLX, the
+tests' path too) is what callers use. `kernels_usable()` checks the kernels once against the
 reference on the running device and falls back for good when they fail.
 """
 
@@ -17,39 +17,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .probe import Probe, cuda_kernel, dims
+from .probe import Probe, dims, gpu_kernel
 
 MAX_ROWS = 8
 WARPS = 4  # warps per block (128 threads): small blocks spread a 512-column matrix over the SMs
 COLS = 4  # output columns per warp: each x value loaded feeds COLS columns
-
-# Helpers the kernel bodies share (mx.fast.cuda_kernel's `header`, outside the kernel function).
-# `strata_u2f` turns a small unsigned int into a float exactly without the slow I2F instruction
-# (2^23 + q has q in its mantissa); `strata_load` reads V consecutive values as floats, with one
-# 128-bit load per 16 bytes where the address allows it.
-HEADER = """
-__device__ __forceinline__ float strata_u2f(unsigned int q) {
-    return __uint_as_float(0x4B000000u | q) - 8388608.0f;
-}
-template <typename V, int N>
-__device__ __forceinline__ void strata_load(const V* p, bool vec, float* out) {
-    constexpr int PER = 16 / static_cast<int>(sizeof(V));
-    if constexpr (N % PER == 0) {
-        if (vec) {
-            #pragma unroll
-            for (int i = 0; i < N / PER; ++i) {
-                const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + i);
-                const V* v = reinterpret_cast<const V*>(&raw);
-                #pragma unroll
-                for (int j = 0; j < PER; ++j) out[i * PER + j] = static_cast<float>(v[j]);
-            }
-            return;
-        }
-    }
-    #pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = static_cast<float>(p[j]);
-}
-"""
 
 # Every body: warp w of block b owns columns (b·WARPS + w)·COLS ... + COLS-1; lane l takes the
 # 128-bit chunks u = l, l + 32, ... of each weight row, in that order, each chunk's values in
@@ -63,9 +35,9 @@ _ROWS_PLAIN = """
     int row[ROWS];
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) row[r] = r;
-    const auto* wq = w;
-    const auto* sq = scales;
-    const auto* bq = biases;
+    auto wq = w;
+    auto sq = scales;
+    auto bq = biases;
 """
 # Routed experts: x row m (one pick) goes through expert idx[m]. Block (column block, m) serves
 # pick m and the next same-expert picks, ROWS at most, when m opens a run of ROWS picks of its
@@ -73,7 +45,7 @@ _ROWS_PLAIN = """
 # and a pick's arithmetic never depends on which other picks share its block.
 _ROWS_GATHER = """
     const int M = dims[0];
-    const int m = blockIdx.y;
+    const int m = block_y;
     const int e = idx[m];
     int before = 0;
     for (int i = 0; i < m; ++i) before += idx[i] == e;
@@ -82,16 +54,16 @@ _ROWS_GATHER = """
     int R = 0;
     for (int i = m; i < M && R < ROWS; ++i)
         if (idx[i] == e) row[R++] = i;
-    const auto* wq = w + static_cast<size_t>(e) * dims[2] * (dims[1] / (32 / BITS));
-    const auto* sq = scales + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
-    const auto* bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
+    auto wq = w + static_cast<size_t>(e) * dims[2] * (dims[1] / (32 / BITS));
+    auto sq = scales + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
+    auto bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
 """
 _HEAD = """
     const int K = dims[1], N = dims[2];
-    const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * COLS;
+    const int lane = thread_x & 31;
+    const int n0 = (block_x * (block_dim >> 5) + (thread_x >> 5)) * COLS;
     if (n0 >= N) return;
-    const bool xvec = ((reinterpret_cast<size_t>(x) | (static_cast<size_t>(K) * sizeof(T))) & 15) == 0;
+    const bool xvec = strata_aligned16(x, static_cast<size_t>(K) * sizeof(T));
     float acc[ROWS][COLS];
     #pragma unroll
     for (int r = 0; r < ROWS; ++r)
@@ -105,7 +77,7 @@ _TAIL = """
         for (int c = 0; c < COLS; ++c) {
             float v = acc[r][c];
             #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+            for (int off = 16; off > 0; off >>= 1) v += strata_xor(v, off);
             if (lane == c && r < R && n0 + c < N) out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(v);
         }
 """
@@ -118,7 +90,7 @@ DENSE = """
 """ + _HEAD + """
     constexpr int CHUNK = 16 / static_cast<int>(sizeof(TW));
     const int KC = K / CHUNK;
-    const bool wvec = ((reinterpret_cast<size_t>(w) | (static_cast<size_t>(K) * sizeof(TW))) & 15) == 0;
+    const bool wvec = strata_aligned16(w, static_cast<size_t>(K) * sizeof(TW));
     #pragma unroll (ROWS > 2 ? 1 : 2)
     for (int u = lane; u < KC; u += 32) {
         float wv[COLS][CHUNK];
@@ -145,7 +117,7 @@ _QUANTIZED_BODY = _HEAD + """
     constexpr int VALS = 32 / BITS, CHUNK = 4 * VALS;
     constexpr unsigned int MASK = (1u << BITS) - 1u;
     const int KW = K / VALS, KC = K / CHUNK, KG = K / GS;
-    const bool wvec = ((reinterpret_cast<size_t>(wq) | (static_cast<size_t>(KW) * 4)) & 15) == 0;
+    const bool wvec = strata_aligned16(wq, static_cast<size_t>(KW) * 4);
     #pragma unroll (ROWS > 2 ? 1 : 2)
     for (int u = lane; u < KC; u += 32) {
         uint4 q[COLS];
@@ -153,8 +125,7 @@ _QUANTIZED_BODY = _HEAD + """
         #pragma unroll
         for (int c = 0; c < COLS; ++c) {
             const int n = n0 + c < N ? n0 + c : n0;
-            const unsigned int* p = wq + static_cast<size_t>(n) * KW + u * 4;
-            q[c] = wvec ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(p[0], p[1], p[2], p[3]);
+            q[c] = strata_words(wq + static_cast<size_t>(n) * KW + u * 4, wvec);
             const size_t g = static_cast<size_t>(n) * KG + (u * CHUNK) / GS;
             s[c] = static_cast<float>(sq[g]);
             b[c] = static_cast<float>(bq[g]);
@@ -184,7 +155,7 @@ _QUANTIZED_BODY = _HEAD + """
 QUANTIZED = _ROWS_PLAIN + _QUANTIZED_BODY
 GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
 
-_probe = Probe("row-invariant CUDA kernels", "decode windows run row by row")
+_probe = Probe("row-invariant matrix kernels", "decode windows run row by row")
 
 
 def launch_config(rows: int, N: int, *, cols: int = COLS) -> dict:
@@ -207,8 +178,8 @@ def row_capacity(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def _kernel(name: str, inputs: list[str], source: str):
-    return cuda_kernel(name, inputs, ["out"], source, HEADER)
+def _kernel(name: str, inputs: list[str], body: str):
+    return gpu_kernel(name, inputs, ["out"], body)
 
 
 def _launch(kernel, inputs, template, lead: tuple[int, ...], rows: int, N: int, dtype, cols: int):
@@ -227,11 +198,11 @@ def rows(x: mx.array) -> tuple[int, int]:
 
 
 def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS) -> mx.array:
-    """x (..., K) @ w (N, K)ᵀ -> (..., N) in x's dtype, at most 8 rows, on CUDA (`cols`: columns
-    per warp)."""
+    """x (..., K) @ w (N, K)ᵀ -> (..., N) in x's dtype, at most 8 rows, on a GPU (`cols`:
+    columns per warp)."""
     R, K = rows(x)
     N = w.shape[0]
-    kernel = _kernel("strata_rows_matvec_v2", ["dims", "x", "w"], DENSE)
+    kernel = _kernel("strata_rows_matvec_v3", ["dims", "x", "w"], DENSE)
     template = [("T", x.dtype), ("TW", w.dtype)]
     return _launch(kernel, [dims(R, K, N), x, w], template, x.shape[:-1], R, N, x.dtype, cols)
 
@@ -239,10 +210,10 @@ def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS) -> mx.array:
 def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                  bits: int, cols: int = COLS) -> mx.array:
     """x (..., K) @ dequantized w (N, K·bits/32 packed)ᵀ -> (..., N), at most 8 rows, affine 4 or 8
-    bits, on CUDA."""
+    bits, on a GPU."""
     R, K = rows(x)
     N = w.shape[0]
-    kernel = _kernel("strata_rows_qmatvec_v2", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
+    kernel = _kernel("strata_rows_qmatvec_v3", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
     template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
     return _launch(kernel, [dims(R, K, N), x, w, scales, biases], template, x.shape[:-1], R, N, x.dtype, cols)
@@ -251,13 +222,13 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
 def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
                         group_size: int, bits: int, share: int | None = None, cols: int = COLS) -> mx.array:
     """Routed experts: x (..., K) of M rows, experts (M,) -> (..., N), row m times dequantized w[experts[m]]ᵀ,
-    w (E, N, K·bits/32 packed), affine 4 or 8 bits, on CUDA. Each expert is read once for up to
+    w (E, N, K·bits/32 packed), affine 4 or 8 bits, on a GPU. Each expert is read once for up to
     `share` picks of it (1, 2, 4 or 8; by default about M / 8, the window's rows at top-8..10:
     a one-row call has no repeats and runs the lean 1-row compile); a pick's result is the same
     bits whatever the other picks are and whatever `share` is."""
     M, K = rows(x)
     N = w.shape[1]
-    kernel = _kernel("strata_rows_gather_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "idx"],
+    kernel = _kernel("strata_rows_gather_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "idx"],
                      GATHER_QUANTIZED)
     config = launch_config(share or min(MAX_ROWS, max(1, M // 8)), N, cols=cols)
     template = [("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
@@ -293,8 +264,8 @@ def supports(K: int, *, group_size: int | None = None, bits: int | None = None) 
 
 
 def kernels_usable() -> bool:
-    """True on CUDA once both kernels matched the reference and were row-invariant on a probe
-    (checked once per process); False elsewhere or after any failure (logged once)."""
+    """True on a GPU (CUDA, Metal) once the kernels matched the reference and were row-invariant
+    on a probe (checked once per process); False elsewhere or after any failure (logged once)."""
     return _probe.usable(_check)
 
 

@@ -1,9 +1,11 @@
-"""Run the CUDA kernels of metal_shaders/rows_matvec.py on the CPU, one warp at a time, against
-their references: a check of their index arithmetic and row invariance where there is no GPU.
+"""Run the kernels of metal_shaders on the CPU, one warp (or block) at a time, against their
+references: a check of their index arithmetic and row invariance where there is no GPU.
 
-Each kernel body (exactly the source handed to `mx.fast.cuda_kernel`) is compiled by g++ with a
-small shim: a warp is 32 threads, `__shfl_xor_sync` trades values through a barrier, `__ldg`
-and `uint4` are plain C++. float32 only (bf16 needs the CUDA headers). It checks, per kernel,
+Each kernel body, behind the prelude of the backend chosen (`--backend cuda`, the default, or
+`metal`: exactly what `mx.fast.cuda_kernel` / `mx.fast.metal_kernel` are handed), is compiled by
+g++ with a small shim for that backend's names: a warp (SIMD group) is 32 threads, a shuffle
+trades values through a barrier, `__ldg`, `uint4` and Metal's address spaces are plain C++, and
+Metal's math is the C library's. float32 only (bf16 needs the backends' headers). It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
 rows than one block takes. The GDN window kernels (metal_shaders/gdn_window.py) run the same
@@ -21,6 +23,7 @@ it (a __global__ function in namespace mlx::core::cu, the template values as con
 float32 and bfloat16: what NVRTC would refuse shows here without a GPU.
 
     python scripts/kernel_emulate.py
+    python scripts/kernel_emulate.py --backend metal
     python scripts/kernel_emulate.py --nvcc
 """
 
@@ -35,7 +38,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import attention_window, gdn_window
+from metal_shaders import attention_window, backends, gdn_window
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -70,7 +73,48 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     warp_barrier->arrive_and_wait();
     return warp_slots[lane ^ off];
 }
+inline void __syncwarp() { warp_barrier->arrive_and_wait(); }
+inline void __syncthreads() { std::abort(); }  // a warp at a time: a body that needs its block runs as one
 """
+# Metal's names over a CUDA shim: the attributes are the CUDA shim's indices, address spaces are
+# plain memory (threadgroup arrays static, as blocks run one after another), the math is the C
+# library's. The CUDA float math names are renamed first: the Metal prelude defines them, which
+# would clash with <math.h>.
+METAL_SHIM = r"""
+#define threadgroup static
+#define thread_position_in_threadgroup threadIdx
+#define threadgroup_position_in_grid blockIdx
+#define threads_per_threadgroup blockDim
+#define expf strata_metal_expf
+#define fmaf strata_metal_fmaf
+#define fmaxf strata_metal_fmaxf
+#define fabsf strata_metal_fabsf
+#define sqrtf strata_metal_sqrtf
+#define rsqrtf strata_metal_rsqrtf
+#define log1pf strata_metal_log1pf
+using ushort = unsigned short;
+namespace metal {
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+inline float exp(float x) { return std::exp(x); }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float fmax(float a, float b) { return std::fmax(a, b); }
+inline float fabs(float x) { return std::fabs(x); }
+inline float sqrt(float x) { return std::sqrt(x); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float log(float x) { return std::log(x); }
+inline float simd_shuffle_xor(float v, ushort offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+inline void threadgroup_barrier(mem_flags) { __syncthreads(); }
+inline void simdgroup_barrier(mem_flags) { __syncwarp(); }
+}
+"""
+
+
+def program(shim: str, backend: str, header: str, params: list[str], consts: str, body: str) -> str:
+    """The C++ of one kernel for `backend` as MLX would build it (prelude, header, body), over `shim`."""
+    if backend == backends.METAL:
+        shim += METAL_SHIM
+    return (shim + backends.header(backend, header)
+            + f"void kernel({', '.join(params)}) {{\n{consts}\n{backends.source(backend, body)}\n}}\n")
 SLURP = r"""
 static std::vector<char> slurp(const char* path) {
     std::vector<char> bytes; char buf[65536]; size_t n; FILE* f = fopen(path, "rb");
@@ -115,8 +159,8 @@ def compile_program(path: Path, source: str) -> None:
 
 
 class Emulator:
-    def __init__(self, workdir: Path):
-        self.dir = workdir
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
 
     def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int) -> Path:
@@ -127,7 +171,7 @@ class Emulator:
             if kind != "dense":
                 consts += f" constexpr int BITS = {bits}; constexpr int GS = {gs};"
             args = ", ".join(f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params))
-            source = (SHIM + kernels.HEADER + f"void kernel({', '.join(params)}, float* out) {{\n{consts}\n{body}\n}}\n"
+            source = (program(SHIM, self.backend, "", [*params, "float* out"], consts, body)
                       + MAIN.replace("NUM_INPUTS", str(len(params))).replace("CALL", f"kernel({args}, out.data())"))
             path = self.dir / "_".join(map(str, key))
             compile_program(path, source)
@@ -181,8 +225,8 @@ GDN_KINDS = {
 class GDNEmulator:
     """The GDN window kernels on the CPU (float32): `scan` and `prepare` with gdn_window's launch shapes."""
 
-    def __init__(self, workdir: Path):
-        self.dir = workdir
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
 
     def _binary(self, kind: str, const: int) -> Path:
@@ -195,7 +239,7 @@ class GDNEmulator:
                       f"using TD = float; constexpr int PER = {const};")
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params[: len(inputs)])]
             args += [f"outs[{o}].data()" for o in range(len(outputs))]
-            source = (SHIM + gdn_window.HEADER + f"void kernel({', '.join(params)}) {{\n{consts}\n{body}\n}}\n"
+            source = (program(SHIM, self.backend, gdn_window.HEADER, params, consts, body)
                       + MAIN_GDN.replace("NUM_INPUTS", str(len(inputs))).replace("NUM_OUTPUTS", str(len(outputs)))
                       .replace("CALL", f"kernel({', '.join(args)})"))
             path = self.dir / f"gdn_{kind}_{const}"
@@ -334,8 +378,8 @@ ATTENTION_PARAMS = ["const int32_t* dims", "const float* scale", "const float* q
 class AttentionEmulator:
     """attention_window's kernel on the CPU (float32), a block at a time, through strides as MLX passes views."""
 
-    def __init__(self, workdir: Path):
-        self.dir = workdir
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
         self.built: dict[int, Path] = {}
         self.source = attention_window.SOURCE
 
@@ -343,8 +387,8 @@ class AttentionEmulator:
         if D not in self.built:
             consts = f"using TQ = float; using TK = float; using TV = float; constexpr int DH = {D};"
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(ATTENTION_PARAMS)] + ["out.data()"]
-            source = (SHIM_BLOCK + attention_window.HEADER_ATTENTION
-                      + f"void kernel({', '.join(ATTENTION_PARAMS)}, float* out) {{\n{consts}\n{self.source}\n}}\n"
+            source = (program(SHIM_BLOCK, self.backend, attention_window.HEADER, [*ATTENTION_PARAMS, "float* out"],
+                              consts, self.source)
                       + MAIN_BLOCK.replace("NUM_INPUTS", str(len(ATTENTION_PARAMS)))
                       .replace("CALL", f"kernel({', '.join(args)})"))
             path = self.dir / f"attention_{D}_{len(self.built)}"
@@ -433,12 +477,12 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
         rows = f"using T = {t}; constexpr int ROWS = 8; constexpr int COLS = {kernels.COLS};"
         x = f"const {t}* x"
         kernels_out += [
-            (f"dense_{tn}", kernels.HEADER, ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
+            (f"dense_{tn}", "", ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
              rows + f" using TW = {t};", kernels.DENSE),
-            (f"quantized_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+            (f"quantized_{tn}", "", ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
                                                   f"const {t}* biases", f"{t}* out"],
              rows + f" using TS = {t}; constexpr int BITS = 4; constexpr int GS = 64;", kernels.QUANTIZED),
-            (f"gather_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+            (f"gather_{tn}", "", ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
                                                f"const {t}* biases", "const uint32_t* idx", f"{t}* out"],
              rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
              kernels.GATHER_QUANTIZED),
@@ -453,7 +497,7 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
             params = ["const int32_t* dims", "const float* scale"]
             for name in ("q", "keys", "values"):
                 params += [f"const {t}* {name}", f"const __grid_constant__ Strides {name}_strides"]
-            kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.HEADER_ATTENTION,
+            kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.HEADER,
                                 params + [f"{t}* out"], f"using TQ = {t}; using TK = {t}; using TV = {t}; "
                                 f"constexpr int DH = {D};", attention_window.SOURCE))
     for dk in (64, 128, 256):
@@ -469,9 +513,11 @@ def nvcc_check(workdir: Path) -> bool:
     """Compile every kernel body for sm_90 (a file per kernel: each header stands alone)."""
     ok = True
     for name, header, params, consts, body in cuda_wrappers():
-        source = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n" + header
+        source = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n"
+                  + backends.header(backends.CUDA, header)
                   + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-                  + f"__global__ void custom_kernel_{name}({', '.join(params)}) {{\n{consts}\n{body}\n}}\n}}\n")
+                  + f"__global__ void custom_kernel_{name}({', '.join(params)}) {{\n{consts}\n"
+                  + f"{backends.source(backends.CUDA, body)}\n}}\n}}\n")
         path = workdir / f"{name}.cu"
         path.write_text(source)
         run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
@@ -487,10 +533,12 @@ def nvcc_check(workdir: Path) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=backends.BACKENDS, default=backends.CUDA,
+                        help="whose prelude the bodies run behind (default: cuda)")
     parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
-    emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")))
+    emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
     if args.nvcc:
         ok = nvcc_check(emu.dir)
         print("every body compiles" if ok else "COMPILE FAILURE", flush=True)
@@ -531,10 +579,10 @@ def main() -> int:
 
     expected = _f32(kernels.reference_gather_qmatvec(xg, qw, qs, qb, experts, group_size=64, bits=4))
     results.append(check(f"rows_gather_qmatvec K={K} N={N}", run_gather, M, expected, (0, 5, 8, 11)))
-    gdn = GDNEmulator(emu.dir)
+    gdn = GDNEmulator(emu.dir, args.backend)
     for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
         results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
-    attention = AttentionEmulator(emu.dir)
+    attention = AttentionEmulator(emu.dir, args.backend)
     for B, Hq, Hkv, D, cells in ((1, 16, 2, 256, 1), (1, 16, 2, 256, 7), (1, 16, 2, 256, 300), (1, 4, 2, 64, 1),
                                  (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000),
                                  (2, 4, 1, 64, 40)):

@@ -114,9 +114,9 @@ def gpu_shaped(stand_ins: StandIns):
     RowSplit.mode = LayerCompile.mode = "always"
     try:
         with mock.patch.object(rows_matvec, "kernels_usable", lambda: True), \
-                mock.patch.object(rows_matvec, "cuda_kernel", stand_ins.kernel), \
+                mock.patch.object(rows_matvec, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(gdn_window, "usable", lambda: True), \
-                mock.patch.object(gdn_window, "cuda_kernel", stand_ins.kernel), \
+                mock.patch.object(gdn_window, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(mx.fast, "rms_norm", stand_ins.rms_norm), \
                 mock.patch.object(mx.fast, "rope", stand_ins.rope), \
                 mock.patch.object(mx, "dequantize", stand_ins.dequantize), \

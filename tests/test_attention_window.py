@@ -74,7 +74,7 @@ def test_the_call_passes_views_shapes_as_data_and_dtypes_as_template_values(monk
             return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
         return kernel
 
-    monkeypatch.setattr(attention_window, "cuda_kernel", fake)
+    monkeypatch.setattr(attention_window, "gpu_kernel", fake)
     q, keys, values = attention_window.probe_inputs(2, 4, 2, 64, 20, capacity=40, dtype=mx.bfloat16)
     out = attention_window.attention_window(q[:, :, :3], keys, values, 0.125)
     assert out.shape == (2, 3, 4, 64) and out.dtype == mx.bfloat16

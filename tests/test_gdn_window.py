@@ -183,7 +183,7 @@ def test_the_start_up_probe_passes_row_invariant_kernels_and_refuses_others(monk
 
 
 def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
-    """What the wrappers hand to mx.fast.cuda_kernel: shapes in `dims`, every input dtype and
+    """What the wrappers hand to the GPU backend's kernel maker: shapes in `dims`, every input dtype and
     the compiled sizes (DK, PER) as template values, float32 outputs of the contract's shapes."""
     calls = []
 
@@ -193,7 +193,7 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
             return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
         return kernel
 
-    monkeypatch.setattr(gdn_window, "cuda_kernel", fake)
+    monkeypatch.setattr(gdn_window, "gpu_kernel", fake)
     B, T, Hk, Hv, Dk, Dv, K = 2, 3, 2, 4, 32, 64, 4
     window = mx.zeros((B, K - 1 + T, 2 * Hk * Dk + Hv * Dv), dtype=mx.bfloat16)
     a = mx.zeros((B, T, Hv), dtype=mx.bfloat16)

@@ -1,6 +1,6 @@
 """metal_shaders: the references the kernels are held to, and where the kernels may run.
 
-The CUDA kernels themselves run only on a GPU (scripts/row_probe.py and `strata selftest` check
+The kernels themselves run only on a GPU (scripts/row_probe.py and `strata selftest` check
 them there, docs/benchmarks.md records the runs); here the references are checked against MLX's
 own operations, and the CPU is shown to never take the kernel path.
 """
@@ -63,7 +63,7 @@ def test_row_capacity_and_launch_shape():
 
 
 def test_calls_pass_row_count_and_shapes_as_data(monkeypatch):
-    """What `rows_qmatvec` hands to mx.fast.cuda_kernel: one source per kind, the row tier and
+    """What `rows_qmatvec` hands to the kernel maker: one source per kind, the row tier and
     the columns per warp as template values, R/K/N as data, one output of (R, N)."""
     calls = []
 
@@ -91,7 +91,7 @@ def test_sources_reduce_in_an_order_set_by_k_alone():
     """The per-row order must not read the row count: rows only guard loads and stores."""
     for source in (kernels.DENSE, kernels.QUANTIZED):
         assert "for (int u = lane; u < KC; u += 32)" in source
-        assert "__shfl_xor_sync" in source and "atomic" not in source
+        assert "strata_xor(" in source and "atomic" not in source
         assert source.count("if (r >= R) break;") == 1
 
 

@@ -1,0 +1,158 @@
+"""metal_shaders/backends.py: one kernel body for CUDA and Metal behind a thin prelude each.
+
+There is no GPU here. The bodies run behind each backend's prelude through
+scripts/kernel_emulate.py (g++, with a shim for that backend's names): a T-row call must equal its
+1-row calls bit for bit and stay near the reference. Which maker (`mx.fast.cuda_kernel` or
+`mx.fast.metal_kernel`) gets which text is checked with stand-ins.
+"""
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal_shaders import attention_window, backends, gdn_window, probe
+from metal_shaders import rows_matvec as kernels
+
+BODIES = {
+    "rows_matvec.DENSE": kernels.DENSE,
+    "rows_matvec.QUANTIZED": kernels.QUANTIZED,
+    "rows_matvec.GATHER_QUANTIZED": kernels.GATHER_QUANTIZED,
+    "gdn_window.PREPARE": gdn_window.PREPARE,
+    "gdn_window.SCAN": gdn_window.SCAN,
+    "attention_window.SOURCE": attention_window.SOURCE,
+}
+
+
+@pytest.mark.parametrize("name", BODIES)
+def test_a_body_names_nothing_only_one_backend_knows(name):
+    body = BODIES[name]
+    assert [w for w in backends.CUDA_ONLY + backends.METAL_ONLY if w in body] == []
+    assert "thread_x" in body or "block_x" in body  # it reads its place from the prelude's names
+
+
+def test_each_prelude_speaks_only_its_own_backend():
+    for backend, foreign in ((backends.CUDA, backends.METAL_ONLY), (backends.METAL, backends.CUDA_ONLY)):
+        text = backends.header(backend) + backends.source(backend, "")
+        assert [w for w in foreign if w in text] == [], backend
+
+
+def test_the_metal_body_names_the_attributes_mlx_must_pass():
+    """metal_kernel declares a thread-position attribute only when the body (not the header)
+    names it: the index names come first in the body for that reason."""
+    start = backends.source(backends.METAL, "")
+    for attribute in ("thread_position_in_threadgroup", "threadgroup_position_in_grid", "threads_per_threadgroup"):
+        assert attribute in start
+    assert backends.source(backends.METAL, "BODY").endswith("BODY")
+
+
+def _stand_in_makers(monkeypatch, made):
+    def maker(kind):
+        def make(**spec):
+            made.append((kind, spec))
+
+            def launch(**kw):
+                return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+            return launch
+        return make
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", maker(backends.CUDA))
+    monkeypatch.setattr(mx.fast, "metal_kernel", maker(backends.METAL))
+    monkeypatch.setattr(probe, "_kernels", {})
+
+
+def test_kernels_are_made_for_the_running_backend(monkeypatch):
+    made = []
+    _stand_in_makers(monkeypatch, made)
+    x, w = mx.zeros((2, 64)), mx.zeros((8, 64))
+    for backend in (backends.METAL, backends.CUDA, backends.METAL):
+        monkeypatch.setattr(probe, "backend", lambda backend=backend: backend)
+        kernels.rows_matvec(x, w)
+    assert [kind for kind, _ in made] == [backends.METAL, backends.CUDA]  # then the Metal kernel is reused
+    for kind, spec in made:
+        foreign = backends.CUDA_ONLY if kind == backends.METAL else backends.METAL_ONLY
+        assert spec["source"] == backends.source(kind, kernels.DENSE)
+        assert spec["header"] == backends.header(kind)
+        assert [word for word in foreign if word in spec["source"] + spec["header"]] == []
+
+
+def test_the_attention_kernel_keeps_its_own_header_and_views_on_metal(monkeypatch):
+    made = []
+    _stand_in_makers(monkeypatch, made)
+    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
+    q, keys, values = attention_window.probe_inputs(1, 4, 2, 64, 20, capacity=40)
+    attention_window.attention_window(q[:, :, :2], keys, values, 0.125)
+    (kind, spec), = made
+    assert kind == backends.METAL and spec["header"].endswith(attention_window.HEADER)
+    assert spec["ensure_row_contiguous"] is False
+
+
+def test_a_probe_runs_on_metal_and_a_failure_turns_the_kernels_off(monkeypatch, caplog):
+    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
+    passing = probe.Probe("kernels", "fallback")
+    assert passing.usable(lambda: None) is True
+    failing = probe.Probe("kernels", "the reference path")
+
+    def broken():
+        raise RuntimeError("Unable to build metal library from source")
+    with caplog.at_level(logging.WARNING, logger="strata.kernels"):
+        assert failing.usable(broken) is False
+        assert failing.usable(lambda: None) is False  # decided once per process
+    assert "Unable to build metal library" in failing.status()["error"]
+    assert "the reference path" in caplog.text
+
+
+def test_no_backend_off_the_gpu():
+    if mx.default_device() != mx.cpu:
+        pytest.fail("this check is for the CPU test machine")
+    assert probe.backend() is None
+
+
+def _f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_matrix_bodies_are_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
+    emu = emulate.Emulator(tmp_path, backend)
+    K, N, R = 512, 37, 3
+    x = mx.random.normal((R, K), key=mx.random.key(1))
+    w = mx.random.normal((N, K), key=mx.random.key(2)) * K**-0.5
+    qw, qs, qb = mx.quantize(w, 64, 4)
+
+    def quantized(i0, i1):
+        return emu.launch("quantized", [np.array([i1 - i0, K, N], np.int32), _f32(x[i0:i1]), np.array(qw), _f32(qs),
+                                        _f32(qb)], rows=i1 - i0, blocks_y=1, N=N, out_rows=i1 - i0, bits=4, gs=64)
+
+    def dense(i0, i1):
+        return emu.launch("dense", [np.array([i1 - i0, K, N], np.int32), _f32(x[i0:i1]), _f32(w)],
+                          rows=i1 - i0, blocks_y=1, N=N, out_rows=i1 - i0)
+
+    experts = mx.array([2, 0, 2, 2, 1], dtype=mx.uint32)
+    ew = mx.random.normal((3, N, K), key=mx.random.key(3)) * K**-0.5
+    eqw, eqs, eqb = mx.quantize(ew, 64, 4)
+    xg = mx.random.normal((5, K), key=mx.random.key(4))
+
+    def gather(i0, i1):
+        return emu.launch("gather", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(eqw), _f32(eqs),
+                                     _f32(eqb), np.array(experts[i0:i1])], rows=2 if i1 - i0 > 1 else 1,
+                          blocks_y=i1 - i0, N=N, out_rows=i1 - i0, bits=4, gs=64)
+
+    assert emulate.check("quantized", quantized, R, _f32(kernels.reference_qmatvec(x, qw, qs, qb, group_size=64, bits=4)),
+                         range(R))
+    assert emulate.check("dense", dense, R, _f32(kernels.reference_matvec(x, w)), range(R))
+    assert emulate.check("gather", gather, 5,
+                         _f32(kernels.reference_gather_qmatvec(xg, eqw, eqs, eqb, experts, group_size=64, bits=4)),
+                         range(5))
+
+
+def test_gdn_bodies_are_row_invariant_behind_the_metal_prelude(emulate, tmp_path):
+    """(The CUDA prelude's run is tests/test_gdn_window.py's.)"""
+    assert emulate.check_gdn(emulate.GDNEmulator(tmp_path, backends.METAL), 1, 2, 4, 32, 64, rows=(1, 3))
+
+
+def test_the_attention_body_is_row_invariant_behind_the_metal_prelude(emulate, tmp_path):
+    """(The CUDA prelude's run is tests/test_attention_window.py's.) 300 cells: warps take two
+    chunks each, so the block-shared partials and both barriers are exercised."""
+    assert emulate.check_attention(emulate.AttentionEmulator(tmp_path, backends.METAL), 1, 4, 2, 32, 300, rows=(1, 3))
