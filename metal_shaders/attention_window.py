@@ -60,12 +60,12 @@ SOURCE = """
         float s = NEG_BIG;
         if (j0 + lane < n) {
             auto kp = k0 + (j0 + lane) * keys_strides[2];
-            const bool vec = strata_aligned16(kp, 0);
+            const bool kvec = strata_aligned16(kp, 0);
             float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             #pragma unroll 4
             for (int d0 = 0; d0 < DH; d0 += 8) {
                 float kv[8];
-                strata_load<TK, 8>(kp + d0, vec, kv);
+                strata_load<TK, 8>(kp + d0, kvec, kv);
                 #pragma unroll
                 for (int c = 0; c < 8; ++c) part[c & 3] = fmaf(q_s[d0 + c], kv[c], part[c & 3]);
             }

@@ -70,16 +70,21 @@ _HEAD = """
         #pragma unroll
         for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
 """
+# The butterflies stop at the block's last real row: a routed-experts block of the 8-row compile
+# usually serves one or two picks, and 8 rows' butterflies cost more than its whole dot product
+# at K = 512 (kernel_bench: experts_down 9.6x slower at T=8 than at T=1 before this).
 _TAIL = """
     #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
+    for (int r = 0; r < ROWS; ++r) {
+        if (r >= R) break;
         #pragma unroll
         for (int c = 0; c < COLS; ++c) {
             float v = acc[r][c];
             #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += strata_xor(v, off);
-            if (lane == c && r < R && n0 + c < N) out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(v);
+            if (lane == c && n0 + c < N) out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(v);
         }
+    }
 """
 # Dense: a chunk is 16 bytes of one weight row (8 bf16 or 4 float32 values).
 DENSE = """

@@ -5,6 +5,8 @@ them there, docs/benchmarks.md records the runs); here the references are checke
 own operations, and the CPU is shown to never take the kernel path.
 """
 
+import re
+
 import mlx.core as mx
 import pytest
 
@@ -88,11 +90,13 @@ def test_calls_pass_row_count_and_shapes_as_data(monkeypatch):
 
 
 def test_sources_reduce_in_an_order_set_by_k_alone():
-    """The per-row order must not read the row count: rows only guard loads and stores."""
+    """The per-row order must not read the row count: the row count only ends the loops over
+    rows (loads and multiply-adds, then the butterflies and stores)."""
     for source in (kernels.DENSE, kernels.QUANTIZED):
         assert "for (int u = lane; u < KC; u += 32)" in source
         assert "strata_xor(" in source and "atomic" not in source
-        assert source.count("if (r >= R) break;") == 1
+        assert source.count("if (r >= R) break;") == 2
+        assert len(re.findall(r"\bR\b", source)) == 3  # declared, then read by the two breaks alone
 
 
 def test_kernel_bench_runs_the_reference_path_on_the_cpu():
