@@ -20,6 +20,7 @@ import mlx.core as mx
 from .probe import Probe, dims, gpu_kernel
 
 MAX_ROWS = 8
+MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
 WARPS = 4  # warps per block (128 threads): small blocks spread a 512-column matrix over the SMs
 COLS = 4  # output columns per warp: each x value loaded feeds COLS columns
 
@@ -42,18 +43,25 @@ _ROWS_PLAIN = """
 # Routed experts: x row m (one pick) goes through expert idx[m]. Block (column block, m) serves
 # pick m and the next same-expert picks, ROWS at most, when m opens a run of ROWS picks of its
 # expert; so each expert's weights are read once for all the picks that chose it (up to ROWS),
-# and a pick's arithmetic never depends on which other picks share its block.
+# and a pick's arithmetic never depends on which other picks share its block. The picks are
+# staged in shared memory first (one load each, by the whole block): every thread scans them,
+# and at 80 picks the scans from global memory cost more than the block's dot products.
 _ROWS_GATHER = """
     const int M = dims[0];
     const int m = block_y;
-    const int e = idx[m];
-    int before = 0;
-    for (int i = 0; i < m; ++i) before += idx[i] == e;
-    if (before % ROWS) return;
+    STRATA_SHARED int picks[MAX_PICKS];
+    for (int i = thread_x; i < M; i += block_dim) picks[i] = static_cast<int>(idx[i]);
+    strata_sync();
+    const int e = picks[m];
+    if (ROWS > 1) {
+        int before = 0;
+        for (int i = 0; i < m; ++i) before += picks[i] == e;
+        if (before % ROWS) return;
+    }
     int row[ROWS];
     int R = 0;
     for (int i = m; i < M && R < ROWS; ++i)
-        if (idx[i] == e) row[R++] = i;
+        if (picks[i] == e) row[R++] = i;
     auto wq = w + static_cast<size_t>(e) * dims[2] * (dims[1] / (32 / BITS));
     auto sq = scales + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
     auto bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
@@ -183,8 +191,11 @@ def row_capacity(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+HEADER = f"#define MAX_PICKS {MAX_PICKS}\n"
+
+
 def _kernel(name: str, inputs: list[str], body: str):
-    return gpu_kernel(name, inputs, ["out"], body)
+    return gpu_kernel(name, inputs, ["out"], body, HEADER)
 
 
 def _launch(kernel, inputs, template, lead: tuple[int, ...], rows: int, N: int, dtype, cols: int):
@@ -232,6 +243,8 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     a one-row call has no repeats and runs the lean 1-row compile); a pick's result is the same
     bits whatever the other picks are and whatever `share` is."""
     M, K = rows(x)
+    if M > MAX_PICKS:
+        raise ValueError(f"rows_gather_qmatvec takes at most {MAX_PICKS} picks, got {M}")
     N = w.shape[1]
     kernel = _kernel("strata_rows_gather_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "idx"],
                      GATHER_QUANTIZED)

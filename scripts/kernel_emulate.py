@@ -122,6 +122,7 @@ static std::vector<char> slurp(const char* path) {
     fclose(f); return bytes;
 }
 """
+# A block's threads run at once (the routed-experts body stages its picks behind a block barrier).
 MAIN = SLURP + r"""
 int main(int argc, char** argv) {
     std::vector<std::vector<char>> in;
@@ -129,13 +130,15 @@ int main(int argc, char** argv) {
     const int gx = atoi(argv[1 + NUM_INPUTS]), gy = atoi(argv[2 + NUM_INPUTS]), tx = atoi(argv[3 + NUM_INPUTS]);
     std::vector<float> out(atol(argv[4 + NUM_INPUTS]), NAN);
     blockDim.x = tx;
-    std::barrier<> bar(32); warp_barrier = &bar;
-    for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) for (int wp = 0; wp < tx / 32; ++wp) {
-        std::vector<std::thread> lanes;
-        for (int l = 0; l < 32; ++l) lanes.emplace_back([&, l] {
-            threadIdx.x = wp * 32 + l; blockIdx.x = bx; blockIdx.y = by; CALL;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    for (int w = 0; w < tx / 32; ++w) warps.emplace_back(new std::barrier<>(32)), warp_barriers[w] = warps.back().get();
+    std::barrier<> block(tx); block_barrier = &block;
+    for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) {
+        std::vector<std::thread> threads;
+        for (int i = 0; i < tx; ++i) threads.emplace_back([&, i] {
+            threadIdx.x = i; blockIdx.x = bx; blockIdx.y = by; CALL;
         });
-        for (auto& t : lanes) t.join();
+        for (auto& t : threads) t.join();
     }
     FILE* f = fopen(argv[5 + NUM_INPUTS], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
 }
@@ -171,7 +174,7 @@ class Emulator:
             if kind != "dense":
                 consts += f" constexpr int BITS = {bits}; constexpr int GS = {gs};"
             args = ", ".join(f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params))
-            source = (program(SHIM, self.backend, "", [*params, "float* out"], consts, body)
+            source = (program(SHIM_BLOCK, self.backend, kernels.HEADER, [*params, "float* out"], consts, body)
                       + MAIN.replace("NUM_INPUTS", str(len(params))).replace("CALL", f"kernel({args}, out.data())"))
             path = self.dir / "_".join(map(str, key))
             compile_program(path, source)
@@ -477,12 +480,12 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
         rows = f"using T = {t}; constexpr int ROWS = 8; constexpr int COLS = {kernels.COLS};"
         x = f"const {t}* x"
         kernels_out += [
-            (f"dense_{tn}", "", ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
+            (f"dense_{tn}", kernels.HEADER, ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
              rows + f" using TW = {t};", kernels.DENSE),
-            (f"quantized_{tn}", "", ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+            (f"quantized_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
                                                   f"const {t}* biases", f"{t}* out"],
              rows + f" using TS = {t}; constexpr int BITS = 4; constexpr int GS = 64;", kernels.QUANTIZED),
-            (f"gather_{tn}", "", ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+            (f"gather_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
                                                f"const {t}* biases", "const uint32_t* idx", f"{t}* out"],
              rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
              kernels.GATHER_QUANTIZED),

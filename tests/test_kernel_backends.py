@@ -73,7 +73,7 @@ def test_kernels_are_made_for_the_running_backend(monkeypatch):
     for kind, spec in made:
         foreign = backends.CUDA_ONLY if kind == backends.METAL else backends.METAL_ONLY
         assert spec["source"] == backends.source(kind, kernels.DENSE)
-        assert spec["header"] == backends.header(kind)
+        assert spec["header"] == backends.header(kind, kernels.HEADER)
         assert [word for word in foreign if word in spec["source"] + spec["header"]] == []
 
 
