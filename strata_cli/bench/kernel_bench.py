@@ -108,9 +108,11 @@ def bench_shape(name: str, K: int, N: int, *, use_kernel: bool, repeats: int, in
 
 
 def bench_experts(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: bool, repeats: int, inner: int,
-                  peak_gbs: float, seed: int = 0) -> list[dict]:
+                  peak_gbs: float, cols: tuple[int, ...] = (), seed: int = 0) -> list[dict]:
     """Routed experts: R rows × top_k picks each through E stacked (N, K) experts, against MLX's
-    unsorted `gather_qmm` (what strata runs without the kernel, and mlx-lm below 64 picks)."""
+    unsorted `gather_qmm` (what strata runs without the kernel, and mlx-lm below 64 picks). At
+    R = 8 the kernel is also timed with no expert shared between picks (`share` 1) and with the
+    extra `cols` settings, each checked to give the default's bits."""
     w = (mx.random.normal((E, N, K), key=mx.random.key(seed)) * K**-0.5).astype(mx.bfloat16)
     qw, qs, qb = mx.quantize(w, GROUP_SIZE, BITS)
     del w
@@ -121,9 +123,9 @@ def bench_experts(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: 
     mx.eval(qw, qs, qb, flat8, x8)
     per_expert = (qw.nbytes + qs.nbytes + qb.nbytes) / E
 
-    def ours(x, experts):
+    def ours(x, experts, **setting):
         if use_kernel:
-            return kernels.rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=GROUP_SIZE, bits=BITS)
+            return kernels.rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=GROUP_SIZE, bits=BITS, **setting)
         return kernels.reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=GROUP_SIZE, bits=BITS)
 
     def theirs(x, experts):
@@ -150,6 +152,14 @@ def bench_experts(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: 
                         "unique_experts": unique, "identical_to_1_row": identical, "max_abs_diff": diff,
                         "ms": times, "kernel_over_mlx": times["kernel"] / times["mlx"],
                         "weight_gbs": gbs, "of_peak": gbs / peak_gbs})
+    settings = [{"share": 1}, *({"cols": c} for c in cols)] if use_kernel else []
+    for setting in settings:
+        other = ours(x8, flat8, **setting)
+        ms = _median_ms(lambda: ours(x8, flat8, **setting), repeats=repeats, inner=inner)
+        records.append({"shape": name + ("/share1" if "share" in setting else ""), "K": K, "N": N, "R": R8,
+                        "cols": setting.get("cols", kernels.COLS), "picks": R8 * top_k, "ms": {"kernel": ms},
+                        "weight_gbs": unique * per_expert / (ms / 1000) / 1e9,
+                        "identical_to_default_cols": mx.array_equal(other, together).item()})
     return records
 
 
@@ -249,7 +259,7 @@ def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[i
     E, I, H, top_k = (16, 64, 128, 4) if small else (512, 512, 2048, 10)
     for name, K, N in (("experts_gate", H, I), ("experts_down", I, H)):
         records += bench_experts(name, E, K, N, top_k, use_kernel=use_kernel, repeats=repeats, inner=inner,
-                                 peak_gbs=peak_gbs)
+                                 peak_gbs=peak_gbs, cols=cols)
     gdn_heads = (2, 4, 64, 64) if small else (16, 32, 128, 128)
     records += bench_gdn("gdn_window", *gdn_heads, use_kernel=gdn_window.usable(), repeats=repeats, inner=inner,
                          peak_gbs=peak_gbs)
