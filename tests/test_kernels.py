@@ -161,9 +161,9 @@ def test_kernel_bench_routed_experts_on_the_cpu():
     assert all(1 <= r["unique_experts"] <= 6 for r in records)
 
 
-def test_gather_serves_a_pick_per_block_alone_and_shares_experts_in_windows(monkeypatch):
-    """The routed-experts call: one grid row per pick; the picks of one expert a block serves
-    grow with the window (about M / 8) and the probe's explicit `share` wins."""
+def test_gather_serves_a_pick_per_block_unless_asked_to_share(monkeypatch):
+    """The routed-experts call: one grid row per pick; a block serves one pick (the lean 1-row
+    compile) unless `share` asks it to serve up to that many picks of its expert."""
     calls = []
 
     def fake(name, inputs, source):
@@ -174,13 +174,21 @@ def test_gather_serves_a_pick_per_block_alone_and_shares_experts_in_windows(monk
 
     monkeypatch.setattr(kernels, "_kernel", fake)
     qw, qs, qb = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(15)), 64, 4)
-    for M, share, tier in ((10, None, 1), (20, None, 2), (40, None, 8), (80, None, 8), (12, 8, 8)):
+    for M, share, tier in ((10, None, 1), (80, None, 1), (12, 8, 8), (12, 3, 4), (2, 2, 2)):
         x = mx.zeros((M, 128))
         experts = mx.zeros((M,), dtype=mx.uint32)
         assert kernels.rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4, share=share).shape == (M, 40)
         source, kw = calls[-1]
         assert source is kernels.GATHER_QUANTIZED and kw["grid"][1] == M
         assert dict(kw["template"])["ROWS"] == tier and kw["inputs"][0].tolist() == [M, 128, 40]
+
+
+def test_gather_refuses_more_picks_than_its_shared_table_holds():
+    qw, qs, qb = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(15)), 64, 4)
+    M = kernels.MAX_PICKS + 1
+    with pytest.raises(ValueError, match=f"at most {kernels.MAX_PICKS} picks"):
+        kernels.rows_gather_qmatvec(mx.zeros((M, 128)), qw, qs, qb, mx.zeros((M,), dtype=mx.uint32), group_size=64,
+                                    bits=4)
 
 
 def test_row_kernels_take_leading_axes_without_reshapes(monkeypatch):
