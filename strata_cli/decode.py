@@ -140,16 +140,14 @@ def generate(
     track = ProcessorTrack(processors, prompt_ids[:-1], len(prompt_ids)) if processors else None
 
     root, pos0, emitted = prompt_ids[-1], len(prompt_ids) - 1, 0
-    if not max_drafts and track is None and not chooser.is_sampling and getattr(engine, "can_overlap", False):
+    overlap = track is None and not chooser.is_sampling and getattr(engine, "can_overlap", False)
+    if not max_drafts and overlap:
         yield from overlapped_serial(engine, root, pos0, options.max_tokens, eos_ids, stats)
         return
-    while True:
-        remaining = options.max_tokens - emitted
-        finish = limit_reached(remaining, engine.context_left(pos0))
-        if finish:
-            yield Step([], finish)
-            return
-        start = time.perf_counter()
+
+    def plan(pos0: int, remaining: int, extra_cost=read_cost) -> tuple[Proposal, bool, int, int]:
+        """(proposal, from_global, T, proposed) of the window rooted at pos0; `extra_cost(T)`:
+        seconds a window of T rows costs beyond the controller's curve."""
         proposal = drafter.propose(max_drafts) if drafter else EMPTY_PROPOSAL
         from_global = False
         if drafter is not None and fallback_drafter is not None and not proposal.tokens:
@@ -164,7 +162,48 @@ def generate(
         )
         proposed = T - 1
         if controller is not None and proposed:
-            T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=read_cost)  # before any read
+            T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=extra_cost)  # before any read
+        return proposal, from_global, T, proposed
+
+    def abandoned_step(T: int) -> float:
+        """Drafts chosen in a stretch of overlapped steps also cost the step already launched
+        on the token, which the window replaces (its work is thrown away)."""
+        return controller.window_cost(1) if T > 1 else 0.0
+
+    planned = None  # the next window's plan, when a stretch of overlapped steps made it
+
+    def drafts_wanted(token: int, seconds: float, pos0: int, remaining: int) -> bool:
+        """After an overlapped step: learn its cost, extend the drafts' history, and end the
+        stretch when the next window should verify drafts."""
+        nonlocal planned
+        if controller is not None:
+            controller.observe(T=1, keep=1, seconds=seconds)
+        drafter.extend([token])
+        next_plan = plan(pos0, remaining, abandoned_step)
+        if next_plan[2] == 1:
+            return False
+        planned = next_plan
+        return True
+
+    while True:
+        remaining = options.max_tokens - emitted
+        finish = limit_reached(remaining, engine.context_left(pos0))
+        if finish:
+            yield Step([], finish)
+            return
+        start = time.perf_counter()
+        proposal, from_global, T, proposed = planned or plan(pos0, remaining)
+        planned = None
+        if T == 1 and overlap:
+            # Nothing to verify: one-token steps overlap (each built while the one before
+            # runs) until a token brings drafts worth a window; that step's launched
+            # successor is abandoned and the window runs instead.
+            for step in overlapped_serial(engine, root, pos0, remaining, eos_ids, stats, after=drafts_wanted):
+                yield step
+                if step.finish_reason:
+                    return
+                emitted, pos0, root = emitted + len(step.tokens), pos0 + len(step.tokens), step.tokens[-1]
+            continue
         inputs = [root, *proposal.tokens[: T - 1]]
         out = engine.run(inputs, pos0)
         row_tokens, draft_probs = choose_rows(out, inputs, pos0, chooser, track)
@@ -216,7 +255,8 @@ def limit_reached(remaining_tokens: int, context_left: int) -> str | None:
 
 
 def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: int,
-                      eos_ids: Collection[int], stats: DecodeStats) -> Iterator[Step]:
+                      eos_ids: Collection[int], stats: DecodeStats,
+                      after: Callable[[int, float, int, int], bool] | None = None) -> Iterator[Step]:
     """Greedy serial decoding, one token per window, each window launched before the previous
     token is read back (as mlx-lm's generate_step does with `async_eval`).
 
@@ -224,6 +264,11 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
     committed before n+1 is built (its input was already emitted), and n+1 is committed only
     after its input is known not to end generation, or abandoned — so the committed state at
     every yield and at the end is what the window loop leaves.
+
+    `after(token, seconds, next_pos0, tokens_left)`, called after each emitted token that
+    generation goes on past, may end the steps there (True): the window launched on that token
+    is abandoned and the generator returns with no finish reason, the token being the caller's
+    next root at `next_pos0`.
     """
     emitted, start = 0, time.perf_counter()
     finish = limit_reached(max_tokens, engine.context_left(pos0))
@@ -243,7 +288,7 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
             now = time.perf_counter()
             stop = token in eos_ids
             stats.record_window(WindowRecord(T=1, keep=1, emitted=0 if stop else 1, seconds=now - start))
-            start = now
+            record_start, start = start, now
             if stop:
                 yield Step([], FINISH_STOP)
                 return
@@ -253,6 +298,8 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
                 yield Step([], finish)
                 return
             yield Step([token])
+            if after is not None and after(token, now - record_start, pos0, max_tokens - emitted):
+                return  # `finally` abandons the window launched on `token`
             engine.commit(1)
             pending = False
             current = following

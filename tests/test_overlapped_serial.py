@@ -2,7 +2,7 @@
 tokens, finish reasons and committed state as the window loop — at every length limit, at an
 end-of-sequence token, at the context limit and when the caller stops early.
 
-The CPU does not overlap by default (it is slower there), so these tests force it on.
+Each test sets overlapping on or off, whatever the backend's default.
 """
 
 import random
@@ -16,12 +16,14 @@ from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
 from strata_cli.telemetry import DecodeStats
 
 
-def decode(tiny_model, prompt, *, overlap, monkeypatch, max_tokens=12, eos=(), max_context=None, stop_after=None):
-    """(tokens, finish, engine, stats) of greedy serial decoding, overlapped or not."""
+def decode(tiny_model, prompt, *, overlap, monkeypatch, max_tokens=12, eos=(), max_context=None, stop_after=None,
+           spec=None):
+    """(tokens, finish, engine, stats) of greedy decoding (serial unless `spec` says otherwise),
+    overlapped or not."""
     monkeypatch.setattr(WindowEngine, "can_overlap", property(lambda self: overlap))
     engine = WindowEngine(tiny_model, EngineOptions(max_context=max_context))
     stats = DecodeStats()
-    steps = generate(engine, prompt, options=GenerateOptions(max_tokens=max_tokens), spec=SpecOptions(),
+    steps = generate(engine, prompt, options=GenerateOptions(max_tokens=max_tokens), spec=spec or SpecOptions(),
                      eos_ids=set(eos), stats=stats)
     tokens, finish = [], None
     for n, step in enumerate(steps, 1):
@@ -102,3 +104,89 @@ def test_launch_and_abandon_guard_the_contract(tiny_model):
     partial.run([3], 0)
     with pytest.raises(WindowError):
         partial.abandon()  # a partial run has committed its root already
+
+
+# -- drafts: one-token steps between windows overlap too ------------------------------------------
+
+@pytest.fixture(scope="module")
+def repetitive(tiny_model):
+    """A prompt whose motif recurs, so that the first window verifies drafts."""
+    rng = random.Random(11)
+    motif = [rng.randrange(tiny_model.config.vocab_size) for _ in range(5)]
+    return motif * 3 + [rng.randrange(tiny_model.config.vocab_size) for _ in range(4)] + motif[:3]
+
+
+@pytest.fixture(autouse=True)
+def drafts_now_and_then(request, monkeypatch):
+    """A random model's text never recurs, so (in the tests that take `repetitive`) the drafter
+    also offers its last three tokens whenever the history's length is a multiple of 5: windows
+    and stretches of one-token steps alternate all along."""
+    if "repetitive" not in request.fixturenames:
+        return
+    from strata_cli.speculative.suffix_drafter import Proposal, SuffixDrafter
+
+    propose = SuffixDrafter.propose
+
+    def sometimes(self, max_drafts):
+        found = propose(self, max_drafts)
+        history = self.history
+        if found.tokens or len(history) % 5 or not max_drafts:
+            return found
+        return Proposal(tokens=history[-3:][:max_drafts], match_length=3, position=len(history) - 4)
+
+    monkeypatch.setattr(SuffixDrafter, "propose", sometimes)
+
+
+def count_abandons(monkeypatch):
+    calls = []
+    abandon = WindowEngine.abandon
+    monkeypatch.setattr(WindowEngine, "abandon", lambda self: (calls.append(1), abandon(self))[1])
+    return calls
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 24])
+def test_with_fixed_drafts_the_same_tokens_windows_and_state(tiny_model, repetitive, monkeypatch, max_tokens):
+    """Fixed drafts plan every step from the same history either way, so even the windows match;
+    a stretch of one-token steps ends when a token brings drafts (its launched step abandoned)."""
+    spec = SpecOptions(max_drafts=3, min_match=3)
+    plain = decode(tiny_model, repetitive, overlap=False, monkeypatch=monkeypatch, max_tokens=max_tokens, spec=spec)
+    abandons = count_abandons(monkeypatch)
+    overlapped = decode(tiny_model, repetitive, overlap=True, monkeypatch=monkeypatch, max_tokens=max_tokens,
+                        spec=spec)
+    assert overlapped[:2] == plain[:2] and plain[1] == FINISH_LENGTH and len(plain[0]) == max_tokens
+    assert_same_state(overlapped[2], plain[2])
+    assert overlapped[3].summary()["windows"] == plain[3].summary()["windows"]
+    if max_tokens == 24:
+        windows = plain[3].windows
+        assert any(w.T > 1 for w in windows) and any(w.T == 1 for w in windows)
+        assert abandons  # at least one stretch handed back to a window
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_with_drafts_end_of_sequence_and_context_limit(tiny_model, repetitive, monkeypatch, auto):
+    spec = SpecOptions(max_drafts=3, min_match=3, auto=auto)
+    reference = decode(tiny_model, repetitive, overlap=False, monkeypatch=monkeypatch, max_tokens=24, spec=spec)[0]
+    for kwargs in ({"eos": [reference[9]]}, {"max_context": len(repetitive) + 10}, {"stop_after": 4}):
+        plain = decode(tiny_model, repetitive, overlap=False, monkeypatch=monkeypatch, max_tokens=24, spec=spec,
+                       **kwargs)
+        overlapped = decode(tiny_model, repetitive, overlap=True, monkeypatch=monkeypatch, max_tokens=24, spec=spec,
+                            **kwargs)
+        assert overlapped[:2] == plain[:2], kwargs
+        assert_same_state(overlapped[2], plain[2])
+        if "max_context" not in kwargs:
+            overlapped[2].run([1], overlapped[2].length)  # nothing left open
+
+
+def test_auto_learns_the_overlapped_steps_cost(tiny_model, repetitive, monkeypatch):
+    """auto compares drafts with what a one-token step costs, so overlapped steps teach it (all
+    but a last step that ends generation: nothing is decided after it)."""
+    seen = []
+    from strata_cli.speculative.controller import DraftController
+    observe = DraftController.observe
+    monkeypatch.setattr(DraftController, "observe", lambda self, **kw: (seen.append(kw["T"]), observe(self, **kw))[1])
+    spec = SpecOptions(max_drafts=3, min_match=3, auto=True)
+    tokens, _, _, stats = decode(tiny_model, repetitive, overlap=True, monkeypatch=monkeypatch, max_tokens=24,
+                                 spec=spec)
+    steps = sum(w.T == 1 for w in stats.windows)
+    assert len(seen) - seen.count(1) == len(stats.windows) - steps
+    assert steps - 1 <= seen.count(1) <= steps and steps > 1
