@@ -6,9 +6,11 @@ on. The window never exceeds the remaining token budget or the context
 (speculative/safe_window.py); emission stops at the first end-of-sequence token, and nothing
 after it is committed.
 
-Greedy serial decoding with nothing between the logits and the token (no drafts, processors or
-healing) overlaps its steps instead (`overlapped_serial`): the same tokens, commits and
-windows, with each step's graph built while the device computes the one before.
+Greedy decoding with nothing between the logits and the token (no processors, healing or
+sampling) overlaps its one-token steps (`overlapped_serial`): the same tokens, commits and
+windows, with each step's graph built while the device computes the one before. Serial decoding
+is all such steps; with drafts, a stretch of them runs wherever there is nothing to verify, and
+ends at the token that brings drafts worth a window.
 """
 
 from __future__ import annotations
