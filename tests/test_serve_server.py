@@ -138,16 +138,17 @@ def test_cancel_answers_and_leaves_a_usable_checkpoint(loop_model):
 
 def test_internal_error_is_answered_and_the_server_recovers(loop_model):
     server, out = make_server(loop_model)
-    run = server.engine.run
     calls = {"n": 0}
 
-    def flaky(tokens, pos0):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated device failure")
-        return run(tokens, pos0)
+    def flaky(step):  # the third step, a window (`run`) or an overlapped one-token step (`launch`)
+        def call(inputs, pos0):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("simulated device failure")
+            return step(inputs, pos0)
+        return call
 
-    server.engine.run = flaky
+    server.engine.run, server.engine.launch = flaky(server.engine.run), flaky(server.engine.launch)
     reply = ask(server, out, id=1, prompt="abcdabcd", max_tokens=10)
     assert reply["error"]["code"] == "internal_error" and "simulated" in reply["error"]["message"]
     ok = ask(server, out, id=2, prompt="abcdabcd", max_tokens=10)
