@@ -147,9 +147,8 @@ def generate(
         yield from overlapped_serial(engine, root, pos0, options.max_tokens, eos_ids, stats)
         return
 
-    def plan(pos0: int, remaining: int, extra_cost=read_cost) -> tuple[Proposal, bool, int, int]:
-        """(proposal, from_global, T, proposed) of the window rooted at pos0; `extra_cost(T)`:
-        seconds a window of T rows costs beyond the controller's curve."""
+    def plan(pos0: int, remaining: int) -> tuple[Proposal, bool, int, int]:
+        """(proposal, from_global, T, proposed) of the window rooted at pos0."""
         proposal = drafter.propose(max_drafts) if drafter else EMPTY_PROPOSAL
         from_global = False
         if drafter is not None and fallback_drafter is not None and not proposal.tokens:
@@ -164,28 +163,15 @@ def generate(
         )
         proposed = T - 1
         if controller is not None and proposed:
-            T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=extra_cost)  # before any read
+            T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=read_cost)  # before any read
         return proposal, from_global, T, proposed
 
-    def abandoned_step(T: int) -> float:
-        """Drafts chosen in a stretch of overlapped steps also cost the step already launched
-        on the token, which the window replaces (its work is thrown away)."""
-        return controller.window_cost(1) if T > 1 else 0.0
-
-    planned = None  # the next window's plan, when a stretch of overlapped steps made it
-
     def drafts_wanted(token: int, seconds: float, pos0: int, remaining: int) -> bool:
-        """After an overlapped step: learn its cost, extend the drafts' history, and end the
-        stretch when the next window should verify drafts."""
-        nonlocal planned
+        """After an overlapped step (its token already in the drafts' history): learn its cost,
+        and end the stretch when a window rooted at the token would verify drafts."""
         if controller is not None:
             controller.observe(T=1, keep=1, seconds=seconds)
-        drafter.extend([token])
-        next_plan = plan(pos0, remaining, abandoned_step)
-        if next_plan[2] == 1:
-            return False
-        planned = next_plan
-        return True
+        return plan(pos0, remaining)[2] > 1
 
     while True:
         remaining = options.max_tokens - emitted
@@ -194,13 +180,14 @@ def generate(
             yield Step([], finish)
             return
         start = time.perf_counter()
-        proposal, from_global, T, proposed = planned or plan(pos0, remaining)
-        planned = None
+        proposal, from_global, T, proposed = plan(pos0, remaining)
         if T == 1 and overlap:
-            # Nothing to verify: one-token steps overlap (each built while the one before
-            # runs) until a token brings drafts worth a window; that step's launched
-            # successor is abandoned and the window runs instead.
+            # Nothing to verify: one-token steps overlap (each built while the one before runs)
+            # until a token brings drafts worth a window. The step already launched on that
+            # token still runs (it verifies the first draft, as a window would) and the window
+            # is planned again at its token: no work is thrown away.
             for step in overlapped_serial(engine, root, pos0, remaining, eos_ids, stats, after=drafts_wanted):
+                drafter.extend(step.tokens)
                 yield step
                 if step.finish_reason:
                     return
@@ -268,9 +255,10 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
     every yield and at the end is what the window loop leaves.
 
     `after(token, seconds, next_pos0, tokens_left)`, called after each emitted token that
-    generation goes on past, may end the steps there (True): the window launched on that token
-    is abandoned and the generator returns with no finish reason, the token being the caller's
-    next root at `next_pos0`.
+    generation goes on past, may end the steps (True): the step already launched on that token
+    is kept and read, nothing more is launched, and once its token is emitted the generator
+    returns with no finish reason (that token being the caller's next root), unless the token
+    ends generation.
     """
     emitted, start = 0, time.perf_counter()
     finish = limit_reached(max_tokens, engine.context_left(pos0))
@@ -280,11 +268,12 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
     current = engine.launch(root, pos0)
     engine.commit(1)
     pending = False  # a launched window awaiting commit or abandon
+    last = False  # `after` ended the steps: read the launched one, launch no more
     try:
         while True:
             # Known before this token is read: whether it is the last one the limits allow.
             finish = limit_reached(max_tokens - emitted - 1, engine.context_left(pos0 + 1))
-            following = None if finish else engine.launch(current, pos0 + 1)
+            following = None if finish or last else engine.launch(current, pos0 + 1)
             pending = following is not None
             token = current.value()
             now = time.perf_counter()
@@ -300,8 +289,9 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
                 yield Step([], finish)
                 return
             yield Step([token])
-            if after is not None and after(token, now - record_start, pos0, max_tokens - emitted):
-                return  # `finally` abandons the window launched on `token`
+            if last:
+                return
+            last = after is not None and after(token, now - record_start, pos0, max_tokens - emitted)
             engine.commit(1)
             pending = False
             current = following
