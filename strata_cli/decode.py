@@ -10,7 +10,8 @@ Greedy decoding with nothing between the logits and the token (no processors, he
 sampling) overlaps its one-token steps (`overlapped_serial`): the same tokens, commits and
 windows, with each step's graph built while the device computes the one before. Serial decoding
 is all such steps; with drafts, a stretch of them runs wherever there is nothing to verify, and
-ends at the token that brings drafts worth a window.
+ends at the token that brings drafts worth a window (the step launched on that token is
+abandoned, and the window runs just as the plain loop would run it).
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def generate(
         yield from overlapped_serial(engine, root, pos0, options.max_tokens, eos_ids, stats)
         return
 
-    def plan(pos0: int, remaining: int) -> tuple[Proposal, bool, int, int]:
-        """(proposal, from_global, T, proposed) of the window rooted at pos0."""
+    def plan(pos0: int, remaining: int, extra_cost=read_cost) -> tuple[Proposal, bool, int, int]:
+        """(proposal, from_global, T, proposed) of the window rooted at pos0; `extra_cost(T)`:
+        seconds a window of T rows costs beyond the controller's curve."""
         proposal = drafter.propose(max_drafts) if drafter else EMPTY_PROPOSAL
         from_global = False
         if drafter is not None and fallback_drafter is not None and not proposal.tokens:
@@ -163,15 +165,28 @@ def generate(
         )
         proposed = T - 1
         if controller is not None and proposed:
-            T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=read_cost)  # before any read
+            T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=extra_cost)  # before any read
         return proposal, from_global, T, proposed
 
+    def abandoned_step(T: int) -> float:
+        """Drafts chosen in a stretch of overlapped steps also cost the step already launched
+        on the token, which the window replaces (its work is thrown away)."""
+        return controller.window_cost(1) if T > 1 else 0.0
+
+    planned = None  # the next window's plan, when a stretch of overlapped steps made it
+
     def drafts_wanted(token: int, seconds: float, pos0: int, remaining: int) -> bool:
-        """After an overlapped step (its token already in the drafts' history): learn its cost,
-        and end the stretch when a window rooted at the token would verify drafts."""
+        """After an overlapped step: learn its cost, extend the drafts' history, and end the
+        stretch when the next window should verify drafts."""
+        nonlocal planned
         if controller is not None:
             controller.observe(T=1, keep=1, seconds=seconds)
-        return plan(pos0, remaining)[2] > 1
+        drafter.extend([token])
+        next_plan = plan(pos0, remaining, abandoned_step)
+        if next_plan[2] == 1:
+            return False
+        planned = next_plan
+        return True
 
     while True:
         remaining = options.max_tokens - emitted
@@ -180,14 +195,13 @@ def generate(
             yield Step([], finish)
             return
         start = time.perf_counter()
-        proposal, from_global, T, proposed = plan(pos0, remaining)
+        proposal, from_global, T, proposed = planned or plan(pos0, remaining)
+        planned = None
         if T == 1 and overlap:
-            # Nothing to verify: one-token steps overlap (each built while the one before runs)
-            # until a token brings drafts worth a window. The step already launched on that
-            # token still runs (it verifies the first draft, as a window would) and the window
-            # is planned again at its token: no work is thrown away.
+            # Nothing to verify: one-token steps overlap (each built while the one before
+            # runs) until a token brings drafts worth a window; that step's launched
+            # successor is abandoned and the window runs instead.
             for step in overlapped_serial(engine, root, pos0, remaining, eos_ids, stats, after=drafts_wanted):
-                drafter.extend(step.tokens)
                 yield step
                 if step.finish_reason:
                     return
@@ -255,10 +269,9 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
     every yield and at the end is what the window loop leaves.
 
     `after(token, seconds, next_pos0, tokens_left)`, called after each emitted token that
-    generation goes on past, may end the steps (True): the step already launched on that token
-    is kept and read, nothing more is launched, and once its token is emitted the generator
-    returns with no finish reason (that token being the caller's next root), unless the token
-    ends generation.
+    generation goes on past, may end the steps there (True): the window launched on that token
+    is abandoned and the generator returns with no finish reason, the token being the caller's
+    next root at `next_pos0`.
     """
     emitted, start = 0, time.perf_counter()
     finish = limit_reached(max_tokens, engine.context_left(pos0))
@@ -268,12 +281,11 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
     current = engine.launch(root, pos0)
     engine.commit(1)
     pending = False  # a launched window awaiting commit or abandon
-    last = False  # `after` ended the steps: read the launched one, launch no more
     try:
         while True:
             # Known before this token is read: whether it is the last one the limits allow.
             finish = limit_reached(max_tokens - emitted - 1, engine.context_left(pos0 + 1))
-            following = None if finish or last else engine.launch(current, pos0 + 1)
+            following = None if finish else engine.launch(current, pos0 + 1)
             pending = following is not None
             token = current.value()
             now = time.perf_counter()
@@ -289,9 +301,8 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
                 yield Step([], finish)
                 return
             yield Step([token])
-            if last:
-                return
-            last = after is not None and after(token, now - record_start, pos0, max_tokens - emitted)
+            if after is not None and after(token, now - record_start, pos0, max_tokens - emitted):
+                return  # `finally` abandons the window launched on `token`
             engine.commit(1)
             pending = False
             current = following

@@ -158,7 +158,7 @@ class WindowEngine:
         """Whether serial decoding should overlap its steps with `launch`: the host builds the
         next step while the device (or MLX's CPU stream) runs this one. On the 2-core CPU too
         since the layers' ends are compiled: serial decoding went from 0.88-0.91x mlx-lm's tok/s
-        to 1.02-1.29x on the demo model (docs/benchmarks.md, issue 10). Not with streamed
+        to 1.06-1.34x on the demo model (docs/benchmarks.md, issue 10). Not with streamed
         experts, which read routing back while the graph is built."""
         return self.expert_cache is None
 
