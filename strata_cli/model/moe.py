@@ -87,7 +87,7 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     The matmul of `QuantizedExperts`, public so that streamed experts (experts/switch.py) run the
     very same call over their slot banks. A decode window's picks (`is_sorted` False, at most
     WINDOW_ROWS · k of them) take the routed-experts kernel of metal_shaders/rows_matvec.py where
-    it runs: each expert read once for the picks that chose it, each pick reduced alone.
+    it runs: each pick reduced alone, in its own blocks.
     """
     if (not is_sorted and mode == "affine" and biases is not None and x.ndim == 3 and x.shape[1] == 1
             and x.shape[0] <= kernels.MAX_PICKS and weight.ndim == 3 and RowSplit.mode != "never"
