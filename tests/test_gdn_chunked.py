@@ -132,7 +132,7 @@ def test_decode_windows_keep_the_per_row_scan(model, monkeypatch):
     import strata_cli.model.gdn as gdn
 
     calls = []
-    monkeypatch.setattr(gdn, "chunked_gated_delta_scan", lambda rows, S: calls.append(len(rows)) or (None, None))
+    monkeypatch.setattr(gdn, "chunked_scan_over_streams", lambda rows, S: calls.append(len(rows)) or (None, None))
     engine = WindowEngine(model)
     engine.prefill(list(range(MIN_CHUNKED_ROWS - 1)))
     engine.run(list(range(8)), engine.length)

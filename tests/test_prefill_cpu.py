@@ -121,3 +121,51 @@ def test_prompt_chunks_multiply_quantized_experts_dequantized(monkeypatch):
     assert calls == [1] and mx.allclose(out, plain, atol=1e-5).item()
     monkeypatch.setattr(moe, "CPU_PROMPT_DEQUANTIZE_BYTES", 0)  # a bank too large to dequantize
     assert mx.array_equal(moe.gather_qmatmul(x, q, s, b, experts, group_size=32, bits=8), plain).item()
+
+
+# -- two CPU streams: a prompt chunk's matmuls, attention blocks and GDN heads split over cores ------
+
+@pytest.fixture
+def one_stream(monkeypatch):
+    """Undo the split: every module that spreads work over `prompt_streams` gets the default one."""
+    from strata_cli.model import attention, gdn_chunked, layers
+
+    def patch():
+        for module in (layers, attention, gdn_chunked):
+            monkeypatch.setattr(module, "prompt_streams", lambda: (mx.default_stream(mx.cpu),))
+    return patch
+
+
+def test_prompt_streams_one_per_core_up_to_two():
+    import os
+
+    from strata_cli.model.layers import prompt_streams
+
+    assert len(prompt_streams()) == min(2, os.cpu_count()) and all(s.device == mx.cpu for s in prompt_streams())
+
+
+def test_split_prompt_work_gives_the_same_bits(one_stream):
+    """Rows (linears, routed-expert picks), attention blocks and GDN heads computed on two
+    streams give exactly what one stream gives."""
+    from strata_cli.model.gdn_chunked import chunked_scan_over_streams
+    from strata_cli.model.layer_state import GDNRows
+
+    linear = RowLinear(48, 40, bias=True)
+    x = mx.random.normal((2, 75, 48), key=mx.random.key(1))
+    q, keys, values = qkv(300, 37, 4, 2)
+    keys_ = mx.random.split(mx.random.key(2), 5)
+    B, T, Hk, Hv, D = 1, 70, 2, 4, 16
+    k = mx.random.normal((B, T, Hk, D), key=keys_[0])
+    rows = GDNRows(mx.random.normal((B, T, Hk, D), key=keys_[1]), k / mx.linalg.norm(k, axis=-1, keepdims=True),
+                   mx.random.normal((B, T, Hv, D), key=keys_[2]), -mx.random.uniform(shape=(B, T, Hv), key=keys_[3]),
+                   mx.random.uniform(shape=(B, T, Hv), key=keys_[4]))
+    S0 = mx.random.normal((B, Hv, D, D), key=keys_[0]) * 0.1
+
+    def everything():
+        return [linear(x), causal_attention_cpu(q, keys, values, 0.25), *chunked_scan_over_streams(rows, S0)]
+
+    split = everything()
+    one_stream()
+    alone = everything()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(split, alone))
+    assert rel_diff(split[0], x @ linear.weight.T + linear.bias) < TOL

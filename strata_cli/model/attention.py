@@ -14,7 +14,14 @@ import mlx.nn as nn
 from metal_shaders import attention_window
 
 from .layer_state import AttentionState
-from .layers import PREFILL_MIN_ROWS, RMSNorm, RowLinear, RowSplit, sigmoid_gate
+from .layers import (
+    PREFILL_MIN_ROWS,
+    RMSNorm,
+    RowLinear,
+    RowSplit,
+    prompt_streams,
+    sigmoid_gate,
+)
 
 QUERY_BLOCK = 128  # prompt rows per attention block on the CPU (64 ties it, 512 unblocked is 1.2-2x slower)
 
@@ -29,21 +36,23 @@ def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: f
     slower with a transposed right operand, so scores use a contiguous Kᵀ with the query heads of
     a KV head stacked as rows; and each block of `block` query rows multiplies only the keys it
     can see, so the chunk's masked upper triangle is mostly never computed (nor exponentiated).
+    The blocks take turns on the CPU prompt streams (`layers.prompt_streams`: a core each).
     """
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     r, P = Hq // Hkv, L - T
     kt = mx.contiguous(keys.swapaxes(-1, -2))  # (B, Hkv, D, L)
     q = (q * scale).reshape(B, Hkv, r, T, D)
-    outs = []
-    for s in range(0, T, block):
+    outs, streams = [], prompt_streams()
+    for i, s in enumerate(range(0, T, block)):
         e = min(T, s + block)
         n, seen = e - s, P + e  # rows of this block; keys the block's last row sees
-        scores = (q[:, :, :, s:e].reshape(B, Hkv, r * n, D) @ kt[..., :seen]).reshape(B, Hkv, r, n, seen)
-        visible = mx.arange(seen) <= (P + s + mx.arange(n))[:, None]  # row P+s+i sees cells 0..P+s+i
-        scores = mx.where(visible, scores, -mx.inf)
-        weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, r * n, seen)
-        outs.append((weights @ values[:, :, :seen]).reshape(B, Hkv, r, n, D))
+        with mx.stream(streams[i % len(streams)]):
+            scores = (q[:, :, :, s:e].reshape(B, Hkv, r * n, D) @ kt[..., :seen]).reshape(B, Hkv, r, n, seen)
+            visible = mx.arange(seen) <= (P + s + mx.arange(n))[:, None]  # row P+s+i sees cells 0..P+s+i
+            scores = mx.where(visible, scores, -mx.inf)
+            weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, r * n, seen)
+            outs.append((weights @ values[:, :, :seen]).reshape(B, Hkv, r, n, D))
     return mx.concatenate(outs, axis=3).reshape(B, Hq, T, D)
 
 

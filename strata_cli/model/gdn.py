@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from metal_shaders import gdn_window
 
-from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_gated_delta_scan
+from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_scan_over_streams
 from .layer_state import GDNRows, RecurrentState
 from .layers import GatedRMSNorm, RowLinear, RowSplit
 
@@ -152,7 +152,7 @@ class GatedDeltaNet(nn.Module):
         if is_kernel:
             scan = kernel_gated_delta_scan
         else:
-            scan = chunked_gated_delta_scan if T >= MIN_CHUNKED_ROWS else gated_delta_scan
+            scan = chunked_scan_over_streams if T >= MIN_CHUNKED_ROWS else gated_delta_scan
         return state.recur(GDNRows(q, k, v, g, beta), scan)
 
     def tail(self, y: mx.array, z: mx.array) -> mx.array:

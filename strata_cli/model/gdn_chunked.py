@@ -20,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .layer_state import GDNRows
+from .layers import prompt_streams
 
 CHUNK = 32  # rows per chunk (FLA uses 64): on the CPU 32 ties 16 with half its sequential steps; 64 is slower
 # On a GPU the sequential chunk steps are what costs: one 80B-A3B GDN layer's 2,048-row scan took
@@ -115,3 +116,24 @@ def chunked_gated_delta_scan(rows: GDNRows, state: mx.array, *, chunk: int | Non
     y = (gamma[..., None] * q) @ S0 + attn @ U  # (B, H, N, C, Dv)
     y = mx.moveaxis(y, 1, 3).reshape(B, N * C, Hv, Dv)
     return y[:, :T], S
+
+
+def chunked_scan_over_streams(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
+    """`chunked_gated_delta_scan` on the CPU with the heads in two halves, one per CPU prompt
+    stream (`layers.prompt_streams`: a core each); heads never mix, so every sum is unchanged.
+    Elsewhere, or with an odd number of key heads, the plain call."""
+    streams = prompt_streams()
+    Hk, Hv = rows.k.shape[2], rows.v.shape[2]
+    if mx.default_device() != mx.cpu or len(streams) < 2 or Hk % 2:
+        return chunked_gated_delta_scan(rows, state)
+    hk, hv = Hk // 2, Hv // 2  # value head h reads key head h // (Hv / Hk): the halves match
+    outputs, states = [], []
+    for i, stream in enumerate(streams[:2]):
+        keys, values = slice(i * hk, (i + 1) * hk), slice(i * hv, (i + 1) * hv)
+        half = GDNRows(rows.q[:, :, keys], rows.k[:, :, keys], rows.v[:, :, values], rows.g[:, :, values],
+                       rows.beta[:, :, values])
+        with mx.stream(stream):
+            y, S = chunked_gated_delta_scan(half, state[:, values])
+        outputs.append(y)
+        states.append(S)
+    return mx.concatenate(outputs, axis=2), mx.concatenate(states, axis=1)

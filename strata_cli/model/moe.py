@@ -20,6 +20,7 @@ from .layers import (
     RowLinear,
     RowSplit,
     is_cpu_prompt,
+    over_streams,
     swiglu,
     transposed,
 )
@@ -34,6 +35,9 @@ def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: boo
     """
     if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
         rhs = w.swapaxes(-1, -2) if wt is None else wt
+        if wt is not None and is_sorted:  # a CPU prompt chunk: its picks over the prompt streams
+            return over_streams(lambda xs, ids: mx.gather_mm(xs, wt, rhs_indices=ids, sorted_indices=True),
+                                x, experts)
         return mx.gather_mm(x, rhs, rhs_indices=experts, sorted_indices=is_sorted)
     # MLX's CPU gather_mm takes float32 only: gather the matrices instead.
     return x @ w[experts].swapaxes(-1, -2)
@@ -101,7 +105,7 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
         # bank once per chunk and multiplying by its contiguous transpose (docs/benchmarks.md).
         # Streamed slot banks take this very call too, so they stay bit-identical to resident ones.
         dense = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
-        return mx.gather_mm(x, mx.contiguous(dense.swapaxes(-1, -2)), rhs_indices=experts, sorted_indices=True)
+        return gather_matmul(x, dense, experts, wt=mx.contiguous(dense.swapaxes(-1, -2)))
     return mx.gather_qmm(
         x, weight, scales, biases, rhs_indices=experts, transpose=True,
         group_size=group_size, bits=bits, mode=mode, sorted_indices=is_sorted,
