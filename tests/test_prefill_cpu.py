@@ -1,4 +1,6 @@
-"""The CPU prompt path's matmul forms: blocked causal attention, cached contiguous transposes."""
+"""The CPU prompt path's MLX matmul forms: blocked causal attention, cached contiguous
+transposes, two streams. Each test here runs them with numpy's BLAS off (`HostBlas.mode` "mlx");
+tests/test_host_blas.py checks the numpy forms."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -9,10 +11,16 @@ from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import moe
 from strata_cli.model.attention import QUERY_BLOCK, causal_attention_cpu
+from strata_cli.model.host_blas import HostBlas
 from strata_cli.model.layers import PREFILL_MIN_ROWS, RowLinear, transposed
 from strata_cli.model.moe import SwitchGLU, gather_matmul, glu_by_expert
 
 TOL = 1e-6  # relative, float32: the same sums as the reference calls
+
+
+@pytest.fixture(autouse=True)
+def mlx_blas(monkeypatch):
+    monkeypatch.setattr(HostBlas, "mode", "mlx")
 
 
 def rel_diff(a: mx.array, b: mx.array) -> float:

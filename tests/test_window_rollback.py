@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from strata_cli.engine.window import WindowEngine
+from strata_cli.model.host_blas import HostBlas
 from strata_cli.options import EngineOptions
 
 TOL = 1e-5
@@ -108,15 +109,21 @@ def test_chains_of_windows_match_serial(tiny_model, serial, fold):
     assert max_state_diff(engine.state_tensors(), serial_states[pos - 1]) <= TOL
 
 
-def test_prefill_matches_one_uncached_forward(tiny_model, serial):
+# A 40-row window is a prompt chunk: with MLX's BLAS its linears are serial decoding's very sums;
+# numpy's BLAS (model/host_blas.py) rounds them differently, and this random model amplifies a
+# 1e-7 difference to 4.4e-4 by row 29 (no routing changes; on the trained demo model both BLAS
+# stay within 1.7e-6 relative of serial decoding: test_host_blas.py).
+@pytest.mark.parametrize("blas,atol", [("mlx", 1e-4), ("numpy", 1e-3)])
+def test_prefill_matches_one_uncached_forward(tiny_model, serial, blas, atol, monkeypatch):
     """Cached serial decoding equals a single window over the whole sequence."""
+    monkeypatch.setattr(HostBlas, "mode", blas)
     seq, serial_logits, _ = serial
     engine = WindowEngine(tiny_model)
     out = engine.run(seq, 0)
     engine.commit(len(seq))
-    np.testing.assert_allclose(np.array(out.logits), np.stack([np.array(x) for x in serial_logits]), atol=1e-4)
+    np.testing.assert_allclose(np.array(out.logits), np.stack([np.array(x) for x in serial_logits]), atol=atol)
     last = WindowEngine(tiny_model).prefill(seq)
-    np.testing.assert_allclose(np.array(last), np.array(serial_logits[-1]), atol=1e-4)
+    np.testing.assert_allclose(np.array(last), np.array(serial_logits[-1]), atol=atol)
 
 
 def test_snapshot_restore_round_trip(tiny_model, serial):

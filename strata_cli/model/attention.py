@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from metal_shaders import attention_window
 
+from . import host_blas
 from .layer_state import AttentionState
 from .layers import (
     PREFILL_MIN_ROWS,
@@ -36,8 +37,11 @@ def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: f
     slower with a transposed right operand, so scores use a contiguous Kᵀ with the query heads of
     a KV head stacked as rows; and each block of `block` query rows multiplies only the keys it
     can see, so the chunk's masked upper triangle is mostly never computed (nor exponentiated).
-    The blocks take turns on the CPU prompt streams (`layers.prompt_streams`: a core each).
+    The blocks take turns on the CPU prompt streams (`layers.prompt_streams`: a core each), or
+    the whole runs in numpy where its BLAS takes float32 prompts (`host_blas`).
     """
+    if host_blas.HostBlas.takes(q, keys, values):
+        return host_blas.causal_attention(q, keys, values, scale, block)
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     r, P = Hq // Hkv, L - T

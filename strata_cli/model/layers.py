@@ -11,6 +11,8 @@ import mlx.nn as nn
 
 from metal_shaders import rows_matvec as kernels
 
+from . import host_blas
+
 WINDOW_ROWS = 8  # a decode window: the root and at most 7 drafts
 PREFILL_MIN_ROWS = 16  # matmuls over at least this many rows take the prompt path
 
@@ -153,7 +155,8 @@ class RowLinear(nn.Linear):
     """`nn.Linear` whose window rows keep their serial arithmetic: the row-invariant kernel
     (metal_shaders/rows_matvec.py) where it runs, else `by_row`. Quantizes to `RowQuantizedLinear`.
 
-    Prompt-sized calls on the CPU multiply by a cached contiguous Wᵀ (`transposed`).
+    Prompt-sized float32 calls on the CPU go to numpy's BLAS (`host_blas`), else multiply by a
+    cached contiguous Wᵀ (`transposed`).
     """
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -161,6 +164,8 @@ class RowLinear(nn.Linear):
         if _kernel_rows(x) and kernels.supports(K):
             y = kernels.rows_matvec(x, self.weight)
             return y + self.bias if "bias" in self else y
+        if is_cpu_prompt(x) and host_blas.HostBlas.takes(x, self.weight):
+            return host_blas.linear(x, self.weight, self.get("bias"))
         if is_cpu_prompt(x):
             weight = transposed(self, "weight")
             y = over_streams(lambda rows: rows @ weight, x.reshape(-1, K)).reshape(*x.shape[:-1], -1)

@@ -1,0 +1,75 @@
+"""Prompt-sized float32 matmuls on the CPU through numpy's BLAS.
+
+MLX's Linux CPU wheels bundle the reference (netlib) BLAS: one core, about 1.3 GMAC/s for any
+float32 product, 2-3x slower still with a transposed operand. numpy's wheels bundle OpenBLAS,
+which on the same 2-core machine runs a prompt chunk's products 40-80x faster
+(docs/benchmarks.md, "CPU prefill through numpy's BLAS"). So the CPU prompt path (rows of at
+least `layers.PREFILL_MIN_ROWS`) hands its float32 matmuls to numpy: `np.asarray` of an MLX
+array is a view (evaluated first), and only the product is copied back.
+
+Prompt chunks are shared by serial and speculative decoding, so their sums may round differently
+from MLX's without touching identity; decode windows (at most 8 rows) never come here. Routed
+experts never come here either: OpenBLAS rounds a row differently with the number of rows it
+shares a call with, and streamed experts, served in passes of picks, must stay bit-identical to
+resident ones. On macOS MLX's CPU matmul is Accelerate's, so `auto` keeps MLX there.
+
+`HostBlas.mode`: "auto" (numpy except on macOS), "numpy", "mlx" (never); the environment
+variable STRATA_PROMPT_BLAS sets it for a process (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+MODES = ("auto", "numpy", "mlx")
+
+
+class HostBlas:
+    mode = os.environ.get("STRATA_PROMPT_BLAS", "auto")
+
+    @classmethod
+    def takes(cls, *arrays: mx.array) -> bool:
+        """Whether a CPU prompt matmul over `arrays` (inputs and weights) runs in numpy."""
+        if cls.mode not in MODES:
+            raise ValueError(f"STRATA_PROMPT_BLAS must be one of {', '.join(MODES)}, got {cls.mode!r}")
+        if cls.mode == "mlx" or any(a.dtype != mx.float32 for a in arrays):
+            return False
+        return cls.mode == "numpy" or sys.platform != "darwin"
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """x (..., K) @ weight (N, K)ᵀ (+ bias) -> (..., N), float32."""
+    K, N = x.shape[-1], weight.shape[0]
+    y = np.asarray(x).reshape(-1, K) @ np.asarray(weight).T
+    if bias is not None:
+        y += np.asarray(bias)
+    return mx.array(y).reshape(*x.shape[:-1], N)
+
+
+def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, block: int) -> mx.array:
+    """`attention.causal_attention_cpu`'s blocked causal attention, in numpy (same contract).
+
+    q (B, Hq, T, D); keys, values (B, Hkv, L, D), the T query rows at the last T cells. The
+    query heads of a KV head are stacked as rows, and each block of `block` query rows multiplies
+    only the keys it can see; softmax in float32 with the row maximum subtracted.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    r, P = Hq // Hkv, L - T
+    qs = (np.asarray(q) * np.float32(scale)).reshape(B, Hkv, r, T, D)
+    kt, v = np.asarray(keys).swapaxes(-1, -2), np.asarray(values)  # (B, Hkv, D, L), (B, Hkv, L, D)
+    out = np.empty((B, Hkv, r, T, D), dtype=np.float32)
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        n, seen = e - s, P + e  # rows of this block; keys its last row sees
+        scores = (qs[:, :, :, s:e].reshape(B, Hkv, r * n, D) @ kt[..., :seen]).reshape(B, Hkv, r, n, seen)
+        scores[..., P + s:][..., np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf  # row P+s+i sees 0..P+s+i
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[:, :, :, s:e] = (scores.reshape(B, Hkv, r * n, seen) @ v[:, :, :seen]).reshape(B, Hkv, r, n, D)
+    return mx.array(out.reshape(B, Hq, T, D))
