@@ -11,6 +11,7 @@ mismatch of the two models shows up next to the speed.
     python scripts/prefill_bench.py                                  # demo model, 3,000 tokens (CPU)
     python scripts/prefill_bench.py --synthetic 80b                  # 8-layer 80B-A3B shape, 4-bit, 4,096 tokens (GPU)
     python scripts/prefill_bench.py --synthetic tiny --tokens 200    # a seconds-long CPU check
+    python scripts/prefill_bench.py --compare blas=mlx               # also strata with MLX's own CPU BLAS
 
 `--synthetic 80b` builds Qwen3-Next-80B-A3B's layer shapes (bench/window_cost.py) with mlx-lm's
 own model class, random weights, quantized by mlx-lm's `quantize_model` (its 8-bit routers),
@@ -24,13 +25,15 @@ import json
 import platform
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..engine.window import GPU_PREFILL_CHUNK, WindowEngine, default_prefill_chunk
-from ..model import qwen3_next
+from ..model import moe, qwen3_next
+from ..model.host_blas import HostBlas
 from ..model.loader import read_quantization
 from ..model.quant import apply_to_load
 from ..options import PREFILL_CHUNK, EngineOptions, LoadOptions
@@ -108,9 +111,43 @@ def timed(fn) -> tuple[float, mx.array]:
     return time.perf_counter() - start, out
 
 
-def measure(engine: WindowEngine, peer, ids: list[int], *, chunk: int | None, repeats: int, warmup: int) -> dict:
-    """Median prefill seconds of each side (alternating), tokens/s, ratio and last-logit agreement."""
+# Prompt-path settings a run can compare against strata's defaults (`--compare KEY=VALUE`).
+SETTINGS = {
+    "blas": (HostBlas, "mode", ("auto", "numpy", "mlx")),  # CPU prompt matmuls: numpy's BLAS or MLX's
+    "experts": (moe, "GPU_PROMPT_EXPERTS", ("padded", "dequantize", "gather")),  # GPU prompt experts' form
+}
+
+
+@contextmanager
+def setting(key: str, value: str):
+    """strata's prompt path with SETTINGS[key] set to `value` for the duration."""
+    owner, name, _ = SETTINGS[key]
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def parse_setting(text: str) -> tuple[str, str]:
+    key, _, value = text.partition("=")
+    if key not in SETTINGS or value not in SETTINGS[key][2]:
+        choices = "; ".join(f"{k}={'|'.join(v[2])}" for k, v in SETTINGS.items())
+        raise argparse.ArgumentTypeError(f"expected one of {choices}, got {text!r}")
+    return key, value
+
+
+def measure(engine: WindowEngine, peer, ids: list[int], *, chunk: int | None, repeats: int, warmup: int,
+            compare: list[tuple[str, str]] = ()) -> dict:
+    """Median prefill seconds of each side (alternating), tokens/s, ratio and last-logit agreement.
+    `compare`: more strata sides, each with one prompt-path setting changed."""
     sides = {"strata": lambda: strata_prefill(engine, ids, chunk)}
+    for key, value in compare:
+        def changed(key=key, value=value):
+            with setting(key, value):
+                return strata_prefill(engine, ids, chunk)
+        sides[f"strata {key}={value}"] = changed
     if peer is not None:
         sides["mlx-lm"] = lambda: mlx_lm_prefill(peer, ids)
     seconds = {name: [] for name in sides}
@@ -129,6 +166,10 @@ def measure(engine: WindowEngine, peer, ids: list[int], *, chunk: int | None, re
         a, b = logits["strata"], logits["mlx-lm"]
         result["last_logits_rel_diff"] = (mx.abs(a - b).max() / mx.abs(b).max()).item()
         result["same_argmax"] = int(mx.argmax(a).item()) == int(mx.argmax(b).item())
+    for name in sides:
+        if name not in ("strata", "mlx-lm"):  # how far a changed setting moves the last logits
+            a, b = logits[name], logits["strata"]
+            result["sides"][name]["last_logits_rel_diff_to_strata"] = (mx.abs(a - b).max() / mx.abs(b).max()).item()
     return result
 
 
@@ -151,6 +192,10 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-peer", action="store_true", help="time strata only")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is available")
+    parser.add_argument("--compare", action="append", type=parse_setting, default=[], metavar="KEY=VALUE",
+                        help="also time strata with one prompt-path setting changed, alternating with the rest: "
+                             "blas=numpy|mlx (CPU prompt matmuls), experts=padded|dequantize|gather (GPU prompt "
+                             "experts); repeatable")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("prefill_bench.json"), help="JSON output (default prefill_bench.json)")
     args = parser.parse_args(argv)
@@ -200,7 +245,9 @@ def main(argv=None) -> dict:
         "build_seconds": build_s,
         "commit": git_commit(),
         "machine": {"node": platform.node(), "platform": platform.platform(), "mlx": mx.__version__},
-        **measure(engine, peer, ids, chunk=args.chunk, repeats=args.repeats, warmup=args.warmup),
+        "settings": {key: getattr(owner, name) for key, (owner, name, _) in SETTINGS.items()},
+        **measure(engine, peer, ids, chunk=args.chunk, repeats=args.repeats, warmup=args.warmup,
+                  compare=args.compare),
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{label}, {len(c.layer_types)} layers, {dtype_name}, {result['device']}: prefill of {args.tokens} tokens, "
@@ -208,7 +255,9 @@ def main(argv=None) -> dict:
     print("| side | median s | tok/s |")
     print("|---|---|---|")
     for name, side in result["sides"].items():
-        print(f"| {name} | {side['median_s']:.3f} | {side['tokens_per_s']:.0f} |")
+        vs = result["sides"].get("mlx-lm")
+        ratio = f" ({side['tokens_per_s'] / vs['tokens_per_s']:.2f}x mlx-lm)" if vs and name != "mlx-lm" else ""
+        print(f"| {name} | {side['median_s']:.3f} | {side['tokens_per_s']:.0f}{ratio} |")
     if "ratio" in result:
         print(f"strata / mlx-lm: {result['ratio']:.2f}x; last logits rel. diff {result['last_logits_rel_diff']:.2e}, "
               f"same argmax: {result['same_argmax']}")

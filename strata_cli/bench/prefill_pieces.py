@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..model import moe as moe_module
 from ..model.attention import causal_attention_cpu
 from ..model.gdn import gated_delta_scan, l2_normalize
 from ..model.gdn_chunked import chunked_gated_delta_scan
@@ -49,9 +50,19 @@ def plain_linear(layer, x):
     return x @ layer["weight"].T
 
 
-def pieces(model, rows: int, offset: int, *, with_reference: bool = True, gdn_chunks: tuple[int, ...] = ()):
+def _with_form(form: str, fn):
+    saved, moe_module.GPU_PROMPT_EXPERTS = moe_module.GPU_PROMPT_EXPERTS, form
+    try:
+        return fn()
+    finally:
+        moe_module.GPU_PROMPT_EXPERTS = saved
+
+
+def pieces(model, rows: int, offset: int, *, with_reference: bool = True, gdn_chunks: tuple[int, ...] = (),
+           expert_forms: tuple[str, ...] = ()):
     """[(piece, strata fn, plain fn or None)] for one chunk of `rows` rows of each layer kind;
-    `gdn_chunks`: also the chunked scan at these chunk sizes (the constant to tune per backend)."""
+    `gdn_chunks`: also the chunked scan at these chunk sizes (the constant to tune per backend);
+    `expert_forms`: also the routed experts in these GPU prompt forms (`moe.GPU_PROMPT_EXPERTS`)."""
     layers = model.layers
     gdn_layer = next(layer for layer in layers if layer.is_linear)
     attn_layer = next(layer for layer in layers if not layer.is_linear)
@@ -100,10 +111,13 @@ def pieces(model, rows: int, offset: int, *, with_reference: bool = True, gdn_ch
         ("attn o_proj", lambda: at.o_proj(o), plain and (lambda: plain_linear(at.o_proj, o))),
         ("moe router + top-k", lambda: list(moe.route(xf)), None),
         ("moe experts", lambda: sw(xf, inds),
-         plain and (lambda: glu_by_expert(xf, inds, lambda n, xs, e, s: gather_matmul(xs, sw[n], e, is_sorted=s)))),
+         plain and isinstance(sw["gate_proj"], mx.array)  # a plain gather of unquantized experts
+         and (lambda: glu_by_expert(xf, inds, lambda n, xs, e, s: gather_matmul(xs, sw[n], e, is_sorted=s)))),
         ("moe shared expert", lambda: moe.shared_expert(xf),
          plain and (lambda: _plain_mlp(moe.shared_expert, xf))),
         ("moe block (whole)", lambda: moe(x), None),
+        *[(f"moe experts, GPU form {form}", lambda form=form: _with_form(form, lambda: sw(xf, inds)), None)
+          for form in expert_forms],
         *[(f"gdn scan, chunk {c}", lambda c=c: chunked_gated_delta_scan(gdn_rows, S0, chunk=c), None)
           for c in gdn_chunks],
     ]
@@ -132,6 +146,8 @@ def parse_args(argv=None):
                         help="a random model of this shape, 4-bit and bfloat16, built as prefill_bench builds it")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--gdn-chunks", default="", help="also time the chunked scan at these chunk sizes, e.g. 32,64")
+    parser.add_argument("--expert-forms", default="",
+                        help="also time the routed experts in these GPU prompt forms, e.g. padded,dequantize,gather")
     parser.add_argument("--rows", type=int, default=512, help="rows of the chunk (default 512, PREFILL_CHUNK)")
     parser.add_argument("--offset", type=int, default=2048, help="earlier cells attention sees (default 2048)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -156,7 +172,9 @@ def main(argv=None) -> list[dict]:
     clock = time.perf_counter if args.wall else time.process_time
     table = []
     chunks = tuple(int(c) for c in args.gdn_chunks.split(",") if c)
-    for name, fn, plain in pieces(model, args.rows, args.offset, with_reference=reference, gdn_chunks=chunks):
+    forms = tuple(f for f in args.expert_forms.split(",") if f)
+    for name, fn, plain in pieces(model, args.rows, args.offset, with_reference=reference, gdn_chunks=chunks,
+                                  expert_forms=forms):
         row = {"piece": name, "strata_ms": median_ms(fn, args.repeats, clock)}
         if plain:
             row["plain_ms"] = median_ms(plain, args.repeats, clock)

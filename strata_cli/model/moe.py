@@ -11,6 +11,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from metal_shaders import rows_matvec as kernels
 
@@ -106,6 +107,13 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
         # Streamed slot banks take this very call too, so they stay bit-identical to resident ones.
         dense = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
         return gather_matmul(x, dense, experts, wt=mx.contiguous(dense.swapaxes(-1, -2)))
+    if (is_sorted and GPU_PROMPT_EXPERTS == "dequantize" and x.ndim == 3 and x.shape[1] == 1
+            and is_gpu_prompt(x.shape[0], weight.shape[0])
+            and weight.size * 32 // bits * scales.itemsize <= GPU_PROMPT_DEQUANTIZE_BYTES):
+        # A prompt chunk on a GPU: MLX's CUDA gather_qmm multiplies each pick as a one-row problem;
+        # the dequantized bank goes through gather_mm's grouped GEMM, a problem per run of picks.
+        dense = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
+        return mx.gather_mm(x, dense.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
     return mx.gather_qmm(
         x, weight, scales, biases, rhs_indices=experts, transpose=True,
         group_size=group_size, bits=bits, mode=mode, sorted_indices=is_sorted,
@@ -113,6 +121,17 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
 
 
 CPU_PROMPT_DEQUANTIZE_BYTES = 64 * 2**20  # largest expert bank dequantized per prompt chunk (float32 bytes)
+GPU_PROMPT_DEQUANTIZE_BYTES = 4 * 2**30  # largest expert bank dequantized per GPU prompt chunk
+# How a GPU prompt chunk multiplies its routed picks (docs/benchmarks.md, issue 11): "padded" (each
+# expert's picks as one padded batch row), "dequantize" (bank dequantized, grouped GEMM), "gather"
+# (mx.gather_qmm pick by pick, MLX's own form).
+GPU_PROMPT_EXPERTS = "padded"
+GPU_PROMPT_MIN_PICKS_PER_EXPERT = 4  # fewer picks than this per expert (on average) keep the gather
+
+
+def is_gpu_prompt(picks: int, num_experts: int) -> bool:
+    """Whether `picks` sorted picks over `num_experts` experts are a GPU prompt chunk's."""
+    return mx.default_device() != mx.cpu and picks >= GPU_PROMPT_MIN_PICKS_PER_EXPERT * num_experts
 
 
 class QuantizedSwitchGLU(nn.Module):
@@ -144,6 +163,8 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
         xs = mx.broadcast_to(x[:, None, None, :], (N, k, 1, H)).reshape(N * k, 1, H)  # mx.repeat's rows in 3 ops, not 4
         h = swiglu(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
         return matmul("down_proj", h, flat, False).reshape(N, k, -1)
+    if GPU_PROMPT_EXPERTS == "padded" and mx.default_device() != mx.cpu:
+        return glu_padded(x, inds, matmul)
     # Sorting by expert keeps each expert's rows together, so each is read once, in order.
     order = mx.argsort(flat)
     experts = flat[order]
@@ -151,6 +172,32 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
     h = swiglu(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
     out = matmul("down_proj", h, experts, True)  # (N·k, 1, H)
     return out[mx.argsort(order)].reshape(N, k, -1)
+
+
+def glu_padded(x: mx.array, inds: mx.array, matmul) -> mx.array:
+    """`glu_by_expert` for GPU prompt chunks: each used expert's picks gathered into one row of
+    a zero-padded (E, C, H) batch, C the most picks of any expert, so that each projection is one
+    batched matmul of E problems of C rows (MLX's CUDA gather_qmm otherwise runs every pick as a
+    one-row problem). The routing is read on the host once per call to size the batch.
+    """
+    N, k = inds.shape
+    flat = np.asarray(inds).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    ids = flat[order]
+    E = int(ids[-1]) + 1
+    counts = np.bincount(ids, minlength=E)
+    C, P = int(counts.max()), flat.size
+    slot = ids * C + np.arange(P) - (np.cumsum(counts) - counts)[ids]  # padded row of each sorted pick
+    rows = np.full(E * C, N, dtype=np.uint32)  # the token each padded row takes; N: a zero row
+    rows[slot] = order // k
+    x = mx.concatenate([x, mx.zeros((1, x.shape[-1]), dtype=x.dtype)])
+    xs = x[mx.array(rows)].reshape(E, C, -1)
+    experts = mx.arange(E, dtype=mx.uint32)
+    h = swiglu(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
+    out = matmul("down_proj", h, experts, True).reshape(E * C, -1)
+    where = np.empty(P, dtype=np.uint32)
+    where[order] = slot  # the padded row of each pick, in (token, k) order
+    return out[mx.array(where)].reshape(N, k, -1)
 
 
 class SparseLayerRule:

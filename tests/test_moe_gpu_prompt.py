@@ -1,0 +1,90 @@
+"""The routed experts' GPU prompt forms (model/moe.py: `glu_padded`, the dequantized bank), run
+here on the CPU with the device check pointed at a GPU: the same products as the pick-by-pick
+gather, for resident and quantized experts."""
+
+import mlx.core as mx
+import pytest
+
+from strata_cli.model import moe
+from strata_cli.model.host_blas import HostBlas
+
+TOL = 1e-5
+
+
+def rel_diff(a: mx.array, b: mx.array) -> float:
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def experts(quantized: bool) -> moe.SwitchGLU:
+    glu = moe.SwitchGLU(64, 32, 12)
+    for i, name in enumerate(("gate_proj", "up_proj", "down_proj")):
+        setattr(glu, name, 0.2 * mx.random.normal(glu[name].shape, key=mx.random.key(10 + i)))
+    return glu.to_quantized(group_size=32, bits=4) if quantized else glu
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """mx.default_device() says GPU (the ops still run on the CPU); numpy's BLAS off."""
+    monkeypatch.setattr(HostBlas, "mode", "mlx")
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("inds", [
+    mx.random.randint(0, 10, (100, 3), key=mx.random.key(5)),  # experts 10, 11 unused
+    mx.array([[3, 7]] * 20),  # two experts, 20 picks each
+    mx.array([[i % 12, (i + 5) % 12] for i in range(9)]),  # uneven: some experts one pick
+])
+@pytest.mark.parametrize("form", ["padded", "dequantize"])
+def test_gpu_prompt_forms_match_the_gather(quantized, inds, form, on_gpu, monkeypatch):
+    glu = experts(quantized)
+    x = mx.random.normal((inds.shape[0], 64), key=mx.random.key(4))
+    monkeypatch.setattr(moe, "GPU_PROMPT_EXPERTS", "gather")
+    ref = glu(x, inds)
+    monkeypatch.setattr(moe, "GPU_PROMPT_EXPERTS", form)
+    monkeypatch.setattr(moe, "GPU_PROMPT_MIN_PICKS_PER_EXPERT", 1)
+    out = glu(x, inds)
+    assert out.shape == ref.shape == (inds.shape[0], inds.shape[1], 64)
+    assert rel_diff(out, ref) < TOL
+
+
+def test_padded_batches_each_expert_once(on_gpu, monkeypatch):
+    """One batched call per projection over (E, C, H), C the most picks of an expert."""
+    calls = []
+    inds = mx.array([[0, 2], [2, 1], [2, 0], [1, 2]])  # expert 2 has 4 picks
+
+    def matmul(name, xs, ids, is_sorted):
+        calls.append((name, xs.shape, ids.tolist(), is_sorted))
+        return xs if name != "down_proj" else xs * 2
+
+    x = mx.random.normal((4, 8))
+    out = moe.glu_padded(x, inds, matmul)
+    assert [c[1] for c in calls] == [(3, 4, 8)] * 3 and all(c[2] == [0, 1, 2] and c[3] for c in calls)
+    # The identity "experts" return silu(x)·x·2 per pick: every pick got its own token's row back.
+    expect = mx.broadcast_to((mx.sigmoid(x) * x * x * 2)[:, None], (4, 2, 8))
+    assert mx.allclose(out, expect, atol=1e-6).item()
+
+
+def test_dequantize_form_keeps_the_gather_for_few_picks_and_large_banks(on_gpu, monkeypatch):
+    glu = experts(quantized=True)
+    calls = []
+    real = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(moe, "GPU_PROMPT_EXPERTS", "dequantize")
+    glu(mx.random.normal((20, 64)), mx.random.randint(0, 12, (20, 2)))  # 40 picks < 4 per expert of 12
+    assert calls == []
+    glu(mx.random.normal((100, 64)), mx.random.randint(0, 12, (100, 2)))
+    assert calls == [1, 1, 1]
+    monkeypatch.setattr(moe, "GPU_PROMPT_DEQUANTIZE_BYTES", 1000)
+    glu(mx.random.normal((100, 64)), mx.random.randint(0, 12, (100, 2)))
+    assert calls == [1, 1, 1]
+
+
+def test_the_cpu_and_decode_windows_never_pad(monkeypatch):
+    calls = []
+    monkeypatch.setattr(moe, "glu_padded", lambda *a: calls.append(1))
+    glu = experts(quantized=True)
+    glu(mx.random.normal((40, 64)), mx.random.randint(0, 12, (40, 2)))  # the CPU
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    glu(mx.random.normal((8, 64)), mx.random.randint(0, 12, (8, 2)))  # a decode window
+    assert calls == []
