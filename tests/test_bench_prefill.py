@@ -32,3 +32,27 @@ def test_prefill_pieces_tiny(tmp_path, capsys):
     assert all(row["strata_ms"] >= 0 for row in table)
     assert all("plain_ms" in row for row in table if row["piece"] in ("moe experts", "attn core (L=40)"))
     assert "| gdn out_proj |" in capsys.readouterr().out
+
+
+def test_prefill_bench_compares_settings_in_one_run(tmp_path):
+    """`--compare blas=mlx` adds a strata side with MLX's own CPU BLAS: timed, and its last logits
+    measured against the default side's; the settings in force are recorded and restored."""
+    from strata_cli.model import moe
+    from strata_cli.model.host_blas import HostBlas
+
+    out = tmp_path / "prefill.json"
+    before = (HostBlas.mode, moe.GPU_PROMPT_EXPERTS)
+    main(["--synthetic", "tiny", "--tokens", "60", "--layers", "4", "--repeats", "1", "--warmup", "0", "--no-peer",
+          "--chunk", "32", "--cpu", "--compare", "blas=mlx", "--compare", "experts=gather", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["sides"]) == {"strata", "strata blas=mlx", "strata experts=gather"}
+    assert data["settings"] == {"blas": before[0], "experts": before[1]}
+    assert 0 < data["sides"]["strata blas=mlx"]["last_logits_rel_diff_to_strata"] < 1e-4  # other sums: it ran
+    assert (HostBlas.mode, moe.GPU_PROMPT_EXPERTS) == before
+
+
+@pytest.mark.parametrize("bad", ["blas=fast", "experts=dequantize", "threads=2", "blas"])
+def test_prefill_bench_rejects_unknown_settings(bad, capsys):
+    with pytest.raises(SystemExit):
+        main(["--synthetic", "tiny", "--compare", bad])
+    assert "blas=auto|numpy|mlx; experts=padded|gather" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""The routed experts' GPU prompt forms (model/moe.py: `glu_padded`, the dequantized bank), run
-here on the CPU with the device check pointed at a GPU: the same products as the pick-by-pick
-gather, for resident and quantized experts."""
+"""The routed experts' GPU prompt form (model/moe.py: `glu_padded`), run here on the CPU with the
+device check pointed at a GPU: the same products as the pick-by-pick gather, for resident and
+quantized experts."""
 
 import mlx.core as mx
 import pytest
@@ -35,14 +35,13 @@ def on_gpu(monkeypatch):
     mx.array([[3, 7]] * 20),  # two experts, 20 picks each
     mx.array([[i % 12, (i + 5) % 12] for i in range(9)]),  # uneven: some experts one pick
 ])
-@pytest.mark.parametrize("form", ["padded", "dequantize"])
-def test_gpu_prompt_forms_match_the_gather(quantized, inds, form, on_gpu, monkeypatch):
+def test_padded_batches_match_the_gather(quantized, inds, on_gpu, monkeypatch):
     glu = experts(quantized)
     x = mx.random.normal((inds.shape[0], 64), key=mx.random.key(4))
     monkeypatch.setattr(moe, "GPU_PROMPT_EXPERTS", "gather")
     ref = glu(x, inds)
-    monkeypatch.setattr(moe, "GPU_PROMPT_EXPERTS", form)
-    monkeypatch.setattr(moe, "GPU_PROMPT_MIN_PICKS_PER_EXPERT", 1)
+    monkeypatch.setattr(moe, "GPU_PROMPT_EXPERTS", "padded")
+    monkeypatch.setattr(moe, "PADDED_MAX_ROWS_PER_PICK", 100)  # take every batch, however padded
     out = glu(x, inds)
     assert out.shape == ref.shape == (inds.shape[0], inds.shape[1], 64)
     assert rel_diff(out, ref) < TOL
@@ -65,19 +64,21 @@ def test_padded_batches_each_expert_once(on_gpu, monkeypatch):
     assert mx.allclose(out, expect, atol=1e-6).item()
 
 
-def test_dequantize_form_keeps_the_gather_for_few_picks_and_large_banks(on_gpu, monkeypatch):
+def test_skewed_routing_gathers_instead_of_padding(on_gpu, monkeypatch):
+    """One expert taking most picks would pad every other expert's row to its length: past
+    PADDED_MAX_ROWS_PER_PICK rows per pick the block gathers pick by pick."""
     glu = experts(quantized=True)
-    calls = []
-    real = mx.dequantize
-    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(moe, "GPU_PROMPT_EXPERTS", "dequantize")
-    glu(mx.random.normal((20, 64)), mx.random.randint(0, 12, (20, 2)))  # 40 picks < 4 per expert of 12
-    assert calls == []
-    glu(mx.random.normal((100, 64)), mx.random.randint(0, 12, (100, 2)))
-    assert calls == [1, 1, 1]
-    monkeypatch.setattr(moe, "GPU_PROMPT_DEQUANTIZE_BYTES", 1000)
-    glu(mx.random.normal((100, 64)), mx.random.randint(0, 12, (100, 2)))
-    assert calls == [1, 1, 1]
+    batched = []
+    real = moe.gather_qmatmul
+    monkeypatch.setattr(moe, "gather_qmatmul", lambda x, *a, **k: batched.append(x.shape) or real(x, *a, **k))
+    x = mx.random.normal((40, 64))
+    skewed = mx.array([[0, i % 12] for i in range(40)])  # expert 0: 44 of 80 picks, the others 3-4
+    monkeypatch.setattr(moe, "PADDED_MAX_ROWS_PER_PICK", 4)  # 12 x 44 padded rows > 4 x 80 picks
+    ref = glu(x, skewed)
+    assert [s[1] for s in batched] == [1, 1, 1]  # (picks, 1, H): the gather
+    batched.clear()
+    monkeypatch.setattr(moe, "PADDED_MAX_ROWS_PER_PICK", 100)
+    assert rel_diff(glu(x, skewed), ref) < TOL and [s for s in batched] == [(12, 44, 64), (12, 44, 64), (12, 44, 32)]
 
 
 def test_the_cpu_and_decode_windows_never_pad(monkeypatch):

@@ -114,7 +114,7 @@ def timed(fn) -> tuple[float, mx.array]:
 # Prompt-path settings a run can compare against strata's defaults (`--compare KEY=VALUE`).
 SETTINGS = {
     "blas": (HostBlas, "mode", ("auto", "numpy", "mlx")),  # CPU prompt matmuls: numpy's BLAS or MLX's
-    "experts": (moe, "GPU_PROMPT_EXPERTS", ("padded", "dequantize", "gather")),  # GPU prompt experts' form
+    "experts": (moe, "GPU_PROMPT_EXPERTS", ("padded", "gather")),  # GPU prompt experts' form
 }
 
 
@@ -194,7 +194,7 @@ def parse_args(argv=None):
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is available")
     parser.add_argument("--compare", action="append", type=parse_setting, default=[], metavar="KEY=VALUE",
                         help="also time strata with one prompt-path setting changed, alternating with the rest: "
-                             "blas=numpy|mlx (CPU prompt matmuls), experts=padded|dequantize|gather (GPU prompt "
+                             "blas=numpy|mlx (CPU prompt matmuls), experts=padded|gather (GPU prompt "
                              "experts); repeatable")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("prefill_bench.json"), help="JSON output (default prefill_bench.json)")

@@ -147,7 +147,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--gdn-chunks", default="", help="also time the chunked scan at these chunk sizes, e.g. 32,64")
     parser.add_argument("--expert-forms", default="",
-                        help="also time the routed experts in these GPU prompt forms, e.g. padded,dequantize,gather")
+                        help="also time the routed experts in these GPU prompt forms, e.g. padded,gather")
     parser.add_argument("--rows", type=int, default=512, help="rows of the chunk (default 512, PREFILL_CHUNK)")
     parser.add_argument("--offset", type=int, default=2048, help="earlier cells attention sees (default 2048)")
     parser.add_argument("--repeats", type=int, default=5)

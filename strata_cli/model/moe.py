@@ -107,13 +107,6 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
         # Streamed slot banks take this very call too, so they stay bit-identical to resident ones.
         dense = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
         return gather_matmul(x, dense, experts, wt=mx.contiguous(dense.swapaxes(-1, -2)))
-    if (is_sorted and GPU_PROMPT_EXPERTS == "dequantize" and x.ndim == 3 and x.shape[1] == 1
-            and is_gpu_prompt(x.shape[0], weight.shape[0])
-            and weight.size * 32 // bits * scales.itemsize <= GPU_PROMPT_DEQUANTIZE_BYTES):
-        # A prompt chunk on a GPU: MLX's CUDA gather_qmm multiplies each pick as a one-row problem;
-        # the dequantized bank goes through gather_mm's grouped GEMM, a problem per run of picks.
-        dense = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
-        return mx.gather_mm(x, dense.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
     return mx.gather_qmm(
         x, weight, scales, biases, rhs_indices=experts, transpose=True,
         group_size=group_size, bits=bits, mode=mode, sorted_indices=is_sorted,
@@ -121,17 +114,10 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
 
 
 CPU_PROMPT_DEQUANTIZE_BYTES = 64 * 2**20  # largest expert bank dequantized per prompt chunk (float32 bytes)
-GPU_PROMPT_DEQUANTIZE_BYTES = 4 * 2**30  # largest expert bank dequantized per GPU prompt chunk
 # How a GPU prompt chunk multiplies its routed picks (docs/benchmarks.md, issue 11): "padded" (each
-# expert's picks as one padded batch row), "dequantize" (bank dequantized, grouped GEMM), "gather"
-# (mx.gather_qmm pick by pick, MLX's own form).
+# expert's picks as one row of a padded batch) or "gather" (mx.gather_qmm pick by pick, MLX's form).
 GPU_PROMPT_EXPERTS = "padded"
-GPU_PROMPT_MIN_PICKS_PER_EXPERT = 4  # fewer picks than this per expert (on average) keep the gather
-
-
-def is_gpu_prompt(picks: int, num_experts: int) -> bool:
-    """Whether `picks` sorted picks over `num_experts` experts are a GPU prompt chunk's."""
-    return mx.default_device() != mx.cpu and picks >= GPU_PROMPT_MIN_PICKS_PER_EXPERT * num_experts
+PADDED_MAX_ROWS_PER_PICK = 8  # a batch padded beyond this many rows per pick (skewed routing) gathers instead
 
 
 class QuantizedSwitchGLU(nn.Module):
@@ -164,7 +150,9 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
         h = swiglu(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
         return matmul("down_proj", h, flat, False).reshape(N, k, -1)
     if GPU_PROMPT_EXPERTS == "padded" and mx.default_device() != mx.cpu:
-        return glu_padded(x, inds, matmul)
+        out = glu_padded(x, inds, matmul)
+        if out is not None:
+            return out
     # Sorting by expert keeps each expert's rows together, so each is read once, in order.
     order = mx.argsort(flat)
     experts = flat[order]
@@ -174,11 +162,13 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
     return out[mx.argsort(order)].reshape(N, k, -1)
 
 
-def glu_padded(x: mx.array, inds: mx.array, matmul) -> mx.array:
+def glu_padded(x: mx.array, inds: mx.array, matmul) -> mx.array | None:
     """`glu_by_expert` for GPU prompt chunks: each used expert's picks gathered into one row of
     a zero-padded (E, C, H) batch, C the most picks of any expert, so that each projection is one
     batched matmul of E problems of C rows (MLX's CUDA gather_qmm otherwise runs every pick as a
-    one-row problem). The routing is read on the host once per call to size the batch.
+    one-row problem: 4x slower on an 80B-A3B layer). The routing is read on the host once per
+    call to size the batch; None (the caller gathers) when routing so skewed that the batch would
+    exceed PADDED_MAX_ROWS_PER_PICK rows per pick.
     """
     N, k = inds.shape
     flat = np.asarray(inds).reshape(-1)
@@ -187,6 +177,8 @@ def glu_padded(x: mx.array, inds: mx.array, matmul) -> mx.array:
     E = int(ids[-1]) + 1
     counts = np.bincount(ids, minlength=E)
     C, P = int(counts.max()), flat.size
+    if E * C > PADDED_MAX_ROWS_PER_PICK * P:
+        return None
     slot = ids * C + np.arange(P) - (np.cumsum(counts) - counts)[ids]  # padded row of each sorted pick
     rows = np.full(E * C, N, dtype=np.uint32)  # the token each padded row takes; N: a zero row
     rows[slot] = order // k
