@@ -142,3 +142,21 @@ def test_demo_prefill_in_numpy_matches_serial_decoding(numpy_blas, spied):
     per_row = mx.abs(window - serial).max(axis=1) / mx.abs(serial).max(axis=1)
     assert per_row.max().item() < 1e-5
     assert mx.array_equal(window.argmax(axis=1), serial.argmax(axis=1)).item()
+
+
+def test_numpy_blas_runs_on_one_thread_unless_the_user_chose(monkeypatch):
+    from threadpoolctl import threadpool_info
+
+    calls = []
+    monkeypatch.setattr(host_blas, "threadpool_limits", lambda **k: calls.append(k))
+    host_blas.one_thread.cache_clear()
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    host_blas.one_thread()
+    assert calls == []
+    host_blas.one_thread.cache_clear()
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS")
+    host_blas.one_thread()
+    host_blas.one_thread()  # once per process
+    assert calls == [{"limits": 1, "user_api": "blas"}]
+    host_blas.one_thread.cache_clear()
+    assert any(pool["user_api"] == "blas" for pool in threadpool_info())  # numpy's BLAS is one it can limit

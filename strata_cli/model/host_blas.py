@@ -15,15 +15,21 @@ resident ones. On macOS MLX's CPU matmul is Accelerate's, so `auto` keeps MLX th
 
 `HostBlas.mode`: "auto" (numpy except on macOS), "numpy", "mlx" (never); the environment
 variable STRATA_PROMPT_BLAS sets it for a process (benchmarks compare the two).
+
+OpenBLAS runs on one thread here unless OPENBLAS_NUM_THREADS says otherwise: on a 2-core machine
+its second thread made prefill slower (4.7 s against 3.4 s for 3,000 tokens) and, spinning after
+the last product, slowed the first decode steps by about 13% (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 MODES = ("auto", "numpy", "mlx")
 
@@ -41,8 +47,16 @@ class HostBlas:
         return cls.mode == "numpy" or sys.platform != "darwin"
 
 
+@lru_cache(maxsize=1)
+def one_thread() -> None:
+    """Limit numpy's BLAS to one thread for the process, once, unless the user chose a count."""
+    if "OPENBLAS_NUM_THREADS" not in os.environ:
+        threadpool_limits(limits=1, user_api="blas")
+
+
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """x (..., K) @ weight (N, K)ᵀ (+ bias) -> (..., N), float32."""
+    one_thread()
     K, N = x.shape[-1], weight.shape[0]
     y = np.asarray(x).reshape(-1, K) @ np.asarray(weight).T
     if bias is not None:
@@ -57,6 +71,7 @@ def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
     query heads of a KV head are stacked as rows, and each block of `block` query rows multiplies
     only the keys it can see; softmax in float32 with the row maximum subtracted.
     """
+    one_thread()
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     r, P = Hq // Hkv, L - T
