@@ -224,6 +224,20 @@ def evaluate(model, tokens: np.ndarray, *, max_windows: int, batch: int, device)
     return total / count
 
 
+# The cosine schedule is sized to the time budget from the pace between these two steps: the first
+# steps run slower (compilation, allocator warm-up), and a pace taken from step 0 stopped a run
+# budgeted 8 minutes at 6.6 (docs/benchmarks.md, demo candidate 4).
+PACE_STEPS = (20, 70)
+
+
+def schedule_steps(step: int, elapsed: float, paced_from: float, budget: float) -> int:
+    """Total steps for a `budget`-second run that is at `step` after `elapsed` seconds and was at
+    PACE_STEPS[0] after `paced_from`: the steps done plus what the remaining time holds at the pace
+    since then."""
+    pace = (elapsed - paced_from) / (step - PACE_STEPS[0])
+    return step + max(0, int((budget - elapsed) / pace))
+
+
 def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: str, max_steps: int | None,
           eval_windows: int = 10_000, copy_share: float | None = None, experts: int | None = None,
           expert_width: int | None = None, stdlib_share: float | None = None) -> None:
@@ -259,13 +273,14 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
     budget = minutes * 60
     warmup, log = 100, []
     start = time.time()
-    step, total_steps = 0, None
+    step, total_steps, paced_from = 0, None, None
     model.train()
     while True:
         elapsed = time.time() - start
-        if total_steps is None and step == 50:
-            # Size the cosine schedule to the time budget from the first steps' pace.
-            total_steps = int(budget / (elapsed / step))
+        if step == PACE_STEPS[0]:
+            paced_from = elapsed
+        if total_steps is None and step == PACE_STEPS[1]:
+            total_steps = schedule_steps(step, elapsed, paced_from, budget)
         if max_steps is not None:
             total_steps = max_steps
         if total_steps is not None and step >= total_steps or elapsed > 1.1 * budget:

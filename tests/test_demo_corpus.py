@@ -50,3 +50,13 @@ def test_roughen_adds_trailing_spaces_and_keeps_the_code_valid():
 def test_problem_document_is_one_function_file():
     doc = problem_document(random.Random(1), FUNCTION)
     assert parses(doc) and doc.endswith("return kept\n") or doc.endswith("return kept \n")
+
+
+def test_training_schedule_is_sized_from_the_pace_after_warm_up():
+    """Slow first steps (compilation) must not shrink the schedule: at step 70 after 30 s, with
+    steps 20-70 taking 10 s (0.2 s each), a 480 s budget holds 70 + 450 / 0.2 steps."""
+    from train_demo_model import PACE_STEPS, schedule_steps
+
+    assert PACE_STEPS == (20, 70)
+    assert schedule_steps(70, 30.0, 20.0, 480.0) == 70 + 2250
+    assert schedule_steps(70, 500.0, 20.0, 480.0) == 70  # already past the budget: stop
