@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from train_demo_model import MODEL_CONFIG, install  # noqa: E402
+from train_demo_model import MODEL_CONFIG, attention_layers, install  # noqa: E402
 
 TODAY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
              linear_num_value_heads=4, num_experts=16, moe_intermediate_size=64,
@@ -37,6 +37,8 @@ SHAPES = {
     "h384-8bit": ({**TODAY, "hidden_size": 384, "num_attention_heads": 6, "linear_num_key_heads": 3,
                    "linear_num_value_heads": 6, "shared_expert_intermediate_size": 384,
                    "intermediate_size": 768}, 8),  # the last candidate's shape
+    # more attention layers (copying leans on them): 3 of 6 instead of 2
+    "e48-attn2-8bit": ({**TODAY, "num_experts": 48, **attention_layers(6, 2)}, 8),
     # bf16 checkpoints compute in float32 on the CPU: what 8-bit storage dequantized at load would cost.
     "e48-bf16": ({**TODAY, "num_experts": 48}, None),
     "e24x128-bf16": ({**TODAY, "num_experts": 24, "moe_intermediate_size": 128}, None),

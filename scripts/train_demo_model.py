@@ -224,6 +224,13 @@ def evaluate(model, tokens: np.ndarray, *, max_windows: int, batch: int, device)
     return total / count
 
 
+def attention_layers(layers: int, every: int) -> dict:
+    """Qwen3-Next's layer pattern with full (gated) attention every `every`-th layer, the rest
+    gated delta rule: the config keys that say so."""
+    types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    return {"layer_types": types, "full_attention_interval": every}
+
+
 # The cosine schedule is sized to the time budget from the pace between these two steps: the first
 # steps run slower (compilation, allocator warm-up), and a pace taken from step 0 stopped a run
 # budgeted 8 minutes at 6.6 (docs/benchmarks.md, demo candidate 4).
@@ -240,7 +247,8 @@ def schedule_steps(step: int, elapsed: float, paced_from: float, budget: float) 
 
 def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: str, max_steps: int | None,
           eval_windows: int = 10_000, copy_share: float | None = None, experts: int | None = None,
-          expert_width: int | None = None, stdlib_share: float | None = None) -> None:
+          expert_width: int | None = None, stdlib_share: float | None = None,
+          attention_every: int | None = None) -> None:
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -258,6 +266,8 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         shape["num_experts"] = experts
     if expert_width is not None:
         shape["moe_intermediate_size"] = expert_width
+    if attention_every is not None:
+        shape.update(attention_layers(shape["num_hidden_layers"], attention_every))
     config = Qwen3NextConfig(**shape)
     parts = training_parts(json.loads((data / "split.json").read_text()), copy_share, stdlib_share)
     model = Qwen3NextForCausalLM(config).to(device)
@@ -393,6 +403,9 @@ def main() -> None:
     t.add_argument("--experts", type=int, default=None, help=f"routed experts (default {MODEL_CONFIG['num_experts']})")
     t.add_argument("--expert-width", type=int, default=None,
                    help=f"routed expert width (default {MODEL_CONFIG['moe_intermediate_size']})")
+    t.add_argument("--attention-every", type=int, default=None,
+                   help=f"full attention every N-th layer, the rest gated delta rule (default "
+                        f"{MODEL_CONFIG['full_attention_interval']})")
     i = sub.add_parser("install")
     i.add_argument("--checkpoint", type=Path, required=True)
     i.add_argument("--data", type=Path, default=Path(".train-data"))
@@ -405,7 +418,7 @@ def main() -> None:
     elif args.step == "train":
         train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows,
               args.copy_share if args.copy_share > 0 else None, args.experts, args.expert_width,
-              args.stdlib_share if args.copy_share > 0 else None)
+              args.stdlib_share if args.copy_share > 0 else None, args.attention_every)
     else:
         install(args.checkpoint, args.data, args.dest, None if args.bits == 16 else args.bits)
 

@@ -60,3 +60,10 @@ def test_training_schedule_is_sized_from_the_pace_after_warm_up():
     assert PACE_STEPS == (20, 70)
     assert schedule_steps(70, 30.0, 20.0, 480.0) == 70 + 2250
     assert schedule_steps(70, 500.0, 20.0, 480.0) == 70  # already past the budget: stop
+
+
+def test_attention_every_n_layers_gives_qwen3_next_layer_types():
+    from train_demo_model import MODEL_CONFIG, attention_layers
+
+    assert attention_layers(6, 3) == {k: MODEL_CONFIG[k] for k in ("layer_types", "full_attention_interval")}
+    assert attention_layers(6, 2)["layer_types"] == ["linear_attention", "full_attention"] * 3
