@@ -24,7 +24,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..model import moe as moe_module
 from ..model.attention import causal_attention_cpu
 from ..model.gdn import gated_delta_scan, l2_normalize
 from ..model.gdn_chunked import chunked_gated_delta_scan
@@ -32,7 +31,7 @@ from ..model.layer_state import GDNRows
 from ..model.moe import gather_matmul, glu_by_expert
 from ..options import LoadOptions
 from ..runtime import open_model
-from .prefill import SYNTHETIC, build_synthetic
+from .prefill import SYNTHETIC, build_synthetic, setting
 from .synthetic import random_model, tiny_qwen3_next_config
 
 
@@ -50,12 +49,9 @@ def plain_linear(layer, x):
     return x @ layer["weight"].T
 
 
-def _with_form(form: str, fn):
-    saved, moe_module.GPU_PROMPT_EXPERTS = moe_module.GPU_PROMPT_EXPERTS, form
-    try:
+def _in_setting(key: str, value: str, fn):
+    with setting(key, value):
         return fn()
-    finally:
-        moe_module.GPU_PROMPT_EXPERTS = saved
 
 
 def pieces(model, rows: int, offset: int, *, with_reference: bool = True, gdn_chunks: tuple[int, ...] = (),
@@ -116,8 +112,8 @@ def pieces(model, rows: int, offset: int, *, with_reference: bool = True, gdn_ch
         ("moe shared expert", lambda: moe.shared_expert(xf),
          plain and (lambda: _plain_mlp(moe.shared_expert, xf))),
         ("moe block (whole)", lambda: moe(x), None),
-        *[(f"moe experts, GPU form {form}", lambda form=form: _with_form(form, lambda: sw(xf, inds)), None)
-          for form in expert_forms],
+        *[(f"moe experts, GPU form {form}", lambda form=form: _in_setting("experts", form, lambda: sw(xf, inds)),
+           None) for form in expert_forms],
         *[(f"gdn scan, chunk {c}", lambda c=c: chunked_gated_delta_scan(gdn_rows, S0, chunk=c), None)
           for c in gdn_chunks],
     ]

@@ -164,9 +164,9 @@ class RowLinear(nn.Linear):
         if _kernel_rows(x) and kernels.supports(K):
             y = kernels.rows_matvec(x, self.weight)
             return y + self.bias if "bias" in self else y
-        if is_cpu_prompt(x) and host_blas.HostBlas.takes(x, self.weight):
-            return host_blas.linear(x, self.weight, self.get("bias"))
         if is_cpu_prompt(x):
+            if host_blas.HostBlas.takes(x, self.weight):
+                return host_blas.linear(x, self.weight, self.get("bias"))
             weight = transposed(self, "weight")
             y = over_streams(lambda rows: rows @ weight, x.reshape(-1, K)).reshape(*x.shape[:-1], -1)
             return y + self["bias"] if "bias" in self else y
