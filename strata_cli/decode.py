@@ -174,6 +174,9 @@ def generate(
         return controller.window_cost(1) if T > 1 else 0.0
 
     planned = None  # the next window's plan, when a stretch of overlapped steps made it
+    # (drafts proposed, match length) of the plan the next overlapped step runs: drafts `auto`
+    # declined there are counted like a declined window's (telemetry: drafts_declined, coverage).
+    declined = [0, 0]
 
     def drafts_wanted(token: int, seconds: float, pos0: int, remaining: int) -> bool:
         """After an overlapped step: learn its cost, extend the drafts' history, and end the
@@ -184,6 +187,7 @@ def generate(
         drafter.extend([token])
         next_plan = plan(pos0, remaining, abandoned_step)
         if next_plan[2] == 1:
+            declined[:] = [next_plan[3], next_plan[0].match_length if next_plan[3] else 0]
             return False
         planned = next_plan
         return True
@@ -201,7 +205,9 @@ def generate(
             # Nothing to verify: one-token steps overlap (each built while the one before
             # runs) until a token brings drafts worth a window; that step's launched
             # successor is abandoned and the window runs instead.
-            for step in overlapped_serial(engine, root, pos0, remaining, eos_ids, stats, after=drafts_wanted):
+            declined[:] = [proposed, proposal.match_length if proposed else 0]
+            for step in overlapped_serial(engine, root, pos0, remaining, eos_ids, stats, after=drafts_wanted,
+                                          declined=lambda: tuple(declined)):
                 yield step
                 if step.finish_reason:
                     return
@@ -259,7 +265,8 @@ def limit_reached(remaining_tokens: int, context_left: int) -> str | None:
 
 def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: int,
                       eos_ids: Collection[int], stats: DecodeStats,
-                      after: Callable[[int, float, int, int], bool] | None = None) -> Iterator[Step]:
+                      after: Callable[[int, float, int, int], bool] | None = None,
+                      declined: Callable[[], tuple[int, int]] | None = None) -> Iterator[Step]:
     """Greedy serial decoding, one token per window, each window launched before the previous
     token is read back (as mlx-lm's generate_step does with `async_eval`).
 
@@ -272,6 +279,9 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
     generation goes on past, may end the steps there (True): the window launched on that token
     is abandoned and the generator returns with no finish reason, the token being the caller's
     next root at `next_pos0`.
+
+    `declined()`, where given, says what drafts the caller proposed and declined for the step
+    being recorded (proposed, match length); its records carry them.
     """
     emitted, start = 0, time.perf_counter()
     finish = limit_reached(max_tokens, engine.context_left(pos0))
@@ -290,7 +300,9 @@ def overlapped_serial(engine: WindowEngine, root: int, pos0: int, max_tokens: in
             token = current.value()
             now = time.perf_counter()
             stop = token in eos_ids
-            stats.record_window(WindowRecord(T=1, keep=1, emitted=0 if stop else 1, seconds=now - start))
+            proposed, match_length = declined() if declined else (0, 0)
+            stats.record_window(WindowRecord(T=1, keep=1, emitted=0 if stop else 1, seconds=now - start,
+                                             match_length=match_length, proposed=proposed))
             record_start, start = start, now
             if stop:
                 yield Step([], FINISH_STOP)

@@ -190,3 +190,26 @@ def test_auto_learns_the_overlapped_steps_cost(tiny_model, repetitive, monkeypat
     steps = sum(w.T == 1 for w in stats.windows)
     assert len(seen) - seen.count(1) == len(stats.windows) - steps
     assert steps - 1 <= seen.count(1) <= steps and steps > 1
+
+
+@pytest.mark.parametrize("verify", [0, 2])
+def test_drafts_auto_declines_in_a_stretch_are_counted(tiny_model, repetitive, monkeypatch, verify):
+    """Drafts `auto` declines are counted (drafts_proposed, drafts_declined, proposal_coverage,
+    mean match length) whether the one-token step then runs overlapped or in the window loop.
+    `verify`: how many drafts the stub controller takes when it takes any (every 4th proposal)."""
+    from strata_cli.speculative.controller import DraftController
+
+    def choose(self, match_length, available, *, extra_cost=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        return min(verify, available) if self.calls % 4 == 0 else 0
+
+    monkeypatch.setattr(DraftController, "choose", choose)
+    spec = SpecOptions(max_drafts=3, min_match=3, auto=True)
+    keys = ("drafts_proposed", "drafts_offered", "drafts_declined", "proposal_coverage", "mean_match_length",
+            "windows")
+    plain = decode(tiny_model, repetitive, overlap=False, monkeypatch=monkeypatch, max_tokens=24, spec=spec)
+    overlapped = decode(tiny_model, repetitive, overlap=True, monkeypatch=monkeypatch, max_tokens=24, spec=spec)
+    assert overlapped[0] == plain[0]
+    want = {k: plain[3].summary()[k] for k in keys}
+    assert {k: overlapped[3].summary()[k] for k in keys} == want
+    assert want["drafts_declined"] > 0 and want["proposal_coverage"] > 0
