@@ -56,3 +56,11 @@ def test_prefill_bench_rejects_unknown_settings(bad, capsys):
     with pytest.raises(SystemExit):
         main(["--synthetic", "tiny", "--compare", bad])
     assert "blas=auto|numpy|mlx; experts=padded|gather" in capsys.readouterr().err
+
+
+def test_prefill_pieces_rejects_unknown_expert_forms(capsys):
+    from strata_cli.bench.prefill_pieces import main as pieces_main
+
+    with pytest.raises(SystemExit):
+        pieces_main(["--synthetic-tiny", "--expert-forms", "padded,dequantize"])
+    assert "--expert-forms takes padded, gather" in capsys.readouterr().err

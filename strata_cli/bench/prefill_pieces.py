@@ -31,7 +31,7 @@ from ..model.layer_state import GDNRows
 from ..model.moe import gather_matmul, glu_by_expert
 from ..options import LoadOptions
 from ..runtime import open_model
-from .prefill import SYNTHETIC, build_synthetic, setting
+from .prefill import SETTINGS, SYNTHETIC, build_synthetic, setting
 from .synthetic import random_model, tiny_qwen3_next_config
 
 
@@ -152,6 +152,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.rows < 16 or args.offset < 0 or args.repeats < 1:
         parser.error("--rows must be at least 16 (a prompt chunk), --offset at least 0, --repeats at least 1")
+    forms = SETTINGS["experts"][2]
+    if any(f not in forms for f in args.expert_forms.split(",") if f):
+        parser.error(f"--expert-forms takes {', '.join(forms)}, got {args.expert_forms!r}")
     return args
 
 
