@@ -178,6 +178,10 @@ def generate(
     # declined there are counted like a declined window's (telemetry: drafts_declined, coverage).
     declined = [0, 0]
 
+    def decline(proposal: Proposal, proposed: int) -> None:
+        """The next overlapped step runs without these proposed drafts."""
+        declined[:] = [proposed, proposal.match_length if proposed else 0]
+
     def drafts_wanted(token: int, seconds: float, pos0: int, remaining: int) -> bool:
         """After an overlapped step: learn its cost, extend the drafts' history, and end the
         stretch when the next window should verify drafts."""
@@ -187,7 +191,7 @@ def generate(
         drafter.extend([token])
         next_plan = plan(pos0, remaining, abandoned_step)
         if next_plan[2] == 1:
-            declined[:] = [next_plan[3], next_plan[0].match_length if next_plan[3] else 0]
+            decline(next_plan[0], next_plan[3])
             return False
         planned = next_plan
         return True
@@ -205,7 +209,7 @@ def generate(
             # Nothing to verify: one-token steps overlap (each built while the one before
             # runs) until a token brings drafts worth a window; that step's launched
             # successor is abandoned and the window runs instead.
-            declined[:] = [proposed, proposal.match_length if proposed else 0]
+            decline(proposal, proposed)
             for step in overlapped_serial(engine, root, pos0, remaining, eos_ids, stats, after=drafts_wanted,
                                           declined=lambda: tuple(declined)):
                 yield step
