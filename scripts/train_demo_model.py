@@ -7,6 +7,10 @@ Three steps, the middle one on a GPU (PyTorch + transformers there):
     python3 scripts/train_demo_model.py train --data .train-carry --out OUT --minutes 6.0 --batch 64   # on the GPU
     python scripts/train_demo_model.py install --checkpoint OUT --data .train-data      # here: 8-bit, into the package
 
+A run longer than one call of the GPU machine goes in legs that share a state folder (each leg
+resumes exactly where the last stopped; the learning-rate schedule spans all of them):
+`train ... --state /tmp/st --minutes 8.6 --total-minutes 25`, the same command three times.
+
 Smoke run of the whole pipeline on the CPU (about 4 minutes on 2 cores; the model is useless):
 `train --data .train-carry --out /tmp/smoke --max-steps 2 --device cpu --batch 4 --eval-windows 2`,
 then `install --checkpoint /tmp/smoke --dest /tmp/smoke-strata` and `strata generate -m /tmp/smoke-strata`.
@@ -248,7 +252,15 @@ def schedule_steps(step: int, elapsed: float, paced_from: float, budget: float) 
 def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: str, max_steps: int | None,
           eval_windows: int = 10_000, copy_share: float | None = None, experts: int | None = None,
           expert_width: int | None = None, stdlib_share: float | None = None,
-          attention_every: int | None = None) -> None:
+          attention_every: int | None = None, state_dir: Path | None = None,
+          total_minutes: float | None = None) -> None:
+    """Train for `minutes`; with `state_dir`, as one leg of a run of `total_minutes` in several calls.
+
+    A leg ends after its `minutes` and leaves model, optimizer, data order, schedule and log in
+    `state_dir` (the next leg, given the same folder, resumes bit for bit where it stopped) and a
+    bfloat16 checkpoint in `out`, so a chain that breaks still leaves a model. The cosine schedule
+    spans the whole run: it is sized in the first leg from the pace over `total_minutes`.
+    """
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -279,22 +291,38 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
     rng = np.random.default_rng(SEED)
+    # Run-wide progress; `seconds` counts training time over all legs, which the schedule is sized in.
+    run = {"step": 0, "total_steps": None, "paced_from": None, "seconds": 0.0, "legs": 0, "log": []}
+    state_file = state_dir / "state.pt" if state_dir is not None else None
+    if state_file is not None and state_file.exists():
+        saved = torch.load(state_file, map_location=device, weights_only=False)
+        if saved["config"] != shape:
+            raise SystemExit(f"{state_file} holds a run of another model shape; use a new --state folder")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        rng.bit_generator.state = saved["rng"]
+        run = saved["run"]
+        print(f"resuming at step {run['step']} of {run['total_steps']} ({run['seconds'] / 60:.1f} min trained)",
+              flush=True)
     stream = batches(train_tokens, batch, rng, parts)
-    budget = minutes * 60
-    warmup, log = 100, []
-    start = time.time()
-    step, total_steps, paced_from = 0, None, None
+    budget = (total_minutes or minutes) * 60
+    leg_budget = minutes * 60
+    warmup, log = 100, run["log"]
+    leg_start, trained_before = time.time(), run["seconds"]
+    step = run["step"]
     model.train()
     while True:
-        elapsed = time.time() - start
+        leg_elapsed = time.time() - leg_start
+        elapsed = trained_before + leg_elapsed
         if step == PACE_STEPS[0]:
-            paced_from = elapsed
-        if total_steps is None and step == PACE_STEPS[1]:
-            total_steps = schedule_steps(step, elapsed, paced_from, budget)
+            run["paced_from"] = elapsed
+        if run["total_steps"] is None and step == PACE_STEPS[1]:
+            run["total_steps"] = schedule_steps(step, elapsed, run["paced_from"], budget)
         if max_steps is not None:
-            total_steps = max_steps
-        if total_steps is not None and step >= total_steps or elapsed > 1.1 * budget:
-            break  # the time guard keeps a slow machine inside its budget
+            run["total_steps"] = max_steps
+        total_steps = run["total_steps"]
+        if total_steps is not None and step >= total_steps or elapsed > 1.1 * budget or leg_elapsed > leg_budget:
+            break  # the time guards keep a slow machine inside its budget and each leg inside its call
         horizon = total_steps or 10**9
         lr_now = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
         for group in opt.param_groups:
@@ -308,22 +336,30 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         opt.step()
         step += 1
         if step % 100 == 0 or step == 1 or step == total_steps:
-            entry = {"step": step, "loss": round(loss.item(), 4), "lr": lr_now, "seconds": round(time.time() - start, 1)}
+            entry = {"step": step, "loss": round(loss.item(), 4), "lr": lr_now,
+                     "seconds": round(trained_before + time.time() - leg_start, 1)}
             if step % 500 == 0:
                 entry["val_loss"] = round(evaluate(model, val_tokens, max_windows=64, batch=32, device=device), 4)
             log.append(entry)
             print(json.dumps(entry), flush=True)
-    train_seconds = time.time() - start
-    val_loss = evaluate(model, val_tokens, max_windows=eval_windows, batch=32, device=device)
+    run.update(step=step, seconds=trained_before + time.time() - leg_start, legs=run["legs"] + 1)
+    complete = run["total_steps"] is not None and step >= run["total_steps"]
+    if state_file is not None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"config": shape, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "rng": rng.bit_generator.state, "run": run}, state_file)
+    val_loss = evaluate(model, val_tokens, max_windows=eval_windows if complete else 64, batch=32, device=device)
     summary = {
         "parameters": params,
         "steps": step,
+        "complete": complete,
+        "legs": run["legs"],
         "batch": batch,
         "seq_len": SEQ_LEN,
         "tokens_seen": step * batch * SEQ_LEN,
         "train_tokens": int(len(train_tokens)),
         "val_tokens": int(len(val_tokens)),
-        "train_minutes": round(train_seconds / 60, 2),
+        "train_minutes": round(run["seconds"] / 60, 2),
         "peak_lr": lr,
         "final_train_loss": log[-1]["loss"] if log else None,
         "val_loss": round(val_loss, 4),
@@ -334,6 +370,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         "stdlib_share": stdlib_share,
         "experts": config.num_experts,
         "expert_width": config.moe_intermediate_size,
+        "layer_types": config.layer_types,
     }
     print(json.dumps(summary), flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -387,7 +424,13 @@ def main() -> None:
     t = sub.add_parser("train")
     t.add_argument("--data", type=Path, default=Path(".train-data"))
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--minutes", type=float, default=7.0)
+    t.add_argument("--minutes", type=float, default=7.0, help="training time of this call (default 7)")
+    t.add_argument("--state", type=Path, default=None,
+                   help="train in legs: resume from this folder's state if there is one, and leave the "
+                        "state there at the end (for runs longer than one call)")
+    t.add_argument("--total-minutes", type=float, default=None,
+                   help="with --state: training time of the whole run over all legs, which the learning-rate "
+                        "schedule spans (default --minutes)")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--device", default="cuda")
@@ -418,7 +461,8 @@ def main() -> None:
     elif args.step == "train":
         train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows,
               args.copy_share if args.copy_share > 0 else None, args.experts, args.expert_width,
-              args.stdlib_share if args.copy_share > 0 else None, args.attention_every)
+              args.stdlib_share if args.copy_share > 0 else None, args.attention_every, args.state,
+              args.total_minutes)
     else:
         install(args.checkpoint, args.data, args.dest, None if args.bits == 16 else args.bits)
 
