@@ -31,10 +31,10 @@ HELD_OUT_EVERY = 50
 # no single code base dominates. Only these, and only when their metadata names a permissive
 # licence (PERMISSIVE), are read.
 PACKAGES = {
-    "transformers": ("transformers", 14_000_000),
-    "torch": ("torch", 10_000_000),
-    "sympy": ("sympy", 6_000_000),
-    "numpy": ("numpy", 4_000_000),
+    "transformers": ("transformers", 24_000_000),
+    "torch": ("torch", 20_000_000),
+    "sympy": ("sympy", 10_000_000),
+    "numpy": ("numpy", 6_000_000),
     "networkx": ("networkx", 3_000_000),
     "setuptools": ("setuptools", 2_000_000),
     "mlx_lm": ("mlx-lm", 2_000_000),

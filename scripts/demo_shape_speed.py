@@ -25,7 +25,7 @@ from train_demo_model import MODEL_CONFIG, attention_layers, install  # noqa: E4
 
 TODAY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
              linear_num_value_heads=4, num_experts=16, moe_intermediate_size=64,
-             shared_expert_intermediate_size=256, intermediate_size=512)
+             shared_expert_intermediate_size=256, intermediate_size=512, **attention_layers(6, 3))
 # name -> (config overrides on train_demo_model.MODEL_CONFIG, bits or None for bf16); every shape
 # names all its size keys, so the figures do not move when MODEL_CONFIG does.
 SHAPES = {

@@ -8,8 +8,14 @@ Three steps, the middle one on a GPU (PyTorch + transformers there):
     python scripts/train_demo_model.py install --checkpoint OUT --data .train-data      # here: 8-bit, into the package
 
 A run longer than one call of the GPU machine goes in legs that share a state folder (each leg
-resumes exactly where the last stopped; the learning-rate schedule spans all of them):
-`train ... --state /tmp/st --minutes 8.6 --total-minutes 25`, the same command three times.
+resumes exactly where the last stopped; the learning-rate schedule spans all of them). The
+embedded model (candidate 5) is three legs and the mean of the first leg's checkpoint and the last:
+
+    python scripts/train_demo_model.py prepare --data .train-data          # the carry: all but train.bin
+    T="python3 scripts/train_demo_model.py train --data .train-carry --state /tmp/st --minutes 8.6 --total-minutes 25"
+    $T --out ck-leg1; $T --out ck; $T --out ck                              # on the GPU, one call each
+    python scripts/train_demo_model.py average ck-leg1 ck --out ck-mean --data .train-data
+    python scripts/train_demo_model.py install --checkpoint ck-mean --data .train-data
 
 Smoke run of the whole pipeline on the CPU (about 4 minutes on 2 cores; the model is useless):
 `train --data .train-carry --out /tmp/smoke --max-steps 2 --device cpu --batch 4 --eval-windows 2`,
@@ -42,19 +48,16 @@ SEED = 0
 EOS_ID = 0  # <|endoftext|>, between documents in train.bin
 DOC_ALIGNED_SHARE = 0.5
 
-# Today's width and depth (hidden 256, 6 layers: CPU decode pays for width, docs/benchmarks.md
-# "Demo model: data and shape") with the capacity in the experts, which decode does not pay for:
-# 48 experts of 64, top-2, stored 8-bit (19.5 MB with the tokenizer): candidate 3d, the best so far
-# (docs/benchmarks.md, "Demo model candidates 3a-3d").
+# Hidden 256, 6 layers (CPU decode pays for width, docs/benchmarks.md "Demo model: data and shape")
+# with the capacity in the experts, which decode does not pay for: 48 experts of 64, top-2, stored
+# 8-bit (19.5 MB with the tokenizer), as candidate 3d; attention in every second layer (3 of 6, for
+# copying; no slower on the CPU): the shipped candidate 5 (docs/benchmarks.md, "Demo model candidate 5").
 MODEL_CONFIG = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=256,
     num_hidden_layers=6,
-    layer_types=[
-        "linear_attention", "linear_attention", "full_attention",
-        "linear_attention", "linear_attention", "full_attention",
-    ],
-    full_attention_interval=3,
+    layer_types=["linear_attention", "full_attention"] * 3,
+    full_attention_interval=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=64,
@@ -165,7 +168,7 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
     the window whenever it fits, and the model sees file starts as the prompts begin. `parts`
     ([(first token, end, share)]) draws each window from one part with that part's share, whatever
     the parts' token counts; without it, windows are drawn over all tokens alike (and, there being
-    50,000 short copy documents against 5,000 files, most document-aligned windows then start a
+    90,000 short copy documents against 6,600 files, most document-aligned windows then start a
     copy document).
     """
     import torch
@@ -379,6 +382,36 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
     (out / "train_summary.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1))
 
 
+def average(checkpoints: list[Path], out: Path, data: Path, eval_windows: int = 10_000, device: str = "cpu") -> None:
+    """The mean of checkpoints of one run (a checkpoint left mid-run beside the final one: the mean
+    completes and copies code better than either, docs/benchmarks.md "Demo model candidate 5"), saved like
+    `train` saves, with the held-out loss of the mean measured as `train` measures it."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    if len(checkpoints) < 2:
+        raise SystemExit("average needs at least two checkpoints")
+    summaries = [json.loads((c / "train_summary.json").read_text()) for c in checkpoints]
+    if len({(c / "config.json").read_text() for c in checkpoints}) > 1:
+        raise SystemExit("the checkpoints are of different model shapes")
+    models = [Qwen3NextForCausalLM.from_pretrained(c, dtype=torch.float32) for c in checkpoints]
+    states = [m.state_dict() for m in models]
+    mean = {k: sum(s[k] for s in states) / len(states) for k in states[-1]}
+    model = models[-1]
+    model.load_state_dict(mean)
+    model.to(torch.device(device))
+    val_tokens = np.fromfile(data / "val.bin", dtype=np.uint16)
+    val_loss = evaluate(model, val_tokens, max_windows=eval_windows, batch=8, device=torch.device(device))
+    summary = dict(summaries[-1]["summary"])
+    summary["averaged"] = [{"steps": t["summary"]["steps"], "val_loss": t["summary"]["val_loss"],
+                            "complete": t["summary"].get("complete", True)} for t in summaries]
+    summary.update(val_loss=round(val_loss, 4), val_perplexity=round(math.exp(val_loss), 3))
+    print(json.dumps(summary), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, max_shard_size="12MB")
+    (out / "train_summary.json").write_text(json.dumps({"summary": summary, "log": summaries[-1]["log"]}, indent=1))
+
+
 # -- install (CPU, here) ---------------------------------------------------------------------------
 
 
@@ -420,7 +453,7 @@ def main() -> None:
     p.add_argument("--tokenizer-from", type=Path, default=Path("strata_cli/assets/demo"),
                    help="reuse this folder's tokenizer (default: the embedded model's, so held-out "
                         "perplexities stay comparable); 'none' trains a new one on the stdlib sample")
-    p.add_argument("--copy-documents", type=int, default=50_000, help="copy/edit documents to synthesise")
+    p.add_argument("--copy-documents", type=int, default=90_000, help="copy/edit documents to synthesise (default 90,000)")
     t = sub.add_parser("train")
     t.add_argument("--data", type=Path, default=Path(".train-data"))
     t.add_argument("--out", type=Path, required=True)
@@ -449,6 +482,12 @@ def main() -> None:
     t.add_argument("--attention-every", type=int, default=None,
                    help=f"full attention every N-th layer, the rest gated delta rule (default "
                         f"{MODEL_CONFIG['full_attention_interval']})")
+    a = sub.add_parser("average", help="the mean of checkpoints of one run (e.g. a leg's and the last)")
+    a.add_argument("checkpoints", type=Path, nargs="+")
+    a.add_argument("--out", type=Path, required=True)
+    a.add_argument("--data", type=Path, default=Path(".train-data"), help="the held-out tokens (val.bin) are here")
+    a.add_argument("--eval-windows", type=int, default=10_000, help="held-out windows scored (default all)")
+    a.add_argument("--device", default="cpu")
     i = sub.add_parser("install")
     i.add_argument("--checkpoint", type=Path, required=True)
     i.add_argument("--data", type=Path, default=Path(".train-data"))
@@ -463,6 +502,8 @@ def main() -> None:
               args.copy_share if args.copy_share > 0 else None, args.experts, args.expert_width,
               args.stdlib_share if args.copy_share > 0 else None, args.attention_every, args.state,
               args.total_minutes)
+    elif args.step == "average":
+        average(args.checkpoints, args.out, args.data, args.eval_windows, args.device)
     else:
         install(args.checkpoint, args.data, args.dest, None if args.bits == 16 else args.bits)
 

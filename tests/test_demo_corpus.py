@@ -1,10 +1,13 @@
 """The demo model's copy documents have the model card's copy-test form exactly (scripts/)."""
 
+import json
+import math
 import random
 import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -65,5 +68,90 @@ def test_training_schedule_is_sized_from_the_pace_after_warm_up():
 def test_attention_every_n_layers_gives_qwen3_next_layer_types():
     from train_demo_model import MODEL_CONFIG, attention_layers
 
-    assert attention_layers(6, 3) == {k: MODEL_CONFIG[k] for k in ("layer_types", "full_attention_interval")}
-    assert attention_layers(6, 2)["layer_types"] == ["linear_attention", "full_attention"] * 3
+    assert attention_layers(6, 2) == {k: MODEL_CONFIG[k] for k in ("layer_types", "full_attention_interval")}
+    assert attention_layers(6, 3)["layer_types"] == ["linear_attention", "linear_attention", "full_attention"] * 2
+
+
+def test_average_saves_the_mean_of_checkpoints_and_its_held_out_loss(tmp_path):
+    """`train_demo_model.py average`: the weights are the mean of the checkpoints' (rounded to
+    bfloat16 as train saves), the summary records what was averaged and the mean's own held-out
+    loss, and checkpoints of different shapes are refused."""
+    torch = pytest.importorskip("torch")
+    from hf_checkpoints import hf_config
+    from train_demo_model import SEQ_LEN, average
+    from transformers import Qwen3NextForCausalLM
+
+    config = hf_config("qwen3_next")
+    checkpoints = []
+    for seed, steps in ((1, 10), (2, 20)):
+        torch.manual_seed(seed)
+        model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+        path = tmp_path / f"ck{seed}"
+        model.save_pretrained(path)
+        summary = {"steps": steps, "val_loss": 5.0 + seed, "val_perplexity": 0.0, "complete": steps == 20}
+        (path / "train_summary.json").write_text(json.dumps({"summary": summary, "log": [{"step": steps}]}))
+        checkpoints.append(path)
+    data = tmp_path / "data"
+    data.mkdir()
+    np.random.default_rng(0).integers(1, config.vocab_size, 2 * SEQ_LEN + 2, dtype=np.uint16).tofile(data / "val.bin")
+
+    average(checkpoints, tmp_path / "mean", data)
+
+    a, b, mean = (Qwen3NextForCausalLM.from_pretrained(p).state_dict()
+                  for p in (*checkpoints, tmp_path / "mean"))
+    for name, tensor in mean.items():
+        assert torch.equal(tensor, ((a[name].float() + b[name].float()) / 2).to(torch.bfloat16)), name
+    saved = json.loads((tmp_path / "mean" / "train_summary.json").read_text())
+    assert saved["summary"]["averaged"] == [{"steps": 10, "val_loss": 6.0, "complete": False},
+                                            {"steps": 20, "val_loss": 7.0, "complete": True}]
+    assert saved["summary"]["steps"] == 20 and saved["log"] == [{"step": 20}]
+    assert saved["summary"]["val_loss"] not in (6.0, 7.0)
+    assert saved["summary"]["val_perplexity"] == pytest.approx(math.exp(saved["summary"]["val_loss"]), rel=1e-3)
+
+    other = tmp_path / "other"
+    Qwen3NextForCausalLM(hf_config("qwen3_next").__class__(**{**config.to_dict(), "num_experts": 4})).save_pretrained(other)
+    (other / "train_summary.json").write_text((checkpoints[0] / "train_summary.json").read_text())
+    with pytest.raises(SystemExit, match="different model shapes"):
+        average([checkpoints[0], other], tmp_path / "refused", data)
+
+
+def test_a_run_in_legs_ends_where_the_same_run_in_one_call_ends(tmp_path, monkeypatch, capsys):
+    """`train --state`: a run stopped after its first leg's time and resumed in a second call
+    ends with the weights of the run made in one call (model, optimizer, data order and schedule
+    all carried over). A fake clock, one second per reading, makes the legs' lengths exact."""
+    torch = pytest.importorskip("torch")
+    import itertools
+    from types import SimpleNamespace
+
+    import train_demo_model
+    from hf_checkpoints import hf_config
+    from transformers import Qwen3NextForCausalLM
+
+    tiny = hf_config("qwen3_next").to_dict()
+    shape = {k: tiny[k] for k in train_demo_model.MODEL_CONFIG if k in tiny and k not in ("eos_token_id", "pad_token_id")}
+    monkeypatch.setattr(train_demo_model, "MODEL_CONFIG", {**shape, "eos_token_id": 0, "pad_token_id": 0})
+    monkeypatch.setattr(train_demo_model, "SEQ_LEN", 32)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(0, shape["vocab_size"], 4_000, dtype=np.uint16).tofile(data / "train.bin")
+    rng.integers(0, shape["vocab_size"], 200, dtype=np.uint16).tofile(data / "val.bin")
+    (data / "split.json").write_text("{}")
+
+    def run(out, minutes, legs):
+        clock = itertools.count()
+        monkeypatch.setattr(train_demo_model, "time", SimpleNamespace(time=lambda: float(next(clock))))
+        for _ in range(legs):
+            train_demo_model.train(data, out, minutes, batch=2, lr=3e-3, device="cpu", max_steps=6,
+                                   eval_windows=2, state_dir=tmp_path / f"state-{out.name}", total_minutes=60)
+        return json.loads((out / "train_summary.json").read_text())["summary"], \
+            Qwen3NextForCausalLM.from_pretrained(out).state_dict()
+
+    whole, whole_weights = run(tmp_path / "whole", minutes=60, legs=1)
+    capsys.readouterr()
+    legs, leg_weights = run(tmp_path / "legs", minutes=4 / 60, legs=2)
+    assert "resuming at step 3 of 6" in capsys.readouterr().out  # the first leg's 4 seconds hold 3 steps
+    assert whole["legs"] == 1 and legs["legs"] == 2
+    assert whole["steps"] == legs["steps"] == 6 and legs["complete"]
+    for name, tensor in whole_weights.items():
+        assert torch.equal(tensor, leg_weights[name]), name
