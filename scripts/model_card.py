@@ -192,6 +192,11 @@ def write_card(model_dir: Path, train: dict, split: dict, figures: dict, samples
                       for name, v in split.items() if name.startswith("train_"))
     he, heu, copy = figures["humaneval_healed"], figures["humaneval_not_healed"], figures["copy_with_rename"]
     dc, dp = figures["suffix_draft_3_copy"], figures["suffix_draft_3_prose"]
+    averaged = ""
+    if train.get("averaged"):
+        steps = " and ".join(f"{a['steps']:,}" for a in train["averaged"])
+        averaged = (f"\nThe weights are the mean of the run's checkpoints after steps {steps} "
+                    "(`train_demo_model.py average`): the mean completes and copies code better than either.")
     card = f"""# strata demo model
 
 A small Qwen3-Next-architecture model trained on offline Python source and on documents that
@@ -240,7 +245,7 @@ The tokenizer (byte-level BPE, trained on a sample of the stdlib training files)
 PyTorch {train['torch']} + transformers on one {train['device']}: {train['steps']} steps of {train['batch']} × {train['seq_len']}
 tokens ({train['tokens_seen']:,} tokens, about {train['tokens_seen'] / split['train']['tokens']:.1f} epochs of {split['train']['tokens']:,}), AdamW (β 0.9/0.95,
 weight decay 0.1), peak learning rate {train['peak_lr']}, 100 warm-up steps, cosine decay to 10%, bf16
-autocast, router auxiliary loss 0.01, {train['train_minutes']} minutes. Final training loss {train['final_train_loss']}.
+autocast, router auxiliary loss 0.01, {train['train_minutes']} minutes. Final training loss {train['final_train_loss']}.{averaged}
 Then `strata convert --bits {quant.get('bits', '-')}` into the package. Made with `scripts/train_demo_model.py`
 (prepare here, train on the GPU, install here).
 

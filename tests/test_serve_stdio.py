@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
 from strata_cli.runtime import embedded_model_path
 
@@ -141,10 +142,13 @@ def test_prefix_reuse_matches_cold(cold):
     assert cached["long-d"] > cached["long-b"]  # the divergence point long-b planted (where it left long-a)
     assert 0 < cached["short-fork"] < done["short-fork"]["usage"]["prompt_tokens"] - 1
     # A continuation resumes from the end-of-generation checkpoint, and matches a cold run of it.
-    # Healing would back up over the reply's last token, before that checkpoint: "heal": false
-    # resumes exactly; healed, it reuses less but still matches a cold run.
+    # The healed one ends in " re" instead of the reply's last token, which healing backs up over
+    # (some token extends " re", whatever the model wrote): its prompt then stops one token
+    # before that checkpoint, so it reuses less (the prompt's checkpoint) and still matches cold.
     follow = {"prompt": REQUESTS["short"]["prompt"] + done["short"]["text"], "max_tokens": 6, "heal": False}
-    healed = {**follow, "heal": True}
+    tokenizer = Tokenizer.from_file(str(embedded_model_path() / "tokenizer.json"))
+    reply_less_last = tokenizer.decode(cold["short"][:-1])
+    healed = {"prompt": REQUESTS["short"]["prompt"] + reply_less_last + " re", "max_tokens": 6, "heal": True}
     both = {"warm": REQUESTS["short"], "follow": follow, "warm-again": REQUESTS["short"], "healed": healed}
     rc, warm_frames, err = serve(lines_of(both))
     rc_cold, cold_frames, _ = serve(lines_of({"follow": follow, "healed": healed}), "--prefix-cache", "0")
@@ -153,7 +157,8 @@ def test_prefix_reuse_matches_cold(cold):
     for rid in ("follow", "healed"):
         assert warm[rid]["token_ids"] == by_id(cold_frames)[rid]["token_ids"], rid
     assert warm["follow"]["usage"]["cached_tokens"] > len(cold["short"])
-    assert warm["healed"]["stats"]["healed_tokens"] >= 1 and warm["healed"]["usage"]["cached_tokens"] > 0
+    assert warm["healed"]["stats"]["healed_tokens"] >= 1
+    assert 0 < warm["healed"]["usage"]["cached_tokens"] < warm["follow"]["usage"]["cached_tokens"]
 
 
 def test_session_resumes_and_matches_cold(cold, tmp_path):
