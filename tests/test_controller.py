@@ -172,6 +172,43 @@ def test_forgetting_lets_a_rejected_bucket_be_tried_again():
     assert min(copy[-20:]) >= 5
 
 
+# The demo model's window costs on the 2-core CPU (ms for T = 1..8, `--stats` of auto): a draft
+# pays only at high acceptance, which the 0.5 prior does not promise.
+CPU_WINDOW_MS = [16.1, 25.5, 36.9, 44.5, 56.4, 63.8, 73.4, 83.4]
+
+
+def steep(T: int) -> float:
+    return CPU_WINDOW_MS[T - 1]
+
+
+@pytest.mark.parametrize("probe_every", [16, 0])
+def test_a_bucket_the_priors_never_draft_for_is_probed(probe_every):
+    """With CPU-steep costs a bucket with no evidence is never drafted for from the priors
+    alone; probes give it the evidence (99% of drafts kept) and auto reaches the best length.
+    Without probes (probe_every=0) it stays serial for good."""
+    rng = random.Random(4)
+    ctrl = DraftController(MAX, cost_prior=CostPrior.from_seconds(CPU_WINDOW_MS), probe_every=probe_every)
+    assert ctrl.choose(40, MAX) == 0  # the priors alone: no draft pays
+    chosen = simulate(ctrl, accept=lambda i: 0.99, cost=steep, windows=300, rng=rng)
+    if probe_every == 0:
+        assert max(chosen) == 0
+        return
+    best = max(range(MAX + 1), key=lambda D: sum(0.99**i for i in range(D + 1)) / steep(D + 1))
+    assert best > 0 and 0 < chosen.index(1) < 2 * probe_every
+    late = chosen[-50:]
+    achieved = sum(sum(0.99**i for i in range(D + 1)) / steep(D + 1) for D in late) / len(late)
+    assert achieved >= 0.97 * sum(0.99**i for i in range(best + 1)) / steep(best + 1), late
+
+
+def test_probes_are_rare_where_drafts_do_not_pay():
+    """Rejected drafts: after a probe the bucket has evidence for ~140 proposals, so probes
+    cost about one two-row window per 150 proposals."""
+    rng = random.Random(5)
+    ctrl = DraftController(MAX, cost_prior=CostPrior.from_seconds(CPU_WINDOW_MS))
+    chosen = simulate(ctrl, accept=lambda i: 0.0, cost=steep, windows=600, rng=rng)
+    assert max(chosen) == 1 and 2 <= sum(chosen) <= 600 // 140 + 1
+
+
 def test_cost_is_learned_per_T_and_prior_is_scaled_to_measurements():
     ctrl = DraftController(3, cost_prior=CostPrior.from_seconds([1.0, 2.0, 3.0, 4.0]), warmup_windows=0)
     for _ in range(20):
