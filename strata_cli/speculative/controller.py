@@ -30,7 +30,8 @@ Estimates, both learned online while decoding:
   draft pays (a steep cost curve: on the CPU a window of 4 rows costs ~2.8 one-row steps) a
   bucket would never be tried, however well its drafts would do. A match bucket with almost
   no evidence of its own is given one draft after `probe_every` declined proposals, when that
-  window costs at most twice a one-row window (cold-expert reads included): about one
+  costs at most 4 one-row windows (cold-expert reads included, and the overlapped step a window
+  replaces: on the CPU a probe inside a stretch of overlapped steps costs ~2.6): about one
   two-row window per 150 proposals where drafts do not pay, and where they do, the evidence
   to start drafting (on the demo model's agent transcript, 99% of drafts kept).
 - **Window cost** by `T`: the median of the last few measured windows of that size, blended
@@ -77,7 +78,7 @@ DEFAULT_WARMUP_WINDOWS = 1  # first windows of a request pay one-time costs: not
 DEFAULT_STALL_FACTOR = 4.0  # a cost sample counts as at most this many times its T's current estimate
 DEFAULT_PROBE_EVERY = 4  # declined proposals of a match bucket with no evidence of its own before one draft is tried
 PROBE_EVIDENCE = 0.25  # a bucket's own (decayed) observations of its first draft below which it has no evidence
-PROBE_COST_LIMIT = 2.0  # a probe's window may cost at most this many one-row windows (cold-expert reads count)
+PROBE_COST_LIMIT = 4.0  # most one-row windows a probe may cost (cold-expert reads, an abandoned overlapped step)
 
 
 class CostCurveError(ValueError):
