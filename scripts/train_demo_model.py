@@ -376,6 +376,13 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         "layer_types": config.layer_types,
     }
     print(json.dumps(summary), flush=True)
+    save_checkpoint(model, out, summary, log)
+
+
+def save_checkpoint(model, out: Path, summary: dict, log: list) -> None:
+    """The model in bfloat16 (shards under 12 MB) and its train_summary.json, in `out`."""
+    import torch
+
     out.mkdir(parents=True, exist_ok=True)
     model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(out, max_shard_size="12MB")
@@ -407,9 +414,7 @@ def average(checkpoints: list[Path], out: Path, data: Path, eval_windows: int = 
                             "complete": t["summary"].get("complete", True)} for t in summaries]
     summary.update(val_loss=round(val_loss, 4), val_perplexity=round(math.exp(val_loss), 3))
     print(json.dumps(summary), flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(out, max_shard_size="12MB")
-    (out / "train_summary.json").write_text(json.dumps({"summary": summary, "log": summaries[-1]["log"]}, indent=1))
+    save_checkpoint(model, out, summary, summaries[-1]["log"])
 
 
 # -- install (CPU, here) ---------------------------------------------------------------------------
