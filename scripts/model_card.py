@@ -195,8 +195,7 @@ def write_card(model_dir: Path, train: dict, split: dict, figures: dict, samples
     averaged = ""
     if train.get("averaged"):
         steps = " and ".join(f"{a['steps']:,}" for a in train["averaged"])
-        averaged = (f"\nThe weights are the mean of the run's checkpoints after steps {steps} "
-                    "(`train_demo_model.py average`): the mean completes and copies code better than either.")
+        averaged = f"\nThe weights are the mean of the run's checkpoints after steps {steps} (`train_demo_model.py average`)."
     card = f"""# strata demo model
 
 A small Qwen3-Next-architecture model trained on offline Python source and on documents that
