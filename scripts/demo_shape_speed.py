@@ -78,6 +78,22 @@ def time_decode(runtime, tokens: int) -> float:
     return (time.perf_counter() - t0) / n * 1000
 
 
+def compare(runtimes: dict, rounds: int, tokens: int) -> dict[str, dict]:
+    """Decode ms/token of each opened model (name -> runtime), one warm-up each, then `rounds`
+    rounds in turn: per name its ms_per_token, their median, and the median of its same-round
+    ratios to the first model's (steadier than a ratio of medians when the load changes)."""
+    for runtime in runtimes.values():
+        time_decode(runtime, 8)  # warm-up: compile and allocate once
+    times = {name: [] for name in runtimes}
+    for _ in range(rounds):
+        for name, runtime in runtimes.items():
+            times[name].append(round(time_decode(runtime, tokens), 2))
+    base = next(iter(times.values()))
+    return {name: {"ms_per_token": ms, "median_ms": statistics.median(ms),
+                   "round_ratio_to_first": round(statistics.median(a / b for a, b in zip(ms, base)), 3)}
+            for name, ms in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -95,22 +111,13 @@ def main() -> None:
         rows = {}
         for n, (path, params) in built.items():
             size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-            rows[n] = {"parameters": params, "asset_mb": round(size / 1e6, 2), "ms_per_token": []}
-        runtimes = {n: open_model(LoadOptions(model=str(built[n][0]))) for n in names}
+            rows[n] = {"parameters": params, "asset_mb": round(size / 1e6, 2)}
+        timed = compare({n: open_model(LoadOptions(model=str(built[n][0]))) for n in names}, args.rounds, args.tokens)
         for n in names:
-            time_decode(runtimes[n], 8)  # warm-up: compile and allocate once
-        for r in range(args.rounds):
-            for n in names:
-                rows[n]["ms_per_token"].append(round(time_decode(runtimes[n], args.tokens), 2))
-        base = rows[names[0]]["ms_per_token"]
-        for n in names:
-            med = statistics.median(rows[n]["ms_per_token"])
-            # The median of same-round ratios to the first shape: steadier than a ratio of medians
-            # when the machine's load changes between rounds.
-            ratio = statistics.median(a / b for a, b in zip(rows[n]["ms_per_token"], base))
-            rows[n].update(median_ms=med, round_ratio_to_first=round(ratio, 3))
+            rows[n].update(timed[n])
             print(f"{n:14s} {rows[n]['parameters']:>11,} params {rows[n]['asset_mb']:6.2f} MB "
-                  f"{med:7.2f} ms/token (same-round ratio {ratio:.2f}x)  {rows[n]['ms_per_token']}")
+                  f"{rows[n]['median_ms']:7.2f} ms/token (same-round ratio {rows[n]['round_ratio_to_first']:.2f}x)  "
+                  f"{rows[n]['ms_per_token']}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 
