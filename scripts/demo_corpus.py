@@ -224,15 +224,96 @@ def roughen(rng: random.Random, fn: str) -> str:
     return out if parses(out) else fn
 
 
+def docstring_span(fn: str) -> tuple[int, int] | None:
+    """0-based first and last line of `fn`'s docstring when it spans several lines, else None."""
+    node = ast.parse(fn).body[0]
+    first = node.body[0]
+    if ast.get_docstring(node) is None or first.end_lineno == first.lineno:
+        return None
+    return first.lineno - 1, first.end_lineno - 1
+
+
+def example_value(rng: random.Random, kind: int) -> str:
+    """A literal of `kind`: small numbers (so values repeat, as in HumanEval's examples), a list,
+    a short string, a float or a constant."""
+    if kind == 0:
+        return str(rng.choice((rng.randint(0, 12), rng.randint(-50, 500))))
+    if kind == 1:
+        return "[" + ", ".join(str(rng.randint(0, 9)) for _ in range(rng.randint(0, 7))) + "]"
+    if kind == 2:
+        return repr("".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(rng.randint(1, 10))).strip() or "a")
+    if kind == 3:
+        return f"{rng.uniform(-10, 10):.{rng.randint(1, 3)}f}"
+    return rng.choice(("True", "False", "None"))
+
+
+EXAMPLE_FORMS = (">>> {call}\n{indent}{result}", "{call} == {result}", "{call} should return {result}.",
+                 "{call} ==> {result}", "{call} -> {result}")
+
+
+def with_examples(rng: random.Random, fn: str) -> str:
+    """`fn` with HumanEval-like example lines (`>>> f([1, 2, 2])`, `f(3) should return 4.`) at the
+    end of its docstring: one form repeated with random values, so a copy has to follow its source
+    line by line and value by value rather than guess or jump to a look-alike line."""
+    span = docstring_span(fn)
+    if span is None:
+        return fn
+    lines = fn.split("\n")
+    closing = lines[span[1]]
+    if closing.strip() not in ('"""', "'''"):
+        return fn
+    indent = closing[: len(closing) - len(closing.lstrip())]
+    name, form = function_name(fn), rng.choice(EXAMPLE_FORMS)
+    arg_kinds, result_kind = [rng.randrange(5) for _ in range(rng.randint(1, 2))], rng.randrange(5)
+    examples = []
+    for _ in range(rng.randint(2, 6)):
+        call = f"{name}({', '.join(example_value(rng, k) for k in arg_kinds)})"
+        examples.append(indent + form.format(call=call, indent=indent, result=example_value(rng, result_kind)))
+    head = [indent + rng.choice(("Examples:", "Example:", "For example:"))] if rng.random() < 0.5 else []
+    out = "\n".join(lines[: span[1]] + [""] + head + examples + lines[span[1] :])
+    return out if parses(out) else fn
+
+
+def scramble(rng: random.Random, fn: str, vocabulary: list[str]) -> str:
+    """`fn` with a share of its docstring's words swapped for random ones: prose the model cannot
+    predict, so copying it must follow the source where the model's own wording would win."""
+    span = docstring_span(fn)
+    if span is None or not vocabulary:
+        return fn
+    rate = rng.choice((0.1, 0.2, 0.3))
+    lines = fn.split("\n")
+    for i in range(span[0], span[1] + 1):
+        lines[i] = re.sub(r"\b[A-Za-z]{3,}\b", lambda m: rng.choice(vocabulary) if rng.random() < rate else m.group(0),
+                          lines[i])
+    out = "\n".join(lines)
+    return out if parses(out) else fn
+
+
+def docstring_words(functions: list[str], limit: int = 20_000) -> list[str]:
+    """The distinct words (3+ letters) of the docstrings of `functions`, sorted, at most `limit`."""
+    words = set()
+    for fn in functions:
+        words.update(re.findall(r"\b[A-Za-z]{3,}\b", ast.get_docstring(ast.parse(fn).body[0]) or ""))
+        if len(words) >= limit:
+            break
+    return sorted(words)
+
+
 HEADERS = ("\n", "\n", "from typing import List\n\n\n", "from typing import List, Tuple\n\n\n",
            "import math\n\n\n", "from typing import Optional\n\n\n", "")
 
 
-def card_copy_document(rng: random.Random, fn: str, path: str) -> str:
+def card_copy_document(rng: random.Random, fn: str, path: str, vocabulary: list[str] = ()) -> str:
     """The model card's copy test, in its exact form: a file's text (a function, often rough
     whitespace), three newlines, `# The same function, renamed to NAME:`, the `def` line under the
-    new name and the body again verbatim (only the signature is renamed, as the card does)."""
+    new name and the body again verbatim (only the signature is renamed, as the card does). Some
+    functions get example lines or words from `vocabulary` in their docstrings first (`with_examples`,
+    `scramble`): text a copy must follow exactly, where the model's own guess would differ."""
     name = function_name(fn)
+    if rng.random() < EXAMPLES_SHARE:
+        fn = with_examples(rng, fn)
+    if rng.random() < SCRAMBLE_SHARE:
+        fn = scramble(rng, fn, vocabulary)
     if rng.random() < 0.6:
         fn = roughen(rng, fn)
     signature, body = split_signature(fn)
@@ -298,6 +379,10 @@ def log_document(rng: random.Random) -> str:
 # Shares of the copy documents (the rest: edits, diffs, whole-name renames; a tenth of those logs).
 CARD_COPY_SHARE = 0.6
 PROBLEM_SHARE = 0.15
+# Of the card-form copies: those whose docstring gets example lines, and those whose words are
+# scrambled (both may happen to one).
+EXAMPLES_SHARE = 0.4
+SCRAMBLE_SHARE = 0.3
 
 
 def copy_documents(files: list[Path], root_of, n_documents: int, seed: int) -> list[str]:
@@ -314,13 +399,14 @@ def copy_documents(files: list[Path], root_of, n_documents: int, seed: int) -> l
     documented = [(fn, path) for fn, path in pool if 8 <= fn.count("\n") + 1 <= 45 and has_docstring(fn)]
     # HumanEval's functions are free functions: prefer those over methods.
     free = [(fn, path) for fn, path in documented if not re.match(r"\s*(?:async\s+)?def\s+\w+\(\s*(self|cls)\b", fn)]
+    vocabulary = docstring_words([fn for fn, _ in documented])
     docs = []
     while len(docs) < n_documents:
         r = rng.random()
         if r < CARD_COPY_SHARE:
             r = rng.random()
             fn, path = rng.choice(free if r < 0.6 else documented if r < 0.9 else pool)
-            docs.append(card_copy_document(rng, fn, path))
+            docs.append(card_copy_document(rng, fn, path, vocabulary))
             continue
         if r < CARD_COPY_SHARE + PROBLEM_SHARE:
             docs.append(problem_document(rng, rng.choice(free)[0]))

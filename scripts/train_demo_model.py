@@ -256,13 +256,16 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
           eval_windows: int = 10_000, copy_share: float | None = None, experts: int | None = None,
           expert_width: int | None = None, stdlib_share: float | None = None,
           attention_every: int | None = None, state_dir: Path | None = None,
-          total_minutes: float | None = None) -> None:
+          total_minutes: float | None = None, init: Path | None = None) -> None:
     """Train for `minutes`; with `state_dir`, as one leg of a run of `total_minutes` in several calls.
 
     A leg ends after its `minutes` and leaves model, optimizer, data order, schedule and log in
     `state_dir` (the next leg, given the same folder, resumes bit for bit where it stopped) and a
     bfloat16 checkpoint in `out`, so a chain that breaks still leaves a model. The cosine schedule
     spans the whole run: it is sized in the first leg from the pace over `total_minutes`.
+
+    With `init`, the run starts from that checkpoint's weights (a fresh optimizer and schedule): a
+    second phase on another data mix, such as more copying at a lower learning rate.
     """
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -285,7 +288,11 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         shape.update(attention_layers(shape["num_hidden_layers"], attention_every))
     config = Qwen3NextConfig(**shape)
     parts = training_parts(json.loads((data / "split.json").read_text()), copy_share, stdlib_share)
-    model = Qwen3NextForCausalLM(config).to(device)
+    model = Qwen3NextForCausalLM(config)
+    started_from = None
+    if init is not None:
+        started_from = load_weights(model, init)
+    model.to(device)
     params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -375,8 +382,26 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         "expert_width": config.moe_intermediate_size,
         "layer_types": config.layer_types,
     }
+    if started_from is not None:
+        summary["init"] = started_from
     print(json.dumps(summary), flush=True)
     save_checkpoint(model, out, summary, log)
+
+
+def load_weights(model, checkpoint: Path) -> dict:
+    """Copy `checkpoint`'s weights into `model` (same shape, else exit); what it was, for the summary."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    mine = model.config.to_dict()
+    training_only = ("output_router_logits", "router_aux_loss_coef")  # save_checkpoint turns the first off
+    differ = [k for k in MODEL_CONFIG if k in config and k not in training_only and config[k] != mine.get(k)]
+    if differ:
+        raise SystemExit(f"{checkpoint} is another model shape ({', '.join(differ)} differ)")
+    model.load_state_dict(Qwen3NextForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
+    summary = json.loads((checkpoint / "train_summary.json").read_text())["summary"]
+    return {"checkpoint": checkpoint.name, **{k: summary.get(k) for k in ("steps", "val_loss", "averaged")}}
 
 
 def save_checkpoint(model, out: Path, summary: dict, log: list) -> None:
@@ -469,6 +494,8 @@ def main() -> None:
     t.add_argument("--total-minutes", type=float, default=None,
                    help="with --state: training time of the whole run over all legs, which the learning-rate "
                         "schedule spans (default --minutes)")
+    t.add_argument("--init", type=Path, default=None,
+                   help="start from this checkpoint's weights (fresh optimizer and schedule), e.g. for a copy phase")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--device", default="cuda")
@@ -506,7 +533,7 @@ def main() -> None:
         train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows,
               args.copy_share if args.copy_share > 0 else None, args.experts, args.expert_width,
               args.stdlib_share if args.copy_share > 0 else None, args.attention_every, args.state,
-              args.total_minutes)
+              args.total_minutes, args.init)
     elif args.step == "average":
         average(args.checkpoints, args.out, args.data, args.eval_windows, args.device)
     else:

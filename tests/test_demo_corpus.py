@@ -12,7 +12,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from demo_corpus import card_copy_document, parses, problem_document, roughen  # noqa: E402
+from demo_corpus import (  # noqa: E402
+    card_copy_document,
+    parses,
+    problem_document,
+    roughen,
+    scramble,
+    with_examples,
+)
 from model_card import copy_prompt  # noqa: E402
 
 FUNCTION = '''def below_limit(values, limit=10):
@@ -31,7 +38,7 @@ FUNCTION = '''def below_limit(values, limit=10):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_card_copy_document_is_the_card_prompt_then_the_body(seed):
-    doc = card_copy_document(random.Random(seed), FUNCTION, "pkg/mod.py")
+    doc = card_copy_document(random.Random(seed), FUNCTION, "pkg/mod.py", ["apple", "zebra"])
     marker = re.search(r"\n\n\n# The same function, renamed to (\w+):\n", doc)
     source = doc[: marker.start()]
     prompt, body = copy_prompt(source, "below_limit", new=marker.group(1))
@@ -40,6 +47,36 @@ def test_card_copy_document_is_the_card_prompt_then_the_body(seed):
     # reconstruction starts from the stripped text, so compare up to them.
     assert doc[len(prompt):].rstrip() == body.rstrip() and doc.endswith("\n")
     assert "def below_limit(" not in doc[len(source):]  # the signature is renamed, the body verbatim
+
+
+def code_of(fn: str) -> str:
+    """`fn` without its docstring, as the source it compiles from."""
+    import ast
+
+    tree = ast.parse(fn)
+    tree.body[0].body = tree.body[0].body[1:]
+    return ast.unparse(tree)
+
+
+def test_examples_are_added_to_the_docstring_alone():
+    docs = [with_examples(random.Random(s), FUNCTION) for s in range(20)]
+    assert all(parses(d) and code_of(d) == code_of(FUNCTION) for d in docs)
+    assert all(d.startswith(FUNCTION.split("\n\n")[0]) for d in docs)  # the summary line stays first
+    added = [d for d in docs if d != FUNCTION]
+    assert len(added) == 20
+    assert sum(d.count("below_limit(") - 1 for d in added) >= 2 * 20 + 20  # 2-6 examples each, one was there
+    assert len({d.split('"""')[1] for d in added}) == 20  # random values: no two alike
+    assert with_examples(random.Random(0), 'def f(x):\n    """One line."""\n    return x\n') == \
+        'def f(x):\n    """One line."""\n    return x\n'  # no multi-line docstring: unchanged
+
+
+def test_scramble_swaps_docstring_words_only():
+    vocabulary = ["apple", "zebra", "quantum"]
+    docs = [scramble(random.Random(s), FUNCTION, vocabulary) for s in range(20)]
+    assert all(parses(d) and code_of(d) == code_of(FUNCTION) for d in docs)
+    changed = [d for d in docs if d != FUNCTION]
+    assert len(changed) >= 10 and all(any(w in d for w in vocabulary) for d in changed)
+    assert scramble(random.Random(0), FUNCTION, []) == FUNCTION
 
 
 def test_roughen_adds_trailing_spaces_and_keeps_the_code_valid():
@@ -115,17 +152,10 @@ def test_average_saves_the_mean_of_checkpoints_and_its_held_out_loss(tmp_path):
         average([checkpoints[0], other], tmp_path / "refused", data)
 
 
-def test_a_run_in_legs_ends_where_the_same_run_in_one_call_ends(tmp_path, monkeypatch, capsys):
-    """`train --state`: a run stopped after its first leg's time and resumed in a second call
-    ends with the weights of the run made in one call (model, optimizer, data order and schedule
-    all carried over). A fake clock, one second per reading, makes the legs' lengths exact."""
-    torch = pytest.importorskip("torch")
-    import itertools
-    from types import SimpleNamespace
-
+def tiny_training(tmp_path, monkeypatch) -> Path:
+    """train_demo_model set to a tiny Qwen3-Next and 32-token windows; a data folder of random tokens."""
     import train_demo_model
     from hf_checkpoints import hf_config
-    from transformers import Qwen3NextForCausalLM
 
     tiny = hf_config("qwen3_next").to_dict()
     shape = {k: tiny[k] for k in train_demo_model.MODEL_CONFIG if k in tiny and k not in ("eos_token_id", "pad_token_id")}
@@ -137,6 +167,49 @@ def test_a_run_in_legs_ends_where_the_same_run_in_one_call_ends(tmp_path, monkey
     rng.integers(0, shape["vocab_size"], 4_000, dtype=np.uint16).tofile(data / "train.bin")
     rng.integers(0, shape["vocab_size"], 200, dtype=np.uint16).tofile(data / "val.bin")
     (data / "split.json").write_text("{}")
+    return data
+
+
+def test_a_run_started_from_a_checkpoint_starts_from_its_weights(tmp_path, monkeypatch):
+    """`train --init`: the run's model starts as the checkpoint (a run of no steps saves it back
+    unchanged), the summary names where it started, and a checkpoint of another shape is refused."""
+    torch = pytest.importorskip("torch")
+    import train_demo_model
+    from transformers import Qwen3NextForCausalLM
+
+    data = tiny_training(tmp_path, monkeypatch)
+    first = tmp_path / "first"
+    train_demo_model.train(data, first, 60, batch=2, lr=3e-3, device="cpu", max_steps=3, eval_windows=2)
+    second = tmp_path / "second"
+    train_demo_model.train(data, second, 60, batch=2, lr=3e-3, device="cpu", max_steps=0, eval_windows=2, init=first)
+    a, b = (Qwen3NextForCausalLM.from_pretrained(p).state_dict() for p in (first, second))
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name
+    fresh = tmp_path / "fresh"
+    train_demo_model.train(data, fresh, 60, batch=2, lr=3e-3, device="cpu", max_steps=0, eval_windows=2)
+    c = Qwen3NextForCausalLM.from_pretrained(fresh).state_dict()
+    assert any(not torch.equal(tensor, c[name]) for name, tensor in a.items())  # the check can fail
+    started = json.loads((second / "train_summary.json").read_text())["summary"]["init"]
+    assert started["checkpoint"] == "first" and started["steps"] == 3
+    config = json.loads((first / "config.json").read_text())
+    (first / "config.json").write_text(json.dumps({**config, "num_experts": config["num_experts"] * 2}))
+    with pytest.raises(SystemExit, match="another model shape"):
+        train_demo_model.train(data, tmp_path / "refused", 60, batch=2, lr=3e-3, device="cpu", max_steps=0,
+                               eval_windows=2, init=first)
+
+
+def test_a_run_in_legs_ends_where_the_same_run_in_one_call_ends(tmp_path, monkeypatch, capsys):
+    """`train --state`: a run stopped after its first leg's time and resumed in a second call
+    ends with the weights of the run made in one call (model, optimizer, data order and schedule
+    all carried over). A fake clock, one second per reading, makes the legs' lengths exact."""
+    torch = pytest.importorskip("torch")
+    import itertools
+    from types import SimpleNamespace
+
+    import train_demo_model
+    from transformers import Qwen3NextForCausalLM
+
+    data = tiny_training(tmp_path, monkeypatch)
 
     def run(out, minutes, legs):
         clock = itertools.count()
