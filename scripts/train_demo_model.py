@@ -160,16 +160,33 @@ def prepare(data: Path, tokenizer_from: Path | None, copy_documents_n: int) -> N
 # -- train (GPU) -----------------------------------------------------------------------------------
 
 
+def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`n` rows of SEQ_LEN tokens, each a span of 16-256 tokens drawn at random from the training
+    text (so common tokens recur inside it) repeated to the end, and their labels: -100 (no loss)
+    on the first span, which nothing predicts. Only an induction circuit (find where the current
+    token stood before, copy what followed) lowers the loss on the rest: the demo model, trained on
+    text alone, copied random spans of common tokens at 52-67% (docs/benchmarks.md)."""
+    rows = np.empty((n, SEQ_LEN), dtype=np.int64)
+    labels = np.empty_like(rows)
+    for i in range(n):
+        at = rng.integers(0, len(tokens) - 1, size=int(rng.integers(16, 257)))
+        span = np.where(tokens[at] == EOS_ID, tokens[at + 1], tokens[at]).astype(np.int64)  # no document ends
+        rows[i] = np.resize(span, SEQ_LEN)
+        labels[i] = rows[i]
+        labels[i, : len(span)] = -100
+    return rows, labels
+
+
 def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
-            parts: list[tuple[int, int, float]] | None = None):
-    """Training windows of SEQ_LEN tokens, forever.
+            parts: list[tuple[int, int, float]] | None = None, repeat_share: float = 0.0):
+    """Training windows of SEQ_LEN tokens and their labels, forever.
 
     Half the windows start at a document (after an EOS): a copy document then has its first copy in
     the window whenever it fits, and the model sees file starts as the prompts begin. `parts`
     ([(first token, end, share)]) draws each window from one part with that part's share, whatever
     the parts' token counts; without it, windows are drawn over all tokens alike (and, there being
     90,000 short copy documents against 6,600 files, most document-aligned windows then start a
-    copy document).
+    copy document). `repeat_share` of each batch's rows are `repeated_spans` instead.
     """
     import torch
 
@@ -193,7 +210,11 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
         for i, draw in enumerate(draws):
             starts[which == i] = draw(int((which == i).sum()))
         x = np.stack([tokens[s : s + SEQ_LEN] for s in starts]).astype(np.int64)
-        yield torch.from_numpy(x)
+        labels = x.copy()
+        repeats = int(round(batch * repeat_share))
+        if repeats:
+            x[:repeats], labels[:repeats] = repeated_spans(tokens, repeats, rng)
+        yield torch.from_numpy(x), torch.from_numpy(labels)
 
 
 def training_parts(split: dict, copy_share: float | None, stdlib_share: float | None):
@@ -256,7 +277,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
           eval_windows: int = 10_000, copy_share: float | None = None, experts: int | None = None,
           expert_width: int | None = None, stdlib_share: float | None = None,
           attention_every: int | None = None, state_dir: Path | None = None,
-          total_minutes: float | None = None, init: Path | None = None) -> None:
+          total_minutes: float | None = None, init: Path | None = None, repeat_share: float = 0.0) -> None:
     """Train for `minutes`; with `state_dir`, as one leg of a run of `total_minutes` in several calls.
 
     A leg ends after its `minutes` and leaves model, optimizer, data order, schedule and log in
@@ -314,7 +335,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         run = saved["run"]
         print(f"resuming at step {run['step']} of {run['total_steps']} ({run['seconds'] / 60:.1f} min trained)",
               flush=True)
-    stream = batches(train_tokens, batch, rng, parts)
+    stream = batches(train_tokens, batch, rng, parts, repeat_share)
     budget = (total_minutes or minutes) * 60
     leg_budget = minutes * 60
     warmup, log = 100, run["log"]
@@ -337,9 +358,9 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         lr_now = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
         for group in opt.param_groups:
             group["lr"] = lr_now
-        x = next(stream).to(device, non_blocking=True)
+        x, y = (t.to(device, non_blocking=True) for t in next(stream))
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=x, labels=x).loss
+            loss = model(input_ids=x, labels=y).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -382,6 +403,8 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         "expert_width": config.moe_intermediate_size,
         "layer_types": config.layer_types,
     }
+    if repeat_share:
+        summary["repeat_share"] = repeat_share
     if started_from is not None:
         summary["init"] = started_from
     print(json.dumps(summary), flush=True)
@@ -496,6 +519,8 @@ def main() -> None:
                         "schedule spans (default --minutes)")
     t.add_argument("--init", type=Path, default=None,
                    help="start from this checkpoint's weights (fresh optimizer and schedule), e.g. for a copy phase")
+    t.add_argument("--repeat-share", type=float, default=0.0,
+                   help="share of each batch that is random spans of training tokens repeated (teaches copying; default 0)")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--device", default="cuda")
@@ -533,7 +558,7 @@ def main() -> None:
         train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows,
               args.copy_share if args.copy_share > 0 else None, args.experts, args.expert_width,
               args.stdlib_share if args.copy_share > 0 else None, args.attention_every, args.state,
-              args.total_minutes, args.init)
+              args.total_minutes, args.init, args.repeat_share)
     elif args.step == "average":
         average(args.checkpoints, args.out, args.data, args.eval_windows, args.device)
     else:

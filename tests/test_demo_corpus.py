@@ -198,6 +198,31 @@ def test_a_run_started_from_a_checkpoint_starts_from_its_weights(tmp_path, monke
                                eval_windows=2, init=first)
 
 
+def test_repeated_spans_hide_the_first_span_from_the_loss(monkeypatch):
+    pytest.importorskip("torch")
+    import train_demo_model
+
+    monkeypatch.setattr(train_demo_model, "SEQ_LEN", 600)
+    tokens = np.arange(1, 5001, dtype=np.uint16)
+    tokens[::7] = train_demo_model.EOS_ID
+    rows, labels = train_demo_model.repeated_spans(tokens, 8, np.random.default_rng(0))
+    assert rows.shape == labels.shape == (8, 600)
+    lengths = set()
+    for row, label in zip(rows, labels):
+        n = int((label == -100).sum())
+        lengths.add(n)
+        assert 16 <= n <= 256 and (label[:n] == -100).all() and (label[n:] == row[n:]).all()
+        assert (row[n:] == row[: 600 - n]).all()  # the span again and again
+        assert train_demo_model.EOS_ID not in row
+    assert len(lengths) > 4
+
+    parts = [(0, 5000, 1.0)]
+    x, y = next(train_demo_model.batches(tokens, 8, np.random.default_rng(1), parts, repeat_share=0.25))
+    assert (y[:2] == -100).any(dim=1).all() and not (y[2:] == -100).any()
+    x, y = next(train_demo_model.batches(tokens, 8, np.random.default_rng(1), parts))
+    assert (x == y).all()
+
+
 def test_a_run_in_legs_ends_where_the_same_run_in_one_call_ends(tmp_path, monkeypatch, capsys):
     """`train --state`: a run stopped after its first leg's time and resumed in a second call
     ends with the weights of the run made in one call (model, optimizer, data order and schedule
