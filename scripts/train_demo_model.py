@@ -160,16 +160,37 @@ def prepare(data: Path, tokenizer_from: Path | None, copy_documents_n: int) -> N
 # -- train (GPU) -----------------------------------------------------------------------------------
 
 
-def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """`n` rows of SEQ_LEN tokens, each a span of 16-256 tokens drawn at random from the training
-    text (so common tokens recur inside it) repeated to the end, and their labels: -100 (no loss)
-    on the first span, which nothing predicts. Only an induction circuit (find where the current
-    token stood before, copy what followed) lowers the loss on the rest: the demo model, trained on
-    text alone, copied random spans of common tokens at 52-67% (docs/benchmarks.md)."""
+def look_alike_positions(size: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    """Positions in a text of `size` tokens for a span of `length`: a few short phrases of the text
+    (2-6 tokens) used again and again, each use followed by 1-4 random tokens. A copy of it has to
+    know which use it is at, not just what the last tokens were, as in HumanEval's example lines
+    (`f(148, 412) should return 16.`, `f(19, 28) should return 72.`) where the model went astray."""
+    k = int(rng.integers(2, 9))
+    starts, widths = rng.integers(0, size - 8, size=k), rng.integers(2, 7, size=k)
+    pieces, total = [], 0
+    while total < length:
+        j = int(rng.integers(k))
+        pieces += [starts[j] + np.arange(widths[j]), rng.integers(0, size - 1, size=int(rng.integers(1, 5)))]
+        total += int(widths[j]) + len(pieces[-1])
+    return np.concatenate(pieces)[:length]
+
+
+def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator,
+                   look_alike: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """`n` rows of SEQ_LEN tokens, each a span of 16-256 tokens repeated to the end, and their
+    labels: -100 (no loss) on the first span, which nothing predicts. A span is tokens drawn at
+    random from the training text (common tokens recur inside it), or with share `look_alike`
+    `look_alike_positions`' phrases. Only copying (find where the current text stood before, go on
+    from there) lowers the loss on the rest: the demo model, trained on text alone, copied random
+    spans of common tokens at 52-67% (docs/benchmarks.md)."""
     rows = np.empty((n, SEQ_LEN), dtype=np.int64)
     labels = np.empty_like(rows)
     for i in range(n):
-        at = rng.integers(0, len(tokens) - 1, size=int(rng.integers(16, 257)))
+        length = int(rng.integers(16, 257))
+        if look_alike and rng.random() < look_alike:
+            at = look_alike_positions(len(tokens), length, rng)
+        else:
+            at = rng.integers(0, len(tokens) - 1, size=length)
         span = np.where(tokens[at] == EOS_ID, tokens[at + 1], tokens[at]).astype(np.int64)  # no document ends
         rows[i] = np.resize(span, SEQ_LEN)
         labels[i] = rows[i]
@@ -178,7 +199,8 @@ def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator) -> tupl
 
 
 def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
-            parts: list[tuple[int, int, float]] | None = None, repeat_share: float = 0.0):
+            parts: list[tuple[int, int, float]] | None = None, repeat_share: float = 0.0,
+            look_alike: float = 0.0):
     """Training windows of SEQ_LEN tokens and their labels, forever.
 
     Half the windows start at a document (after an EOS): a copy document then has its first copy in
@@ -186,7 +208,8 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
     ([(first token, end, share)]) draws each window from one part with that part's share, whatever
     the parts' token counts; without it, windows are drawn over all tokens alike (and, there being
     90,000 short copy documents against 6,600 files, most document-aligned windows then start a
-    copy document). `repeat_share` of each batch's rows are `repeated_spans` instead.
+    copy document). `repeat_share` of each batch's rows are `repeated_spans` instead (`look_alike`
+    of those made of look-alike phrases).
     """
     import torch
 
@@ -213,7 +236,7 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
         labels = x.copy()
         repeats = int(round(batch * repeat_share))
         if repeats:
-            x[:repeats], labels[:repeats] = repeated_spans(tokens, repeats, rng)
+            x[:repeats], labels[:repeats] = repeated_spans(tokens, repeats, rng, look_alike)
         yield torch.from_numpy(x), torch.from_numpy(labels)
 
 
@@ -277,7 +300,8 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
           eval_windows: int = 10_000, copy_share: float | None = None, experts: int | None = None,
           expert_width: int | None = None, stdlib_share: float | None = None,
           attention_every: int | None = None, state_dir: Path | None = None,
-          total_minutes: float | None = None, init: Path | None = None, repeat_share: float = 0.0) -> None:
+          total_minutes: float | None = None, init: Path | None = None, repeat_share: float = 0.0,
+          look_alike: float = 0.0) -> None:
     """Train for `minutes`; with `state_dir`, as one leg of a run of `total_minutes` in several calls.
 
     A leg ends after its `minutes` and leaves model, optimizer, data order, schedule and log in
@@ -335,7 +359,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         run = saved["run"]
         print(f"resuming at step {run['step']} of {run['total_steps']} ({run['seconds'] / 60:.1f} min trained)",
               flush=True)
-    stream = batches(train_tokens, batch, rng, parts, repeat_share)
+    stream = batches(train_tokens, batch, rng, parts, repeat_share, look_alike)
     budget = (total_minutes or minutes) * 60
     leg_budget = minutes * 60
     warmup, log = 100, run["log"]
@@ -404,7 +428,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         "layer_types": config.layer_types,
     }
     if repeat_share:
-        summary["repeat_share"] = repeat_share
+        summary.update(repeat_share=repeat_share, look_alike_share=look_alike)
     if started_from is not None:
         summary["init"] = started_from
     print(json.dumps(summary), flush=True)
@@ -521,6 +545,8 @@ def main() -> None:
                    help="start from this checkpoint's weights (fresh optimizer and schedule), e.g. for a copy phase")
     t.add_argument("--repeat-share", type=float, default=0.0,
                    help="share of each batch that is random spans of training tokens repeated (teaches copying; default 0)")
+    t.add_argument("--look-alike-share", type=float, default=0.0,
+                   help="share of the repeated spans made of a few phrases used again and again (default 0)")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--device", default="cuda")
@@ -558,7 +584,8 @@ def main() -> None:
         train(args.data, args.out, args.minutes, args.batch, args.lr, args.device, args.max_steps, args.eval_windows,
               args.copy_share if args.copy_share > 0 else None, args.experts, args.expert_width,
               args.stdlib_share if args.copy_share > 0 else None, args.attention_every, args.state,
-              args.total_minutes, args.init, args.repeat_share)
+              args.total_minutes, args.init, args.repeat_share,
+              args.look_alike_share)
     elif args.step == "average":
         average(args.checkpoints, args.out, args.data, args.eval_windows, args.device)
     else:

@@ -205,16 +205,20 @@ def test_repeated_spans_hide_the_first_span_from_the_loss(monkeypatch):
     monkeypatch.setattr(train_demo_model, "SEQ_LEN", 600)
     tokens = np.arange(1, 5001, dtype=np.uint16)
     tokens[::7] = train_demo_model.EOS_ID
-    rows, labels = train_demo_model.repeated_spans(tokens, 8, np.random.default_rng(0))
-    assert rows.shape == labels.shape == (8, 600)
-    lengths = set()
-    for row, label in zip(rows, labels):
-        n = int((label == -100).sum())
-        lengths.add(n)
-        assert 16 <= n <= 256 and (label[:n] == -100).all() and (label[n:] == row[n:]).all()
-        assert (row[n:] == row[: 600 - n]).all()  # the span again and again
-        assert train_demo_model.EOS_ID not in row
-    assert len(lengths) > 4
+    for look_alike in (0.0, 1.0):
+        rows, labels = train_demo_model.repeated_spans(tokens, 8, np.random.default_rng(0), look_alike)
+        assert rows.shape == labels.shape == (8, 600)
+        lengths = set()
+        for row, label in zip(rows, labels):
+            n = int((label == -100).sum())
+            lengths.add(n)
+            assert 16 <= n <= 256 and (label[:n] == -100).all() and (label[n:] == row[n:]).all()
+            assert (row[n:] == row[: 600 - n]).all()  # the span again and again
+            assert train_demo_model.EOS_ID not in row
+            # look-alike spans reuse phrases: far fewer distinct bigrams than random draws give
+            bigrams = len(set(zip(row[: n - 1].tolist(), row[1:n].tolist())))
+            assert (bigrams < 0.9 * (n - 1)) == (look_alike == 1.0)
+        assert len(lengths) > 4
 
     parts = [(0, 5000, 1.0)]
     x, y = next(train_demo_model.batches(tokens, 8, np.random.default_rng(1), parts, repeat_share=0.25))
