@@ -435,15 +435,23 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
     save_checkpoint(model, out, summary, log)
 
 
+def shape_difference(a: dict, b: dict) -> list[str]:
+    """The model-shape keys on which configs `a` and `b` differ (not those that only steer training,
+    nor the writing library's version: checkpoints come from the GPU machine and from here)."""
+    training_only = ("output_router_logits", "router_aux_loss_coef")  # save_checkpoint turns the first off
+
+    def value(config: dict, key: str):  # newer transformers keep the rotary settings in rope_parameters
+        return config.get(key, (config.get("rope_parameters") or {}).get(key))
+
+    return [k for k in MODEL_CONFIG if k not in training_only and value(a, k) != value(b, k)]
+
+
 def load_weights(model, checkpoint: Path) -> dict:
     """Copy `checkpoint`'s weights into `model` (same shape, else exit); what it was, for the summary."""
     import torch
     from transformers import Qwen3NextForCausalLM
 
-    config = json.loads((checkpoint / "config.json").read_text())
-    mine = model.config.to_dict()
-    training_only = ("output_router_logits", "router_aux_loss_coef")  # save_checkpoint turns the first off
-    differ = [k for k in MODEL_CONFIG if k in config and k not in training_only and config[k] != mine.get(k)]
+    differ = shape_difference(json.loads((checkpoint / "config.json").read_text()), model.config.to_dict())
     if differ:
         raise SystemExit(f"{checkpoint} is another model shape ({', '.join(differ)} differ)")
     model.load_state_dict(Qwen3NextForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
@@ -471,7 +479,8 @@ def average(checkpoints: list[Path], out: Path, data: Path, eval_windows: int = 
     if len(checkpoints) < 2:
         raise SystemExit("average needs at least two checkpoints")
     summaries = [json.loads((c / "train_summary.json").read_text()) for c in checkpoints]
-    if len({(c / "config.json").read_text() for c in checkpoints}) > 1:
+    configs = [json.loads((c / "config.json").read_text()) for c in checkpoints]
+    if any(shape_difference(configs[0], c) for c in configs[1:]):
         raise SystemExit("the checkpoints are of different model shapes")
     models = [Qwen3NextForCausalLM.from_pretrained(c, dtype=torch.float32) for c in checkpoints]
     states = [m.state_dict() for m in models]
