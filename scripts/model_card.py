@@ -30,6 +30,7 @@ HUMANEVAL_PROMPTS = 40
 HUMANEVAL_TOKENS = 128
 HUMANEVAL_SHUFFLE_SEED = 0
 COPY_NAME = "solve_x"
+SPAN_LENGTHS = (50, 200)
 # A completion ends where a new top-level statement begins (the usual HumanEval stop sequences).
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ", "\n@")
 SAMPLE_PROMPTS = (
@@ -54,6 +55,25 @@ def held_out_perplexity(engine, tokens: np.ndarray) -> tuple[float, int]:
         total -= mx.take_along_axis(logprobs, targets[:, None], axis=-1).sum().item()
         count += len(window) - 1
     return math.exp(total / count), count
+
+
+def span_copy_accuracy(engine, tokens: np.ndarray, length: int, spans: int = 5, seed: int = 0) -> float:
+    """How well the model copies what it cannot predict: spans of `length` tokens drawn at random
+    from `tokens` (common tokens recur), each given twice; the share of the second copy's tokens
+    that are the model's top choice given the text before them (float32, one forward pass each)."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(seed)
+    pool = tokens[tokens != 0]  # no document ends
+    right = 0
+    for _ in range(spans):
+        span = pool[rng.integers(0, len(pool), size=length)].tolist()
+        engine.reset()
+        out = engine.run(span + span[:-1], 0)
+        engine.commit(1)
+        predicted = mx.argmax(out.logits[length - 1 :], axis=-1)
+        right += int((predicted == mx.array(span)).sum().item())
+    return right / (spans * length)
 
 
 def cut_function(completion: str) -> str:
@@ -159,7 +179,8 @@ def main() -> None:
     engine, tokenizer = runtime.engine, runtime.tokenizer
     train = json.loads((args.model / "train_summary.json").read_text())["summary"]
     split = json.loads((args.data / "split.json").read_text())
-    ppl, ppl_tokens = held_out_perplexity(engine, np.fromfile(args.data / "val.bin", dtype=np.uint16))
+    val = np.fromfile(args.data / "val.bin", dtype=np.uint16)
+    ppl, ppl_tokens = held_out_perplexity(engine, val)
     problems = humaneval_problems()
     figures = {
         "held_out_perplexity_float32": round(ppl, 3),
@@ -167,6 +188,7 @@ def main() -> None:
         "humaneval_healed": humaneval_parse_rate(engine, tokenizer, problems, heal=True),
         "humaneval_not_healed": humaneval_parse_rate(engine, tokenizer, problems, heal=False),
         "copy_with_rename": copy_with_rename(engine, tokenizer, problems),
+        "random_span_copy": {str(n): round(span_copy_accuracy(engine, val, n), 3) for n in SPAN_LENGTHS},
         "suffix_draft_3_copy": draft_acceptance(engine, tokenizer, args.copy_prompt),
         "suffix_draft_3_prose": draft_acceptance(engine, tokenizer, args.prose_prompt),
         "asset_bytes": sum(f.stat().st_size for f in args.model.iterdir() if f.is_file()),
@@ -177,6 +199,40 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(figures, indent=1) + "\n")
     write_card(args.model, train, split, figures, samples)
+
+
+def run_text(run: dict, train_tokens: int) -> str:
+    """One training run of a train_summary.json, in a sentence (`train_tokens` when it does not say)."""
+    tokens = run.get("train_tokens", train_tokens)  # a run's own data (an earlier `prepare`, perhaps)
+    text = (f"{run['steps']:,} steps ({run['tokens_seen']:,} tokens, about {run['tokens_seen'] / tokens:.1f} "
+            f"epochs of {tokens:,}), peak learning rate {run['peak_lr']}, {run['train_minutes']} minutes; windows drawn "
+            f"{run['copy_share']:.0%} from the copy documents, the rest {run['stdlib_share']:.0%} stdlib and "
+            f"{1 - run['stdlib_share']:.0%} packages")
+    if run.get("repeat_share"):
+        look_alike = run.get("look_alike_share") or 0
+        text += (f"; {run['repeat_share']:.0%} of each batch random spans of training tokens repeated (loss on the "
+                 "repeats" + (f"; {look_alike:.0%} of them built of a few phrases used again and again)" if look_alike else ")"))
+    if run.get("init"):
+        text += f"; started from the weights of a {run['init']['steps']:,}-step model (`train --init`)"
+    if run.get("averaged") and not all("run" in a for a in run["averaged"]):
+        text += "; the mean of its checkpoints after steps " + " and ".join(f"{a['steps']:,}" for a in run["averaged"])
+    return text + f". Final training loss {run['final_train_loss']}."
+
+
+def training_text(train: dict, train_tokens: int) -> str:
+    """The card's account of how the weights were made, from train_summary.json: one run, or the
+    mean of runs (`average`) each described in turn."""
+    common = (f"PyTorch {train['torch']} + transformers on one {train['device']}, batches of {train['batch']} × "
+              f"{train['seq_len']} tokens ({train_tokens:,} training tokens), AdamW (β 0.9/0.95, weight decay 0.1), "
+              "100 warm-up steps, cosine decay to 10% of the peak, bf16 autocast, router auxiliary loss 0.01.")
+    parts = train.get("averaged") or []
+    if not parts or not all("run" in a for a in parts):
+        return f"{common} {run_text(train, train_tokens)}"
+    runs = "\n".join(f"{i}. {run_text(a['run'], train_tokens)}" for i, a in enumerate(parts, 1))
+    weights = [a.get("weight", 1 / len(parts)) for a in parts]
+    shown = [f"{w:.2f}" for w in weights]
+    weighted = "" if max(weights) - min(weights) < 1e-3 else f", weighted {', '.join(shown[:-1])} and {shown[-1]}"
+    return f"{common}\n\n{runs}\n\nThe weights are the mean of these {len(parts)} (`train_demo_model.py average`){weighted}."
 
 
 def write_card(model_dir: Path, train: dict, split: dict, figures: dict, samples) -> None:
@@ -192,10 +248,6 @@ def write_card(model_dir: Path, train: dict, split: dict, figures: dict, samples
                       for name, v in split.items() if name.startswith("train_"))
     he, heu, copy = figures["humaneval_healed"], figures["humaneval_not_healed"], figures["copy_with_rename"]
     dc, dp = figures["suffix_draft_3_copy"], figures["suffix_draft_3_prose"]
-    averaged = ""
-    if train.get("averaged"):
-        steps = " and ".join(f"{a['steps']:,}" for a in train["averaged"])
-        averaged = f"\nThe weights are the mean of the run's checkpoints after steps {steps} (`train_demo_model.py average`)."
     card = f"""# strata demo model
 
 A small Qwen3-Next-architecture model trained on offline Python source and on documents that
@@ -233,18 +285,19 @@ and files as the previous demo model, so perplexities compare. Training text:
 {packages}
 
 - copy: documents made from functions of the training files: the function, then `# The same
-  function, renamed to NAME:` and the renamed function; the function with an argument renamed or
-  a number changed, as a unified diff and as the edited result; log-like text with repeated
-  lines. HumanEval is evaluation data only: none of it is in the training text.
+  function, renamed to NAME:` and the renamed function (some with example lines added to the
+  docstring or a share of its words swapped for random ones, so the copy cannot be guessed); the
+  function with an argument renamed or a number changed, as a unified diff and as the edited
+  result; log-like text with repeated lines. HumanEval is evaluation data only: none of it is in
+  the training text.
+- repeated spans (made during training, where a run says so): random training tokens, or a few
+  phrases of them used again and again, repeated to the end of the window, with loss on the repeats.
 
 The tokenizer (byte-level BPE, trained on a sample of the stdlib training files) is unchanged.
 
 ## Training
 
-PyTorch {train['torch']} + transformers on one {train['device']}: {train['steps']} steps of {train['batch']} × {train['seq_len']}
-tokens ({train['tokens_seen']:,} tokens, about {train['tokens_seen'] / split['train']['tokens']:.1f} epochs of {split['train']['tokens']:,}), AdamW (β 0.9/0.95,
-weight decay 0.1), peak learning rate {train['peak_lr']}, 100 warm-up steps, cosine decay to 10%, bf16
-autocast, router auxiliary loss 0.01, {train['train_minutes']} minutes. Final training loss {train['final_train_loss']}.{averaged}
+{training_text(train, split['train']['tokens'])}
 Then `strata convert --bits {quant.get('bits', '-')}` into the package. Made with `scripts/train_demo_model.py`
 (prepare here, train on the GPU, install here).
 
@@ -260,6 +313,7 @@ Greedy, prompts exactly as given, float32 on the CPU, strata's own decoding:
 | ... of which the function has a body besides its docstring | **{he['parsed_with_body']}/{he['attempted']}** ({he['parsed_with_body'] / he['attempted']:.0%}) |
 | the same with `--no-heal`: parse / with a body | {heu['parsed']}/{heu['attempted']} / {heu['parsed_with_body']}/{heu['attempted']} |
 | copy with rename on the same HumanEval functions (function + `# The same function, renamed to {COPY_NAME}:` + renamed signature): median share of the body reproduced before the first wrong character | **{copy['median_share']}** (mean {copy['mean_share']}, {copy['complete']}/{copy['problems']} complete) |
+| copying what cannot be predicted: spans of {' and '.join(figures['random_span_copy'])} held-out tokens drawn at random, given twice; the second copy's tokens that are the model's top choice | {' and '.join(f"{v:.1%}" for v in figures['random_span_copy'].values())} |
 | `--suffix-draft 3` on `examples/prompts/copy_rename.txt` (128 tokens) | {dc['drafts_kept']}/{dc['drafts_offered']} drafts kept ({dc['acceptance']:.0%}), {dc['tokens_per_window']:.2f} tokens per window |
 | `--suffix-draft 3` on `examples/prompts/prose.txt` (128 tokens) | {dp['drafts_kept']}/{dp['drafts_offered']} drafts kept ({dp['acceptance']:.0%}), {dp['tokens_per_window']:.2f} tokens per window |
 

@@ -9,13 +9,22 @@ Three steps, the middle one on a GPU (PyTorch + transformers there):
 
 A run longer than one call of the GPU machine goes in legs that share a state folder (each leg
 resumes exactly where the last stopped; the learning-rate schedule spans all of them). The
-embedded model (candidate 5) is three legs and the mean of the first leg's checkpoint and the last:
+embedded model (candidate 6) is a base run (candidate 5: three legs, the mean of the first leg's
+checkpoint and the last), two copy phases started from it (`--init`; random spans repeated,
+`--repeat-share`, half of them look-alike phrases in one), and a weighted mean of the three:
 
     python scripts/train_demo_model.py prepare --data .train-data          # the carry: all but train.bin
     T="python3 scripts/train_demo_model.py train --data .train-carry --state /tmp/st --minutes 8.6 --total-minutes 25"
     $T --out ck-leg1; $T --out ck; $T --out ck                              # on the GPU, one call each
-    python scripts/train_demo_model.py average ck-leg1 ck --out ck-mean --data .train-data
+    python scripts/train_demo_model.py average ck-leg1 ck --out base --data .train-data
+    P="python3 scripts/train_demo_model.py train --data .train-carry --init base --lr 1e-3 --repeat-share 0.25 --minutes 9"
+    $P --max-steps 2120 --look-alike-share 0.5 --out look-alike; $P --max-steps 1555 --out repeats   # on the GPU
+    python scripts/train_demo_model.py average base look-alike repeats --weights 1 2 1 --out ck-mean --data .train-data
     python scripts/train_demo_model.py install --checkpoint ck-mean --data .train-data
+
+(The base run's copy documents were prepared before `demo_corpus` added example lines and
+scrambled words, at commit 5d8629a; the copy phases ran on today's prepare. docs/benchmarks.md,
+"Demo model candidate 6", has the runs, their step counts and every candidate scored.)
 
 Smoke run of the whole pipeline on the CPU (about 4 minutes on 2 cores; the model is useless):
 `train --data .train-carry --out /tmp/smoke --max-steps 2 --device cpu --batch 4 --eval-windows 2`,
@@ -51,7 +60,7 @@ DOC_ALIGNED_SHARE = 0.5
 # Hidden 256, 6 layers (CPU decode pays for width, docs/benchmarks.md "Demo model: data and shape")
 # with the capacity in the experts, which decode does not pay for: 48 experts of 64, top-2, stored
 # 8-bit (19.5 MB with the tokenizer), as candidate 3d; attention in every second layer (3 of 6, for
-# copying; no slower on the CPU): the shipped candidate 5 (docs/benchmarks.md, "Demo model candidate 5").
+# copying; no slower on the CPU): candidate 5's shape, which candidate 6 keeps (docs/benchmarks.md).
 MODEL_CONFIG = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=256,
@@ -469,22 +478,28 @@ def save_checkpoint(model, out: Path, summary: dict, log: list) -> None:
     (out / "train_summary.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1))
 
 
-def average(checkpoints: list[Path], out: Path, data: Path, eval_windows: int = 10_000, device: str = "cpu") -> None:
-    """The mean of checkpoints of one run (a checkpoint left mid-run beside the final one: the mean
-    completes and copies code better than either, docs/benchmarks.md "Demo model candidate 5"), saved like
-    `train` saves, with the held-out loss of the mean measured as `train` measures it."""
+def average(checkpoints: list[Path], out: Path, data: Path, eval_windows: int = 10_000, device: str = "cpu",
+            weights: list[float] | None = None) -> None:
+    """The mean of checkpoints (a checkpoint left mid-run beside the final one: the mean completes
+    and copies code better than either, docs/benchmarks.md "Demo model candidate 5"), weighted by
+    `weights` when given, saved like `train` saves, with the held-out loss of the mean measured as
+    `train` measures it."""
     import torch
     from transformers import Qwen3NextForCausalLM
 
     if len(checkpoints) < 2:
         raise SystemExit("average needs at least two checkpoints")
+    weights = weights or [1.0] * len(checkpoints)
+    if len(weights) != len(checkpoints) or min(weights) < 0 or sum(weights) <= 0:
+        raise SystemExit("--weights needs one non-negative weight per checkpoint, not all zero")
+    shares = [w / sum(weights) for w in weights]
     summaries = [json.loads((c / "train_summary.json").read_text()) for c in checkpoints]
     configs = [json.loads((c / "config.json").read_text()) for c in checkpoints]
     if any(shape_difference(configs[0], c) for c in configs[1:]):
         raise SystemExit("the checkpoints are of different model shapes")
     models = [Qwen3NextForCausalLM.from_pretrained(c, dtype=torch.float32) for c in checkpoints]
     states = [m.state_dict() for m in models]
-    mean = {k: sum(s[k] for s in states) / len(states) for k in states[-1]}
+    mean = {k: sum(share * s[k] for share, s in zip(shares, states)) for k in states[-1]}
     model = models[-1]
     model.load_state_dict(mean)
     model.to(torch.device(device))
@@ -492,7 +507,8 @@ def average(checkpoints: list[Path], out: Path, data: Path, eval_windows: int = 
     val_loss = evaluate(model, val_tokens, max_windows=eval_windows, batch=8, device=torch.device(device))
     summary = dict(summaries[-1]["summary"])
     summary["averaged"] = [{"steps": t["summary"]["steps"], "val_loss": t["summary"]["val_loss"],
-                            "complete": t["summary"].get("complete", True)} for t in summaries]
+                            "complete": t["summary"].get("complete", True), "weight": round(share, 4),
+                            "run": t["summary"]} for t, share in zip(summaries, shares)]
     summary.update(val_loss=round(val_loss, 4), val_perplexity=round(math.exp(val_loss), 3))
     print(json.dumps(summary), flush=True)
     save_checkpoint(model, out, summary, summaries[-1]["log"])
@@ -559,7 +575,7 @@ def main() -> None:
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--device", default="cuda")
-    t.add_argument("--max-steps", type=int, default=None, help="fixed step count (smoke tests)")
+    t.add_argument("--max-steps", type=int, default=None, help="fixed step count (smoke tests, or a run's schedule repeated)")
     t.add_argument("--eval-windows", type=int, default=10_000,
                    help="held-out windows scored at the end (default all; a few for a CPU smoke run)")
     t.add_argument("--copy-share", type=float, default=0.3,
@@ -580,6 +596,8 @@ def main() -> None:
     a.add_argument("--data", type=Path, default=Path(".train-data"), help="the held-out tokens (val.bin) are here")
     a.add_argument("--eval-windows", type=int, default=10_000, help="held-out windows scored (default all)")
     a.add_argument("--device", default="cpu")
+    a.add_argument("--weights", type=float, nargs="+", default=None,
+                   help="one weight per checkpoint (normalised; default: all alike)")
     i = sub.add_parser("install")
     i.add_argument("--checkpoint", type=Path, required=True)
     i.add_argument("--data", type=Path, default=Path(".train-data"))
@@ -596,7 +614,7 @@ def main() -> None:
               args.total_minutes, args.init, args.repeat_share,
               args.look_alike_share)
     elif args.step == "average":
-        average(args.checkpoints, args.out, args.data, args.eval_windows, args.device)
+        average(args.checkpoints, args.out, args.data, args.eval_windows, args.device, args.weights)
     else:
         install(args.checkpoint, args.data, args.dest, None if args.bits == 16 else args.bits)
 

@@ -139,11 +139,23 @@ def test_average_saves_the_mean_of_checkpoints_and_its_held_out_loss(tmp_path):
     for name, tensor in mean.items():
         assert torch.equal(tensor, ((a[name].float() + b[name].float()) / 2).to(torch.bfloat16)), name
     saved = json.loads((tmp_path / "mean" / "train_summary.json").read_text())
-    assert saved["summary"]["averaged"] == [{"steps": 10, "val_loss": 6.0, "complete": False},
-                                            {"steps": 20, "val_loss": 7.0, "complete": True}]
+    assert saved["summary"]["averaged"] == [
+        {"steps": 10, "val_loss": 6.0, "complete": False, "weight": 0.5,
+         "run": {"steps": 10, "val_loss": 6.0, "val_perplexity": 0.0, "complete": False}},
+        {"steps": 20, "val_loss": 7.0, "complete": True, "weight": 0.5,
+         "run": {"steps": 20, "val_loss": 7.0, "val_perplexity": 0.0, "complete": True}}]
     assert saved["summary"]["steps"] == 20 and saved["log"] == [{"step": 20}]
     assert saved["summary"]["val_loss"] not in (6.0, 7.0)
     assert saved["summary"]["val_perplexity"] == pytest.approx(math.exp(saved["summary"]["val_loss"]), rel=1e-3)
+
+    average(checkpoints, tmp_path / "weighted", data, weights=[1, 3])
+    weighted = Qwen3NextForCausalLM.from_pretrained(tmp_path / "weighted").state_dict()
+    for name, tensor in weighted.items():
+        assert torch.equal(tensor, (0.25 * a[name].float() + 0.75 * b[name].float()).to(torch.bfloat16)), name
+    saved = json.loads((tmp_path / "weighted" / "train_summary.json").read_text())
+    assert [x["weight"] for x in saved["summary"]["averaged"]] == [0.25, 0.75]
+    with pytest.raises(SystemExit, match="one non-negative weight per checkpoint"):
+        average(checkpoints, tmp_path / "refused", data, weights=[1])
 
     other = tmp_path / "other"
     Qwen3NextForCausalLM(hf_config("qwen3_next").__class__(**{**config.to_dict(), "num_experts": 4})).save_pretrained(other)
@@ -257,3 +269,25 @@ def test_a_run_in_legs_ends_where_the_same_run_in_one_call_ends(tmp_path, monkey
     assert whole["steps"] == legs["steps"] == 6 and legs["complete"]
     for name, tensor in whole_weights.items():
         assert torch.equal(tensor, leg_weights[name]), name
+
+
+def test_the_card_tells_a_mean_of_runs_run_by_run():
+    from model_card import training_text
+
+    base = {"torch": "2.11", "device": "H200", "batch": 64, "seq_len": 1024, "steps": 6870, "tokens_seen": 450_000_000,
+            "train_tokens": 83_000_000, "peak_lr": 0.003, "train_minutes": 22.1, "copy_share": 0.3, "stdlib_share": 0.5,
+            "final_train_loss": 0.8, "averaged": [{"steps": 2659}, {"steps": 6870}]}
+    one = training_text(base, 90_000_000)
+    assert "6,870 steps" in one and "about 5.4 epochs of 83,000,000" in one
+    assert "the mean of its checkpoints after steps 2,659 and 6,870" in one and "repeated" not in one
+    second = {**base, "steps": 2120, "tokens_seen": 139_000_000, "peak_lr": 0.001, "repeat_share": 0.25,
+              "look_alike_share": 0.5, "init": {"steps": 6870}, "averaged": None}
+    mean = {**second, "averaged": [{"steps": 6870, "run": base}, {"steps": 2120, "run": second}]}
+    text = training_text(mean, 90_000_000)
+    assert "\n1. 6,870 steps" in text and "\n2. 2,120 steps" in text
+    assert "25% of each batch random spans" in text and "started from the weights of a 6,870-step model" in text
+    assert text.endswith("The weights are the mean of these 2 (`train_demo_model.py average`).")
+    weighted = {**mean, "averaged": [{"steps": 6870, "weight": 0.25, "run": base}, {"steps": 2120, "weight": 0.75, "run": second}]}
+    assert training_text(weighted, 90_000_000).endswith(
+        "The weights are the mean of these 2 (`train_demo_model.py average`), weighted 0.25 and 0.75.")
+
