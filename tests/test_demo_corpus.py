@@ -291,3 +291,15 @@ def test_the_card_tells_a_mean_of_runs_run_by_run():
     assert training_text(weighted, 90_000_000).endswith(
         "The weights are the mean of these 2 (`train_demo_model.py average`), weighted 0.25 and 0.75.")
 
+
+def test_the_embedded_model_copies_text_it_cannot_predict():
+    """Spans of common tokens in random order, given twice: the embedded model copies the second
+    time (candidate 6 learned to, from repeated spans; candidate 5 got about 60% right)."""
+    from model_card import span_copy_accuracy
+
+    from strata_cli.options import LoadOptions
+    from strata_cli.runtime import embedded_model_path, open_model
+
+    runtime = open_model(LoadOptions(model=str(embedded_model_path()), dtype="float32"))
+    tokens = np.array(runtime.tokenizer.encode(Path(__file__).read_text()), dtype=np.uint16)
+    assert span_copy_accuracy(runtime.engine, tokens, 120, spans=2) >= 0.9
