@@ -190,8 +190,8 @@ def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator,
     labels: -100 (no loss) on the first span, which nothing predicts. A span is tokens drawn at
     random from the training text (common tokens recur inside it), or with share `look_alike`
     `look_alike_positions`' phrases. Only copying (find where the current text stood before, go on
-    from there) lowers the loss on the rest: the demo model, trained on text alone, copied random
-    spans of common tokens at 52-67% (docs/benchmarks.md)."""
+    from there) lowers the loss on the rest: candidate 5, trained on text alone, copied random
+    spans of common tokens at about 60% (docs/benchmarks.md, "Demo model candidate 6")."""
     rows = np.empty((n, SEQ_LEN), dtype=np.int64)
     labels = np.empty_like(rows)
     for i in range(n):
