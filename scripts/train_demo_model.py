@@ -56,6 +56,7 @@ SEQ_LEN = 1024  # copy documents (a function twice) must fit one window
 SEED = 0
 EOS_ID = 0  # <|endoftext|>, between documents in train.bin
 DOC_ALIGNED_SHARE = 0.5
+TEXT_SWAPS = 0.05  # share of a repeated real-text span's tokens swapped for random ones
 
 # Hidden 256, 6 layers (CPU decode pays for width, docs/benchmarks.md "Demo model: data and shape")
 # with the capacity in the experts, which decode does not pay for: 48 experts of 64, top-2, stored
@@ -184,19 +185,34 @@ def look_alike_positions(size: int, length: int, rng: np.random.Generator) -> np
     return np.concatenate(pieces)[:length]
 
 
+def text_positions(size: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    """Positions in a text of `size` tokens for a span of `length`: a run of real text with
+    TEXT_SWAPS of its tokens swapped for tokens from anywhere. Real text is where the model's own
+    guess competes with the copy (docstrings say "the number of" again and again, and a typo or an
+    odd space is not what it would write): the swaps make the guess wrong where only the copy is right."""
+    at = int(rng.integers(0, size - length - 1)) + np.arange(length)
+    swapped = rng.random(length) < TEXT_SWAPS
+    at[swapped] = rng.integers(0, size - 1, size=int(swapped.sum()))
+    return at
+
+
 def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator,
-                   look_alike: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                   look_alike: float = 0.0, text: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """`n` rows of SEQ_LEN tokens, each a span of 16-256 tokens repeated to the end, and their
     labels: -100 (no loss) on the first span, which nothing predicts. A span is tokens drawn at
     random from the training text (common tokens recur inside it), or with share `look_alike`
-    `look_alike_positions`' phrases. Only copying (find where the current text stood before, go on
-    from there) lowers the loss on the rest: candidate 5, trained on text alone, copied random
-    spans of common tokens at about 60% (docs/benchmarks.md, "Demo model candidate 6")."""
+    `look_alike_positions`' phrases, or with share `text` `text_positions`' real text. Only copying
+    (find where the current text stood before, go on from there) lowers the loss on the rest:
+    candidate 5, trained on text alone, copied random spans of common tokens at about 60%
+    (docs/benchmarks.md, "Demo model candidate 6")."""
     rows = np.empty((n, SEQ_LEN), dtype=np.int64)
     labels = np.empty_like(rows)
     for i in range(n):
         length = int(rng.integers(16, 257))
-        if look_alike and rng.random() < look_alike:
+        kind = rng.random() if text or look_alike else 1.0  # (runs of neither draw as before)
+        if kind < text:
+            at = text_positions(len(tokens), length, rng)
+        elif kind < text + (1 - text) * look_alike:
             at = look_alike_positions(len(tokens), length, rng)
         else:
             at = rng.integers(0, len(tokens) - 1, size=length)
@@ -209,7 +225,7 @@ def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator,
 
 def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
             parts: list[tuple[int, int, float]] | None = None, repeat_share: float = 0.0,
-            look_alike: float = 0.0):
+            look_alike: float = 0.0, text: float = 0.0):
     """Training windows of SEQ_LEN tokens and their labels, forever.
 
     Half the windows start at a document (after an EOS): a copy document then has its first copy in
@@ -217,8 +233,8 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
     ([(first token, end, share)]) draws each window from one part with that part's share, whatever
     the parts' token counts; without it, windows are drawn over all tokens alike (and, there being
     90,000 short copy documents against 6,600 files, most document-aligned windows then start a
-    copy document). `repeat_share` of each batch's rows are `repeated_spans` instead (`look_alike`
-    of those made of look-alike phrases).
+    copy document). `repeat_share` of each batch's rows are `repeated_spans` instead (`text` of
+    those real text, `look_alike` of the rest made of look-alike phrases).
     """
     import torch
 
@@ -245,7 +261,7 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
         labels = x.copy()
         repeats = int(round(batch * repeat_share))
         if repeats:
-            x[:repeats], labels[:repeats] = repeated_spans(tokens, repeats, rng, look_alike)
+            x[:repeats], labels[:repeats] = repeated_spans(tokens, repeats, rng, look_alike, text)
         yield torch.from_numpy(x), torch.from_numpy(labels)
 
 
@@ -310,7 +326,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
           expert_width: int | None = None, stdlib_share: float | None = None,
           attention_every: int | None = None, state_dir: Path | None = None,
           total_minutes: float | None = None, init: Path | None = None, repeat_share: float = 0.0,
-          look_alike: float = 0.0) -> None:
+          look_alike: float = 0.0, text: float = 0.0) -> None:
     """Train for `minutes`; with `state_dir`, as one leg of a run of `total_minutes` in several calls.
 
     A leg ends after its `minutes` and leaves model, optimizer, data order, schedule and log in
@@ -368,7 +384,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         run = saved["run"]
         print(f"resuming at step {run['step']} of {run['total_steps']} ({run['seconds'] / 60:.1f} min trained)",
               flush=True)
-    stream = batches(train_tokens, batch, rng, parts, repeat_share, look_alike)
+    stream = batches(train_tokens, batch, rng, parts, repeat_share, look_alike, text)
     budget = (total_minutes or minutes) * 60
     leg_budget = minutes * 60
     warmup, log = 100, run["log"]
@@ -437,7 +453,7 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         "layer_types": config.layer_types,
     }
     if repeat_share:
-        summary.update(repeat_share=repeat_share, look_alike_share=look_alike)
+        summary.update(repeat_share=repeat_share, look_alike_share=look_alike, text_share=text)
     if started_from is not None:
         summary["init"] = started_from
     print(json.dumps(summary), flush=True)
@@ -456,16 +472,25 @@ def shape_difference(a: dict, b: dict) -> list[str]:
 
 
 def load_weights(model, checkpoint: Path) -> dict:
-    """Copy `checkpoint`'s weights into `model` (same shape, else exit); what it was, for the summary."""
+    """Copy `checkpoint`'s weights into `model` (same shape, else exit); what it was, for the summary.
+    The checkpoint is one `train` saved, or a model `install` put in a strata folder (`asset_state`)."""
     import torch
     from transformers import Qwen3NextForCausalLM
 
-    differ = shape_difference(json.loads((checkpoint / "config.json").read_text()), model.config.to_dict())
+    config = json.loads((checkpoint / "config.json").read_text())
+    differ = shape_difference(config, model.config.to_dict())
     if differ:
         raise SystemExit(f"{checkpoint} is another model shape ({', '.join(differ)} differ)")
-    model.load_state_dict(Qwen3NextForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict())
+    if "strata_format" in config:  # an installed model, e.g. the embedded one
+        state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in asset_state(checkpoint).items()}
+    else:
+        state = Qwen3NextForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    model.load_state_dict(state)
     summary = json.loads((checkpoint / "train_summary.json").read_text())["summary"]
-    return {"checkpoint": checkpoint.name, **{k: summary.get(k) for k in ("steps", "val_loss", "averaged")}}
+    started = {"checkpoint": checkpoint.name, **{k: summary.get(k) for k in ("steps", "val_loss", "averaged")}}
+    if "strata_format" in config:
+        started["installed"] = (config.get("quantization") or {}).get("bits", 16)
+    return started
 
 
 def save_checkpoint(model, out: Path, summary: dict, log: list) -> None:
@@ -512,6 +537,60 @@ def average(checkpoints: list[Path], out: Path, data: Path, eval_windows: int = 
     summary.update(val_loss=round(val_loss, 4), val_perplexity=round(math.exp(val_loss), 3))
     print(json.dumps(summary), flush=True)
     save_checkpoint(model, out, summary, summaries[-1]["log"])
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    """MLX's affine quantization undone in float32 (what strata's quantized matmul computes with):
+    `bits`-bit values packed low bits first into uint32 words, one scale and bias per group."""
+    if bits not in (4, 8):
+        raise SystemExit(f"cannot unpack {bits}-bit weights (4 and 8 are read)")
+    raw = packed.view(np.uint8)  # little-endian words: the first value is in the lowest byte
+    q = raw if bits == 8 else np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(*raw.shape[:-1], -1)
+    groups = q.reshape(*q.shape[:-1], -1, group_size).astype(np.float32)
+    w = groups * scales.astype(np.float32)[..., None] + biases.astype(np.float32)[..., None]
+    return w.reshape(q.shape)
+
+
+def asset_state(asset: Path) -> dict:
+    """The transformers state dict (float32 numpy) of a strata model folder of this shape (the
+    embedded model: 8-bit, MLX layout): dequantized, family transforms undone; `install`'s inverse
+    up to its rounding, so a phase can start from what ships (`train --init`). No MLX needed."""
+    import torch
+    from safetensors.torch import load_file
+
+    def numpy(t: "torch.Tensor") -> np.ndarray:  # numpy has no bfloat16, torch no uint32 maths
+        return t.view(torch.int32).numpy().view(np.uint32) if t.dtype == torch.uint32 else t.float().numpy()
+
+    config = json.loads((asset / "config.json").read_text())
+    quant = config.get("quantization") or {}
+    stored: dict[str, np.ndarray] = {}
+    for f in sorted(asset.glob("*.safetensors")):
+        stored.update({k: numpy(t) for k, t in load_file(f).items()})
+    weights = {}
+    for name in (k for k in stored if not k.endswith((".scales", ".biases"))):
+        base = name.removesuffix(".weight")
+        w = stored[name]
+        if f"{base}.scales" in stored:
+            q = {**quant, **(quant.get(base) or {})}
+            w = dequantize(w, stored[f"{base}.scales"], stored[f"{base}.biases"], q["bits"], q["group_size"])
+        weights[name] = w.astype(np.float32)
+    state = {}
+    for name, w in weights.items():
+        if name == "model.norm.weight" or name.endswith(
+                (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")):
+            state[name] = w - 1.0  # Qwen3-Next's zero-centred norms: mlx-lm's layout stores 1 + w
+        elif name.endswith(".conv1d.weight"):
+            state[name] = w.transpose(0, 2, 1)  # (C, K, 1) -> transformers' (C, 1, K)
+        elif name.endswith(".switch_mlp.gate_proj.weight"):
+            prefix = name.split(".switch_mlp.")[0]
+            up = weights[f"{prefix}.switch_mlp.up_proj.weight"]
+            state[f"{prefix}.experts.gate_up_proj"] = np.concatenate([w, up], axis=1)  # (E, 2I, H)
+        elif name.endswith(".switch_mlp.down_proj.weight"):
+            state[f"{name.split('.switch_mlp.')[0]}.experts.down_proj"] = w
+        elif ".switch_mlp." not in name:
+            state[name] = w
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied
+    return state
 
 
 # -- install (CPU, here) ---------------------------------------------------------------------------
@@ -571,7 +650,11 @@ def main() -> None:
     t.add_argument("--repeat-share", type=float, default=0.0,
                    help="share of each batch that is random spans of training tokens repeated (teaches copying; default 0)")
     t.add_argument("--look-alike-share", type=float, default=0.0,
-                   help="share of the repeated spans made of a few phrases used again and again (default 0)")
+                   help="share of the repeated spans made of a few phrases used again and again (default 0; "
+                        "of those that are not real text)")
+    t.add_argument("--text-share", type=float, default=0.0,
+                   help=f"share of the repeated spans that are real training text with {TEXT_SWAPS:.0%} of its "
+                        "tokens swapped for random ones (default 0)")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--device", default="cuda")
@@ -612,7 +695,7 @@ def main() -> None:
               args.copy_share if args.copy_share > 0 else None, args.experts, args.expert_width,
               args.stdlib_share if args.copy_share > 0 else None, args.attention_every, args.state,
               args.total_minutes, args.init, args.repeat_share,
-              args.look_alike_share)
+              args.look_alike_share, args.text_share)
     elif args.step == "average":
         average(args.checkpoints, args.out, args.data, args.eval_windows, args.device, args.weights)
     else:

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from demo_corpus import (  # noqa: E402
     card_copy_document,
@@ -210,6 +211,43 @@ def test_a_run_started_from_a_checkpoint_starts_from_its_weights(tmp_path, monke
                                eval_windows=2, init=first)
 
 
+def test_a_run_can_start_from_the_installed_model():
+    """`train --init strata_cli/assets/demo`: the embedded model (8-bit, MLX layout) read back into
+    transformers' Qwen3-Next computes the logits strata computes from the asset (float32, up to the
+    two implementations' rounding), and the run's summary says it started from an installed model."""
+    torch = pytest.importorskip("torch")
+    import mlx.core as mx
+    import train_demo_model
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from strata_cli.options import LoadOptions
+    from strata_cli.runtime import open_model
+
+    asset = ROOT / "strata_cli" / "assets" / "demo"
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**train_demo_model.MODEL_CONFIG))
+    started = train_demo_model.load_weights(model, asset)
+    assert started["checkpoint"] == "demo" and started["installed"] == 8
+    runtime = open_model(LoadOptions(model=str(asset), dtype="float32"))
+    ids = runtime.tokenizer.encode((ROOT / "scripts" / "model_card.py").read_text())[:200]
+    runtime.engine.reset()
+    ours = np.array(runtime.engine.run(ids, 0).logits.astype(mx.float32))
+    with torch.no_grad():
+        theirs = model.eval()(input_ids=torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - theirs).max() < 1e-3
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_dequantize_unpacks_mlx_words_low_bits_first():
+    import mlx.core as mx
+    import train_demo_model
+
+    w = mx.random.normal((8, 128), key=mx.random.key(0))
+    for bits in (4, 8):
+        packed, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+        ours = train_demo_model.dequantize(np.array(packed), np.array(scales), np.array(biases), bits, 64)
+        assert np.allclose(ours, np.array(mx.dequantize(packed, scales, biases, group_size=64, bits=bits)), atol=1e-6)
+
+
 def test_repeated_spans_hide_the_first_span_from_the_loss(monkeypatch):
     pytest.importorskip("torch")
     import train_demo_model
@@ -217,8 +255,8 @@ def test_repeated_spans_hide_the_first_span_from_the_loss(monkeypatch):
     monkeypatch.setattr(train_demo_model, "SEQ_LEN", 600)
     tokens = np.arange(1, 5001, dtype=np.uint16)
     tokens[::7] = train_demo_model.EOS_ID
-    for look_alike in (0.0, 1.0):
-        rows, labels = train_demo_model.repeated_spans(tokens, 8, np.random.default_rng(0), look_alike)
+    for look_alike, text in ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)):
+        rows, labels = train_demo_model.repeated_spans(tokens, 8, np.random.default_rng(0), look_alike, text)
         assert rows.shape == labels.shape == (8, 600)
         lengths = set()
         for row, label in zip(rows, labels):
@@ -230,6 +268,12 @@ def test_repeated_spans_hide_the_first_span_from_the_loss(monkeypatch):
             # look-alike spans reuse phrases: far fewer distinct bigrams than random draws give
             bigrams = len(set(zip(row[: n - 1].tolist(), row[1:n].tolist())))
             assert (bigrams < 0.9 * (n - 1)) == (look_alike == 1.0)
+            # real text runs on (token ids here count up), but for a few swapped tokens and document ends
+            runs_on = float(np.mean(np.diff(row[:n].astype(int)) == 1))
+            if text:  # 5 in 7 at most (every 7th id is an EOS), fewer where tokens were swapped
+                assert 0.45 < runs_on < 5 / 7, runs_on
+            elif not look_alike:
+                assert runs_on < 0.1, runs_on
         assert len(lengths) > 4
 
     parts = [(0, 5000, 1.0)]
