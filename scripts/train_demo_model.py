@@ -56,7 +56,7 @@ SEQ_LEN = 1024  # copy documents (a function twice) must fit one window
 SEED = 0
 EOS_ID = 0  # <|endoftext|>, between documents in train.bin
 DOC_ALIGNED_SHARE = 0.5
-TEXT_SWAPS = 0.05  # share of a repeated real-text span's tokens swapped for random ones
+TEXT_SWAPS = 0.1  # share of a repeated real-text span's tokens swapped for plausible others
 
 # Hidden 256, 6 layers (CPU decode pays for width, docs/benchmarks.md "Demo model: data and shape")
 # with the capacity in the experts, which decode does not pay for: 48 experts of 64, top-2, stored
@@ -185,33 +185,52 @@ def look_alike_positions(size: int, length: int, rng: np.random.Generator) -> np
     return np.concatenate(pieces)[:length]
 
 
-def text_positions(size: int, length: int, rng: np.random.Generator) -> np.ndarray:
-    """Positions in a text of `size` tokens for a span of `length`: a run of real text with
-    TEXT_SWAPS of its tokens swapped for tokens from anywhere. Real text is where the model's own
-    guess competes with the copy (docstrings say "the number of" again and again, and a typo or an
-    odd space is not what it would write): the swaps make the guess wrong where only the copy is right."""
-    at = int(rng.integers(0, size - length - 1)) + np.arange(length)
-    swapped = rng.random(length) < TEXT_SWAPS
-    at[swapped] = rng.integers(0, size - 1, size=int(swapped.sum()))
+def followers(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each pair of adjacent tokens as one key, and the positions of the pairs sorted by key: to
+    draw, after two tokens, what followed them somewhere in the text (`text_positions`)."""
+    keys = (tokens[:-2].astype(np.uint32) << 16) | tokens[1:-1]
+    order = np.argsort(keys, kind="stable")
+    return keys[order], order
+
+
+def text_positions(tokens: np.ndarray, length: int, rng: np.random.Generator,
+                   index: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Positions for a span of `length`: a run of real text with TEXT_SWAPS of its tokens swapped
+    for what followed the same two tokens somewhere else in the text (`index` is
+    `followers(tokens)`; where the two occur once, nothing changes). Real text is where the
+    model's own guess competes with the copy (HumanEval's docstrings say "the number of" again and
+    again), and a swapped token is one the guess finds plausible but only the copy gets right
+    ("sum of digits" where it wrote "sum of integers"). Random tokens swapped in instead (5%,
+    commit 616948a) did not help: docs/benchmarks.md."""
+    sorted_keys, order = index
+    at = int(rng.integers(0, len(tokens) - length - 1)) + np.arange(length)
+    for i in np.flatnonzero(rng.random(length) < TEXT_SWAPS):
+        if i >= 2:  # in order, so a swap after a swap follows the swapped-in token
+            key = (np.uint32(tokens[at[i - 2]]) << 16) | np.uint32(tokens[at[i - 1]])
+            lo, hi = np.searchsorted(sorted_keys, [key, key + 1])
+            if hi > lo:  # (a swapped-in pair may occur nowhere)
+                at[i] = min(order[rng.integers(lo, hi)] + 2, len(tokens) - 2)
     return at
 
 
-def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator,
-                   look_alike: float = 0.0, text: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator, look_alike: float = 0.0,
+                   text: float = 0.0, index: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`n` rows of SEQ_LEN tokens, each a span of 16-256 tokens repeated to the end, and their
     labels: -100 (no loss) on the first span, which nothing predicts. A span is tokens drawn at
     random from the training text (common tokens recur inside it), or with share `look_alike`
     `look_alike_positions`' phrases, or with share `text` `text_positions`' real text. Only copying
     (find where the current text stood before, go on from there) lowers the loss on the rest:
     candidate 5, trained on text alone, copied random spans of common tokens at about 60%
-    (docs/benchmarks.md, "Demo model candidate 6")."""
+    (docs/benchmarks.md, "Demo model candidate 6"). `index`: `followers(tokens)`, made once per run."""
+    if text and index is None:
+        index = followers(tokens)
     rows = np.empty((n, SEQ_LEN), dtype=np.int64)
     labels = np.empty_like(rows)
     for i in range(n):
         length = int(rng.integers(16, 257))
         kind = rng.random() if text or look_alike else 1.0  # (runs of neither draw as before)
         if kind < text:
-            at = text_positions(len(tokens), length, rng)
+            at = text_positions(tokens, length, rng, index)
         elif kind < text + (1 - text) * look_alike:
             at = look_alike_positions(len(tokens), length, rng)
         else:
@@ -238,6 +257,8 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
     """
     import torch
 
+    index = followers(tokens) if repeat_share and text else None
+
     def sampler(lo: int, hi: int):
         doc_starts = lo + np.flatnonzero(tokens[lo : hi - SEQ_LEN - 1] == EOS_ID) + 1
 
@@ -261,7 +282,7 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
         labels = x.copy()
         repeats = int(round(batch * repeat_share))
         if repeats:
-            x[:repeats], labels[:repeats] = repeated_spans(tokens, repeats, rng, look_alike, text)
+            x[:repeats], labels[:repeats] = repeated_spans(tokens, repeats, rng, look_alike, text, index)
         yield torch.from_numpy(x), torch.from_numpy(labels)
 
 
@@ -654,7 +675,7 @@ def main() -> None:
                         "of those that are not real text)")
     t.add_argument("--text-share", type=float, default=0.0,
                    help=f"share of the repeated spans that are real training text with {TEXT_SWAPS:.0%} of its "
-                        "tokens swapped for random ones (default 0)")
+                        "tokens swapped for others that follow the token before them elsewhere (default 0)")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--device", default="cuda")
