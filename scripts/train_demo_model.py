@@ -22,6 +22,9 @@ checkpoint and the last), two copy phases started from it (`--init`; random span
     python scripts/train_demo_model.py average base look-alike repeats --weights 1 2 1 --out ck-mean --data .train-data
     python scripts/train_demo_model.py install --checkpoint ck-mean --data .train-data
 
+A phase can also start from what ships: `--init strata_cli/assets/demo` reads the installed 8-bit
+weights back (`asset_state`; the phases of docs/benchmarks.md "copy phases from the shipped model").
+
 (The base run's copy documents were prepared before `demo_corpus` added example lines and
 scrambled words, at commit 5d8629a; the copy phases ran on today's prepare. docs/benchmarks.md,
 "Demo model candidate 6", has the runs, their step counts and every candidate scored.)

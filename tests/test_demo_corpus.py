@@ -1,5 +1,6 @@
 """The demo model's copy documents have the model card's copy-test form exactly (scripts/)."""
 
+import ast
 import json
 import math
 import random
@@ -367,3 +368,23 @@ def test_the_embedded_model_copies_text_it_cannot_predict():
     runtime = open_model(LoadOptions(model=str(embedded_model_path()), dtype="float32"))
     tokens = np.array(runtime.tokenizer.encode(Path(__file__).read_text()), dtype=np.uint16)
     assert span_copy_accuracy(runtime.engine, tokens, 120, spans=2) >= 0.9
+
+
+def test_copy_errors_score_the_copied_body_teacher_forced():
+    """scripts/copy_errors.py scores exactly the body after the renamed signature, and each error
+    has the margin by which the model's top choice beat the right token."""
+    from copy_errors import copy_errors, stdlib_functions
+    from model_card import copy_prompt
+
+    from strata_cli.options import LoadOptions
+    from strata_cli.runtime import open_model
+
+    runtime = open_model(LoadOptions(model=str(ROOT / "strata_cli" / "assets" / "demo"), dtype="float32"))
+    source = FUNCTION.replace("values below", "values strictly below")  # an edit the model cannot know
+    result = copy_errors(runtime.engine, runtime.tokenizer, source, "below_limit")
+    assert result["scored"] == "\n" + copy_prompt(source, "below_limit")[1]
+    assert result["errors"] == len(result["margins"]) == len(result["wrong"]) <= result["tokens"]
+    assert all(m >= 0 for m in result["margins"])
+    assert all(right != predicted for right, predicted in result["wrong"])
+    functions = stdlib_functions(sorted(Path(ast.__file__).parent.glob("json/*.py")), 3)
+    assert functions and all(src.startswith(f"def {name}(") for src, name in functions)
