@@ -2,7 +2,7 @@
 
 Figures: held-out perplexity (float32, strata's own forward pass, on the held-out stdlib files),
 the share of greedy HumanEval completions that parse with `ast` once cut at the end of the
-function, suffix-draft acceptance on a copy-heavy prompt, and greedy samples.
+function, copying, suffix-draft acceptance on copy and prose prompts, and greedy samples.
 
     python scripts/model_card.py --model strata_cli/assets/demo --data .train-data
 """
@@ -33,6 +33,12 @@ COPY_NAME = "solve_x"
 SPAN_LENGTHS = (50, 200)
 # A completion ends where a new top-level statement begins (the usual HumanEval stop sequences).
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ", "\n@")
+# The card's suffix-draft figures: prompt kind (a `--...-prompt` option) and what the prompt is.
+DRAFT_PROMPTS = (
+    ("copy", "a function, then `# The same function, renamed to ...:`"),
+    ("copy_instruction", 'a function, then "Rewrite it with the name ...": a form the model has not learned'),
+    ("prose", "prose"),
+)
 SAMPLE_PROMPTS = (
     "def fibonacci(n):\n",
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -171,7 +177,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path("strata_cli/assets/demo"))
     parser.add_argument("--data", type=Path, default=Path(".train-data"))
-    parser.add_argument("--copy-prompt", type=Path, default=Path("examples/prompts/copy_rename.txt"))
+    parser.add_argument("--copy-prompt", type=Path, default=Path("examples/prompts/copy_function.txt"),
+                        help="a function, then `# The same function, renamed to ...:` (the form the model learned)")
+    parser.add_argument("--instruction-prompt", type=Path, default=Path("examples/prompts/copy_rename.txt"),
+                        help="a function, then an instruction to rename it (a form the model has not learned)")
     parser.add_argument("--prose-prompt", type=Path, default=Path("examples/prompts/prose.txt"))
     parser.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     args = parser.parse_args()
@@ -191,6 +200,7 @@ def main() -> None:
         "copy_with_rename": copy_with_rename(engine, tokenizer, problems),
         "random_span_copy": {str(n): round(span_copy_accuracy(engine, val, n), 3) for n in SPAN_LENGTHS},
         "suffix_draft_3_copy": draft_acceptance(engine, tokenizer, args.copy_prompt),
+        "suffix_draft_3_copy_instruction": draft_acceptance(engine, tokenizer, args.instruction_prompt),
         "suffix_draft_3_prose": draft_acceptance(engine, tokenizer, args.prose_prompt),
         "asset_bytes": sum(f.stat().st_size for f in args.model.iterdir() if f.is_file()),
         "parameters": train["parameters"],
@@ -199,7 +209,8 @@ def main() -> None:
     print(json.dumps(figures, indent=1))
     if args.out:
         args.out.write_text(json.dumps(figures, indent=1) + "\n")
-    write_card(args.model, train, split, figures, samples)
+    prompts = {"copy": args.copy_prompt, "copy_instruction": args.instruction_prompt, "prose": args.prose_prompt}
+    write_card(args.model, train, split, figures, samples, prompts)
 
 
 def run_text(run: dict, train_tokens: int) -> str:
@@ -236,7 +247,13 @@ def training_text(train: dict, train_tokens: int) -> str:
     return f"{common}\n\n{runs}\n\nThe weights are the mean of these {len(parts)} (`train_demo_model.py average`){weighted}."
 
 
-def write_card(model_dir: Path, train: dict, split: dict, figures: dict, samples) -> None:
+def draft_row(prompt: Path, what: str, figure: dict) -> str:
+    return (f"| `--suffix-draft 3` on `{prompt.as_posix()}` ({what}, 128 tokens) | {figure['drafts_kept']}/"
+            f"{figure['drafts_offered']} drafts kept ({figure['acceptance']:.0%}), "
+            f"{figure['tokens_per_window']:.2f} tokens per window |")
+
+
+def write_card(model_dir: Path, train: dict, split: dict, figures: dict, samples, prompts: dict) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     quant = config.get("quantization") or {}
     stored = (f"affine-quantized to {quant['bits']} bits (groups of {quant['group_size']}, MLX layout, "
@@ -248,7 +265,8 @@ def write_card(model_dir: Path, train: dict, split: dict, figures: dict, samples
     parts = "\n".join(f"| {name[6:]} | {v['documents']:,} | {v['bytes']:,} | {v['tokens']:,} |"
                       for name, v in split.items() if name.startswith("train_"))
     he, heu, copy = figures["humaneval_healed"], figures["humaneval_not_healed"], figures["copy_with_rename"]
-    dc, dp = figures["suffix_draft_3_copy"], figures["suffix_draft_3_prose"]
+    drafts = "\n".join(draft_row(prompts[kind], what, figures[f"suffix_draft_3_{kind}"])
+                        for kind, what in DRAFT_PROMPTS)
     card = f"""# strata demo model
 
 A small Qwen3-Next-architecture model trained on offline Python source and on documents that
@@ -315,8 +333,7 @@ Greedy, prompts exactly as given, float32 on the CPU, strata's own decoding:
 | the same with `--no-heal`: parse / with a body | {heu['parsed']}/{heu['attempted']} / {heu['parsed_with_body']}/{heu['attempted']} |
 | copy with rename on the same HumanEval functions (function + `# The same function, renamed to {COPY_NAME}:` + renamed signature): median share of the body reproduced before the first wrong character | **{copy['median_share']}** (mean {copy['mean_share']}, {copy['complete']}/{copy['problems']} complete) |
 | copying what cannot be predicted: spans of {' and '.join(figures['random_span_copy'])} held-out tokens drawn at random, given twice; the second copy's tokens that are the model's top choice | {' and '.join(f"{v:.1%}" for v in figures['random_span_copy'].values())} |
-| `--suffix-draft 3` on `examples/prompts/copy_rename.txt` (128 tokens) | {dc['drafts_kept']}/{dc['drafts_offered']} drafts kept ({dc['acceptance']:.0%}), {dc['tokens_per_window']:.2f} tokens per window |
-| `--suffix-draft 3` on `examples/prompts/prose.txt` (128 tokens) | {dp['drafts_kept']}/{dp['drafts_offered']} drafts kept ({dp['acceptance']:.0%}), {dp['tokens_per_window']:.2f} tokens per window |
+{drafts}
 
 Figures from `python scripts/model_card.py`.
 
