@@ -222,8 +222,13 @@ def run_text(run: dict, train_tokens: int) -> str:
             f"{1 - run['stdlib_share']:.0%} packages")
     if run.get("repeat_share"):
         look_alike = run.get("look_alike_share") or 0
-        phrases = f"; {look_alike:.0%} of them built of a few phrases used again and again" if look_alike else ""
-        text += f"; {run['repeat_share']:.0%} of each batch random spans of training tokens repeated (loss on the repeats{phrases})"
+        real = run.get("text_share") or 0
+        kinds = [f"{real:.0%} of them real training text with a share of its tokens swapped for plausible others"] if real else []
+        if look_alike:
+            kinds.append(f"{look_alike:.0%} of {'the rest' if real else 'them'} built of a few phrases used again and again")
+        spans = "spans" if real else "random spans"
+        text += (f"; {run['repeat_share']:.0%} of each batch {spans} of training tokens repeated (loss on the repeats"
+                 + "".join(f"; {k}" for k in kinds) + ")")
     if run.get("init"):
         text += f"; started from the weights of a {run['init']['steps']:,}-step model (`train --init`)"
     if run.get("averaged") and not all("run" in a for a in run["averaged"]):

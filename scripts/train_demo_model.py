@@ -602,7 +602,7 @@ def asset_state(asset: Path) -> dict:
     for name, w in weights.items():
         if name == "model.norm.weight" or name.endswith(
                 (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")):
-            state[name] = w - 1.0  # Qwen3-Next's zero-centred norms: mlx-lm's layout stores 1 + w
+            state[name] = w - 1.0  # zero-centred norms: mlx-lm's layout stores 1 + w (qwen3_next.sanitize)
         elif name.endswith(".conv1d.weight"):
             state[name] = w.transpose(0, 2, 1)  # (C, K, 1) -> transformers' (C, 1, K)
         elif name.endswith(".switch_mlp.gate_proj.weight"):
@@ -678,7 +678,7 @@ def main() -> None:
                         "of those that are not real text)")
     t.add_argument("--text-share", type=float, default=0.0,
                    help=f"share of the repeated spans that are real training text with {TEXT_SWAPS:.0%} of its "
-                        "tokens swapped for others that follow the token before them elsewhere (default 0)")
+                        "tokens swapped for what followed the same two tokens elsewhere (default 0)")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--device", default="cuda")

@@ -351,6 +351,9 @@ def test_the_card_tells_a_mean_of_runs_run_by_run():
     text = training_text(mean, 90_000_000)
     assert "\n1. 6,870 steps" in text and "\n2. 2,120 steps" in text
     assert "25% of each batch random spans" in text and "started from the weights of a 6,870-step model" in text
+    real = training_text({**second, "text_share": 0.5}, 90_000_000)
+    assert ("25% of each batch spans of training tokens repeated (loss on the repeats; 50% of them real training "
+            "text") in real and "; 50% of the rest built of a few phrases" in real
     assert text.endswith("The weights are the mean of these 2 (`train_demo_model.py average`).")
     weighted = {**mean, "averaged": [{"steps": 6870, "weight": 0.25, "run": base}, {"steps": 2120, "weight": 0.75, "run": second}]}
     assert training_text(weighted, 90_000_000).endswith(
