@@ -247,7 +247,7 @@ def repeated_spans(tokens: np.ndarray, n: int, rng: np.random.Generator, look_al
 
 def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
             parts: list[tuple[int, int, float]] | None = None, repeat_share: float = 0.0,
-            look_alike: float = 0.0, text: float = 0.0):
+            look_alike: float = 0.0, text: float = 0.0, index: tuple | None = None):
     """Training windows of SEQ_LEN tokens and their labels, forever.
 
     Half the windows start at a document (after an EOS): a copy document then has its first copy in
@@ -256,11 +256,13 @@ def batches(tokens: np.ndarray, batch: int, rng: np.random.Generator,
     the parts' token counts; without it, windows are drawn over all tokens alike (and, there being
     90,000 short copy documents against 6,600 files, most document-aligned windows then start a
     copy document). `repeat_share` of each batch's rows are `repeated_spans` instead (`text` of
-    those real text, `look_alike` of the rest made of look-alike phrases).
+    those real text, `look_alike` of the rest made of look-alike phrases; `index`: `followers(tokens)`,
+    built here when not given).
     """
     import torch
 
-    index = followers(tokens) if repeat_share and text else None
+    if repeat_share and text and index is None:
+        index = followers(tokens)
 
     def sampler(lo: int, hi: int):
         doc_starts = lo + np.flatnonzero(tokens[lo : hi - SEQ_LEN - 1] == EOS_ID) + 1
@@ -408,7 +410,8 @@ def train(data: Path, out: Path, minutes: float, batch: int, lr: float, device: 
         run = saved["run"]
         print(f"resuming at step {run['step']} of {run['total_steps']} ({run['seconds'] / 60:.1f} min trained)",
               flush=True)
-    stream = batches(train_tokens, batch, rng, parts, repeat_share, look_alike, text)
+    index = followers(train_tokens) if repeat_share and text else None  # (seconds: before the leg's clock)
+    stream = batches(train_tokens, batch, rng, parts, repeat_share, look_alike, text, index)
     budget = (total_minutes or minutes) * 60
     leg_budget = minutes * 60
     warmup, log = 100, run["log"]
