@@ -192,6 +192,7 @@ def main() -> None:
     val = np.fromfile(args.data / "val.bin", dtype=np.uint16)
     ppl, ppl_tokens = held_out_perplexity(engine, val)
     problems = humaneval_problems()
+    prompts = {"copy": args.copy_prompt, "copy_instruction": args.instruction_prompt, "prose": args.prose_prompt}
     figures = {
         "held_out_perplexity_float32": round(ppl, 3),
         "held_out_tokens_scored": ppl_tokens,
@@ -199,9 +200,7 @@ def main() -> None:
         "humaneval_not_healed": humaneval_parse_rate(engine, tokenizer, problems, heal=False),
         "copy_with_rename": copy_with_rename(engine, tokenizer, problems),
         "random_span_copy": {str(n): round(span_copy_accuracy(engine, val, n), 3) for n in SPAN_LENGTHS},
-        "suffix_draft_3_copy": draft_acceptance(engine, tokenizer, args.copy_prompt),
-        "suffix_draft_3_copy_instruction": draft_acceptance(engine, tokenizer, args.instruction_prompt),
-        "suffix_draft_3_prose": draft_acceptance(engine, tokenizer, args.prose_prompt),
+        **{f"suffix_draft_3_{kind}": draft_acceptance(engine, tokenizer, prompt) for kind, prompt in prompts.items()},
         "asset_bytes": sum(f.stat().st_size for f in args.model.iterdir() if f.is_file()),
         "parameters": train["parameters"],
     }
@@ -209,7 +208,6 @@ def main() -> None:
     print(json.dumps(figures, indent=1))
     if args.out:
         args.out.write_text(json.dumps(figures, indent=1) + "\n")
-    prompts = {"copy": args.copy_prompt, "copy_instruction": args.instruction_prompt, "prose": args.prose_prompt}
     write_card(args.model, train, split, figures, samples, prompts)
 
 
