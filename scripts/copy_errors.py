@@ -15,7 +15,6 @@ guess put over the text).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import random
 from pathlib import Path
@@ -47,28 +46,21 @@ def copy_errors(engine, tokenizer, source: str, name: str) -> dict:
 
 
 def stdlib_functions(files: list[Path], count: int, seed: int = 0) -> list[tuple[str, str]]:
-    """(source, name) of up to `count` documented functions (methods too) of 150-1,200 characters,
-    one from each of the first files of a shuffle that have one; sources dedented to the left margin."""
-    import textwrap
-
-    from demo_corpus import read_text
+    """(source, name) of up to `count` documented functions of 150-1,200 characters, one from each
+    of the first files of a shuffle that have one: `demo_corpus.functions`, as the copy documents
+    take them (dedented, methods too)."""
+    from demo_corpus import function_name, functions, has_docstring, read_text
 
     rng = random.Random(seed)
     files = sorted(files)
     rng.shuffle(files)
     chosen = []
     for f in files:
-        try:
-            text = read_text(f)
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
-            continue
-        lines = text.splitlines(keepends=True)
-        sources = [textwrap.dedent("".join(lines[n.lineno - 1 : n.end_lineno])) for n in ast.walk(tree)
-                   if isinstance(n, ast.FunctionDef) and not n.decorator_list and ast.get_docstring(n)]
-        sources = [(s, s[4 : s.index("(")]) for s in sources if 150 < len(s) < 1200 and s.startswith("def ")]
-        if sources:
-            chosen.append(rng.choice(sources))
+        found = [fn for fn in functions(read_text(f) or "")
+                 if fn.startswith("def ") and 150 < len(fn) < 1200 and has_docstring(fn)]
+        if found:
+            fn = rng.choice(found)
+            chosen.append((fn, function_name(fn)))
         if len(chosen) == count:
             break
     return chosen
