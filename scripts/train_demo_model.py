@@ -508,14 +508,15 @@ def load_weights(model, checkpoint: Path) -> dict:
     differ = shape_difference(config, model.config.to_dict())
     if differ:
         raise SystemExit(f"{checkpoint} is another model shape ({', '.join(differ)} differ)")
-    if "strata_format" in config:  # an installed model, e.g. the embedded one
+    installed = "strata_format" in config  # an installed model, e.g. the embedded one
+    if installed:
         state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in asset_state(checkpoint).items()}
     else:
         state = Qwen3NextForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
     model.load_state_dict(state)
     summary = json.loads((checkpoint / "train_summary.json").read_text())["summary"]
     started = {"checkpoint": checkpoint.name, **{k: summary.get(k) for k in ("steps", "val_loss", "averaged")}}
-    if "strata_format" in config:
+    if installed:
         started["installed"] = (config.get("quantization") or {}).get("bits", 16)
     return started
 
