@@ -362,7 +362,7 @@ def test_the_card_tells_a_mean_of_runs_run_by_run():
 
 def test_the_embedded_model_copies_text_it_cannot_predict():
     """Spans of common tokens in random order, given twice: the embedded model copies the second
-    time (candidate 6 learned to, from repeated spans; candidate 5 got about 60% right)."""
+    time (candidates 6 and 7 learned to, from repeated spans; candidate 5 got about 60% right)."""
     from model_card import span_copy_accuracy
 
     from strata_cli.options import LoadOptions
