@@ -222,9 +222,9 @@ def test_a_run_can_start_from_the_installed_model():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     from strata_cli.options import LoadOptions
-    from strata_cli.runtime import open_model
+    from strata_cli.runtime import embedded_model_path, open_model
 
-    asset = ROOT / "strata_cli" / "assets" / "demo"
+    asset = embedded_model_path()
     model = Qwen3NextForCausalLM(Qwen3NextConfig(**train_demo_model.MODEL_CONFIG))
     started = train_demo_model.load_weights(model, asset)
     assert started["checkpoint"] == "demo" and started["installed"] == 8
@@ -380,9 +380,9 @@ def test_copy_errors_score_the_copied_body_teacher_forced():
     from model_card import copy_prompt
 
     from strata_cli.options import LoadOptions
-    from strata_cli.runtime import open_model
+    from strata_cli.runtime import embedded_model_path, open_model
 
-    runtime = open_model(LoadOptions(model=str(ROOT / "strata_cli" / "assets" / "demo"), dtype="float32"))
+    runtime = open_model(LoadOptions(model=str(embedded_model_path()), dtype="float32"))
     source = FUNCTION.replace("values below", "values strictly below")  # an edit the model cannot know
     result = copy_errors(runtime.engine, runtime.tokenizer, source, "below_limit")
     assert result["scored"] == "\n" + copy_prompt(source, "below_limit")[1]
