@@ -1,7 +1,4 @@
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +15,7 @@ def _clean_strata_env(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 
     return random_model(tiny_qwen3_next_config(), seed=0)
 
@@ -28,7 +25,7 @@ def next_model(request):
     """A tiny random Qwen3-Next, as stored and 4-bit quantized: what the window tests run on."""
     import mlx.core as mx
 
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.model.quant import quantize
 
     model = random_model(tiny_qwen3_next_config(), seed=5)
@@ -40,11 +37,7 @@ def next_model(request):
 
 @pytest.fixture(scope="module")
 def emulate():
-    """scripts/kernel_emulate.py as a module: the CUDA kernels' bodies compiled with g++ (CPU)."""
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("kernel_emulate", root / "scripts" / "kernel_emulate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_emulate"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["kernel_emulate"]
+    """scripts/lab/kernel_emulate.py: the CUDA kernels' bodies compiled with g++ (CPU)."""
+    from scripts.lab import kernel_emulate
+
+    return kernel_emulate

@@ -15,11 +15,9 @@ import inspect
 import json
 import math
 import shutil
-import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("qwen3_next", "qwen3_moe", "mixtral")
 VOCAB = 512
 SEED = 0
@@ -52,13 +50,10 @@ def prompt_text() -> str:
 
 def tokenizer_dir(root: Path) -> Path:
     def build(out: Path) -> None:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        try:
-            from build_tokenizer import train_tokenizer
-        finally:
-            sys.path.remove(str(ROOT / "scripts"))
         import argparse
         import difflib
+
+        from scripts.train.build_tokenizer import train_tokenizer
 
         files = [Path(m.__file__) for m in (textwrap, inspect, json, argparse, difflib)]
         train_tokenizer(files, vocab_size=VOCAB, out_dir=out)

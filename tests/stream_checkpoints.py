@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.convert import convert
 from strata_cli.model.layout import to_mlx_layout
 from strata_cli.model.loader import FORMAT_KEY, FORMAT_VERSION

@@ -1,6 +1,6 @@
 """metal_shaders/attention_window.py: the decode-window attention kernel, its reference, and where it runs.
 
-The CUDA body runs here through scripts/kernel_emulate.py (g++, float32, a block's threads at
+The CUDA body runs here through scripts/lab/kernel_emulate.py (g++, float32, a block's threads at
 once): each row of a T-row call must equal its 1-row call bit for bit and stay within 1e-5 of
 the reference. The reference is held to plain causal sdpa and to float64 NumPy, and decoding
 with the (emulated) kernel is shown to keep greedy speculation token-identical to serial.
@@ -103,7 +103,7 @@ def _attention_layer(model):
 def test_on_the_cpu_windows_attend_row_by_row_without_the_kernel(monkeypatch):
     """The CPU's path is unchanged: no kernel call, and with the row split each window row
     equals serial decoding's 1-row step bit for bit."""
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.engine.state import KVState, Mode
     from strata_cli.model.layers import RowSplit
 
@@ -137,7 +137,7 @@ def test_on_the_cpu_windows_attend_row_by_row_without_the_kernel(monkeypatch):
 
 
 def test_decode_windows_take_the_kernel_and_prompts_do_not(monkeypatch, emulator):
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.engine.state import KVState, Mode
     from strata_cli.model.layers import RowSplit
 
@@ -161,7 +161,7 @@ def test_decode_windows_take_the_kernel_and_prompts_do_not(monkeypatch, emulator
 
 
 def test_speculation_with_the_kernel_is_token_identical_to_serial(monkeypatch, emulator):
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.decode import generate
     from strata_cli.engine.window import WindowEngine
     from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
@@ -195,7 +195,7 @@ def test_speculation_with_the_kernel_is_token_identical_to_serial(monkeypatch, e
 
 
 def test_kernel_bench_times_the_attention_window_on_the_cpu():
-    from strata_cli.bench import kernel_bench
+    from scripts.bench import kernel_bench
 
     records = kernel_bench.bench_attention("attention", 4, 2, 32, 20, use_kernel=False, repeats=1, inner=1,
                                            peak_gbs=1.0)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.compiled import Compiled, LayerCompile
 from strata_cli.model.layers import WINDOW_ROWS, RowSplit

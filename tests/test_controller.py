@@ -402,7 +402,7 @@ def test_auto_learns_to_draft_long_on_a_perfect_drafter():
 
 
 def test_auto_keeps_output_serial_on_a_looping_random_model():
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.options import SpecOptions
 
     model = random_model(tiny_qwen3_next_config(vocab_size=16), seed=0)

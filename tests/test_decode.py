@@ -105,7 +105,7 @@ def test_sampling_speculates_and_draws_by_position(tiny_model):
 @pytest.mark.parametrize("partial", [False, True])
 def test_small_vocab_model_speculates_and_stays_serial(fold, partial):
     """A 16-token random model falls into loops, so drafts get kept; output stays serial."""
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 
     model = random_model(tiny_qwen3_next_config(vocab_size=16), seed=0)
     engine = WindowEngine(model, EngineOptions(fold=fold, partial=partial))

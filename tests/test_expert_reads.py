@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from stream_checkpoints import TOP_K, build_pair
 
-from strata_cli.bench.moce_agreement import decode, open_engine
-from strata_cli.bench.slow_disk import SimulatedDisk
+from scripts.bench.moce_agreement import decode, open_engine
+from scripts.bench.slow_disk import SimulatedDisk
 from strata_cli.experts.reads import ReadQueue
 from strata_cli.options import ConfigError, MoceOptions, StreamOptions
 from strata_cli.runtime import load_checkpoint

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.gdn import gated_delta_scan, l2_normalize
 from strata_cli.model.gdn_chunked import (

@@ -1,6 +1,6 @@
 """metal_shaders/gdn_window.py: the GDN decode-window kernels, their references, and where they run.
 
-The CUDA bodies run here through scripts/kernel_emulate.py (g++, float32): a T-row call must equal
+The CUDA bodies run here through scripts/lab/kernel_emulate.py (g++, float32): a T-row call must equal
 T chained 1-row calls bit for bit and stay within 1e-5 of the reference. The references are held
 to an independent float64 NumPy version of the layer's math, and decoding with the (emulated)
 kernels is shown to keep greedy speculation token-identical to serial decoding.
@@ -104,7 +104,7 @@ def _emulated_kernels(monkeypatch, emulator, calls):
 
 
 def test_decode_windows_take_the_kernels_and_prompts_do_not(monkeypatch, emulator):
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.engine.state import GDNState, Mode
     from strata_cli.model.layers import RowSplit
 
@@ -132,7 +132,7 @@ def test_decode_windows_take_the_kernels_and_prompts_do_not(monkeypatch, emulato
 
 @pytest.mark.parametrize("fold, partial", [("lazy", False), ("eager", True)])
 def test_speculation_with_the_kernels_is_token_identical_to_serial(monkeypatch, emulator, fold, partial):
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.decode import generate
     from strata_cli.engine.window import WindowEngine
     from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
@@ -159,7 +159,7 @@ def test_speculation_with_the_kernels_is_token_identical_to_serial(monkeypatch, 
 
 
 def test_kernel_bench_times_the_gdn_window_on_the_cpu():
-    from strata_cli.bench import kernel_bench
+    from scripts.bench import kernel_bench
 
     records = kernel_bench.bench_gdn("gdn", 1, 2, 32, 32, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0)
     assert [r["R"] for r in records] == list(kernel_bench.ROWS)

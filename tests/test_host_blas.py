@@ -6,7 +6,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import host_blas, moe
 from strata_cli.model.attention import causal_attention_cpu

@@ -1,7 +1,7 @@
 """metal_shaders/backends.py: one kernel body for CUDA and Metal behind a thin prelude each.
 
 There is no GPU here. The bodies run behind each backend's prelude through
-scripts/kernel_emulate.py (g++, with a shim for that backend's names): a T-row call must equal its
+scripts/lab/kernel_emulate.py (g++, with a shim for that backend's names): a T-row call must equal its
 1-row calls bit for bit and stay near the reference. Which maker (`mx.fast.cuda_kernel` or
 `mx.fast.metal_kernel`) gets which text is checked with stand-ins.
 """

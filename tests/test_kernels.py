@@ -1,6 +1,6 @@
 """metal_shaders: the references the kernels are held to, and where the kernels may run.
 
-The kernels themselves run only on a GPU (scripts/row_probe.py and `strata selftest` check
+The kernels themselves run only on a GPU (scripts/bench/row_probe.py and `strata selftest` check
 them there, docs/benchmarks.md records the runs); here the references are checked against MLX's
 own operations, and the CPU is shown to never take the kernel path.
 """
@@ -100,7 +100,7 @@ def test_sources_reduce_in_an_order_set_by_k_alone():
 
 
 def test_kernel_bench_runs_the_reference_path_on_the_cpu():
-    from strata_cli.bench import kernel_bench
+    from scripts.bench import kernel_bench
 
     records = kernel_bench.bench_shape("t", 64, 40, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0, cols=(2,))
     assert [r["R"] for r in records] == list(kernel_bench.ROWS)
@@ -153,7 +153,7 @@ def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
 
 
 def test_kernel_bench_routed_experts_on_the_cpu():
-    from strata_cli.bench import kernel_bench
+    from scripts.bench import kernel_bench
 
     records = kernel_bench.bench_experts("e", 6, 64, 32, 3, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0)
     assert [r["picks"] for r in records] == [3 * R for R in kernel_bench.ROWS]

@@ -7,7 +7,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import moe
 from strata_cli.model.attention import QUERY_BLOCK, causal_attention_cpu

@@ -1,7 +1,7 @@
 """Row invariance: each row of a T-row window computes exactly what it computes alone.
 
 On the CPU MLX's kernels are row-invariant as they are; on GPU backends `RowSplit` runs a small
-window's matmuls and attention row by row (scripts/row_probe.py measures why). Both paths are
+window's matmuls and attention row by row (scripts/bench/row_probe.py measures why). Both paths are
 checked here on the CPU, bit for bit: "auto" (what the CPU runs) and "always" (the GPU path).
 """
 

@@ -38,7 +38,7 @@ class LetterTokenizer:
 
 @pytest.fixture(scope="module")
 def loop_model():
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 
     return random_model(tiny_qwen3_next_config(vocab_size=VOCAB), seed=0)
 

@@ -1,0 +1,598 @@
+"""Run the kernels of metal_shaders on the CPU, one warp (or block) at a time, against their
+references: a check of their index arithmetic and row invariance where there is no GPU.
+
+Each kernel body, behind the prelude of the backend chosen (`--backend cuda`, the default, or
+`metal`: exactly what `mx.fast.cuda_kernel` / `mx.fast.metal_kernel` are handed), is compiled by
+g++ with a small shim for that backend's names: a warp (SIMD group) is 32 threads, a shuffle
+trades values through a barrier, `__ldg`, `uint4` and Metal's address spaces are plain C++, and
+Metal's math is the C library's. float32 only (bf16 needs the backends' headers). It checks, per kernel,
+that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
+float32 reference, including column tails, 8-bit packing and a routed expert picked by more
+rows than one block takes. The GDN window kernels (metal_shaders/gdn_window.py) run the same
+way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
+(relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
+model's (2, 4, 64, 64) and a batch of 2. The attention window kernel
+(metal_shaders/attention_window.py) runs a whole block at a time (its warps share memory): for
+T = 1..8 each row of a T-row call equals its 1-row call over the same cache buffer bit for bit
+and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
+L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2. Not a speed figure; needs
+g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
+
+`--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
+it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
+float32 and bfloat16: what NVRTC would refuse shows here without a GPU.
+
+    python -m scripts.lab.kernel_emulate
+    python -m scripts.lab.kernel_emulate --backend metal
+    python -m scripts.lab.kernel_emulate --nvcc
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from metal_shaders import attention_window, backends, gdn_window
+from metal_shaders import rows_matvec as kernels
+
+SHIM_BASE = r"""
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+#include <math.h>
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+struct uint4 { unsigned int x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+template <typename V> inline V __ldg(const V* p) { return *p; }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim;
+#define __device__
+#define __forceinline__ inline
+"""
+SHIM = SHIM_BASE + r"""
+std::barrier<>* warp_barrier;
+float warp_slots[32];
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const int lane = threadIdx.x & 31;
+    warp_barrier->arrive_and_wait();
+    warp_slots[lane] = v;
+    warp_barrier->arrive_and_wait();
+    return warp_slots[lane ^ off];
+}
+inline void __syncwarp() { warp_barrier->arrive_and_wait(); }
+inline void __syncthreads() { std::abort(); }  // a warp at a time: a body that needs its block runs as one
+"""
+# Metal's names over a CUDA shim: the attributes are the CUDA shim's indices, address spaces are
+# plain memory (threadgroup arrays static, as blocks run one after another), the math is the C
+# library's. The CUDA float math names are renamed first: the Metal prelude defines them, which
+# would clash with <math.h>.
+METAL_SHIM = r"""
+#define threadgroup static
+#define thread_position_in_threadgroup threadIdx
+#define threadgroup_position_in_grid blockIdx
+#define threads_per_threadgroup blockDim
+#define expf strata_metal_expf
+#define fmaf strata_metal_fmaf
+#define fmaxf strata_metal_fmaxf
+#define fabsf strata_metal_fabsf
+#define sqrtf strata_metal_sqrtf
+#define rsqrtf strata_metal_rsqrtf
+#define log1pf strata_metal_log1pf
+using ushort = unsigned short;
+namespace metal {
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+inline float exp(float x) { return std::exp(x); }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float fmax(float a, float b) { return std::fmax(a, b); }
+inline float fabs(float x) { return std::fabs(x); }
+inline float sqrt(float x) { return std::sqrt(x); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float log(float x) { return std::log(x); }
+inline float simd_shuffle_xor(float v, ushort offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+inline void threadgroup_barrier(mem_flags) { __syncthreads(); }
+inline void simdgroup_barrier(mem_flags) { __syncwarp(); }
+}
+"""
+
+
+def program(shim: str, backend: str, header: str, params: list[str], consts: str, body: str) -> str:
+    """The C++ of one kernel for `backend` as MLX would build it (prelude, header, body), over `shim`."""
+    if backend == backends.METAL:
+        shim += METAL_SHIM
+    return (shim + backends.header(backend, header)
+            + f"void kernel({', '.join(params)}) {{\n{consts}\n{backends.source(backend, body)}\n}}\n")
+SLURP = r"""
+static std::vector<char> slurp(const char* path) {
+    std::vector<char> bytes; char buf[65536]; size_t n; FILE* f = fopen(path, "rb");
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
+    fclose(f); return bytes;
+}
+"""
+# A block's threads run at once (the routed-experts body stages its picks behind a block barrier).
+MAIN = SLURP + r"""
+int main(int argc, char** argv) {
+    std::vector<std::vector<char>> in;
+    for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
+    const int gx = atoi(argv[1 + NUM_INPUTS]), gy = atoi(argv[2 + NUM_INPUTS]), tx = atoi(argv[3 + NUM_INPUTS]);
+    std::vector<float> out(atol(argv[4 + NUM_INPUTS]), NAN);
+    blockDim.x = tx;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    for (int w = 0; w < tx / 32; ++w) warps.emplace_back(new std::barrier<>(32)), warp_barriers[w] = warps.back().get();
+    std::barrier<> block(tx); block_barrier = &block;
+    for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) {
+        std::vector<std::thread> threads;
+        for (int i = 0; i < tx; ++i) threads.emplace_back([&, i] {
+            threadIdx.x = i; blockIdx.x = bx; blockIdx.y = by; CALL;
+        });
+        for (auto& t : threads) t.join();
+    }
+    FILE* f = fopen(argv[5 + NUM_INPUTS], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+}
+"""
+# name: (kernel parameters as MLX generates them for float32 inputs, body, extra template lines)
+KINDS = {
+    "dense": (["const int32_t* dims", "const float* x", "const float* w"], kernels.DENSE, "using TW = float;"),
+    "quantized": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
+                   "const float* biases"], kernels.QUANTIZED, "using TS = float;"),
+    "gather": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
+                "const float* biases", "const uint32_t* idx"], kernels.GATHER_QUANTIZED,
+               "using TS = float; using TI = uint32_t;"),
+}
+
+
+def compile_program(path: Path, source: str) -> None:
+    """Write `source` beside `path` (.cpp) and build it with g++ into the executable `path`."""
+    path.with_suffix(".cpp").write_text(source)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread",
+                    str(path.with_suffix(".cpp")), "-o", str(path)], check=True)
+
+
+class Emulator:
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+
+    def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int) -> Path:
+        key = (kind, rows, cols, bits, gs)
+        if key not in self.built:
+            params, body, extra = KINDS[kind]
+            consts = f"using T = float; {extra} constexpr int ROWS = {rows}; constexpr int COLS = {cols};"
+            if kind != "dense":
+                consts += f" constexpr int BITS = {bits}; constexpr int GS = {gs};"
+            args = ", ".join(f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params))
+            source = (program(SHIM_BLOCK, self.backend, kernels.HEADER, [*params, "float* out"], consts, body)
+                      + MAIN.replace("NUM_INPUTS", str(len(params))).replace("CALL", f"kernel({args}, out.data())"))
+            path = self.dir / "_".join(map(str, key))
+            compile_program(path, source)
+            self.built[key] = path
+        return self.built[key]
+
+    def launch(self, kind: str, inputs: list, *, rows: int, blocks_y: int, N: int, out_rows: int, bits: int = 0,
+               gs: int = 0, cols: int = kernels.COLS) -> np.ndarray:
+        config = kernels.launch_config(rows, N, cols=cols)
+        binary = self._binary(kind, kernels.row_capacity(rows), cols, bits, gs)
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"in{i}"))
+            Path(names[-1]).write_bytes(np.ascontiguousarray(np.asarray(a)).tobytes())
+        threads = config["threadgroup"][0]
+        out = self.dir / "out"
+        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), str(blocks_y), str(threads),
+                        str(out_rows * N), str(out)], check=True)
+        return np.fromfile(out, np.float32).reshape(out_rows, N)
+
+
+MAIN_GDN = SLURP + r"""
+int main(int argc, char** argv) {
+    std::vector<std::vector<char>> in;
+    for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
+    const int gx = atoi(argv[1 + NUM_INPUTS]), tx = atoi(argv[2 + NUM_INPUTS]);
+    std::vector<std::vector<float>> outs(NUM_OUTPUTS);
+    for (int o = 0; o < NUM_OUTPUTS; ++o) outs[o].assign(atol(argv[3 + NUM_INPUTS + 2 * o]), NAN);
+    blockDim.x = tx;
+    std::barrier<> bar(32); warp_barrier = &bar;
+    for (int bx = 0; bx < gx; ++bx) for (int wp = 0; wp < tx / 32; ++wp) {
+        std::vector<std::thread> lanes;
+        for (int l = 0; l < 32; ++l) lanes.emplace_back([&, l] {
+            threadIdx.x = wp * 32 + l; blockIdx.x = bx; CALL;
+        });
+        for (auto& t : lanes) t.join();
+    }
+    for (int o = 0; o < NUM_OUTPUTS; ++o) {
+        FILE* f = fopen(argv[4 + NUM_INPUTS + 2 * o], "wb"); fwrite(outs[o].data(), 4, outs[o].size(), f); fclose(f);
+    }
+}
+"""
+# name: (inputs, outputs, body); every array float32 but dims
+GDN_KINDS = {
+    "scan": (["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], gdn_window.SCAN),
+    "prepare": (["dims", "window", "conv_weight", "a", "b_in", "A_log", "dt_bias"],
+                ["q_out", "k_out", "v_out", "g_out", "beta_out"], gdn_window.PREPARE),
+}
+
+
+class GDNEmulator:
+    """The GDN window kernels on the CPU (float32): `scan` and `prepare` with gdn_window's launch shapes."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+
+    def _binary(self, kind: str, const: int) -> Path:
+        key = (kind, const)
+        if key not in self.built:
+            inputs, outputs, body = GDN_KINDS[kind]
+            params = ["const int32_t* dims"] + [f"const float* {n}" for n in inputs[1:]] + [f"float* {n}" for n in outputs]
+            consts = (f"constexpr int DK = {const};" if kind == "scan" else
+                      f"using TX = float; using TW = float; using TA = float; using TB = float; using TL = float; "
+                      f"using TD = float; constexpr int PER = {const};")
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params[: len(inputs)])]
+            args += [f"outs[{o}].data()" for o in range(len(outputs))]
+            source = (program(SHIM, self.backend, gdn_window.HEADER, params, consts, body)
+                      + MAIN_GDN.replace("NUM_INPUTS", str(len(inputs))).replace("NUM_OUTPUTS", str(len(outputs)))
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"gdn_{kind}_{const}"
+            compile_program(path, source)
+            self.built[key] = path
+        return self.built[key]
+
+    def _run(self, kind: str, const: int, inputs: list, config: dict, shapes: list) -> list[np.ndarray]:
+        binary = self._binary(kind, const)
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"gin{i}"))
+            Path(names[-1]).write_bytes(np.ascontiguousarray(np.asarray(a)).tobytes())
+        threads = config["threadgroup"][0]
+        outs = [self.dir / f"gout{o}" for o in range(len(shapes))]
+        sizes = [str(int(np.prod(shape))) for shape in shapes]
+        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), str(threads),
+                        *[x for pair in zip(sizes, map(str, outs)) for x in pair]], check=True)
+        return [np.fromfile(out, np.float32).reshape(shape) for out, shape in zip(outs, shapes)]
+
+    def scan(self, q, k, v, g, beta, S) -> list[np.ndarray]:
+        """gdn_window.gdn_scan's launch, emulated: numpy float32 in, [y, S_final] out."""
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2:]
+        return self._run("scan", Dk, [np.array([B, T, Hk, Hv, Dv], np.int32), q, k, v, g, beta, S],
+                         gdn_window.scan_launch(B, Hv, Dv), [(B, T, Hv, Dv), (B, Hv, Dk, Dv)])
+
+    def prepare(self, window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
+        """gdn_window.gdn_prepare's launch, emulated: [q, k, v, g, beta]."""
+        B, W, C = window.shape
+        K = conv_weight.shape[1]
+        T, Hv = a.shape[1:]
+        Hk, Dk = num_k_heads, head_k_dim
+        Dv = (C - 2 * Hk * Dk) // Hv
+        return self._run("prepare", max(Dk, Dv) // 32,
+                         [np.array([B, T, Hk, Hv, Dk, Dv, K], np.int32), window, conv_weight, a, b, A_log, dt_bias],
+                         gdn_window.prepare_launch(B, T, Hk, Hv),
+                         [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv)])
+
+
+def gdn_inputs(B: int, Hk: int, Hv: int, Dk: int, Dv: int, *, rows: int = 8, conv_kernel: int = 4, seed: int = 0):
+    """Random float32 prepare inputs (window, conv weight, a, b, A_log, dt_bias) for `rows` rows."""
+    C = 2 * Hk * Dk + Hv * Dv
+    keys = mx.random.split(mx.random.key(seed), 6)
+    return (mx.random.normal((B, conv_kernel - 1 + rows, C), key=keys[0]),
+            mx.random.normal((C, conv_kernel), key=keys[1]) * 0.5,
+            mx.random.normal((B, rows, Hv), key=keys[2]), mx.random.normal((B, rows, Hv), key=keys[3]),
+            mx.random.uniform(-1, 1, (Hv,), key=keys[4]), mx.random.uniform(0, 1, (Hv,), key=keys[5]))
+
+
+def _relative(got, expected) -> float:
+    return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def check_gdn(emu: GDNEmulator, B: int, Hk: int, Hv: int, Dk: int, Dv: int, *, rows=range(1, 9), tol=1e-5) -> bool:
+    """For each T in `rows`: the T-row call equals T chained (prepare: separate) 1-row calls bit for
+    bit, and stays within `tol` (relative to the largest value) of the reference."""
+    T_max = max(rows)
+    window, w, a, b, A_log, dt_bias = gdn_inputs(B, Hk, Hv, Dk, Dv, rows=T_max)
+    heads = {"num_k_heads": Hk, "head_k_dim": Dk}
+    K = w.shape[1]
+    np_in = [_f32(x) for x in (window, w, a, b, A_log, dt_bias)]
+    alone = [emu.prepare(np_in[0][:, t : t + K], np_in[1], np_in[2][:, t : t + 1], np_in[3][:, t : t + 1],
+                         *np_in[4:], **heads) for t in range(T_max)]
+    alone = [np.concatenate(parts, axis=1) for parts in zip(*alone)]
+    ok = True
+    for T in rows:
+        got = emu.prepare(np_in[0][:, : K - 1 + T], np_in[1], np_in[2][:, :T], np_in[3][:, :T], *np_in[4:], **heads)
+        expected = gdn_window.reference_prepare(window[:, : K - 1 + T], w, a[:, :T], b[:, :T], A_log, dt_bias, **heads)
+        same = all(np.array_equal(x, y[:, :T]) for x, y in zip(got, alone))
+        diff = max(_relative(x, _f32(y)) for x, y in zip(got, expected))
+        ok &= _report(f"gdn_prepare Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}", T, same, diff, tol)
+
+    q, k, v, g, beta = (_f32(x) for x in gdn_window.reference_prepare(window, w, a, b, A_log, dt_bias, **heads))
+    S0 = _f32(mx.random.normal((B, Hv, Dk, Dv), key=mx.random.key(1)) * 0.1)
+    chained_y, chained_S, S = [], [], S0
+    for t in range(T_max):
+        y_t, S = emu.scan(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], S)
+        chained_y.append(y_t)
+        chained_S.append(S)
+    chained_y = np.concatenate(chained_y, axis=1)
+    for T in rows:
+        y, S_T = emu.scan(q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], S0)
+        same = np.array_equal(y, chained_y[:, :T]) and np.array_equal(S_T, chained_S[T - 1])
+        y_ref, S_ref = gdn_window.reference_scan(*(mx.array(x[:, :T]) for x in (q, k, v, g, beta)), mx.array(S0))
+        diff = max(_relative(y, _f32(y_ref)), _relative(S_T, _f32(S_ref)))
+        ok &= _report(f"gdn_scan Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}", T, same, diff, tol)
+    return ok
+
+
+# A whole block at once, for bodies whose warps cooperate through shared memory: every thread of
+# the block runs concurrently; `__shared__` is a static (blocks run one after another),
+# `__syncthreads` a block barrier, shuffles and `__syncwarp` go through their warp's barrier.
+SHIM_BLOCK = SHIM_BASE + r"""
+#include <memory>
+using std::min;
+#define __shared__ static
+constexpr int MAX_WARPS = 32;
+std::barrier<>* warp_barriers[MAX_WARPS];
+std::barrier<>* block_barrier;
+float warp_slots[MAX_WARPS][32];
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    warp_barriers[w]->arrive_and_wait();
+    warp_slots[w][lane] = v;
+    warp_barriers[w]->arrive_and_wait();
+    return warp_slots[w][lane ^ off];
+}
+inline void __syncwarp() { warp_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+"""
+MAIN_BLOCK = SLURP + r"""
+int main(int argc, char** argv) {
+    std::vector<std::vector<char>> in;
+    for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
+    const int gx = atoi(argv[1 + NUM_INPUTS]), tx = atoi(argv[2 + NUM_INPUTS]);
+    std::vector<float> out(atol(argv[3 + NUM_INPUTS]), NAN);
+    blockDim.x = tx;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    for (int w = 0; w < tx / 32; ++w) warps.emplace_back(new std::barrier<>(32)), warp_barriers[w] = warps.back().get();
+    std::barrier<> block(tx); block_barrier = &block;
+    for (int bx = 0; bx < gx; ++bx) {
+        std::vector<std::thread> threads;
+        for (int i = 0; i < tx; ++i) threads.emplace_back([&, i] { threadIdx.x = i; blockIdx.x = bx; CALL; });
+        for (auto& t : threads) t.join();
+    }
+    FILE* f = fopen(argv[4 + NUM_INPUTS], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+}
+"""
+# (parameter, file) pairs as MLX passes them with ensure_row_contiguous=False: an input, then its strides
+ATTENTION_PARAMS = ["const int32_t* dims", "const float* scale", "const float* q", "const int64_t* q_strides",
+                    "const float* keys", "const int64_t* keys_strides", "const float* values",
+                    "const int64_t* values_strides"]
+
+
+class AttentionEmulator:
+    """attention_window's kernel on the CPU (float32), a block at a time, through strides as MLX passes views."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[int, Path] = {}
+        self.source = attention_window.SOURCE
+
+    def _binary(self, D: int) -> Path:
+        if D not in self.built:
+            consts = f"using TQ = float; using TK = float; using TV = float; constexpr int DH = {D};"
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(ATTENTION_PARAMS)] + ["out.data()"]
+            source = (program(SHIM_BLOCK, self.backend, attention_window.HEADER, [*ATTENTION_PARAMS, "float* out"],
+                              consts, self.source)
+                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(ATTENTION_PARAMS)))
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"attention_{D}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[D] = path
+        return self.built[D]
+
+    def run(self, q_rows: np.ndarray, keys: np.ndarray, values: np.ndarray, L: int, scale: float) -> np.ndarray:
+        """q_rows (B, T, Hq, D), read as the (B, Hq, T, D) view the layer passes; keys, values
+        (B, Hkv, capacity, D) buffers of which the kernel sees cells 0..L-1. Returns (B, T, Hq, D)."""
+        B, T, Hq, D = q_rows.shape
+        Hkv = keys.shape[1]
+        q_rows, keys, values = (np.ascontiguousarray(a, np.float32) for a in (q_rows, keys, values))
+
+        def strides(a, order=(0, 1, 2, 3)):
+            return np.array([a.strides[i] // a.itemsize for i in order], np.int64)
+
+        inputs = [np.array([B, Hq, Hkv, T, L], np.int32), np.array([scale], np.float32), q_rows,
+                  strides(q_rows, (0, 2, 1, 3)), keys, strides(keys), values, strides(values)]
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"ain{i}"))
+            Path(names[-1]).write_bytes(a.tobytes())
+        config = attention_window.launch(B, Hq, T)
+        threads = config["threadgroup"][0]
+        out = self.dir / "aout"
+        subprocess.run([str(self._binary(D)), *names, str(config["grid"][0] // threads), str(threads),
+                        str(B * T * Hq * D), str(out)], check=True)
+        return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
+
+
+def check_attention(emu: AttentionEmulator, B: int, Hq: int, Hkv: int, D: int, cells: int, *, rows=range(1, 9),
+                    tol=1e-5, seed: int = 0) -> bool:
+    """Row t of a window sees `cells` + t cells (row 0 sees `cells`). For each T in `rows`: the
+    T-row call equals each row's 1-row call bit for bit (serial decoding's step over the same
+    cache buffer) and stays within `tol` (relative to the largest value) of the reference."""
+    T_max, P = max(rows), cells - 1
+    keys_ = mx.random.split(mx.random.key(seed), 3)
+    capacity = P + T_max + 5  # the kernel reads a view of a longer buffer, as the KV cache passes it
+    q = mx.random.normal((B, T_max, Hq, D), key=keys_[0])
+    k, v = (mx.random.normal((B, Hkv, capacity, D), key=key) for key in keys_[1:])
+    q_np, k_np, v_np = _f32(q), _f32(k), _f32(v)
+    scale = D**-0.5
+    alone = np.concatenate([emu.run(q_np[:, t : t + 1], k_np, v_np, P + t + 1, scale) for t in range(T_max)], axis=1)
+    ok = True
+    for T in rows:
+        got = emu.run(q_np[:, :T], k_np, v_np, P + T, scale)
+        expected = attention_window.reference_attention_window(q[:, :T].transpose(0, 2, 1, 3), k[:, :, : P + T],
+                                                               v[:, :, : P + T], scale)
+        same = np.array_equal(got, alone[:, :T])
+        ok &= _report(f"attention B={B} Hq={Hq} Hkv={Hkv} D={D} L={cells}", T, same, _relative(got, _f32(expected)), tol)
+    return ok
+
+
+def _report(name: str, rows: int, same: bool, diff: float, tol: float) -> bool:
+    ok = same and diff < tol
+    print(f"{name:34s} rows {rows:2d}  identical to 1-row calls: {same!s:5s}  max rel diff {diff:.1e}  "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def _f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def check(name: str, run, rows: int, expected: np.ndarray, alone_rows) -> bool:
+    """`run(i0, i1)`: the kernel over rows i0..i1-1 in one call."""
+    together = run(0, rows)
+    alone = np.concatenate([run(i, i + 1) for i in alone_rows])
+    same = np.array_equal(together[list(alone_rows)], alone)
+    diff = float(np.abs(together - expected).max())
+    ok = same and diff < 1e-4
+    print(f"{name:34s} rows {rows:2d}  identical to 1-row calls: {same!s:5s}  max |diff| {diff:.1e}  "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+CUDA_TYPES = {"float": "float", "bf16": "__nv_bfloat16"}
+ATTENTION_NVCC_HEADER = "#include <cuda/std/array>\nusing Strides = cuda::std::array<int64_t, 8>;\n"  # MLX's type
+
+
+def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
+    """(name, header, parameters, constants, body) of every kernel, as the CUDA backend builds them."""
+    kernels_out = []
+    for tn, t in CUDA_TYPES.items():
+        rows = f"using T = {t}; constexpr int ROWS = 8; constexpr int COLS = {kernels.COLS};"
+        x = f"const {t}* x"
+        kernels_out += [
+            (f"dense_{tn}", kernels.HEADER, ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
+             rows + f" using TW = {t};", kernels.DENSE),
+            (f"quantized_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+                                                  f"const {t}* biases", f"{t}* out"],
+             rows + f" using TS = {t}; constexpr int BITS = 4; constexpr int GS = 64;", kernels.QUANTIZED),
+            (f"gather_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
+                                               f"const {t}* biases", "const uint32_t* idx", f"{t}* out"],
+             rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
+             kernels.GATHER_QUANTIZED),
+            (f"gdn_prepare_{tn}", gdn_window.HEADER,
+             ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
+              f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
+             + [f"float* {n}" for n in GDN_KINDS["prepare"][1]],
+             f"using TX = {t}; using TW = {t}; using TA = {t}; using TB = {t}; using TL = float; using TD = float; "
+             "constexpr int PER = 4;", gdn_window.PREPARE),
+        ]
+        for D in (64, 256):  # inputs passed as views: each with its strides, as MLX declares them
+            params = ["const int32_t* dims", "const float* scale"]
+            for name in ("q", "keys", "values"):
+                params += [f"const {t}* {name}", f"const __grid_constant__ Strides {name}_strides"]
+            kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.HEADER,
+                                params + [f"{t}* out"], f"using TQ = {t}; using TK = {t}; using TV = {t}; "
+                                f"constexpr int DH = {D};", attention_window.SOURCE))
+    for dk in (64, 128, 256):
+        kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
+                            ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
+                            + ["float* y", "float* S_out"],
+                            f"constexpr int DK = {dk}; " + " ".join(f"using T{i} = float;" for i in range(6)),
+                            gdn_window.SCAN))
+    return kernels_out
+
+
+def nvcc_check(workdir: Path) -> bool:
+    """Compile every kernel body for sm_90 (a file per kernel: each header stands alone)."""
+    ok = True
+    for name, header, params, consts, body in cuda_wrappers():
+        source = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n"
+                  + backends.header(backends.CUDA, header)
+                  + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+                  + f"__global__ void custom_kernel_{name}({', '.join(params)}) {{\n{consts}\n"
+                  + f"{backends.source(backends.CUDA, body)}\n}}\n}}\n")
+        path = workdir / f"{name}.cu"
+        path.write_text(source)
+        run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
+                              "-Xptxas", "-v"], capture_output=True, text=True)
+        spills = [line.strip() for line in run.stderr.splitlines() if "spill" in line]
+        print(f"nvcc sm_90 {name:22s} {'ok' if run.returncode == 0 else 'FAIL'}  {spills[-1] if spills else ''}",
+              flush=True)
+        if run.returncode:
+            print(run.stderr, flush=True)
+        ok &= run.returncode == 0
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=backends.BACKENDS, default=backends.CUDA,
+                        help="whose prelude the bodies run behind (default: cuda)")
+    parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
+    args = parser.parse_args()
+    mx.set_default_device(mx.cpu)
+    emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
+    if args.nvcc:
+        ok = nvcc_check(emu.dir)
+        print("every body compiles" if ok else "COMPILE FAILURE", flush=True)
+        return 0 if ok else 1
+    results = []
+    for K, N, bits, gs, R in ((512, 37, 4, 64, 3), (2048, 21, 4, 64, 8), (1024, 19, 8, 32, 2)):
+        x = mx.random.normal((R, K), key=mx.random.key(1))
+        qw, qs, qb = mx.quantize(mx.random.normal((N, K), key=mx.random.key(2)) * K**-0.5, gs, bits)
+
+        def run(i0, i1, x=x, qw=qw, qs=qs, qb=qb, K=K, N=N, bits=bits, gs=gs):
+            return emu.launch("quantized", [np.array([i1 - i0, K, N], np.int32), _f32(x[i0:i1]), np.array(qw),
+                                            _f32(qs), _f32(qb)], rows=i1 - i0, blocks_y=1, N=N, out_rows=i1 - i0,
+                              bits=bits, gs=gs)
+
+        expected = _f32(kernels.reference_qmatvec(x, qw, qs, qb, group_size=gs, bits=bits))
+        results.append(check(f"rows_qmatvec {bits}-bit K={K} N={N}", run, R, expected, range(R)))
+
+    K, N, R = 256, 23, 5
+    x = mx.random.normal((R, K), key=mx.random.key(3))
+    w = mx.random.normal((N, K), key=mx.random.key(4)) * K**-0.5
+
+    def run_dense(i0, i1):
+        return emu.launch("dense", [np.array([i1 - i0, K, N], np.int32), _f32(x[i0:i1]), _f32(w)],
+                          rows=i1 - i0, blocks_y=1, N=N, out_rows=i1 - i0)
+
+    results.append(check(f"rows_matvec K={K} N={N}", run_dense, R, _f32(kernels.reference_matvec(x, w)), range(R)))
+
+    K, N, E = 512, 40, 6
+    experts = mx.array([3, 1, 3, 0, 3, 5, 1, 3, 3, 3, 3, 3], dtype=mx.uint32)  # expert 3: 9 picks
+    M = experts.shape[0]
+    xg = mx.random.normal((M, K), key=mx.random.key(5))
+    qw, qs, qb = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(6)) * K**-0.5, 64, 4)
+
+    def run_gather(i0, i1):
+        return emu.launch("gather", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(qw), _f32(qs),
+                                     _f32(qb), np.array(experts[i0:i1])],
+                          rows=kernels.MAX_ROWS if i1 - i0 > 1 else 1, blocks_y=i1 - i0, N=N, out_rows=i1 - i0, bits=4, gs=64)
+
+    expected = _f32(kernels.reference_gather_qmatvec(xg, qw, qs, qb, experts, group_size=64, bits=4))
+    results.append(check(f"rows_gather_qmatvec K={K} N={N}", run_gather, M, expected, (0, 5, 8, 11)))
+    gdn = GDNEmulator(emu.dir, args.backend)
+    for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
+        results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
+    attention = AttentionEmulator(emu.dir, args.backend)
+    for B, Hq, Hkv, D, cells in ((1, 16, 2, 256, 1), (1, 16, 2, 256, 7), (1, 16, 2, 256, 300), (1, 4, 2, 64, 1),
+                                 (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000),
+                                 (2, 4, 1, 64, 40)):
+        results.append(check_attention(attention, B, Hq, Hkv, D, cells))
+    print("all kernels match" if all(results) else "MISMATCH", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

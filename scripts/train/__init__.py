@@ -1,0 +1,1 @@
+"""The embedded demo model: its corpus, tokenizer, training, model card and the studies of its candidates."""
