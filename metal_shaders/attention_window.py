@@ -4,8 +4,8 @@ Legend: B batch, T query rows (<= 8 in a decode window), Hq/Hkv query/KV heads (
 reads KV head h // (Hq/Hkv)), D head dim, L cells in the cache view (the window's rows are its
 last T cells, so row t at absolute position L-T+t sees cells 0..L-T+t).
 
-On the H200 a window's attention was T `scaled_dot_product_attention` calls plus slices and a
-concatenate (~33 ops of ~10 µs at T = 8, per attention layer); this is one call. It is
+In MLX ops a window's attention is T `scaled_dot_product_attention` calls plus slices and a
+concatenate (on the H200 ~33 ops of ~10 µs at T = 8, per attention layer); this is one call. It is
 row-invariant by construction: a block serves one (b, h, t) and its arithmetic is a function of
 that row's query, the cells it sees and the compiled shapes alone, never of T — so a T-row call
 gives each row the bits of its 1-row call (serial decoding, which goes through the same kernel).

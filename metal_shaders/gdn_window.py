@@ -212,7 +212,7 @@ def reference_causal_conv(window: mx.array, weight: mx.array) -> mx.array:
 
 def reference_prepare(window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
     """What `gdn_prepare` computes, in plain MLX: the CPU's path (model/gdn.py), so these are the
-    ops serial decoding has always run. The conv and silu run in the model dtype (the kernel keeps
+    ops serial decoding runs. The conv and silu run in the model dtype (the kernel keeps
     float32 throughout: in bfloat16 the two differ by the conv's rounding)."""
     B, _, C = window.shape
     T, Hv = a.shape[1], a.shape[2]

@@ -80,7 +80,7 @@ _HEAD = """
 """
 # The butterflies stop at the block's last real row: a routed-experts block of the 8-row compile
 # usually serves one or two picks, and 8 rows' butterflies cost more than its whole dot product
-# at K = 512 (kernel_bench: experts_down 9.6x slower at T=8 than at T=1 before this).
+# at K = 512 (without the stop, kernel_bench's experts_down runs 9.6x slower at T=8 than at T=1).
 _TAIL = """
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -208,7 +208,7 @@ def _launch(kernel, inputs, template, lead: tuple[int, ...], rows: int, N: int, 
 def rows(x: mx.array) -> tuple[int, int]:
     """(R, K) of x (..., K): its rows over every leading axis. The kernels read their inputs
     row-contiguous (MLX copies one that is not), so leading axes need no reshape: on the H200
-    each reshape is one more node for the evaluator (docs/benchmarks.md, issue 10)."""
+    each reshape is one more node for the evaluator (docs/benchmarks.md, "Ops per decode step")."""
     K = x.shape[-1]
     return x.size // K, K
 
@@ -241,8 +241,8 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     w (E, N, K·bits/32 packed), affine 4 or 8 bits, on a GPU. Each expert is read once for up to
     `share` picks of it (1, 2, 4 or 8); a pick's result is the same bits whatever the other picks
     are and whatever `share` is. The default, 1, gives every pick its own blocks: at T = 8 on the
-    80B shape (80 picks, ~76 experts) it ran the gate and down projections in 0.060 and 0.086 ms
-    against 0.090 and 0.177 with the 8-pick compile (kernel_bench, docs/benchmarks.md); an expert
+    80B shape (80 picks, ~76 experts) it runs the gate and down projections in 0.060 and 0.086 ms
+    against 0.090 and 0.177 with the 8-pick compile (docs/benchmarks.md, kernel_bench); an expert
     picked twice is read twice, the second time mostly from L2."""
     M, K = rows(x)
     if M > MAX_PICKS:

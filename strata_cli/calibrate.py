@@ -4,7 +4,7 @@ The controller's built-in cost prior is a shape (a window of T rows costs 1 + 0.
 windows) that fits MLX's CPU backend; on a GPU a window of 4 rows costs about 1.3 one-row
 windows, so that prior declines drafts that pay. When `auto` runs without `--draft-cost`,
 `device_cost_prior` measures the curve on the model, backend and dtype in use: forced-acceptance
-windows of T = 1..max_T rows (as bench/window_cost.py does, a few per T, on a scratch state),
+windows of T = 1..max_T rows (as scripts/bench/window_cost.py does, a few per T, on a scratch state),
 median per T. The curve is cached as JSON in the user cache directory (`$XDG_CACHE_HOME/strata`,
 else `~/.cache/strata`), keyed by model identity, backend and dtype, and reused; the online
 estimate refines it while decoding.

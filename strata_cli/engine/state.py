@@ -165,8 +165,8 @@ class GDNState:
         return self._joined
 
     def _history_after(self, n: int) -> mx.array:
-        # The K-1 inputs before row n of the window: one slice of the joined window (one op,
-        # where concatenating history and kept rows again took three).
+        # The K-1 inputs before row n of the window: one slice of the joined window (one op;
+        # concatenating history and kept rows again would be three).
         return self._joined[:, n : n + self.num_history]
 
     def recur(self, rows: GDNRows, scan: Scan) -> mx.array:

@@ -28,7 +28,8 @@ from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .state import GDNState, KVState, Mode
 
 # Prompt rows per chunk on a GPU: on the H200 (80B-A3B shape, 4,096 tokens) 2,048-row chunks
-# prefill at 7,699 tok/s against 6,736 with PREFILL_CHUNK's 512 (docs/benchmarks.md, issue 11);
+# prefill at 7,699 tok/s against 6,736 with PREFILL_CHUNK's 512 (docs/benchmarks.md, "H200:
+# prefill of the 80B-A3B shape");
 # the CPU keeps 512 (1,024 is no faster there and holds twice the activations).
 GPU_PREFILL_CHUNK = 2048
 
@@ -156,10 +157,11 @@ class WindowEngine:
     @property
     def can_overlap(self) -> bool:
         """Whether serial decoding should overlap its steps with `launch`: the host builds the
-        next step while the device (or MLX's CPU stream) runs this one. On the 2-core CPU too
-        since the layers' ends are compiled: serial decoding went from 0.88-0.91x mlx-lm's tok/s
-        to 1.06-1.34x on the demo model (docs/benchmarks.md, issue 10). Not with streamed
-        experts, which read routing back while the graph is built."""
+        next step while the device (or MLX's CPU stream) runs this one. On the 2-core CPU too,
+        with the layers' ends compiled: overlapped, serial decoding on the demo model runs at
+        1.06-1.34x mlx-lm's tok/s, 0.88-0.91x without (docs/benchmarks.md, "CPU, demo model:
+        one-token steps overlap"). Not with streamed experts, which read routing back while the
+        graph is built."""
         return self.expert_cache is None
 
     def commit(self, keep: int) -> None:

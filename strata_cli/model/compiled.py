@@ -1,4 +1,4 @@
-"""Decode windows replay each layer's pure parts from `mx.compile` traces (issue 10).
+"""Decode windows replay each layer's pure parts from `mx.compile` traces.
 
 On a GPU, small-batch decoding is host-bound: every MLX op costs Python to build and a launch
 to dispatch (docs/benchmarks.md). A compiled function is traced once per window size and

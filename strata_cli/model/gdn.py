@@ -115,7 +115,7 @@ class GatedDeltaNet(nn.Module):
 
         Each output is one gather of columns (`projection_columns`): the same values as
         splitting per head and concatenating, in 5-9 ops instead of 13 (on the H200 each op costs
-        ~10 µs of host dispatch, docs/benchmarks.md, issue 10).
+        ~10 µs of host dispatch, docs/benchmarks.md, "Ops per decode step").
         """
         raw_cols, z_cols, b_cols, a_cols = projection_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim,
                                                               self.head_v_dim)

@@ -23,8 +23,9 @@ from .layer_state import GDNRows
 from .layers import prompt_streams
 
 CHUNK = 32  # rows per chunk (FLA uses 64): on the CPU 32 ties 16 with half its sequential steps; 64 is slower
-# On a GPU the sequential chunk steps are what costs: one 80B-A3B GDN layer's 2,048-row scan took
-# 11.0 / 5.9 / 3.9 / 3.3 ms at chunks 16 / 32 / 64 / 128 on the H200 (docs/benchmarks.md, issue 11);
+# On a GPU the sequential chunk steps are what costs: one 80B-A3B GDN layer's 2,048-row scan takes
+# 11.0 / 5.9 / 3.9 / 3.3 ms at chunks 16 / 32 / 64 / 128 on the H200 (docs/benchmarks.md, "H200:
+# where a 2,048-row prompt chunk goes");
 # 64 is flash-linear-attention's choice and tested to the same tolerance.
 GPU_CHUNK = 64
 MIN_CHUNKED_ROWS = 16  # shorter windows (every decode window: T <= 8) keep the exact per-row scan

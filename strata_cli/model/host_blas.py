@@ -17,8 +17,9 @@ resident ones. On macOS MLX's CPU matmul is Accelerate's, so `auto` keeps MLX th
 variable STRATA_PROMPT_BLAS sets it for a process (benchmarks compare the two).
 
 OpenBLAS runs on one thread here unless OPENBLAS_NUM_THREADS says otherwise: on a 2-core machine
-its second thread made prefill slower (4.7 s against 3.4 s for 3,000 tokens) and, spinning after
-the last product, slowed the first decode steps by about 13% (docs/benchmarks.md).
+its second thread makes prefill slower (4.7 s against 3.4 s for 3,000 tokens) and, spinning after
+the last product, slows the first decode steps by about 13% (docs/benchmarks.md, "CPU prefill
+through numpy's BLAS").
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class RowSplit:
 
     Lossless speculation needs every row of a window to compute exactly what it computes alone
     (docs/design.md, "Row invariance"). MLX's CUDA matmul, quantized matmul and attention kernels
-    round a row differently depending on how many rows share the call (`scripts/row_probe.py`,
+    round a row differently depending on how many rows share the call (`scripts/bench/row_probe.py`,
     docs/benchmarks.md); its CPU kernels do not. So on a GPU backend a window of 2..WINDOW_ROWS
     rows runs those calls row by row, each then the very call serial decoding makes. Larger
     calls (prompt chunks, shared by serial and speculative decoding) run whole.

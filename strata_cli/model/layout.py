@@ -11,7 +11,7 @@ Three layouts reach strata:
   family transform has already been applied.
 - strata's own (`strata convert`), marked in config.json. Version 2 is exactly the MLX layout (so
   mlx-lm loads it too); `from_mlx_layout` turns it into the modules' parameters by names and
-  shapes alone, with no family transform. Version 1 held the modules' parameters as they are.
+  shapes alone, with no family transform. Version 1 holds the modules' parameters as they are.
 """
 
 from __future__ import annotations

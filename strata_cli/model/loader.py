@@ -32,7 +32,7 @@ from .quant import (
 ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 # config.json key that marks strata's own layout (already sanitized), and its version:
 # 2 stores the tensors in mlx-lm's layout (layout.to_mlx_layout), so mlx-lm loads them too;
-# 1 stored the modules' parameters as they are (conv1d (C, K), bare expert stacks), still read.
+# 1 stores the modules' parameters as they are (conv1d (C, K), bare expert stacks), read too.
 FORMAT_KEY = "strata_format"
 FORMAT_VERSION = 2
 MAX_HEADER_BYTES = 100_000_000  # a safetensors JSON header; larger means a corrupt length prefix

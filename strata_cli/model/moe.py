@@ -114,8 +114,9 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
 
 
 CPU_PROMPT_DEQUANTIZE_BYTES = 64 * 2**20  # largest expert bank dequantized per prompt chunk (float32 bytes)
-# How a GPU prompt chunk multiplies its routed picks (docs/benchmarks.md, issue 11): "padded" (each
-# expert's picks as one row of a padded batch) or "gather" (mx.gather_qmm pick by pick, MLX's form).
+# How a GPU prompt chunk multiplies its routed picks (docs/benchmarks.md, "H200: routed experts as
+# padded batches"): "padded" (each expert's picks as one row of a padded batch) or "gather"
+# (mx.gather_qmm pick by pick, MLX's form).
 GPU_PROMPT_EXPERTS = "padded"
 PADDED_MAX_ROWS_PER_PICK = 8  # a batch padded beyond this many rows per pick (skewed routing) gathers instead
 

@@ -144,10 +144,10 @@ def dequantize_dense(model: nn.Module, dtype: mx.Dtype) -> None:
     Routed experts stay quantized.
 
     On the CPU a quantized matmul of a few rows costs more than the float32 one: the 8-bit demo
-    model decodes 7-13% slower than the same weights dense (docs/benchmarks.md, "Demo model
-    candidate 2"). The values are the stored weights dequantized, once. Experts keep their
-    quantized form so that resident and streamed experts (experts/switch.py) stay one code path
-    and bit-identical; a decode step runs two of them, against every dense layer.
+    model decodes 7-13% slower than the same weights dense (docs/benchmarks.md). The values are
+    the stored weights dequantized, once. Experts keep their quantized form so that resident and
+    streamed experts (experts/switch.py) stay one code path and bit-identical; a decode step runs
+    two of them, against every dense layer.
     """
     for module in model.modules():
         for name, child in list(module.items()):
