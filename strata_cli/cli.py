@@ -9,37 +9,38 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import click
+import click.core as click_core
+import rich_click as click
 
 from . import __version__, safe_files
 from .cli_options import (
-    SUFFIX_DRAFT,
-    FiniteFloatRange,
+    BENCH,
+    OUTPUT,
+    SERVER,
+    SEED,
+    TEMPERATURE,
+    draft_options,
     engine_options,
+    generate_options,
     model_options,
     option,
-    sampling_options,
-    spec_options,
+    panels,
+    speculative_options,
 )
 from .model.config import DTYPE_NAMES
 from .options import (
     CONVERT_BITS,
     DEFAULT_GROUP_SIZE,
     DEFAULT_MAX_LINE_BYTES,
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_MIN_MATCH,
     DEFAULT_PREFIX_CACHE_ENTRIES,
     DEFAULT_PREFIX_CACHE_POSITIONS,
-    DEFAULT_SEED,
-    MAX_SUFFIX_DRAFT,
     PREFILL_CHUNK,
     QUANT_GROUP_SIZES,
     ConfigError,
     ConvertOptions,
-    GenerateOptions,
     ServeOptions,
 )
-from .terminal import PrefillBar, SignalLatch, Terminated, make_console, signal_latch
+from .terminal import InterruptLatch, PrefillBar, Terminated, interrupt_latch, make_console
 
 
 class UserError(click.ClickException):
@@ -78,7 +79,15 @@ def read_prompts(prompt: str | None, each_line: bool) -> list[str]:
     return [text]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class StrataGroup(click.RichGroup):
+    """rich-click's help panels, with click's own error output: one plain line on stderr
+    ("Error: ..."), never a drawn box, so scripts and logs read it as before."""
+
+    def main(self, *args, **kwargs):
+        return click_core.Group.main(self, *args, **kwargs)
+
+
+@click.group(cls=StrataGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="strata")
 def cli():
     """strata: sparse Mixture-of-Experts models on MLX, with lossless suffix-lookup
@@ -91,30 +100,17 @@ def cli():
 
 @cli.command()
 @click.argument("prompt", required=False)
-@option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
-        envvar="STRATA_MAX_TOKENS", show_default=True, help="Most tokens to generate per prompt.")
-@option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0,
-        envvar="STRATA_TEMPERATURE", show_default=True, help="0 is greedy; above 0 samples.")
-@option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-        show_default=True, help="Seed for sampling (each prompt uses its own sampler).")
-@option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
-        help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
-             f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
-@option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
-        help="With --suffix-draft auto: a measured window-cost curve (scripts/window_cost.py JSON, or a "
-             "JSON list of seconds for T = 1, 2, ...) as the controller's cost prior.")
-@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
-@option("--stats", is_flag=True, envvar="STRATA_STATS", help="Print decode telemetry to stderr.")
-@option("--json", "as_json", is_flag=True, envvar="STRATA_JSON",
+@panels
+@generate_options
+@speculative_options
+@option("--stats", is_flag=True, envvar="STRATA_STATS", panel=OUTPUT, help="Print decode telemetry to stderr.")
+@option("--json", "as_json", is_flag=True, envvar="STRATA_JSON", panel=OUTPUT,
         help="Print one JSON object per prompt (index, prompt, text, token_ids, finish_reason, stats) instead of streaming text.")
-@option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE",
+@option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE", panel=OUTPUT,
         help="Treat every non-empty stdin line as its own prompt (plain answers are separated by a line ---).")
-@sampling_options
 @model_options
 @engine_options
-def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, min_match, stats, as_json,
-             each_line, sampling, load, engine):
+def generate(prompt, options, spec, stats, as_json, each_line, load, engine):
     """Generate text from PROMPT (or from stdin when piped, or when PROMPT is '-').
 
     \b
@@ -124,69 +120,50 @@ def generate(prompt, max_tokens, temperature, seed, suffix_draft, draft_cost, mi
       strata generate --each-line --json < prompts.txt
       strata generate -t 0.7 --top-p 0.9 --suffix-draft auto --repetition-penalty 1.1 "def f(x):"
     """
-    try:
-        gen_options = GenerateOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, **sampling)
-        spec = spec_options(suffix_draft, min_match, draft_cost)
-    except ConfigError as e:
-        raise click.BadParameter(str(e)) from None
     prompts = read_prompts(prompt, each_line)
-    run_guarded(lambda: _generate(load, engine, prompts, gen_options, spec, stats, as_json))
+    run_guarded(lambda: _generate(load, engine, prompts, options, spec, stats, as_json))
 
 
 def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
-    from .decode import generate as decode_generate
-    from .healing import TailSkipper, plan_heal
+    from .request import FINISH_CANCELLED, TextRequest
     from .runtime import open_model
-    from .serve.protocol import FINISH_CANCELLED
     from .telemetry import DecodeStats
-    from .tokenizer import StreamingDetokenizer
 
     runtime = open_model(load, engine_options)
     spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
-    engine, tokenizer = runtime.engine, runtime.tokenizer
     console = make_console(stderr=True)
     if show_stats and not runtime.verification.is_verified:
         click.echo(f"note: {runtime.verification.note}", err=True)
     out = sys.stdout
-    banned = tokenizer.phrase_sequences(gen_options.ban_phrases)
-    with signal_latch() as latch:
-        for n, text in enumerate(prompts):
+    with interrupt_latch() as latch:
+        for n, prompt in enumerate(prompts):
             stats = DecodeStats(warmup_seconds=runtime.warmup_seconds,
                                 calibration_seconds=runtime.calibration_seconds)
-            detok = StreamingDetokenizer(tokenizer)
-            finish, stopped = None, False
+            request = TextRequest(runtime.tokenizer, prompt, gen_options, stats=stats)
             bar = PrefillBar(console)
-            ids = tokenizer.encode(text)
-            heal = plan_heal(ids, tokenizer.heal_table(), enabled=gen_options.heal)
-            stats.record_heal(heal.removed)
-            skip = TailSkipper(heal.tail_text)  # the healed tail is the prompt's: printed already
             try:
                 latch.check()
-                for step in decode_generate(
-                    engine, heal.prompt_ids, options=gen_options, spec=spec, eos_ids=tokenizer.eos_ids,
-                    stats=stats, banned=banned, prefill_progress=bar, heal=heal.constraint(tokenizer.heal_table()),
-                ):
-                    delta = skip.feed(detok.add(step.tokens))
-                    if not as_json and delta:
+                for delta in request.stream(runtime.engine, spec=spec, prefill_progress=bar):
+                    if not as_json:
                         out.write(delta)
                         out.flush()
-                    finish = step.finish_reason or finish
                 latch.armed = False  # inside the try: a signal a moment earlier still lands in except
-            except SignalLatch.Cancelled:  # keep what was generated, then exit 130/143
-                finish, stopped = FINISH_CANCELLED, True
+            except InterruptLatch.Cancelled:  # keep what was generated, then exit 130/143
+                pass
             finally:
                 latch.armed = False  # another error's way out
                 bar.close()  # an interrupted prefill must not leave the bar drawn
-            tail = skip.feed(detok.finish())
+            tail = request.close()
+            stopped = request.finish_reason == FINISH_CANCELLED
             for message in stats.notes:
                 click.echo(f"note: {message}", err=True)
             if as_json:
                 record = {
                     "index": n,
-                    "prompt": text,
-                    "text": tokenizer.decode(detok.ids)[len(heal.tail_text):],
-                    "token_ids": detok.ids,
-                    "finish_reason": finish,
+                    "prompt": prompt,
+                    "text": request.text,
+                    "token_ids": request.token_ids,
+                    "finish_reason": request.finish_reason,
                     "weights": "verified" if runtime.verification.is_verified else "unverified",
                     "stats": stats.summary(),
                 }
@@ -205,38 +182,30 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
 
 
 @cli.command("serve-stdio")
-@option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
-        envvar="STRATA_MAX_TOKENS", show_default=True, help="max_tokens of requests that leave it out.")
-@option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0, envvar="STRATA_TEMPERATURE",
-        show_default=True, help="temperature of requests that leave it out (0 = greedy).")
-@option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-        show_default=True, help="seed of requests that leave it out.")
-@option("--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
-        help="suffix_draft of requests that leave it out: N drafts per window (0 = off), 'auto' or 'auto:N'.")
-@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
+@panels
+@generate_options
+@speculative_options
 @option("--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
-        help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
+        panel=SERVER, help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
 @option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
-        envvar="STRATA_PREFIX_CACHE", show_default=True,
+        envvar="STRATA_PREFIX_CACHE", show_default=True, panel=SERVER,
         help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse).")
 @option("--prefix-cache-positions", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CACHE_POSITIONS,
-        envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True,
+        envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True, panel=SERVER,
         help="Most positions all checkpoints together hold (their KV memory grows with it).")
 @option("--checkpoint-every", type=click.IntRange(min=0), default=PREFILL_CHUNK,
-        envvar="STRATA_CHECKPOINT_EVERY", show_default=True,
+        envvar="STRATA_CHECKPOINT_EVERY", show_default=True, panel=SERVER,
         help="Also checkpoint a prompt's prefill at every multiple of N positions (0 = only at its end).")
 @option("--suffix-cache", type=click.IntRange(min=0), default=0, envvar="STRATA_SUFFIX_CACHE",
-        show_default=True, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
+        show_default=True, panel=SERVER, help="Tokens of earlier requests' outputs kept for drafts (0 = off).")
 @option("--max-line-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
-        envvar="STRATA_MAX_LINE_BYTES", show_default=True, help="Longer request lines get an error reply.")
-@sampling_options
+        envvar="STRATA_MAX_LINE_BYTES", show_default=True, panel=SERVER,
+        help="Longer request lines get an error reply.")
+@option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", panel=SERVER, help="Log every request on stderr.")
 @model_options
 @engine_options
-@option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", help="Log every request on stderr.")
-def serve_stdio_command(max_tokens, temperature, seed, suffix_draft, min_match, session, prefix_cache,
-                        prefix_cache_positions, checkpoint_every, suffix_cache, max_line_bytes, sampling, load,
-                        engine, verbose):
+def serve_stdio_command(options, spec, session, prefix_cache, prefix_cache_positions, checkpoint_every,
+                        suffix_cache, max_line_bytes, verbose, load, engine):
     """Answer JSON-lines requests from stdin with JSON-lines frames on stdout.
 
     stdout carries protocol frames only; logs go to stderr. Exit status: 0 at end of input,
@@ -259,15 +228,13 @@ def serve_stdio_command(max_tokens, temperature, seed, suffix_draft, min_match, 
             prefix_cache_positions=prefix_cache_positions, checkpoint_every=checkpoint_every,
             suffix_cache_tokens=suffix_cache, max_line_bytes=max_line_bytes,
         )
-        defaults = GenerateOptions(max_tokens=max_tokens, temperature=temperature, seed=seed, **sampling)
-        spec = spec_options(suffix_draft, min_match, None)
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
                         format="strata serve: %(message)s")
     def serve():
         runtime = open_model(load, engine)
-        return serve_stdio(runtime, serve_options=serve_options, defaults=defaults, spec=runtime.spec_for(spec))
+        return serve_stdio(runtime, serve_options=serve_options, defaults=options, spec=runtime.spec_for(spec))
 
     run_guarded(lambda: sys.exit(serve()))
 
@@ -366,44 +333,40 @@ def _verify(model: str, as_json: bool) -> None:
 
 @cli.command("bench")
 @click.argument("workloads", nargs=-1)
+@panels
 @option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-        envvar="STRATA_BENCH_WORKLOADS", help="Where the workload files are (default: examples/workloads).")
-@option("--modes", default=None, envvar="STRATA_BENCH_MODES",
+        envvar="STRATA_BENCH_WORKLOADS", panel=BENCH,
+        help="Where the workload files are (default: examples/workloads).")
+@option("--modes", default=None, envvar="STRATA_BENCH_MODES", panel=BENCH,
         help="Comma-separated modes: serial, N, A-B, auto, auto:N, mlx-lm, mlx-lm-spec "
              "[default: serial,1-7,auto,mlx-lm,mlx-lm-spec].")
-@option("--max-tokens", "-n", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_TOKENS",
+@option("--max-tokens", "-n", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_TOKENS", panel=BENCH,
         help="Tokens generated per prompt, exactly: EOS is disabled [default: 128].")
-@option("--repeats", "-r", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_REPEATS",
+@option("--repeats", "-r", type=click.IntRange(min=1), default=None, envvar="STRATA_BENCH_REPEATS", panel=BENCH,
         help="Measured runs per mode and workload [default: 3].")
-@option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP",
+@option("--warmup", type=click.IntRange(min=0), default=None, envvar="STRATA_BENCH_WARMUP", panel=BENCH,
         help="Warm-up runs per mode and workload, reported apart [default: 1].")
-@option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-        show_default=True, help="MLX's global seed and the requests' sampling seed.")
-@option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0, envvar="STRATA_TEMPERATURE",
-        show_default=True, help="Sample at this temperature (0 = greedy; mlx-lm modes run greedy only).")
-@option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
-        show_default=True, help="Shortest suffix match (tokens) that may propose drafts.")
-@option("--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
-        help="The auto modes' cost prior: a measured window-cost curve (scripts/window_cost.py JSON).")
-@option("--peers/--no-peers", default=True, envvar="STRATA_BENCH_PEERS", show_default=True,
+@SEED
+@TEMPERATURE
+@draft_options
+@option("--peers/--no-peers", default=True, envvar="STRATA_BENCH_PEERS", show_default=True, panel=BENCH,
         help="Run the mlx-lm peer modes (needs the 'bench' extra).")
 @option("--peer-draft-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-        help="Draft model of mlx-lm-spec (default: the model itself).")
-@option("--peer-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True,
+        panel=BENCH, help="Draft model of mlx-lm-spec (default: the model itself).")
+@option("--peer-draft-tokens", type=click.IntRange(min=1), default=2, show_default=True, panel=BENCH,
         help="Drafts per step of mlx-lm-spec.")
-@option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None, panel=OUTPUT,
         help="Write every run and summary as JSON to FILE.")
-@option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None, panel=OUTPUT,
         help="Draw tokens/s by mode and workload to a PNG (needs matplotlib, the 'bench' extra).")
-@option("--check", is_flag=True, envvar="STRATA_BENCH_CHECK",
+@option("--check", is_flag=True, envvar="STRATA_BENCH_CHECK", panel=OUTPUT,
         help="Exit with status 1 when a speed target is missed (a diverged output always does).")
-@option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None, panel=OUTPUT,
         help="Write the results table (and the speed targets) as Markdown to FILE, for docs/benchmarks.md.")
 @model_options
 @engine_options
-def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, seed, temperature, min_match,
-                  draft_cost, peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, check, markdown_path,
-                  load, engine):
+def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, seed, temperature, drafts,
+                  peers, peer_draft_model, peer_draft_tokens, out_path, plot_path, check, markdown_path, load, engine):
     """Measure tokens/s of named WORKLOADS (default: all) in every decoding mode.
 
     Each workload runs in each mode (serial, fixed draft lengths, auto, and mlx-lm on the same
@@ -411,14 +374,14 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
     be identical across strata modes (a difference exits with status 1; with --check, so does
     a missed speed target). The table goes to stdout, progress to stderr (a bar on a terminal,
     a line per finished run otherwise). A workload or the mlx-lm peers that need the 'bench'
-    extra are skipped with a note unless named. The plain `strata bench` takes about 5 minutes
-    on a laptop-class CPU. docs/benchmarks.md explains every column.
+    extra are skipped with a note unless named. The plain `strata bench` takes about 6 minutes
+    on a 2-core CPU with the demo model. docs/benchmarks.md explains every column.
 
     \b
     Examples:
       strata bench
       strata bench prose copy_edit --modes serial,1-4,auto --repeats 5 --out bench.json
-      strata bench --no-peers --plot docs/bench.png
+      strata bench --no-peers --plot bench.png
       strata bench copy_edit --no-peers --temperature 0.7 --modes serial,3,auto
       strata bench prose copy_edit --modes serial,auto --check
     """
@@ -444,8 +407,7 @@ def bench_command(workloads, workloads_dir, modes, max_tokens, repeats, warmup, 
             seed=seed,
             temperature=temperature,
         )
-        cost_prior = spec_options((1, True), min_match, draft_cost).cost_prior
-        mode_list = parse_modes(modes or DEFAULT_MODES, min_match=min_match, cost_prior=cost_prior)
+        mode_list = parse_modes(modes or DEFAULT_MODES, **drafts)
     except ConfigError as e:
         raise click.BadParameter(str(e)) from None
     if not peers:
@@ -531,7 +493,7 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err, transient=True) as bar:
                 task = bar.add_task("bench", total=total)
-                result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer,
+                result = run_bench(runtime.engine, runtime.tokenizer, workloads, modes, options, peer=peer,
                                    meta=meta, progress=lambda what: bar.update(task, advance=1, description=what))
         else:  # a log: one line per finished run
             done, start = [0], time.monotonic()
@@ -540,7 +502,7 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
                 done[0] += 1
                 click.echo(f"bench {done[0]}/{total} ({time.monotonic() - start:.0f} s): {what}", err=True)
 
-            result = run_bench(runtime.engine, runtime.tokenizer.encode, workloads, modes, options, peer=peer,
+            result = run_bench(runtime.engine, runtime.tokenizer, workloads, modes, options, peer=peer,
                                meta=meta, progress=log_run)
         render_table(make_console(), result)
         if out_path:

@@ -1,5 +1,6 @@
-"""The CLI's options: click parameter types, STRATA_* fallbacks that name their variable, and the
-decorators that turn a command's flags into one checked options object (options.py)."""
+"""The CLI's options: click parameter types, STRATA_* fallbacks that name their variable, and one
+decorator per option group that turns a command's flags into one checked options object
+(options.py). Each option is declared once, here, with the help panel it is listed in."""
 
 
 from __future__ import annotations
@@ -9,20 +10,25 @@ import inspect
 import math
 import os
 
-import click
+import rich_click as click
 from click.core import ParameterSource
 
 from .model.config import DTYPE_NAMES
 from .options import (
     DEFAULT_EXPERT_IO_THREADS,
     DEFAULT_EXPERT_PREFETCH,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MIN_MATCH,
     DEFAULT_REPETITION_CONTEXT,
+    DEFAULT_SEED,
     DEMO_MODEL,
+    MAX_SUFFIX_DRAFT,
     EXPERT_IO_MODES,
     EXPERT_PREFETCH_MODES,
     FOLD_MODES,
     ConfigError,
     EngineOptions,
+    GenerateOptions,
     LoadOptions,
     MoceOptions,
     SpecOptions,
@@ -32,7 +38,27 @@ from .options import (
 )
 
 
-class EnvOption(click.Option):
+# The panels `--help` lists options in, everyday ones first.
+MODEL = "Model"
+OUTPUT = "Output"
+SAMPLING = "Sampling"
+SPECULATIVE = "Speculative decoding"
+ENGINE = "Engine"
+STREAMING = "Expert streaming"
+EXPERIMENTAL = "Experiments and approximate modes (off by default)"
+SERVER = "Server"
+BENCH = "Bench"
+PANEL_ORDER = (MODEL, OUTPUT, SAMPLING, SPECULATIVE, SERVER, BENCH, ENGINE, STREAMING, EXPERIMENTAL)
+
+
+def panels(command):
+    """List a command's option panels in PANEL_ORDER (empty ones are not shown)."""
+    for name in reversed(PANEL_ORDER):
+        command = click.option_panel(name)(command)
+    return command
+
+
+class EnvOption(click.RichOption):
     """A click option whose error names the STRATA_* variable when the bad value came from it."""
 
     def get_error_hint(self, ctx) -> str:
@@ -44,7 +70,7 @@ class EnvOption(click.Option):
 
 
 def option(*names, **attrs):
-    """`click.option` with `EnvOption`: every strata option."""
+    """`click.option` with `EnvOption`: every strata option (`panel=` names its help panel)."""
     return click.option(*names, cls=EnvOption, **attrs)
 
 
@@ -114,68 +140,168 @@ def options_object(name: str, build, options: list):
     return decorate
 
 
+# -- every option, declared once ------------------------------------------------------------------
+
+MAX_TOKENS = option("--max-tokens", "-n", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS,
+                    envvar="STRATA_MAX_TOKENS", show_default=True, panel=SAMPLING,
+                    help="Most tokens to generate per prompt (serve-stdio: for requests that leave it out).")
+TEMPERATURE = option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0,
+                     envvar="STRATA_TEMPERATURE", show_default=True, panel=SAMPLING,
+                     help="0 is greedy; above 0 samples.")
+SEED = option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
+              show_default=True, panel=SAMPLING,
+              help="Seed for sampling: each prompt uses its own sampler, so the same seed gives the same "
+                   "text with any --suffix-draft.")
+SUFFIX_DRAFT_OPTION = option(
+    "--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
+    panel=SPECULATIVE,
+    help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
+         f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
+DRAFT_COST = option(
+    "--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
+    panel=SPECULATIVE,
+    help="The auto controller's cost prior: a measured window-cost curve (scripts/bench/window_cost.py "
+         "JSON, or a JSON list of seconds for T = 1, 2, ...); default: measured on this device once and cached.")
+MIN_MATCH = option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
+                   show_default=True, panel=SPECULATIVE,
+                   help="Shortest suffix match (tokens) that may propose drafts.")
+
+
+def generate_options(command):
+    """--max-tokens, --temperature, --seed, the sampling filters, penalties, phrase bans and
+    healing, passed to `command` as one `options: GenerateOptions` argument."""
+    options = [
+        MAX_TOKENS, TEMPERATURE, SEED,
+        option("--top-k", type=click.IntRange(min=0), default=0, envvar="STRATA_TOP_K", show_default=True,
+               panel=SAMPLING, help="Sample among the K most likely tokens only (0 = off; needs --temperature > 0)."),
+        option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, envvar="STRATA_TOP_P",
+               show_default=True, panel=SAMPLING,
+               help="Nucleus sampling: the smallest set of likeliest tokens with this much probability "
+                    "(1 = off; needs --temperature > 0)."),
+        option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0, envvar="STRATA_MIN_P",
+               show_default=True, panel=SAMPLING,
+               help="Drop tokens less likely than MIN_P times the likeliest (0 = off; needs --temperature > 0)."),
+        option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=1.0,
+               envvar="STRATA_REPETITION_PENALTY", show_default=True, panel=SAMPLING,
+               help="Penalise tokens among the last --repetition-context tokens, prompt included (1 = off)."),
+        option("--repetition-context", type=click.IntRange(min=1), default=DEFAULT_REPETITION_CONTEXT,
+               envvar="STRATA_REPETITION_CONTEXT", show_default=True, panel=SAMPLING,
+               help="How many recent tokens the repetition penalty looks at."),
+        option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, envvar="STRATA_PRESENCE_PENALTY",
+               show_default=True, panel=SAMPLING,
+               help="Subtract this from the logit of every token generated so far (OpenAI)."),
+        option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, envvar="STRATA_FREQUENCY_PENALTY",
+               show_default=True, panel=SAMPLING,
+               help="Subtract this times each token's count among the generated tokens (OpenAI)."),
+        option("--ban-phrases", type=click.Path(exists=True, dir_okay=False), default=None,
+               envvar="STRATA_BAN_PHRASES", metavar="FILE", panel=SAMPLING,
+               help="Phrases (one per line) the output never contains as tokens."),
+        option("--no-heal", is_flag=True, envvar="STRATA_NO_HEAL", panel=SAMPLING,
+               help="Take the prompt's tokens as they are: no backing up over a trailing space, newline or "
+                    "partial word to let the first tokens rewrite it."),
+    ]
+
+    def build(max_tokens, temperature, seed, top_k, top_p, min_p, repetition_penalty, repetition_context,
+              presence_penalty, frequency_penalty, ban_phrases, no_heal):
+        return GenerateOptions(
+            max_tokens=max_tokens, temperature=temperature, seed=seed, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, repetition_context=repetition_context,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            ban_phrases=read_ban_phrases(ban_phrases) if ban_phrases else (), heal=not no_heal,
+        )
+
+    return options_object("options", build, options)(command)
+
+
+def speculative_options(command):
+    """--suffix-draft, --draft-cost and --min-match, passed to `command` as one `spec: SpecOptions`
+    argument."""
+    def build(suffix_draft, draft_cost, min_match):
+        return spec_options(suffix_draft, min_match, draft_cost)
+
+    return options_object("spec", build, [SUFFIX_DRAFT_OPTION, DRAFT_COST, MIN_MATCH])(command)
+
+
+def draft_options(command):
+    """--draft-cost and --min-match without --suffix-draft (bench names its draft modes), passed to
+    `command` as one `drafts: dict` argument (min_match, cost_prior)."""
+    def build(draft_cost, min_match):
+        return {"min_match": min_match,
+                "cost_prior": spec_options((MAX_SUFFIX_DRAFT, True), min_match, draft_cost).cost_prior}
+
+    return options_object("drafts", build, [DRAFT_COST, MIN_MATCH])(command)
+
+
 def model_options(command):
     """--model, --dtype and the expert-streaming options of every command that opens a model,
     passed to `command` as one `load: LoadOptions` argument."""
     options = [
-        option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True,
+        option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True, panel=MODEL,
                help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
                     "'demo' is the embedded model."),
-        option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE",
+        option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE", panel=MODEL,
                help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
         option("--expert-cache", type=FiniteFloatRange(min=0, min_open=True), default=None,
-               envvar="STRATA_EXPERT_CACHE", metavar="GB",
+               envvar="STRATA_EXPERT_CACHE", metavar="GB", panel=STREAMING,
                help="Streamed checkpoints: expert cache budget in GB over all MoE layers "
                     "(default: every expert resident once read)."),
         option("--resident-experts", type=click.IntRange(min=1), default=None, envvar="STRATA_RESIDENT_EXPERTS",
-               metavar="N", help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
+               metavar="N", panel=STREAMING,
+               help="Streamed checkpoints: resident experts per MoE layer (instead of --expert-cache)."),
         option("--expert-prefetch", type=click.Choice(EXPERT_PREFETCH_MODES), default=DEFAULT_EXPERT_PREFETCH,
-               envvar="STRATA_EXPERT_PREFETCH", show_default=True,
+               envvar="STRATA_EXPERT_PREFETCH", show_default=True, panel=STREAMING,
                help="Read ahead the next layer's experts predicted by its router on this layer's input "
                     "(router), by which experts followed before (history), or not at all (off)."),
-        option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
-               show_default=True, help="Only row 0 of a window drives prefetch (demand reads serve every row)."),
         option("--expert-io", type=click.Choice(EXPERT_IO_MODES), default="auto", envvar="STRATA_EXPERT_IO",
-               show_default=True, help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
+               show_default=True, panel=STREAMING,
+               help="Expert reads: O_DIRECT where allowed (auto), O_DIRECT only, or the page cache."),
         option("--expert-io-threads", type=click.IntRange(min=1), default=DEFAULT_EXPERT_IO_THREADS,
-               envvar="STRATA_EXPERT_IO_THREADS", show_default=True, help="Threads reading expert records."),
+               envvar="STRATA_EXPERT_IO_THREADS", show_default=True, panel=STREAMING,
+               help="Threads reading expert records."),
+        option("--spec-root-prefetch/--no-spec-root-prefetch", default=False, envvar="STRATA_SPEC_ROOT_PREFETCH",
+               show_default=True, panel=EXPERIMENTAL,
+               help="Experiment: only row 0 of a window drives prefetch (demand reads serve every row)."),
         option("--expert-readahead-depth", type=click.IntRange(min=1), default=None,
-               envvar="STRATA_EXPERT_READAHEAD_DEPTH", metavar="N",
-               help="Demand reads first: at most N read-aheads at the disk at once and none while a demand "
-                    "read waits; queued ones a layer did not pick are cancelled (default: no queue, every "
-                    "read as it comes)."),
+               envvar="STRATA_EXPERT_READAHEAD_DEPTH", metavar="N", panel=EXPERIMENTAL,
+               help="Experiment: demand reads first: at most N read-aheads at the disk at once and none while "
+                    "a demand read waits; queued ones a layer did not pick are cancelled (default: no queue, "
+                    "every read as it comes)."),
         option("--expert-readahead-min-prob", type=FiniteFloatRange(min=0, max=1, max_open=True), default=0.0,
-               envvar="STRATA_EXPERT_READAHEAD_MIN_PROB", metavar="P", show_default=True,
-               help="Router prefetch reads an expert only when its predicted router probability is at "
-                    "least P (0: every predicted pick)."),
+               envvar="STRATA_EXPERT_READAHEAD_MIN_PROB", metavar="P", show_default=True, panel=EXPERIMENTAL,
+               help="Experiment: router prefetch reads an expert only when its predicted router probability "
+                    "is at least P (0: every predicted pick)."),
         option("--moce-protect", type=int, default=None, envvar="STRATA_MOCE_PROTECT", metavar="J",
+               panel=EXPERIMENTAL,
                help="Streamed checkpoints, APPROXIMATE: cache-aware routing; each token keeps its top J "
                     "experts and fills the rest preferring resident ones (default: off, exact routing)."),
-        option("--moce-bonus", type=float, default=None, envvar="STRATA_MOCE_BONUS", metavar="B",
+        option("--moce-bonus", type=float, default=None, envvar="STRATA_MOCE_BONUS", metavar="B", panel=EXPERIMENTAL,
                help="With --moce-protect: resident experts' router probabilities are multiplied by exp(B) (default 0)."),
         option("--draft-moce-protect", type=int, default=None, envvar="STRATA_DRAFT_MOCE_PROTECT", metavar="J",
-               help="With --moce-protect: J for draft rows 1..T-1 of a window (default: --moce-protect)."),
+               panel=EXPERIMENTAL, help="With --moce-protect: J for draft rows 1..T-1 of a window (default: --moce-protect)."),
         option("--draft-moce-bonus", type=float, default=None, envvar="STRATA_DRAFT_MOCE_BONUS", metavar="B",
-               help="With --moce-protect: B for draft rows (default: --moce-bonus)."),
+               panel=EXPERIMENTAL, help="With --moce-protect: B for draft rows (default: --moce-bonus)."),
         option("--expert-budget", type=int, default=None, envvar="STRATA_EXPERT_BUDGET", metavar="N",
+               panel=EXPERIMENTAL,
                help="With --moce-protect: at most N non-resident experts loaded per layer per window beyond "
                     "the protected ones, then residents only (default: no budget)."),
         option("--moce-exact-prefill/--no-moce-exact-prefill", default=False, envvar="STRATA_MOCE_EXACT_PREFILL",
-               show_default=True, help="With --moce-protect: prompt chunks route exactly; only decode windows "
-                                       "use the MoCE knobs (not with --expert-budget)."),
+               show_default=True, panel=EXPERIMENTAL,
+               help="With --moce-protect: prompt chunks route exactly; only decode windows use the MoCE knobs "
+                    "(not with --expert-budget)."),
         option("--moce-natural-prefetch/--no-moce-natural-prefetch", default=False,
-               envvar="STRATA_MOCE_NATURAL_PREFETCH", show_default=True,
+               envvar="STRATA_MOCE_NATURAL_PREFETCH", show_default=True, panel=EXPERIMENTAL,
                help="With --moce-protect: router prefetch reads the next layer's natural top-k, as exact "
                     "routing does, instead of predicting MoCE's own picks."),
         option("--moce-count-inflight/--no-moce-count-inflight", default=False,
-               envvar="STRATA_MOCE_COUNT_INFLIGHT", show_default=True,
+               envvar="STRATA_MOCE_COUNT_INFLIGHT", show_default=True, panel=EXPERIMENTAL,
                help="With --moce-protect: experts whose read-ahead is already in flight for a layer get "
                     "the resident bonus there (their read is already paid for)."),
     ]
 
-    def build(model, dtype, expert_cache, resident_experts, expert_prefetch, spec_root_prefetch, expert_io,
-              expert_io_threads, expert_readahead_depth, expert_readahead_min_prob, moce_protect, moce_bonus, draft_moce_protect, draft_moce_bonus, expert_budget,
-              moce_exact_prefill, moce_natural_prefetch, moce_count_inflight):
+    def build(model, dtype, expert_cache, resident_experts, expert_prefetch, expert_io, expert_io_threads,
+              spec_root_prefetch, expert_readahead_depth, expert_readahead_min_prob, moce_protect, moce_bonus,
+              draft_moce_protect, draft_moce_bonus, expert_budget, moce_exact_prefill, moce_natural_prefetch,
+              moce_count_inflight):
         stream = StreamOptions(
             cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
             root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
@@ -190,66 +316,23 @@ def model_options(command):
 
 
 def engine_options(command):
-    """The window engine's options (context, fold, partial mode), passed to `command` as one
-    `engine: EngineOptions` argument."""
+    """The window engine's options (context, fold, partial mode, shape warm-up), passed to
+    `command` as one `engine: EngineOptions` argument."""
     options = [
-        option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT",
+        option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT", panel=ENGINE,
                help="Positions the engine may hold (prompt + output); default: the model's maximum."),
-        option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
-               help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
-                    "or at commit (eager)."),
-        option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
-               help="Commit each window's root row inside the run."),
-        option("--warm-shapes/--no-warm-shapes", default=None, envvar="STRATA_WARM_SHAPES",
+        option("--warm-shapes/--no-warm-shapes", default=None, envvar="STRATA_WARM_SHAPES", panel=ENGINE,
                help="Run every window shape once at load, so none is first built inside a timed "
                     "window (load time)  [default: on for GPU backends, off on the CPU]"),
+        option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
+               panel=EXPERIMENTAL,
+               help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
+                    "or at commit (eager). Both are exact."),
+        option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
+               panel=EXPERIMENTAL, help="Experiment: commit each window's root row inside the run (exact)."),
     ]
 
-    def build(max_context, fold, partial, warm_shapes):
+    def build(max_context, warm_shapes, fold, partial):
         return EngineOptions(fold=fold, partial=partial, max_context=max_context, warm_shapes=warm_shapes)
 
     return options_object("engine", build, options)(command)
-
-
-def sampling_options(command):
-    """Sampling filters, penalties, phrase bans and healing (`GenerateOptions` fields), passed to `command`
-    as one `sampling: dict` argument; `GenerateOptions` checks them with the rest."""
-    options = [
-        click.option("--top-k", type=click.IntRange(min=0), default=0, envvar="STRATA_TOP_K", show_default=True,
-                     help="Sample among the K most likely tokens only (0 = off; needs --temperature > 0)."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, envvar="STRATA_TOP_P",
-                     show_default=True, help="Nucleus sampling: the smallest set of likeliest tokens with this "
-                                             "much probability (1 = off; needs --temperature > 0)."),
-        click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0, envvar="STRATA_MIN_P",
-                     show_default=True, help="Drop tokens less likely than MIN_P times the likeliest (0 = off; "
-                                             "needs --temperature > 0)."),
-        click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=1.0,
-                     envvar="STRATA_REPETITION_PENALTY", show_default=True,
-                     help="Penalise tokens among the last --repetition-context tokens, prompt included (1 = off)."),
-        click.option("--repetition-context", type=click.IntRange(min=1), default=DEFAULT_REPETITION_CONTEXT,
-                     envvar="STRATA_REPETITION_CONTEXT", show_default=True,
-                     help="How many recent tokens the repetition penalty looks at."),
-        click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, envvar="STRATA_PRESENCE_PENALTY",
-                     show_default=True, help="Subtract this from the logit of every token generated so far (OpenAI)."),
-        click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0,
-                     envvar="STRATA_FREQUENCY_PENALTY", show_default=True,
-                     help="Subtract this times each token's count among the generated tokens (OpenAI)."),
-        click.option("--ban-phrases", type=click.Path(exists=True, dir_okay=False), default=None,
-                     envvar="STRATA_BAN_PHRASES", metavar="FILE",
-                     help="Phrases (one per line) the output never contains as tokens."),
-        click.option("--no-heal", is_flag=True, envvar="STRATA_NO_HEAL",
-                     help="Take the prompt's tokens as they are: no backing up over a trailing space, newline or "
-                          "partial word to let the first tokens rewrite it."),
-    ]
-
-    def build(top_k, top_p, min_p, repetition_penalty, repetition_context, presence_penalty, frequency_penalty,
-              ban_phrases, no_heal):
-        return {
-            "top_k": top_k, "top_p": top_p, "min_p": min_p, "repetition_penalty": repetition_penalty,
-            "repetition_context": repetition_context, "presence_penalty": presence_penalty,
-            "frequency_penalty": frequency_penalty,
-            "ban_phrases": read_ban_phrases(ban_phrases) if ban_phrases else (),
-            "heal": not no_heal,
-        }
-
-    return options_object("sampling", build, options)(command)

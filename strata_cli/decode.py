@@ -1,10 +1,11 @@
-"""The decode loop shared by `generate`, `serve-stdio` and `bench`.
+"""The decode loop shared by `generate`, `serve-stdio` and `bench`: prefill, plan, run, choose,
+keep, commit, record.
 
 Each step runs one window [root, d1..dD] through the engine, keeps the longest verified prefix
-(speculative/verify.py), emits its outputs, and commits exactly the inputs those outputs rest
-on. The window never exceeds the remaining token budget or the context
-(speculative/safe_window.py); emission stops at the first end-of-sequence token, and nothing
-after it is committed.
+(speculative/acceptance.py), emits its outputs, and commits exactly the inputs those outputs rest
+on. The planner (speculative/planner.py) sizes each window within the remaining token budget
+and the context; emission stops at the first end-of-sequence token, and nothing after it is
+committed.
 
 Greedy decoding with nothing between the logits and the token (no processors, healing or
 sampling) overlaps its one-token steps (`overlapped_serial`): the same tokens, commits and
@@ -19,22 +20,23 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 from .engine.window import WindowEngine
 from .healing import HealConstraint
 from .options import GenerateOptions, SpecOptions
 from .processors import Processors, ProcessorTrack
 from .sampling import TokenChooser
+from .speculative.acceptance import expected_keep_probs, greedy_keep, stop_at_eos
 from .speculative.controller import DraftController
-from .speculative.safe_window import safe_window
-from .speculative.suffix_drafter import EMPTY_PROPOSAL, Proposal, SuffixDrafter
-from .speculative.verify import expected_keep_probs, greedy_keep, stop_at_eos
+from .speculative.drafters import Drafter, request_drafter
+from .speculative.planner import WindowPlanner
 from .telemetry import DecodeStats, WindowRecord
 
 FINISH_STOP = "stop"  # an end-of-sequence token
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_CONTEXT = "context"  # the context limit reached
+
 
 @dataclass(frozen=True)
 class Step:
@@ -42,12 +44,6 @@ class Step:
 
     tokens: list[int]
     finish_reason: str | None = None
-
-
-class ContextDrafter(Protocol):
-    """Proposes drafts that continue a given token sequence (`SuffixDrafter` is one)."""
-
-    def propose_for(self, context: Sequence[int], max_drafts: int) -> Proposal: ...
 
 
 class PromptError(ValueError):
@@ -63,7 +59,7 @@ def generate(
     eos_ids: Collection[int],
     stats: DecodeStats | None = None,
     prefilled: int = 0,
-    fallback_drafter: ContextDrafter | None = None,
+    drafter: Drafter | None = None,
     controller: DraftController | None = None,
     banned: Sequence[Sequence[int]] = (),
     prefill_progress: Callable[[int, int], None] | None = None,
@@ -74,51 +70,119 @@ def generate(
     Args:
         engine: the window engine; it is reset first.
         prompt_ids: the request's final token ids (at least one).
-        options: max_tokens, temperature, seed.
-        spec: max drafts per window (0 = serial), the drafter's min_match, and `auto` (a
-            draft-length controller picks each window's drafts, up to max_drafts).
-        eos_ids: ids that end generation (not emitted); empty (`()`) never stops early, so
-            exactly max_tokens are generated (bench does this).
+        options: max_tokens, temperature, seed, sampling filters and penalties.
+        spec: max drafts per window (0 = serial), the drafter's min_match, and `auto`.
+        eos_ids: ids that end generation (not emitted); `()` never stops early.
         stats: telemetry sink (default: a private one).
-        prefilled: how many leading prompt tokens the engine already holds as committed state
-            (restored from a checkpoint); 0 (default) resets the engine first.
-        fallback_drafter: asked to continue the request's tokens when its own drafter proposes
-            nothing (a cross-request suffix cache); None (default) = the request's drafter only.
-            It changes drafts only, never the output; its windows are counted as `from_global`.
-        controller: the draft-length controller to use with `spec.auto` (pass one to keep what
-            it learned across requests); None (default) = a fresh one per request. It only
-            changes how many drafts a window verifies, never the output.
-        banned: the token sequences of `options.ban_phrases` (tokenizer.phrase_sequences);
-            given exactly when phrases are.
-        prefill_progress: called as `prefill_progress(done, total)` after each prompt chunk
-            (a progress bar); None (default) = quiet.
-        heal: the healed tail the first outputs must reproduce (healing.plan_heal; `prompt_ids`
-            is then the prompt less its healed tokens); None (default) = outputs are free.
+        prefilled: leading prompt tokens the engine already holds as committed state (restored
+            from a checkpoint); 0 (default) resets the engine first.
+        drafter: the request's draft source (speculative/drafters.py); None (default) = a
+            suffix drafter over the request's own tokens. Drafts never change the output.
+        controller: the draft-length controller for `spec.auto` (pass one to keep what it
+            learned across requests); None (default) = a fresh one.
+        banned: the token sequences of `options.ban_phrases` (tokenizer.phrase_sequences).
+        prefill_progress: called as `prefill_progress(done, total)` after each prompt chunk.
+        heal: the healed tail the first outputs must reproduce (healing.plan_heal); None = free.
 
     Yields:
         `Step`s; the last one carries the finish reason ("stop", "length" or "context").
     """
     stats = stats if stats is not None else DecodeStats()
+    prompt_ids = checked_prompt(prompt_ids, engine.max_context)
+    chooser = TokenChooser(options, prompt_length=len(prompt_ids))
+    processors = Processors(options, banned, heal) if options.has_processors or heal else None
+    planner = plan_windows(engine, prompt_ids, spec, drafter, controller)
+    if planner.controller is not None:
+        stats.attach_controller(planner.controller)
+    expert_probe = getattr(engine, "last_window_experts", None)  # streaming engines report reads
+    prefill(engine, prompt_ids, prefilled, stats, prefill_progress)
+    # Processor state rolls back with the engine's: the same inputs run, the same keep commits.
+    track = ProcessorTrack(processors, prompt_ids[:-1], len(prompt_ids)) if processors else None
+
+    root, pos0, emitted = prompt_ids[-1], len(prompt_ids) - 1, 0
+    overlap = track is None and not chooser.is_sampling and getattr(engine, "can_overlap", False)
+    if planner.drafter is None and overlap:
+        yield from overlapped_serial(engine, root, pos0, options.max_tokens, eos_ids, stats)
+        return
+    while True:
+        remaining = options.max_tokens - emitted
+        finish = limit_reached(remaining, engine.context_left(pos0))
+        if finish:
+            yield Step([], finish)
+            return
+        start = time.perf_counter()
+        plan = planner.plan(pos0, remaining)
+        if plan.rows == 1 and overlap:
+            # Nothing to verify: one-token steps overlap until a token brings drafts worth a
+            # window; that step's launched successor is abandoned and the window runs instead.
+            planner.decline(plan)
+            for step in overlapped_serial(engine, root, pos0, remaining, eos_ids, stats, after=planner.after_step,
+                                          declined=lambda: planner.declined):
+                yield step
+                if step.finish_reason:
+                    return
+                emitted, pos0, root = emitted + len(step.tokens), pos0 + len(step.tokens), step.tokens[-1]
+            continue
+        inputs = [root, *plan.drafts]
+        out = engine.run(inputs, pos0)
+        row_tokens, draft_probs = choose_rows(out, inputs, pos0, chooser, track)
+        verified = greedy_keep(inputs, row_tokens)  # with draws: speculative sampling (acceptance.py)
+        keep, outputs = verified, row_tokens[:verified]
+        eos_at = stop_at_eos(outputs, eos_ids)
+        if eos_at is not None:
+            keep, outputs = eos_at + 1, outputs[:eos_at]
+        engine.commit(keep)
+        if track is not None:
+            track.commit(keep)
+        seconds = time.perf_counter() - start
+        experts = expert_probe() if expert_probe else None
+        stats.record_window(WindowRecord(T=plan.rows, keep=keep, emitted=len(outputs), seconds=seconds,
+                                         match_length=plan.match_length, from_global=plan.from_cache,
+                                         proposed=plan.proposed, experts=experts))
+        planner.learn(plan, verified=verified, seconds=seconds,
+                      extra_seconds=experts.draft_read_seconds if experts else 0.0,
+                      acceptance=None if draft_probs is None else expected_keep_probs(draft_probs, verified))
+        if eos_at is not None:
+            yield Step(outputs, FINISH_STOP)
+            return
+        planner.extend(outputs)
+        emitted, pos0, root = emitted + len(outputs), pos0 + keep, outputs[-1]
+        yield Step(outputs)
+
+
+def checked_prompt(prompt_ids: Sequence[int], max_context: int) -> list[int]:
+    """The prompt's ids as a list.
+
+    Raises:
+        PromptError: the prompt is empty or longer than the context.
+    """
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
         raise PromptError("the prompt is empty")
-    if len(prompt_ids) > engine.max_context:
-        raise PromptError(
-            f"the prompt has {len(prompt_ids)} tokens but the context holds {engine.max_context}"
-        )
-    chooser = TokenChooser(options, prompt_length=len(prompt_ids))
-    processors = Processors(options, banned, heal) if options.has_processors or heal else None
-    max_drafts = spec.max_drafts
-    drafter = SuffixDrafter(prompt_ids, min_match=spec.min_match) if max_drafts else None
-    if not (spec.auto and max_drafts):
+    if len(prompt_ids) > max_context:
+        raise PromptError(f"the prompt has {len(prompt_ids)} tokens but the context holds {max_context}")
+    return prompt_ids
+
+
+def plan_windows(engine: WindowEngine, prompt_ids: list[int], spec: SpecOptions, drafter: Drafter | None,
+                 controller: DraftController | None) -> WindowPlanner:
+    """The request's window planner: its drafter (the default one unless given) and, with
+    `spec.auto`, the draft-length controller."""
+    if spec.max_drafts and drafter is None:
+        drafter = request_drafter(prompt_ids, max_drafts=spec.max_drafts, min_match=spec.min_match)
+    if not (spec.auto and spec.max_drafts):
         controller = None
     elif controller is None:
-        controller = DraftController(max_drafts, cost_prior=spec.cost_prior)
-    if controller is not None:
-        stats.attach_controller(controller)
-    expert_probe = getattr(engine, "last_window_experts", None)  # streaming engines report reads
-    read_cost = getattr(engine, "draft_read_cost", None)  # and predict what drafts cost in reads
+        controller = DraftController(spec.max_drafts, cost_prior=spec.cost_prior)
+    return WindowPlanner(drafter, max_drafts=spec.max_drafts, controller=controller,
+                         context_left=engine.context_left, block_cap=engine.needs_block_cap,
+                         read_cost=getattr(engine, "draft_read_cost", None))  # streamed experts' reads
 
+
+def prefill(engine: WindowEngine, prompt_ids: list[int], prefilled: int, stats: DecodeStats,
+            progress: Callable[[int, int], None] | None) -> None:
+    """Bring the engine to the prompt less its root (the root is the first window's input),
+    from `prefilled` committed positions (0 = from a reset)."""
     if prefilled == 0:
         engine.reset()
     elif not (engine.length == prefilled < len(prompt_ids)):
@@ -129,133 +193,15 @@ def generate(
     stats.record_prompt(len(prompt_ids))
     start = time.perf_counter()
     todo = prompt_ids[prefilled:-1]
-    done = 0
+    done = [0]
 
     def advance(n: int) -> None:
-        nonlocal done
-        done += n
-        prefill_progress(done, len(todo))
+        done[0] += n
+        progress(done[0], len(todo))
 
-    engine.prefill(todo, progress=advance if prefill_progress else None)
+    engine.prefill(todo, progress=advance if progress else None)
     stats.record_prefill(len(prompt_ids) - 1 - prefilled, time.perf_counter() - start)
     stats.load_bytes_read += getattr(engine, "prefill_expert_bytes", 0)  # streamed experts the prompt read
-    # Processor state rolls back with the engine's: the same inputs run, the same keep commits.
-    track = ProcessorTrack(processors, prompt_ids[:-1], len(prompt_ids)) if processors else None
-
-    root, pos0, emitted = prompt_ids[-1], len(prompt_ids) - 1, 0
-    overlap = track is None and not chooser.is_sampling and getattr(engine, "can_overlap", False)
-    if not max_drafts and overlap:
-        yield from overlapped_serial(engine, root, pos0, options.max_tokens, eos_ids, stats)
-        return
-
-    def plan(pos0: int, remaining: int, extra_cost=read_cost) -> tuple[Proposal, bool, int, int]:
-        """(proposal, from_global, T, proposed) of the window rooted at pos0; `extra_cost(T)`:
-        seconds a window of T rows costs beyond the controller's curve."""
-        proposal = drafter.propose(max_drafts) if drafter else EMPTY_PROPOSAL
-        from_global = False
-        if drafter is not None and fallback_drafter is not None and not proposal.tokens:
-            proposal = fallback_drafter.propose_for(drafter.history, max_drafts)
-            from_global = bool(proposal.tokens)
-        T = safe_window(
-            num_drafts=len(proposal.tokens),
-            remaining_tokens=remaining,
-            context_left=engine.context_left(pos0),
-            pos0=pos0,
-            block_cap=engine.needs_block_cap,
-        )
-        proposed = T - 1
-        if controller is not None and proposed:
-            T = 1 + controller.choose(proposal.match_length, proposed, extra_cost=extra_cost)  # before any read
-        return proposal, from_global, T, proposed
-
-    def abandoned_step(T: int) -> float:
-        """Drafts chosen in a stretch of overlapped steps also cost the step already launched
-        on the token, which the window replaces (its work is thrown away)."""
-        return controller.window_cost(1) if T > 1 else 0.0
-
-    planned = None  # the next window's plan, when a stretch of overlapped steps made it
-    # (drafts proposed, match length) of the plan the next overlapped step runs: drafts `auto`
-    # declined there are counted like a declined window's (telemetry: drafts_declined, coverage).
-    declined = [0, 0]
-
-    def decline(proposal: Proposal, proposed: int) -> None:
-        """The next overlapped step runs without these proposed drafts."""
-        declined[:] = [proposed, proposal.match_length if proposed else 0]
-
-    def drafts_wanted(token: int, seconds: float, pos0: int, remaining: int) -> bool:
-        """After an overlapped step: learn its cost, extend the drafts' history, and end the
-        stretch when the next window should verify drafts."""
-        nonlocal planned
-        if controller is not None:
-            controller.observe(T=1, keep=1, seconds=seconds)
-        drafter.extend([token])
-        next_plan = plan(pos0, remaining, abandoned_step)
-        if next_plan[2] == 1:
-            decline(next_plan[0], next_plan[3])
-            return False
-        planned = next_plan
-        return True
-
-    while True:
-        remaining = options.max_tokens - emitted
-        finish = limit_reached(remaining, engine.context_left(pos0))
-        if finish:
-            yield Step([], finish)
-            return
-        start = time.perf_counter()
-        proposal, from_global, T, proposed = planned or plan(pos0, remaining)
-        planned = None
-        if T == 1 and overlap:
-            # Nothing to verify: one-token steps overlap (each built while the one before
-            # runs) until a token brings drafts worth a window; that step's launched
-            # successor is abandoned and the window runs instead.
-            decline(proposal, proposed)
-            for step in overlapped_serial(engine, root, pos0, remaining, eos_ids, stats, after=drafts_wanted,
-                                          declined=lambda: tuple(declined)):
-                yield step
-                if step.finish_reason:
-                    return
-                emitted, pos0, root = emitted + len(step.tokens), pos0 + len(step.tokens), step.tokens[-1]
-            continue
-        inputs = [root, *proposal.tokens[: T - 1]]
-        out = engine.run(inputs, pos0)
-        row_tokens, draft_probs = choose_rows(out, inputs, pos0, chooser, track)
-        keep = greedy_keep(inputs, row_tokens)  # with draws: speculative sampling (verify.py)
-        outputs = row_tokens[:keep]
-        verified = keep
-        eos_at = stop_at_eos(outputs, eos_ids)
-        if eos_at is not None:
-            keep, outputs = eos_at + 1, outputs[:eos_at]
-        engine.commit(keep)
-        if track is not None:
-            track.commit(keep)
-        seconds = time.perf_counter() - start
-        experts = expert_probe() if expert_probe else None
-        stats.record_window(
-            WindowRecord(
-                T=len(inputs),
-                keep=keep,
-                emitted=len(outputs),
-                seconds=seconds,
-                match_length=proposal.match_length if proposed else 0,
-                from_global=from_global and len(inputs) > 1,
-                proposed=proposed,
-                experts=experts,
-            )
-        )
-        if controller is not None:
-            controller.observe(T=len(inputs), keep=verified, seconds=seconds, match_length=proposal.match_length,
-                               extra_seconds=experts.draft_read_seconds if experts else 0.0,
-                               acceptance=None if draft_probs is None else expected_keep_probs(draft_probs, verified))
-        if eos_at is not None:
-            yield Step(outputs, FINISH_STOP)
-            return
-        if drafter:
-            drafter.extend(outputs)
-        emitted += len(outputs)
-        pos0 += keep
-        root = outputs[-1]
-        yield Step(outputs)
 
 
 def limit_reached(remaining_tokens: int, context_left: int) -> str | None:

@@ -5,7 +5,7 @@ seed is left alone).
 The draw for the token at generated index k (0 = the first generated token) uses the k-th key
 of the request's chain, whatever window the row is in, so a row's draw never depends on how many
 drafts its window had: a seeded run gives the same text with any --suffix-draft. Speculative
-acceptance then couples the draft with the target's own draw (speculative/verify.py).
+acceptance then couples the draft with the target's own draw (speculative/acceptance.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the CLI does at a terminal: consoles that never cut a table on a file or pipe, the prompt
-progress bar, and the signal latch that lets Ctrl-C or SIGTERM stop after the output is written."""
+progress bar, and the interrupt latch that lets Ctrl-C or SIGTERM stop after the output is written."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class Terminated(Exception):
     """SIGTERM stopped the command (run_guarded exits 143, as KeyboardInterrupt exits 130)."""
 
 
-class SignalLatch:
+class InterruptLatch:
     """SIGINT/SIGTERM while a prompt decodes raise `Cancelled` there; between prompts they are
     only latched, and the next prompt raises at its start (so no signal lands where a record
     could be lost)."""
@@ -78,14 +78,14 @@ class SignalLatch:
         self.signum = signum
         if self.armed:
             self.armed = False
-            raise SignalLatch.Cancelled()
+            raise InterruptLatch.Cancelled()
 
     def check(self) -> None:
         """Arm, and raise at once if a signal came while disarmed."""
         self.armed = True
         if self.signum is not None:
             self.armed = False
-            raise SignalLatch.Cancelled()
+            raise InterruptLatch.Cancelled()
 
     def exit_exception(self) -> BaseException:
         return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
@@ -94,9 +94,9 @@ class SignalLatch:
 @contextlib.contextmanager
 
 
-def signal_latch():
-    """SIGINT and SIGTERM go to a `SignalLatch` while inside (the previous handlers after)."""
-    latch = SignalLatch()
+def interrupt_latch():
+    """SIGINT and SIGTERM go to an `InterruptLatch` while inside (the previous handlers after)."""
+    latch = InterruptLatch()
     try:
         previous = {s: signal.signal(s, latch) for s in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread (an embedding caller): leave the signals alone

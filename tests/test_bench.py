@@ -7,6 +7,7 @@ Runs on mocks and tiny models with one repeat and a few tokens; the real numbers
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -45,6 +46,9 @@ from strata_cli.options import ConfigError
 def encode(text: str) -> list[int]:
     """Mock tokenizer: the cycle, as long as the text (at least two rounds, so drafts exist)."""
     return [i % CYCLE for i in range(max(len(text), 2 * CYCLE + 3))]
+
+
+TOKENIZER = SimpleNamespace(encode=encode)  # all run_bench asks of a tokenizer with no bans or healing
 
 
 WORKLOADS = [
@@ -116,7 +120,7 @@ def test_workload_errors(tmp_path):
 def test_bench_runs_every_mode_and_outputs_match():
     modes = parse_modes("serial,1,3,auto")
     seen = []
-    result = run_bench(WindowEngine(CycleModel()), encode, WORKLOADS, modes, OPTIONS, progress=seen.append)
+    result = run_bench(WindowEngine(CycleModel()), TOKENIZER, WORKLOADS, modes, OPTIONS, progress=seen.append)
     assert len(seen) == 2 * 4 * 2  # workloads × modes × (warm-up + repeat)
     assert result.diverged == {}
     for wr, workload in zip(result.workloads, WORKLOADS):
@@ -139,7 +143,7 @@ def test_bench_runs_every_mode_and_outputs_match():
 
 def test_bench_flags_a_divergent_mode_loudly():
     modes = parse_modes("serial,2")
-    result = run_bench(WindowEngine(CycleModel(broken=True)), encode, WORKLOADS[:1], modes, OPTIONS)
+    result = run_bench(WindowEngine(CycleModel(broken=True)), TOKENIZER, WORKLOADS[:1], modes, OPTIONS)
     assert result.diverged == {"copy": ["2"]}
     wr = result.workloads[0]
     assert wr.mode("2").identical is False and wr.mode("serial").identical is True
@@ -151,7 +155,7 @@ def test_bench_flags_a_divergent_mode_loudly():
 
 def test_peer_modes_need_a_peer():
     with pytest.raises(ConfigError, match="peer"):
-        run_bench(WindowEngine(CycleModel()), encode, WORKLOADS, parse_modes("serial,mlx-lm"), OPTIONS)
+        run_bench(WindowEngine(CycleModel()), TOKENIZER, WORKLOADS, parse_modes("serial,mlx-lm"), OPTIONS)
 
 
 def test_first_difference():
@@ -227,7 +231,7 @@ def test_peer_refuses_speculation_on_the_hybrid_demo_and_matches_serial():
     assert isinstance(refusal, PeerRefusal) and "trimmable prompt cache" in refusal.message
     serial = peer.run("mlx-lm", ids, 8)
     assert serial.tokens == 8
-    result = run_bench(WindowEngine(load_model(path)), lambda text: ids, [Workload("p", "prose", "", ("x",))],
+    result = run_bench(WindowEngine(load_model(path)), SimpleNamespace(encode=lambda text: ids), [Workload("p", "prose", "", ("x",))],
                        parse_modes("serial,mlx-lm"), BenchOptions(max_tokens=8, repeats=1, warmup=0), peer=peer)
     assert result.workloads[0].mode("serial").runs[0].token_ids == serial.token_ids
     assert result.workloads[0].mode("mlx-lm").identical is True
@@ -351,7 +355,7 @@ def test_workloads_dir_is_found():
 
 
 def test_model_dtype_sees_through_quantized_weights():
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.model.loader import compute_dtype as model_dtype
     from strata_cli.model.quant import quantize
 

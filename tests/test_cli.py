@@ -235,16 +235,16 @@ def test_serve_and_generate_count_prompt_tokens_alike():
 def test_a_signal_between_prompts_is_latched_for_the_next_one():
     import signal
 
-    from strata_cli.cli import SignalLatch, Terminated
+    from strata_cli.terminal import InterruptLatch, Terminated
 
-    latch = SignalLatch()
+    latch = InterruptLatch()
     latch(signal.SIGTERM, None)  # disarmed (between prompts): recorded, not raised
-    with pytest.raises(SignalLatch.Cancelled):
+    with pytest.raises(InterruptLatch.Cancelled):
         latch.check()  # the next prompt stops at once, and its record says cancelled
     assert isinstance(latch.exit_exception(), Terminated)
-    armed = SignalLatch()
+    armed = InterruptLatch()
     armed.check()
-    with pytest.raises(SignalLatch.Cancelled):
+    with pytest.raises(InterruptLatch.Cancelled):
         armed(signal.SIGINT, None)  # armed (decoding): raised where the decode loop runs
     assert isinstance(armed.exit_exception(), KeyboardInterrupt) and not armed.armed
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from mock_models import CYCLE
 from test_processors import ScriptedDrafter, SoftCycleModel
 
-import strata_cli.decode as decode
+import strata_cli.speculative.drafters as drafters
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.healing import (
@@ -144,7 +144,7 @@ def decode_all(engine, prompt, spec, heal, **options):
 def test_greedy_with_healing_is_identical_with_drafts(tail):
     """A random model: the constraint changes the output, whose text starts with the tail, and
     suffix drafts (fixed and auto) leave it token-identical to serial."""
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 
     engine = WindowEngine(random_model(tiny_qwen3_next_config(vocab_size=V), seed=0))
     prompt = [A, B, C, AB, A, B, C, AB, A, B]
@@ -165,7 +165,7 @@ def test_scripted_drafts_rejected_at_every_position_keep_healed_greedy_output(mo
     heal = HealConstraint(TABLE, b"\n  ")
     serial, _ = decode_all(engine, prompt, SpecOptions(), heal, max_tokens=40)
     assert text_of(serial).startswith(b"\n  ")
-    monkeypatch.setattr(decode, "SuffixDrafter", ScriptedDrafter)
+    monkeypatch.setattr(drafters, "SuffixDrafter", ScriptedDrafter)
     out, summary = decode_all(engine, prompt, SpecOptions(max_drafts=7), heal, max_tokens=40)
     assert out == serial
     assert 0 < summary["drafts_kept"] < summary["drafts_offered"]
@@ -245,7 +245,7 @@ class WordTokenizer:
 
 @pytest.fixture(scope="module")
 def word_model():
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 
     return random_model(tiny_qwen3_next_config(vocab_size=V), seed=3)
 

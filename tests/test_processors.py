@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mock_models import CYCLE, CycleModel
 
-import strata_cli.decode as decode
+import strata_cli.speculative.drafters as drafters
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.options import ConfigError, GenerateOptions, SpecOptions
@@ -155,14 +155,14 @@ def test_greedy_with_processors_is_identical_with_drafts(name, monkeypatch):
     assert serial != plain  # the processors changed the output
     for spec in (SpecOptions(max_drafts=3, min_match=3), SpecOptions(max_drafts=7, min_match=3, auto=True)):
         assert decode_all(engine, prompt, options, spec, banned)[0] == serial, spec.label
-    monkeypatch.setattr(decode, "SuffixDrafter", ScriptedDrafter)
+    monkeypatch.setattr(drafters, "SuffixDrafter", ScriptedDrafter)
     spec, summary = decode_all(engine, prompt, options, SpecOptions(max_drafts=7), banned)
     assert spec == serial
     assert 0 < summary["drafts_kept"] < summary["drafts_offered"]
 
 
 def test_greedy_with_processors_on_a_random_model_is_identical_with_drafts():
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 
     engine = WindowEngine(random_model(tiny_qwen3_next_config(vocab_size=16), seed=0))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6]

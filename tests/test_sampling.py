@@ -10,14 +10,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import strata_cli.decode as decode
+import strata_cli.speculative.drafters as drafters
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.options import GenerateOptions, SpecOptions
 from strata_cli.sampling import TokenChooser, filtered_logits
 from strata_cli.speculative.controller import DraftController
 from strata_cli.speculative.suffix_drafter import Proposal
-from strata_cli.speculative.verify import residual
+from strata_cli.speculative.acceptance import residual
 from strata_cli.telemetry import DecodeStats
 
 V = 4
@@ -117,7 +117,7 @@ def test_speculative_distribution_equals_exact_serial(monkeypatch):
     """3 tokens from the Markov model with drafts forced wrong at random positions, over 3000
     fixed seeds: the empirical distribution of the 64 sequences is within TV 0.06 of the exact
     one, and every seed's output equals serial sampling's."""
-    monkeypatch.setattr(decode, "SuffixDrafter", ScriptedDrafter)
+    monkeypatch.setattr(drafters, "SuffixDrafter", ScriptedDrafter)
     engine, prompt = WindowEngine(MarkovModel()), [0, 1, 2]
     exact = exact_serial(prompt[-1], 3, 0.8)
     counts, stats = {}, DecodeStats()
@@ -143,7 +143,7 @@ def test_seeded_runs_match_across_draft_modes(which):
     its drafts; the 16-token random model keeps few."""
     from mock_models import CYCLE, CycleModel
 
-    from strata_cli.bench.synthetic import random_model, tiny_qwen3_next_config
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 
     if which == "cycle":
         engine, temperature, prompt = WindowEngine(CycleModel()), 3.0, list(range(CYCLE)) * 2

@@ -26,8 +26,9 @@ from strata_cli.serve.protocol import (
     decode_line,
 )
 from strata_cli.serve.session import SessionError, load_session, save_session
-from strata_cli.serve.stop import StopMatcher
+from strata_cli.stop import StopMatcher
 from strata_cli.speculative.suffix_cache import GlobalSuffixCache
+from strata_cli.speculative.drafters import request_drafter
 from strata_cli.speculative.suffix_drafter import SuffixDrafter
 from strata_cli.telemetry import DecodeStats
 
@@ -228,7 +229,8 @@ def run_cycle(fallback):
     out = []
     for step in generate(WindowEngine(CycleModel()), [0, 1, 2], options=GenerateOptions(max_tokens=12),
                          spec=SpecOptions(max_drafts=3, min_match=3), eos_ids=(), stats=stats,
-                         fallback_drafter=fallback):
+                         drafter=request_drafter([0, 1, 2], max_drafts=3, min_match=3,
+                                                 shared=[fallback] if fallback else ())):
         out += step.tokens
     return out, stats.summary()
 

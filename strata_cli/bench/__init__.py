@@ -15,7 +15,7 @@ from .runner import (
     DEFAULT_REPEATS,
     DEFAULT_WARMUP,
     BenchOptions,
-    Mode,
+    BenchMode,
     collect_meta,
     count_runs,
     parse_modes,
@@ -31,7 +31,7 @@ from .workloads import (
 
 __all__ = [
     "DEFAULT_BENCH_TOKENS", "DEFAULT_MODES", "DEFAULT_REPEATS", "DEFAULT_WARMUP",
-    "BenchOptions", "BenchResult", "MissingExtraError", "Mode", "MlxLmPeer", "PeerError", "PlotError",
+    "BenchOptions", "BenchResult", "MissingExtraError", "BenchMode", "MlxLmPeer", "PeerError", "PlotError",
     "Workload", "WorkloadError", "collect_meta", "count_runs", "default_workloads_dir", "load_workloads",
     "markdown", "parse_modes", "plot", "render_table", "require_matplotlib", "require_mlx_lm",
     "result_from_dict", "run_bench",

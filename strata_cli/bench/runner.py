@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..decode import generate
 from ..options import (
     MAX_SUFFIX_DRAFT,
     ConfigError,
@@ -26,6 +25,7 @@ from ..options import (
 )
 from ..speculative.controller import CostPrior
 from ..speculative.suffix_drafter import DEFAULT_MIN_MATCH
+from ..request import TextRequest
 from ..telemetry import DecodeStats
 from .peers import PEER_MODES, MlxLmPeer
 from .results import (
@@ -46,7 +46,7 @@ DEFAULT_WARMUP = 1
 
 
 @dataclass(frozen=True)
-class Mode:
+class BenchMode:
     """One way to decode: a strata SpecOptions, or a peer's mode name.
 
     Attributes:
@@ -93,7 +93,7 @@ class BenchOptions:
 
 def parse_modes(
     text: str, *, min_match: int = DEFAULT_MIN_MATCH, cost_prior: CostPrior | None = None
-) -> list[Mode]:
+) -> list[BenchMode]:
     """Read a comma-separated mode list: serial, N, A-B (a range of fixed N), auto, auto:N,
     mlx-lm, mlx-lm-spec. Serial is always included (first): it is the reference output.
 
@@ -112,12 +112,12 @@ def parse_modes(
                 raise ConfigError(f"bench mode {raw!r}: a range is A-B with numbers") from None
         else:
             labels.append(raw)
-    modes: list[Mode] = [Mode(SERIAL, SpecOptions(max_drafts=0, min_match=min_match))]
+    modes: list[BenchMode] = [BenchMode(SERIAL, SpecOptions(max_drafts=0, min_match=min_match))]
     for label in labels:
         if label in (SERIAL, "0"):
             continue
         if label in PEER_MODES:
-            mode = Mode(label)
+            mode = BenchMode(label)
         else:
             try:
                 n, auto = parse_suffix_draft(label)
@@ -128,14 +128,14 @@ def parse_modes(
                 ) from None
             spec = SpecOptions(max_drafts=n, min_match=min_match, auto=auto,
                                cost_prior=cost_prior if auto else None)
-            mode = Mode(spec.label, spec)
+            mode = BenchMode(spec.label, spec)
         if any(m.label == mode.label for m in modes):
             raise ConfigError(f"bench mode {mode.label!r} is listed twice")
         modes.append(mode)
     return modes
 
 
-def count_runs(workloads: Sequence[Workload], modes: Sequence[Mode], options: BenchOptions) -> int:
+def count_runs(workloads: Sequence[Workload], modes: Sequence[BenchMode], options: BenchOptions) -> int:
     """Runs `run_bench` will make at most (for a progress bar's total)."""
     return len(workloads) * len(modes) * (options.warmup + options.repeats)
 
@@ -143,14 +143,17 @@ def count_runs(workloads: Sequence[Workload], modes: Sequence[Mode], options: Be
 class Prefilled:
     """Each prompt's committed state after prefilling `prompt[:-1]`, made once per workload.
 
-    Every run restores it and resumes (`decode.generate(prefilled=...)`) instead of prefilling
+    Every run restores it and resumes (`TextRequest.steps(prefilled=...)`) instead of prefilling
     again: prefill is not what bench measures, and on a long prompt it would dominate the
     bench's run time. The resumed state is exactly the prefilled one (snapshots are immutable).
     """
 
-    def __init__(self, engine, prompts: Sequence[list[int]]):
+    def __init__(self, engine, tokenizer, texts: Sequence[str]):
         self.engine = engine
-        self.prompts = [list(p) for p in prompts]
+        self.tokenizer = tokenizer
+        self.texts = list(texts)
+        # bench decodes its prompts' ids as they are: no healing
+        self.prompts = [TextRequest(tokenizer, text, GenerateOptions(heal=False)).prompt_ids for text in self.texts]
         self.snapshots = []
         self.prefill_tokens, self.prefill_seconds = 0, 0.0
         for ids in self.prompts:
@@ -169,14 +172,14 @@ class Prefilled:
         """Decode every prompt once in one strata mode; time decode only."""
         stats = DecodeStats()
         gen = GenerateOptions(max_tokens=options.max_tokens, seed=options.seed, temperature=options.temperature,
-                              heal=False)  # bench decodes its prompts' ids as they are
+                              heal=False)
         outputs, seconds = [], 0.0
-        for ids, snapshot in zip(self.prompts, self.snapshots):
+        for text, ids, snapshot in zip(self.texts, self.prompts, self.snapshots):
+            request = TextRequest(self.tokenizer, text, gen, stats=stats)
             self.engine.restore(snapshot)
             tokens: list[int] = []
             start = time.perf_counter()
-            for step in generate(self.engine, ids, options=gen, spec=spec, eos_ids=(), stats=stats,
-                                 prefilled=len(ids) - 1):
+            for step in request.steps(self.engine, spec=spec, eos_ids=(), prefilled=len(ids) - 1):
                 tokens += step.tokens
             seconds += time.perf_counter() - start
             outputs.append(tokens)
@@ -199,9 +202,9 @@ def run_peer(peer: MlxLmPeer, mode: str, prompts: Sequence[list[int]], options: 
 
 def run_bench(
     engine,
-    encode: Callable[[str], list[int]],
+    tokenizer,
     workloads: Sequence[Workload],
-    modes: Sequence[Mode],
+    modes: Sequence[BenchMode],
     options: BenchOptions,
     *,
     peer: MlxLmPeer | None = None,
@@ -212,7 +215,7 @@ def run_bench(
 
     Args:
         engine: strata's WindowEngine on the model under test.
-        encode: text -> token ids (the model's tokenizer).
+        tokenizer: the model's tokenizer (prompts are encoded through `TextRequest`).
         workloads: what to run.
         modes: how (from `parse_modes`; the first must be serial).
         options: tokens, repeats, warm-up, seed.
@@ -235,8 +238,8 @@ def run_bench(
     result = BenchResult(meta=dict(meta or {}))
     notes = result.meta.setdefault("notes", [])
     for workload in workloads:
-        prompts = [encode(text) for text in workload.prompts]
-        prefilled = Prefilled(engine, prompts)
+        prefilled = Prefilled(engine, tokenizer, workload.prompts)
+        prompts = prefilled.prompts
         wr = WorkloadResult(workload.name, workload.category, workload.description,
                             prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
                             prefill_tokens_per_s=prefilled.tokens_per_s)
@@ -278,7 +281,7 @@ def _check_outputs(wr: WorkloadResult, options: BenchOptions, notes: list[str]) 
                          "(the context limit ends generation early)")
 
 
-def collect_meta(*, model: str, device: str, dtype: str, options: BenchOptions, modes: Sequence[Mode],
+def collect_meta(*, model: str, device: str, dtype: str, options: BenchOptions, modes: Sequence[BenchMode],
                  extra: dict | None = None) -> dict:
     """Commit, machine and settings, for the JSON and docs/benchmarks.md."""
     import mlx.core as mx

@@ -6,7 +6,7 @@
 - `protocol_stdout` hands out the real stdout for frames and points fd 1 and `sys.stdout` at
   stderr meanwhile, so a stray print (from strata or any library, C code included) can never
   corrupt the protocol.
-- `SignalLatch` turns the first SIGINT/SIGTERM into a flag the server polls; a second one kills
+- `SignalFlag` turns the first SIGINT/SIGTERM into a flag the server polls; a second one kills
   the process at once (the default action).
 """
 
@@ -119,7 +119,7 @@ def protocol_stdout() -> Iterator[BinaryIO]:
         os.close(saved)
 
 
-class SignalLatch:
+class SignalFlag:
     """Records the first SIGINT or SIGTERM; the default action comes back for the next one."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -128,7 +128,7 @@ class SignalLatch:
         self.signum: int | None = None
         self._previous = {}
 
-    def install(self) -> "SignalLatch":
+    def install(self) -> "SignalFlag":
         for s in self.SIGNALS:
             self._previous[s] = signal.signal(s, self._on_signal)
         return self

@@ -27,8 +27,6 @@ NO_CHAT_TEMPLATE = "no_chat_template"
 TEMPLATE_ERROR = "template_error"
 INTERNAL_ERROR = "internal_error"
 
-FINISH_CANCELLED = "cancelled"  # a signal stopped the request (the finish reasons of decode.py otherwise)
-
 MAX_ID_CHARS = 256
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256

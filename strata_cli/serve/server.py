@@ -22,20 +22,18 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..decode import FINISH_STOP
-from ..decode import generate as decode_generate
 from ..engine.window import WindowEngine
-from ..healing import HealPlan, TailSkipper, plan_heal
 from ..options import GenerateOptions, ServeOptions, SpecOptions
+from ..request import TextRequest
 from ..runtime import Runtime
+from ..speculative.drafters import request_drafter
 from ..speculative.suffix_cache import GlobalSuffixCache
 from ..telemetry import DecodeStats
-from ..tokenizer import StreamingDetokenizer, Tokenizer
+from ..tokenizer import Tokenizer
 from .chat import ChatTemplate, ChatTemplateError
 from .checkpoints import Checkpoint, CheckpointRing, plan
-from .io import EOF, NOTHING, LineReader, OversizeLine, SignalLatch, protocol_stdout
+from .io import EOF, NOTHING, LineReader, OversizeLine, SignalFlag, protocol_stdout
 from .protocol import (
-    FINISH_CANCELLED,
     INTERNAL_ERROR,
     INVALID_REQUEST,
     LINE_TOO_LONG,
@@ -51,7 +49,6 @@ from .protocol import (
     error_frame,
 )
 from .session import SessionError, load_session, save_session
-from .stop import StopMatcher
 
 log = logging.getLogger("strata.serve")
 
@@ -160,27 +157,25 @@ class Server:
         expert_cache = getattr(self.engine.model, "expert_cache", None)
         if expert_cache is not None:  # a failed prefetch of an earlier request is not this one's error
             expert_cache.begin_request()
-        heal = self._heal(request, self._prompt_ids(request))
-        prompt_ids = heal.prompt_ids
-        stats = DecodeStats()
-        stats.record_heal(heal.removed)
-        reply = _Reply(request, self.frames, StreamingDetokenizer(self.tokenizer), TailSkipper(heal.tail_text))
-        reused, is_prefilled = self._prefill(prompt_ids, stats)
-        ids, finish, ttft = [], FINISH_CANCELLED, None
+        text = self._text_request(request)
+        prompt_ids = text.prompt_ids
+        reused, is_prefilled = self._prefill(prompt_ids, text.stats)
         if is_prefilled and not self.cancelled():
-            ids, finish, ttft = self._decode(request, heal, stats, reply, started)
-        text = reply.finish()
-        if reply.stops.stopped:
-            finish = FINISH_STOP
+            self._decode(request, text)
+        last = text.close()
+        if last and request.stream:
+            self.frames.send(delta_frame(request.id, last))
+        ids, stats = text.token_ids, text.stats
+        ttft = None if text.first_token_at is None else text.first_token_at - started
         for note in stats.notes:
             log.info("request %r: %s", request.id, note)
         log.debug("request %r: %d prompt tokens (%d reused), %d generated, %s", request.id,
-                  len(prompt_ids), reused, len(ids), finish)
+                  len(prompt_ids), reused, len(ids), text.finish_reason)
         self.frames.send({
             "id": request.id,
             "done": True,
-            "text": text,
-            "finish_reason": finish,
+            "text": text.text,
+            "finish_reason": text.finish_reason,
             "token_ids": ids,
             "usage": {
                 "prompt_tokens": len(prompt_ids),
@@ -191,53 +186,24 @@ class Server:
             "stats": {**stats.summary(), "ttft_ms": None if ttft is None else 1000 * ttft, "notes": stats.notes},
         })
 
-    def _heal(self, request: Request, ids: list[int]) -> HealPlan:
-        """The prompt's healing plan (healing.py). A chat-rendered prompt ends where its template
-        says, so only a `prompt` request is healed."""
-        if request.options.heal and request.messages is None:
-            return plan_heal(ids, self.tokenizer.heal_table())
-        return HealPlan(ids)
-
-    def _decode(self, request: Request, heal: HealPlan, stats: DecodeStats, reply: "_Reply",
-                started: float) -> tuple[list[int], str, float | None]:
-        """Generate from the prefilled engine (the healed prompt) until a finish, a stop string
-        or a cancel.
-
-        Returns:
-            (generated ids, finish reason, seconds from `started` to the first token or None).
-        """
-        ids: list[int] = []
-        prompt_ids = heal.prompt_ids
-        finish, ttft = FINISH_CANCELLED, None
-        steps = decode_generate(
-            self.engine, prompt_ids, options=request.options, spec=self.spec_for(request.spec),
-            eos_ids=self.tokenizer.eos_ids,
-            stats=stats, prefilled=self.engine.length, fallback_drafter=self.suffix_cache,
-            banned=self.tokenizer.phrase_sequences(request.options.ban_phrases) if request.options.ban_phrases else (),
-            heal=heal.constraint(self.tokenizer.heal_table()) if heal.removed else None,
-        )
-        try:
-            for step in steps:
-                ttft = ttft if ttft is not None else time.perf_counter() - started
-                ids += step.tokens
-                reply.add(step.tokens)
-                if reply.stops.stopped:
-                    finish = FINISH_STOP
-                    break
-                if step.finish_reason:
-                    finish = step.finish_reason
-                    break
-                if self.cancelled():
-                    break
-        finally:
-            steps.close()
+    def _decode(self, request: Request, text: TextRequest) -> None:
+        """Generate from the prefilled engine until a finish, a stop string or a cancel,
+        streaming delta frames when the request asks for them."""
+        spec = self.spec_for(request.spec)
+        drafter = request_drafter(text.prompt_ids, max_drafts=spec.max_drafts, min_match=spec.min_match,
+                                  shared=[self.suffix_cache] if self.suffix_cache is not None else ())
+        for delta in text.stream(self.engine, spec=spec, cancelled=self.cancelled, prefilled=self.engine.length,
+                                 drafter=drafter):
+            if request.stream:
+                self.frames.send(delta_frame(request.id, delta))
         # Committed: the prompt and the outputs, less the final root (not yet processed).
-        self._checkpoint((prompt_ids + ids)[: self.engine.length])
+        self._checkpoint((text.prompt_ids + text.token_ids)[: self.engine.length])
         if self.suffix_cache is not None:
-            self.suffix_cache.add(ids)
-        return ids, finish, ttft
+            self.suffix_cache.add(text.token_ids)
 
-    def _prompt_ids(self, request: Request) -> list[int]:
+    def _text_request(self, request: Request) -> TextRequest:
+        """The request as text (a chat template rendered), tokenized, checked against the
+        context. A chat-rendered prompt ends where its template says, so it is not healed."""
         if request.messages is not None:
             if self.chat is None:
                 raise RequestError(
@@ -246,13 +212,13 @@ class Server:
                     request.id,
                 )
             try:
-                text = self.chat.render(request.messages, cancelled=self.cancelled)
+                prompt = self.chat.render(request.messages, cancelled=self.cancelled)
             except ChatTemplateError as e:
                 raise RequestError(e.code, str(e), request.id) from None
         else:
-            text = request.prompt
+            prompt = request.prompt
         # Tokenizing costs far more memory than the text: one this long cannot fit the context.
-        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        num_bytes = len(prompt.encode("utf-8", "surrogatepass"))
         if num_bytes > PROMPT_BYTES_SLACK * self.engine.max_context * self.tokenizer.max_token_bytes:
             raise RequestError(
                 PROMPT_TOO_LONG,
@@ -260,16 +226,17 @@ class Server:
                 "tokens holds",
                 request.id,
             )
-        ids = self.tokenizer.encode(text)
-        if not ids:
+        text = TextRequest(self.tokenizer, prompt, request.options, stop=request.stop,
+                           heal=request.messages is None)
+        if not text.ids:
             raise RequestError(INVALID_REQUEST, "the prompt encodes to no tokens", request.id)
-        if len(ids) > self.engine.max_context:
+        if len(text.ids) > self.engine.max_context:
             raise RequestError(
                 PROMPT_TOO_LONG,
-                f"the prompt has {len(ids)} tokens but the context holds {self.engine.max_context}",
+                f"the prompt has {len(text.ids)} tokens but the context holds {self.engine.max_context}",
                 request.id,
             )
-        return ids
+        return text
 
     def _prefill(self, prompt_ids: list[int], stats: DecodeStats) -> tuple[int, bool]:
         """Bring the engine to the prompt minus its root, from the longest usable checkpoint.
@@ -306,35 +273,7 @@ class Server:
         self.is_changed = True
 
 
-class _Reply:
-    """A request's text on its way out: detokenized, less the healed tail, cut at stop strings,
-    streamed or held."""
-
-    def __init__(self, request: Request, frames: FrameWriter, detok: StreamingDetokenizer, skip: TailSkipper):
-        self.request = request
-        self.frames = frames
-        self.detok = detok
-        self.skip = skip  # the healed tail: the prompt's text, not the reply's
-        self.stops = StopMatcher(request.stop)
-        self.parts: list[str] = []
-
-    def add(self, tokens: list[int]) -> None:
-        self._emit(self.stops.feed(self.skip.feed(self.detok.add(tokens))))
-
-    def finish(self) -> str:
-        """Release what is held back (unless a stop string ended the text); the whole text."""
-        self._emit(self.stops.feed(self.skip.feed(self.detok.finish())))
-        self._emit(self.stops.flush())
-        return "".join(self.parts)
-
-    def _emit(self, text: str) -> None:
-        if text:
-            self.parts.append(text)
-            if self.request.stream:
-                self.frames.send(delta_frame(self.request.id, text))
-
-
-def serve_lines(server: Server, reader: LineReader, latch: SignalLatch) -> int:
+def serve_lines(server: Server, reader: LineReader, latch: SignalFlag) -> int:
     """Answer lines until EOF, a closed stdout, or a signal.
 
     Returns:
@@ -400,7 +339,7 @@ def serve_stdio(
         else:
             log.info("session %s: new", session)
 
-    latch = SignalLatch().install()
+    latch = SignalFlag().install()
     try:
         with protocol_stdout() as stream:
             server = Server(

@@ -37,7 +37,7 @@ Estimates, both learned online while decoding:
 - **Window cost** by `T`: the median of the last few measured windows of that size, blended
   with a prior where there are few measurements. The prior is a cost *shape* (`CostPrior`:
   cost of `T` rows relative to one row), scaled to the measured windows. A measured curve —
-  `scripts/window_cost.py` output, or a plain JSON list of seconds for T = 1, 2, ... — can be the
+  `scripts/bench/window_cost.py` output, or a plain JSON list of seconds for T = 1, 2, ... — can be the
   shape (`CostPrior.from_json`, `--draft-cost FILE`).
 
 Hook for expert streaming: `choose(..., extra_cost=fn)` adds `fn(T)` predicted seconds (for
@@ -158,7 +158,7 @@ class CostPrior:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "CostPrior":
-        """Read a cost curve: `scripts/window_cost.py` output, or a JSON list of seconds per T.
+        """Read a cost curve: `scripts/bench/window_cost.py` output, or a JSON list of seconds per T.
 
         The window_cost file holds `{"curve": [{"T": 1, "median_s": ...}, ...]}`; its T values
         must run 1, 2, 3, ... without gaps.
@@ -245,11 +245,10 @@ class DraftController:
             measured during a slow spell is measured again.
         switch_margin: a drafting length other than the last one chosen (for proposals of the
             same match-length bucket) must promise a rate this much higher to replace it
-            (default 0: off). Near the optimum the rates are flat and noisy; on MLX's CPU backend
-            alternating window sizes made each window 15-40% slower than a steady size, which
-            the per-T estimates do not see. 0.03 cut switching in simulation but converged
-            less exactly (one case settled at 91% of the best rate), so it is off until bench
-            measures it on real hardware.
+            (default 0: off). Near the optimum the rates are flat and noisy, and on MLX's CPU
+            backend alternating window sizes cost each window 15-40% against a steady size,
+            which the per-T estimates do not see; a margin trades that against converging less
+            exactly (docs/history.md).
         cost_strength: pseudo-measurements behind each T's prior cost (default 2).
         warmup_windows: first windows whose time is not a cost sample (default 1: the first
             window of a request pays one-time costs).
@@ -478,7 +477,7 @@ class DraftController:
                 teaches acceptance only when it verified drafts.
             extra_seconds: the part of `seconds` that an `extra_cost` term accounts for.
             acceptance: when sampling, the probability p_i(d_i) each judged draft had of being
-                accepted (speculative/verify.py), learned instead of the 0/1 outcome: the same
+                accepted (speculative/acceptance.py), learned instead of the 0/1 outcome: the same
                 expectation with less noise. None (default) = greedy 0/1 outcomes.
         """
         if not 1 <= keep <= T:

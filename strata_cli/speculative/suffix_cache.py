@@ -4,7 +4,7 @@ SuffixDecoding keeps a global suffix tree over past outputs beside each request'
 the global index is a `SuffixDrafter` over a bounded ring of past outputs, each followed by a
 separator that no real token equals, so a match never runs across two outputs and a draft never
 continues past the end of one. The decode loop consults it only when the request's own drafter
-has nothing (`decode.generate(..., fallback_drafter=...)`). Plain Python: no MLX import.
+has nothing (`drafters.request_drafter(..., shared=[cache])`). Plain Python: no MLX import.
 """
 
 from __future__ import annotations

@@ -29,11 +29,13 @@ class Proposal:
             ``0`` when empty.
         position: History index where the matched suffix ends; the drafts are
             ``history[position + 1:]``. ``-1`` when empty.
+        source: Which drafter proposed it (a drafter's ``source``; drafters.py).
     """
 
     tokens: tuple[int, ...] = ()
     match_length: int = 0
     position: int = -1
+    source: str = ""
 
 
 EMPTY_PROPOSAL = Proposal()
@@ -52,6 +54,8 @@ class SuffixDrafter:
         max_positions (int): How many recent end positions each trigram keeps.
             Default: ``4``.
     """
+
+    source = "suffix"
 
     def __init__(
         self,
