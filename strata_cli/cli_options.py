@@ -237,8 +237,12 @@ def model_options(command):
     passed to `command` as one `load: LoadOptions` argument."""
     options = [
         option("--model", "-m", default=DEMO_MODEL, envvar="STRATA_MODEL", show_default=True, panel=MODEL,
-               help="Checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                    "'demo' is the embedded model."),
+               help="Checkpoint directory (config.json, *.safetensors, tokenizer.json), a Hugging Face "
+                    "repo id in the local hub cache (e.g. mlx-community/Qwen3-30B-A3B-4bit), or 'demo', "
+                    "the embedded model."),
+        option("--download", is_flag=True, envvar="STRATA_DOWNLOAD", panel=MODEL,
+               help="Download a --model repo id the Hugging Face cache does not hold (the files strata "
+                    "loads only)."),
         option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, envvar="STRATA_DTYPE", panel=MODEL,
                help="Compute dtype (default: the checkpoint's; float32 on CPU)."),
         option("--expert-cache", type=FiniteFloatRange(min=0, min_open=True), default=None,
@@ -298,7 +302,7 @@ def model_options(command):
                     "the resident bonus there (their read is already paid for)."),
     ]
 
-    def build(model, dtype, expert_cache, resident_experts, expert_prefetch, expert_io, expert_io_threads,
+    def build(model, download, dtype, expert_cache, resident_experts, expert_prefetch, expert_io, expert_io_threads,
               spec_root_prefetch, expert_readahead_depth, expert_readahead_min_prob, moce_protect, moce_bonus,
               draft_moce_protect, draft_moce_bonus, expert_budget, moce_exact_prefill, moce_natural_prefetch,
               moce_count_inflight):
@@ -310,7 +314,7 @@ def model_options(command):
         moce = MoceOptions(protect=moce_protect, bonus=moce_bonus, draft_protect=draft_moce_protect,
                            draft_bonus=draft_moce_bonus, budget=expert_budget, exact_prefill=moce_exact_prefill,
                            natural_prefetch=moce_natural_prefetch, count_inflight=moce_count_inflight)
-        return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce)
+        return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce, download=download)
 
     return options_object("load", build, options)(command)
 

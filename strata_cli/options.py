@@ -243,16 +243,19 @@ class LoadOptions:
         stream: expert cache budget, prefetch and I/O of a streamed checkpoint (default
             `StreamOptions()`; only a streamed checkpoint takes non-default ones).
         moce: cache-aware (approximate) routing of a streamed checkpoint (default off).
+        download: fetch a Hugging Face repo id given as `model` when the hub cache lacks it
+            (default False: say what to run instead).
     """
 
     model: str = DEMO_MODEL
     dtype: str | None = None
     stream: StreamOptions = field(default_factory=lambda: StreamOptions())
     moce: MoceOptions = field(default_factory=lambda: MoceOptions())
+    download: bool = False
 
     def __post_init__(self):
         if not self.model:
-            raise ConfigError("the model path is empty (pass a checkpoint directory, or 'demo')")
+            raise ConfigError("the model path is empty (pass a checkpoint directory, a Hugging Face repo id, or 'demo')")
         if self.dtype not in (None, *DTYPE_NAMES):
             raise ConfigError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
 

@@ -21,6 +21,7 @@ from .calibrate import device_cost_prior
 from .engine.window import WindowEngine
 from .experts.store import INDEX_NAME, STREAM_DIR, ExpertStoreError, is_streamed
 from .experts.switch import attach_streamed_experts
+from .hub import is_repo_id, resolve_repo
 from .integrity import Verification
 from .model.config import ConfigError, dtype_name
 from .model.loader import ModelLoadError, compute_dtype, load_model
@@ -42,9 +43,16 @@ def embedded_model_path() -> Path:
     return Path(str(files("strata_cli") / "assets" / "demo"))
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A `--model` value as a directory: "demo" is the embedded model, anything else a path."""
-    return embedded_model_path() if str(model) == DEMO_MODEL else Path(model)
+def resolve_model_path(model: str | Path, *, download: bool = False) -> Path:
+    """A `--model` value as a directory: "demo" is the embedded model; a path that does not exist
+    but reads as `owner/name` is a Hugging Face repo id, found in the hub cache (or downloaded,
+    with `download`: hub.py); anything else a path."""
+    if str(model) == DEMO_MODEL:
+        return embedded_model_path()
+    path = Path(model).expanduser()
+    if not path.exists() and is_repo_id(str(model)):
+        return resolve_repo(str(model), download=download)
+    return path
 
 
 def model_identity(path: str | Path, verification: Verification) -> str:
@@ -162,7 +170,7 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
         ModelLoadError, ConfigError: as `load_checkpoint`, plus a missing or unreadable tokenizer.
     """
     load = load or LoadOptions()
-    path = resolve_model_path(load.model)
+    path = resolve_model_path(load.model, download=load.download)
     model = load_checkpoint(path, dtype=load.dtype, stream=load.stream, moce=load.moce)
     tokenizer = Tokenizer(path)
     window_engine = WindowEngine(model, engine)
