@@ -336,7 +336,7 @@ def _verify(model: str, as_json: bool) -> None:
 @panels
 @option("--workloads-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
         envvar="STRATA_BENCH_WORKLOADS", panel=BENCH,
-        help="Where the workload files are (default: examples/workloads).")
+        help="Where the workload files are (default: the ones shipped in strata_cli/assets/workloads).")
 @option("--modes", default=None, envvar="STRATA_BENCH_MODES", panel=BENCH,
         help="Comma-separated modes: serial, N, A-B, auto, auto:N, mlx-lm, mlx-lm-spec "
              "[default: serial,1-7,auto,mlx-lm,mlx-lm-spec].")
@@ -465,8 +465,6 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
     err = make_console(stderr=True)
     try:
         directory = workloads_dir or default_workloads_dir()
-        if directory is None:
-            raise WorkloadError("no examples/workloads directory found; pass --workloads-dir")
         workloads = load_workloads(directory, names, notes=notes)
         for note in notes:
             click.echo(f"note: {note}", err=True)

@@ -350,8 +350,17 @@ def test_cli_bench_errors(args, message):
     assert message in result.output
 
 
-def test_workloads_dir_is_found():
-    assert default_workloads_dir() == Path(__file__).resolve().parents[1] / "examples" / "workloads"
+def test_the_workloads_ship_inside_the_package():
+    """An installed wheel benches: the workloads are package data, matched by pyproject's pattern."""
+    import strata_cli
+
+    package = Path(strata_cli.__file__).resolve().parent
+    directory = default_workloads_dir()
+    assert directory.resolve().parent.parent == package
+    names = sorted(p.name for p in directory.glob("*.txt"))
+    assert names == ["agent_transcript.txt", "copy_edit.txt", "humaneval.txt", "prose.txt"]
+    pyproject = (package.parent / "pyproject.toml").read_text()
+    assert '"strata_cli" = ["assets/*/*"]' in pyproject  # assets/workloads/*.txt is in the wheel
 
 
 def test_model_dtype_sees_through_quantized_weights():

@@ -12,7 +12,7 @@ takes it; the report says which happened.
     python -m scripts.bench.stream_curve --tiny                          # CPU, ~1 minute
     python -m scripts.bench.stream_curve --preset cpu --repeats 5        # the CPU curve in docs/benchmarks.md
     python -m scripts.bench.stream_curve --preset gpu --dir /tmp/strata-stream --budget-seconds 450 --json-out gpu.json
-    python -m scripts.bench.stream_curve --model strata_cli/assets/demo --prompt-file examples/workloads/copy_edit.txt
+    python -m scripts.bench.stream_curve --model strata_cli/assets/demo --prompt-file strata_cli/assets/workloads/copy_edit.txt
 
 With --model, a real checkpoint is converted (`convert --stream`) instead: trained routers give the
 expert locality and the draft acceptance that a random-weight model lacks.

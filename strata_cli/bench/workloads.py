@@ -1,4 +1,4 @@
-"""Named bench workloads: one small text file each, in `examples/workloads/`.
+"""Named bench workloads: one small text file each, shipped in `strata_cli/assets/workloads/`.
 
 A workload file is a few `key: value` header lines, a line `---`, then the prompt (exactly one
 trailing newline is dropped, since files end with one):
@@ -20,6 +20,7 @@ workload is skipped (with a note) when bench runs every workload, and refused wh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 WORKLOAD_SUFFIX = ".txt"
@@ -62,13 +63,9 @@ class Workload:
     source: str = "file"
 
 
-def default_workloads_dir() -> Path | None:
-    """`examples/workloads` of the source tree this package runs from, else of the cwd."""
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
-        candidate = root / "examples" / "workloads"
-        if candidate.is_dir():
-            return candidate
-    return None
+def default_workloads_dir() -> Path:
+    """The workloads shipped in the package (`strata_cli/assets/workloads`)."""
+    return Path(str(files("strata_cli") / "assets" / "workloads"))
 
 
 def parse_workload(path: Path) -> Workload:
