@@ -1,9 +1,10 @@
-"""Write docs/cli.md, the full option reference, from the click commands themselves.
+"""Write docs/cli.md, the full option reference, from the click commands themselves, and
+docs/stats.md, the glossary of the telemetry figures, from telemetry.py's field tables.
 
-    python -m scripts.cli_docs            # rewrite docs/cli.md
-    python -m scripts.cli_docs --check    # exit 1 when docs/cli.md is not current
+    python -m scripts.cli_docs            # rewrite both
+    python -m scripts.cli_docs --check    # exit 1 when either is not current
 
-tests/test_cli_docs.py runs the check, so the reference cannot drift from `strata --help`.
+tests/test_cli_docs.py runs the check, so neither can drift from the code.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import click
 
 from strata_cli.cli import cli
 from strata_cli.cli_options import PANEL_ORDER
+from strata_cli.telemetry import EXPERT_FIELDS, FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "docs" / "cli.md"
+STATS = ROOT / "docs" / "stats.md"
 OTHER = "Other options"
 ORDER = ("generate", "serve-stdio", "bench", "selftest", "convert", "verify")  # everyday first
 
@@ -86,15 +89,36 @@ def render() -> str:
     return "\n".join(parts) + "\n"
 
 
+def render_stats() -> str:
+    parts = [
+        "# strata decode telemetry: what each figure means",
+        "",
+        "`strata generate --stats` prints these figures on stderr (label, value with unit, key); `--json`,",
+        "serve-stdio replies and `strata bench --out` carry them under the same keys in their `stats`",
+        "object, as plain numbers (shares as fractions 0..1, times in the unit the key names, bytes as",
+        "integers). `--stats` shows n/a where a ratio has nothing to divide; the JSON then holds 0.",
+        "Generated from `strata_cli/telemetry.py` by `python -m scripts.cli_docs`.",
+    ]
+    for title, fields, prefix in (("Decoding", FIELDS, ""),
+                                  ("Streamed experts (`experts`, null unless the checkpoint streams them)",
+                                   EXPERT_FIELDS, "experts.")):
+        parts += ["", f"## {title}", "", "| key | `--stats` label | unit | meaning |", "|---|---|---|---|"]
+        for key, (label, unit, meaning) in fields.items():
+            parts.append(f"| `{prefix}{key}` | {cell(label)} | {unit} | {cell(meaning)} |")
+    return "\n".join(parts) + "\n"
+
+
 def main(argv: list[str]) -> int:
-    text = render()
+    outputs = {TARGET: render(), STATS: render_stats()}
     if "--check" in argv:
-        if not TARGET.is_file() or TARGET.read_text() != text:
-            print(f"{TARGET} is not current: run python -m scripts.cli_docs", file=sys.stderr)
+        stale = [str(path) for path, text in outputs.items() if not path.is_file() or path.read_text() != text]
+        if stale:
+            print(f"not current: {', '.join(stale)}: run python -m scripts.cli_docs", file=sys.stderr)
             return 1
         return 0
-    TARGET.write_text(text)
-    print(f"wrote {TARGET}")
+    for path, text in outputs.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

@@ -4,24 +4,9 @@ One `DecodeStats` feeds `generate --stats` (a rich table on stderr), `--json` (t
 object) and `bench`. The first window pays one-time costs (graph building, caches warming), so
 it is reported apart from the steady state.
 
-Summary keys (stable names; bench and --json consumers read them):
-
-- tokens: `prompt_tokens` (the prompt's tokens, less those healing backed up over),
-  `healed_tokens` (the prompt's trailing tokens healing removed, healing.py: the first
-  generated tokens reproduce their text and count as generated), `prefill_tokens` (those this request ran
-  through prefill: the prompt minus its last token, which the first window runs, and minus any
-  positions restored from a checkpoint), `generated_tokens`, `prefill_tokens_per_s`, `tokens_per_s` (all
-  windows), `steady_tokens_per_s` (without the first window), `decode_seconds`,
-  `warmup_window_ms`;
-- windows: `windows`, `tokens_per_window`, `window_T_histogram`, `window_ms_mean`,
-  `window_ms_p95`, `window_ms_p99` (steady windows);
-- drafts: `proposal_coverage` (windows whose drafter offered drafts), `mean_match_length`,
-  `match_length_histogram`, `drafts_proposed` (offered by the drafter after the window caps),
-  `drafts_offered` (verified), `drafts_declined` (proposed but cut by the `auto` controller),
-  `drafts_kept`, `acceptance`;
-- `controller`: what the `auto` controller learned (absent without one);
-- `experts`: expert-streaming figures (see `ExpertWindowStats`), `None` when the engine does
-  not stream experts (nothing was measured, which is not the same as zero reads).
+Summary keys are stable names (bench and --json consumers read them); `FIELDS` and
+`EXPERT_FIELDS` below give each one's label, unit and meaning, and docs/stats.md is generated
+from them.
 """
 
 from __future__ import annotations
@@ -232,27 +217,154 @@ class DecodeStats:
         }
 
     def render(self, console, *, title: str = "strata decode") -> None:
-        """Print the summary as a rich table on `console` (stderr in the CLI)."""
+        """Print the summary as a rich table on `console` (stderr in the CLI): a readable label
+        and a unit for each figure (FIELDS), n/a where a ratio has nothing to divide."""
         from rich.table import Table
 
         table = Table(title=title, show_header=False, title_justify="left")
-        table.add_column("metric", style="bold")
+        table.add_column("figure", style="bold")
         table.add_column("value", justify="right")
+        table.add_column("key", style="dim")
         summary = self.summary()
-        per_layer = (summary.get("experts") or {}).pop("per_layer", None)
-        for name, value in summary.items():
-            if isinstance(value, float):
-                value = f"{value:,.3f}"
-            elif isinstance(value, dict):
-                value = " ".join(f"{k}:{_short(v)}" for k, v in value.items()) or "-"
-            elif value is None:
-                value = "-"
-            table.add_row(name, str(value))
+        experts = summary.pop("experts", None) or {}
+        per_layer = experts.pop("per_layer", None)
+        for key, label, value in readable_rows(summary, FIELDS):
+            table.add_row(label, value, key)
+        for key, label, value in readable_rows({k: v for k, v in experts.items() if k != "moce"}, EXPERT_FIELDS):
+            table.add_row(label, value, f"experts.{key}")
+        for key, value in experts.get("moce", {}).items():
+            table.add_row(f"MoCE {key.replace('_', ' ')}", f"{value:,}", f"experts.moce.{key}")
         console.print(table)
         if summary.get("approximate"):
             console.print("approximate: cache-aware routing (MoCE) was on; output may differ from exact routing")
         if per_layer:
             console.print(_layer_table(per_layer, title=f"{title}: experts per MoE layer"))
+
+
+# The summary's figures as `--stats` shows them: key -> (label, unit, meaning). The unit is how the
+# value prints: "tokens", "tok/s", "s", "ms", "%" (a share printed as a percentage), "" (a count or
+# a plain number); "n/a if KEY" marks a ratio with no data when summary[KEY] is 0. docs/stats.md
+# is generated from these tables (tests/test_cli_docs.py), so the glossary cannot drift.
+FIELDS = {
+    "prompt_tokens": ("prompt", "tokens", "the prompt's tokens, less those healing backed up over"),
+    "healed_tokens": ("healed", "tokens", "the prompt's trailing tokens healing backed up over; the first "
+                      "generated tokens rewrite their text and count as generated"),
+    "prefill_tokens": ("prefilled", "tokens", "tokens this request ran through prefill: the prompt less its last "
+                       "token (the first window runs it) and less positions restored from a checkpoint"),
+    "generated_tokens": ("generated", "tokens", "tokens emitted (an end-of-sequence token is not emitted)"),
+    "prefill_tokens_per_s": ("prefill speed", "tok/s", "prefilled tokens per second of prefill; n/a if prefill_tokens"),
+    "tokens_per_s": ("decode speed", "tok/s", "generated tokens per second of decoding (all windows)"),
+    "steady_tokens_per_s": ("decode speed, first window apart", "tok/s",
+                            "as tokens_per_s without the first window, which pays one-time costs; n/a if windows"),
+    "decode_seconds": ("decode time", "s", "wall time of all windows (drafting, runs, acceptance, commits)"),
+    "warmup_seconds": ("shape warm-up at load", "s", "load time spent running every window shape once "
+                       "(--warm-shapes: on for GPU backends, off on the CPU, where it is 0)"),
+    "calibration_seconds": ("cost-curve calibration at load", "s", "load time spent measuring this device's "
+                            "window cost by T for --suffix-draft auto (0 when cached or not auto)"),
+    "warmup_window_ms": ("first window", "ms", "wall time of the first window (kernel and graph building, caches "
+                         "warming); not in the window latencies below"),
+    "windows": ("windows", "", "windows run (one forward pass each: the root and its drafts)"),
+    "tokens_per_window": ("tokens per window", "", "generated tokens / windows; below 1 when the last window "
+                          "ended at an end-of-sequence token, which is not emitted; n/a if windows"),
+    "drafts_proposed": ("drafts proposed", "", "drafts the drafters offered, after the budget and context caps"),
+    "drafts_offered": ("drafts verified", "", "drafts the model checked (proposed less declined)"),
+    "drafts_declined": ("drafts declined by auto", "", "proposed drafts the auto controller did not think worth "
+                        "their cost"),
+    "drafts_kept": ("drafts kept", "", "verified drafts the model agreed with (each one a token for free)"),
+    "drafts_offered_global": ("verified from earlier requests", "", "verified drafts that came from the "
+                              "cross-request suffix cache (serve-stdio --suffix-cache)"),
+    "drafts_kept_global": ("kept from earlier requests", "", "of those, the ones kept"),
+    "acceptance": ("acceptance", "%", "drafts kept / drafts verified; n/a if drafts_offered"),
+    "proposal_coverage": ("windows with a proposal", "%", "windows whose drafters proposed at least one draft "
+                          "(verified or declined); n/a if windows"),
+    "mean_match_length": ("mean match length", "tokens", "the suffix match behind a proposal, averaged over "
+                          "windows with one; n/a if drafts_proposed"),
+    "match_length_histogram": ("match lengths", "", "windows with a proposal, by match-length bucket"),
+    "window_T_histogram": ("windows by rows", "", "windows by T, their rows (1 = no drafts)"),
+    "window_ms_mean": ("window latency, mean", "ms", "mean wall time of a window after the first; n/a if windows"),
+    "window_ms_p95": ("window latency, p95", "ms", "95th percentile of the same; n/a if windows"),
+    "window_ms_p99": ("window latency, p99", "ms", "99th percentile of the same; n/a if windows"),
+    "controller": ("auto controller", "", "--suffix-draft auto only: its cost prior (calibrated, cached, file:PATH "
+                   "or builtin), learned acceptance by draft position, window ms by T and cost samples by T"),
+    "approximate": ("approximate", "", "present (true) when cache-aware routing changed the output"),
+}
+EXPERT_FIELDS = {  # the `experts` section, streamed checkpoints only
+    "union_experts_per_layer": ("experts per layer per window", "", "distinct experts a window's rows picked, "
+                                "mean over MoE layers and windows"),
+    "cold_experts_beyond_root": ("cold experts drafts cost", "", "experts made resident that the root row alone "
+                                 "would not have needed"),
+    "misses": ("expert misses", "", "picked experts neither resident nor being read"),
+    "bytes_read": ("bytes read on demand", "bytes", "expert bytes read when a layer needed them"),
+    "prefetched_bytes": ("bytes read ahead", "bytes", "expert bytes read by prefetch"),
+    "late_waits": ("late waits", "", "times a layer waited for a read already issued"),
+    "late_wait_ms": ("time waiting on reads", "ms", "compute time spent waiting for expert reads"),
+    "draft_read_ms": ("of which for drafts", "ms", "the part of that spent on the drafts' cold experts"),
+    "model_bytes_read": ("model bytes read", "bytes", "weight bytes read from storage: at load, on demand and ahead"),
+    "hits": ("expert hits", "", "picked experts already resident"),
+    "cold_misses": ("cold misses", "", "misses of experts never loaded before"),
+    "capacity_misses": ("capacity misses", "", "misses of experts loaded before and evicted"),
+    "prefetch_hits": ("prefetch hits", "", "picked experts a prefetch had read or was reading"),
+    "prefetch_coverage": ("prefetch coverage", "%", "prefetch hits / (prefetch hits + misses); n/a if misses"),
+    "wasted_prefetches": ("wasted prefetches", "", "prefetched experts no row picked"),
+    "passes": ("MoE passes", "", "MoE block passes (a window whose experts outgrow the slots takes several)"),
+    "late_wait_share": ("share of time waiting", "%", "time waiting on reads / decode time"),
+    "bytes_read_per_token": ("bytes read per token", "bytes", "expert bytes read (demand and ahead) per "
+                             "generated token"),
+}
+
+
+def readable_rows(summary: dict, fields: dict) -> list[tuple[str, str, str]]:
+    """(key, label, value with unit) for each figure of `summary`, in its order."""
+    rows = []
+    for key, value in summary.items():
+        label, unit, meaning = fields.get(key, (key.replace("_", " "), "", ""))
+        if "n/a if " in meaning:
+            guard = meaning.split("n/a if ", 1)[1].split()[0].rstrip(";,.")
+            if not summary.get(guard):
+                rows.append((key, label, "n/a"))
+                continue
+        rows.append((key, label, _with_unit(key, value, unit)))
+    return rows
+
+
+def _with_unit(key: str, value, unit: str) -> str:
+    if value is None:
+        return "-"
+    if key == "controller":
+        return _controller_text(value)
+    if isinstance(value, dict):
+        return " ".join(f"{k}:{_short(v)}" for k, v in value.items()) or "-"
+    if unit == "%":
+        return f"{100 * value:.1f} %"
+    if unit == "bytes":
+        return _bytes(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        digits = 1 if unit in ("tok/s", "ms") else 3
+        text = f"{value:,.{digits}f}"
+    else:
+        text = f"{value:,}"
+    return f"{text} {unit}".rstrip()
+
+
+def _controller_text(snapshot: dict) -> str:
+    """The controller's snapshot in a few short lines (a table cell wraps them, never 500 columns)."""
+    lines = [f"cost prior {snapshot.get('cost_prior')}"]
+    if snapshot.get("acceptance_by_position"):
+        lines.append("acceptance by draft position " + " ".join(f"{a:.2f}" for a in snapshot["acceptance_by_position"]))
+    if snapshot.get("window_ms_by_T"):
+        lines.append("window ms by T " + " ".join(f"{T}:{ms:.3g}" for T, ms in snapshot["window_ms_by_T"].items()))
+    if snapshot.get("cost_samples_by_T"):
+        lines.append("cost samples by T " + " ".join(f"{T}:{n}" for T, n in snapshot["cost_samples_by_T"].items()))
+    return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
 
 
 # ExpertWindowStats.layers counters the per-layer report sums over windows (union is averaged).
