@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from .cli_options import (
     BENCH,
     OUTPUT,
     SERVER,
+    STOP,
     SEED,
     TEMPERATURE,
     draft_options,
@@ -80,11 +82,33 @@ def read_prompts(prompt: str | None, each_line: bool) -> list[str]:
 
 
 class StrataGroup(click.RichGroup):
-    """rich-click's help panels, with click's own error output: one plain line on stderr
-    ("Error: ..."), never a drawn box, so scripts and logs read it as before."""
+    """rich-click's help panels, with plain error output: "Error: ..." on one line of stderr
+    (a usage error after a plain usage line and the --help hint), never a drawn box, so scripts
+    and logs read it as they read click's."""
 
-    def main(self, *args, **kwargs):
-        return click_core.Group.main(self, *args, **kwargs)
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        run = functools.partial(click_core.Group.main, self, args, prog_name, complete_var, **extra)
+        if not standalone_mode:
+            return run(standalone_mode=False)
+        try:
+            result = run(standalone_mode=False)
+        except click.exceptions.NoArgsIsHelpError as e:  # plain `strata`: the help, exit 0 as click does
+            click_core.echo(e.ctx.get_help())
+            sys.exit(e.exit_code)
+        except click.exceptions.UsageError as e:
+            if e.ctx is not None:
+                pieces = " ".join(e.ctx.command.collect_usage_pieces(e.ctx))
+                click_core.echo(f"Usage: {e.ctx.command_path} {pieces}\n"
+                                f"Try '{e.ctx.command_path} --help' for help.\n", err=True)
+            click_core.echo(f"Error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click_core.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
 
 
 @click.group(cls=StrataGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -103,6 +127,7 @@ def cli():
 @panels
 @generate_options
 @speculative_options
+@STOP
 @option("--stats", is_flag=True, envvar="STRATA_STATS", panel=OUTPUT, help="Print decode telemetry to stderr.")
 @option("--json", "as_json", is_flag=True, envvar="STRATA_JSON", panel=OUTPUT,
         help="Print one JSON object per prompt (index, prompt, text, token_ids, finish_reason, stats) instead of streaming text.")
@@ -110,7 +135,7 @@ def cli():
         help="Treat every non-empty stdin line as its own prompt (plain answers are separated by a line ---).")
 @model_options
 @engine_options
-def generate(prompt, options, spec, stats, as_json, each_line, load, engine):
+def generate(prompt, options, spec, stop, stats, as_json, each_line, load, engine):
     """Generate text from PROMPT (or from stdin when piped, or when PROMPT is '-').
 
     \b
@@ -121,10 +146,10 @@ def generate(prompt, options, spec, stats, as_json, each_line, load, engine):
       strata generate -t 0.7 --top-p 0.9 --suffix-draft auto --repetition-penalty 1.1 "def f(x):"
     """
     prompts = read_prompts(prompt, each_line)
-    run_guarded(lambda: _generate(load, engine, prompts, options, spec, stats, as_json))
+    run_guarded(lambda: _generate(load, engine, prompts, options, spec, stop, stats, as_json))
 
 
-def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_json):
+def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats, as_json):
     from .request import FINISH_CANCELLED, TextRequest
     from .runtime import open_model
     from .telemetry import DecodeStats
@@ -139,7 +164,7 @@ def _generate(load, engine_options, prompts, gen_options, spec, show_stats, as_j
         for n, prompt in enumerate(prompts):
             stats = DecodeStats(warmup_seconds=runtime.warmup_seconds,
                                 calibration_seconds=runtime.calibration_seconds)
-            request = TextRequest(runtime.tokenizer, prompt, gen_options, stats=stats)
+            request = TextRequest(runtime.tokenizer, prompt, gen_options, stop=stop, stats=stats)
             bar = PrefillBar(console)
             try:
                 latch.check()
@@ -517,9 +542,12 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
     if result.diverged:
         raise UserError("output differs from serial in " + "; ".join(
             f"{w}: {', '.join(ms)}" for w, ms in result.diverged.items()))
-    if check and result.missed:
-        raise UserError("missed speed targets: " + "; ".join(
-            f"{t.workload}: {t.rule} {t.ratio:.3f} < {t.threshold:.2f}" for t in result.missed))
+    if result.missed:
+        missed = "; ".join(f"{t.workload}: {t.rule} {t.ratio:.3f} < {t.threshold:.2f}" for t in result.missed)
+        if check:
+            raise UserError(f"missed speed targets: {missed}")
+        click_core.echo(f"note: {len(result.missed)} speed target(s) missed ({missed}); the exit status is 0 "
+                        "without --check", err=True)
 
 
 ANSWER_SEPARATOR = "---"  # the line between plain-text answers of several prompts (--each-line)
@@ -559,15 +587,17 @@ def _selftest(max_tokens, dtypes, as_json):
     if as_json:
         click.echo(json.dumps(report))
     else:
-        table = Table(title=f"strata selftest on {report['backend']}", title_justify="left")
+        console = Console(width=max(100, Console().width))
+        console.print(f"strata selftest on {report['backend']}")  # a line of its own: a title would wrap
+        table = Table(title_justify="left")
         for column in ("dtype", "prompt", "mode", "result"):
             table.add_column(column)
         for r in report["results"]:
             result = "identical" if r["identical"] else f"DIFFERS at token {r['first_difference']}"
             table.add_row(r["dtype"], str(r["prompt"]), r["mode"], result)
-        console = Console(width=max(100, Console().width))
         console.print(table)
-        costs = Table(title="window of T rows, ms (median)", title_justify="left")
+        console.print("window of T rows, ms (median)")
+        costs = Table()
         costs.add_column("T")
         for dtype in report["window_ms"]:
             costs.add_column(dtype, justify="right")
@@ -577,6 +607,9 @@ def _selftest(max_tokens, dtypes, as_json):
     if not report["passed"]:
         bad = sum(not r["identical"] for r in report["results"])
         raise UserError(f"selftest: {bad} of {len(report['results'])} runs differ from serial decoding "
+                        f"on {report['backend']}")
+    if not as_json:
+        click_core.echo(f"selftest passed: all {len(report['results'])} runs identical to serial decoding "
                         f"on {report['backend']}")
 
 

@@ -162,6 +162,22 @@ DRAFT_COST = option(
     panel=SPECULATIVE,
     help="The auto controller's cost prior: a measured window-cost curve (scripts/bench/window_cost.py "
          "JSON, or a JSON list of seconds for T = 1, 2, ...); default: measured on this device once and cached.")
+class LinesType(click.types.StringParamType):
+    """A string option given several times; from its STRATA_* variable, one value per line."""
+
+    envvar_list_splitter = "\n"
+
+
+def stop_strings(ctx, param, values) -> tuple[str, ...]:
+    if any(not value for value in values):
+        raise click.BadParameter("a stop string must not be empty", ctx, param)
+    return tuple(values)
+
+
+STOP = option("--stop", type=LinesType(), multiple=True, envvar="STRATA_STOP", panel=OUTPUT, metavar="TEXT",
+              callback=stop_strings,
+              help="End the text before the first occurrence of TEXT (repeatable; finish_reason 'stop'). "
+                   "STRATA_STOP: one stop string per line.")
 MIN_MATCH = option("--min-match", type=click.IntRange(min=3), default=DEFAULT_MIN_MATCH, envvar="STRATA_MIN_MATCH",
                    show_default=True, panel=SPECULATIVE,
                    help="Shortest suffix match (tokens) that may propose drafts.")
