@@ -337,7 +337,7 @@ def _with_unit(key: str, value, unit: str) -> str:
     if unit == "%":
         return f"{100 * value:.1f} %"
     if unit == "bytes":
-        return _bytes(value)
+        return format_bytes(value)
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
@@ -360,7 +360,8 @@ def _controller_text(snapshot: dict) -> str:
     return "\n".join(lines)
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """A byte count for people: B, kB, MB or GB (decimal units)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:,.1f} {unit}"

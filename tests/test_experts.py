@@ -130,8 +130,10 @@ def test_budget_options(checkpoints):
     model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=1000))
     assert model.expert_cache.num_slots == NUM_EXPERTS
     model.expert_cache.close()
-    with pytest.raises(ConfigError, match="holds no expert"):
+    with pytest.raises(ConfigError, match="holds no expert") as refused:
         load_checkpoint(checkpoints[1], stream=StreamOptions(cache_gb=1e-9))
+    # the slot's size in a unit that shows it, and a budget that works
+    assert "takes 24.6 kB; pass at least --expert-cache 0.001 or --resident-experts 1" in str(refused.value)
     with pytest.raises(ConfigError, match="not both"):
         StreamOptions(cache_gb=1.0, resident_experts=4)
     with pytest.raises(ConfigError, match="root-only prefetch"):

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..model.moe import SparseMoeBlock, gather_matmul, gather_qmatmul, glu_by_expert
 from ..options import ConfigError, MoceOptions, StreamOptions
+from ..telemetry import format_bytes
 from .cache import ExpertCache
 from .moce import attach_moce
 from .store import DTYPES, GLU, ExpertStore, ExpertStoreError, expert_blocks
@@ -79,8 +80,9 @@ def resolve_slots(options: StreamOptions, *, num_experts: int, bytes_per_expert:
     slots = int(options.cache_gb * 1e9 // per_slot)
     if slots < 1:
         raise ConfigError(
-            f"--expert-cache {options.cache_gb} GB holds no expert: one slot in each of the "
-            f"{num_blocks} MoE blocks takes {per_slot / 1e9:.3f} GB"
+            f"--expert-cache {options.cache_gb:g} GB holds no expert: one slot in each of the "
+            f"{num_blocks} MoE blocks takes {format_bytes(per_slot)}; pass at least "
+            f"--expert-cache {math.ceil(per_slot / 1e6) / 1e3:g} or --resident-experts 1"
         )
     return min(slots, num_experts)
 
