@@ -45,6 +45,9 @@ from .options import (
 from .terminal import InterruptLatch, PrefillBar, Terminated, interrupt_latch, make_console
 
 
+ANSWER_SEPARATOR = "---"  # the default line between plain-text answers of several prompts (--each-line)
+
+
 class UserError(click.ClickException):
     """One clear line on stderr and exit status 1."""
 
@@ -132,10 +135,13 @@ def cli():
 @option("--json", "as_json", is_flag=True, envvar="STRATA_JSON", panel=OUTPUT,
         help="Print one JSON object per prompt (index, prompt, text, token_ids, finish_reason, stats) instead of streaming text.")
 @option("--each-line", is_flag=True, envvar="STRATA_EACH_LINE", panel=OUTPUT,
-        help="Treat every non-empty stdin line as its own prompt (plain answers are separated by a line ---).")
+        help="Treat every non-empty stdin line as its own prompt (plain answers are separated by --separator).")
+@option("--separator", default=ANSWER_SEPARATOR, envvar="STRATA_SEPARATOR", show_default=True, panel=OUTPUT,
+        help="With --each-line: the line printed between plain-text answers (generated code may contain "
+             "'---'; pick a line it cannot, or use --json).")
 @model_options
 @engine_options
-def generate(prompt, options, spec, stop, stats, as_json, each_line, load, engine):
+def generate(prompt, options, spec, stop, stats, as_json, each_line, separator, load, engine):
     """Generate text from PROMPT (or from stdin when piped, or when PROMPT is '-').
 
     \b
@@ -145,11 +151,15 @@ def generate(prompt, options, spec, stop, stats, as_json, each_line, load, engin
       strata generate --each-line --json < prompts.txt
       strata generate -t 0.7 --top-p 0.9 --suffix-draft auto --repetition-penalty 1.1 "def f(x):"
     """
+    if separator != ANSWER_SEPARATOR and not each_line:
+        raise click.UsageError("--separator applies only with --each-line")
+    if "\n" in separator:
+        raise click.BadParameter("the separator is one line", param_hint="'--separator'")
     prompts = read_prompts(prompt, each_line)
-    run_guarded(lambda: _generate(load, engine, prompts, options, spec, stop, stats, as_json))
+    run_guarded(lambda: _generate(load, engine, prompts, options, spec, stop, stats, as_json, separator))
 
 
-def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats, as_json):
+def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats, as_json, separator):
     from .request import FINISH_CANCELLED, TextRequest
     from .runtime import open_model
     from .telemetry import DecodeStats
@@ -196,7 +206,7 @@ def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats
             else:
                 out.write(tail + "\n")
                 if n + 1 < len(prompts) and not stopped:
-                    out.write(ANSWER_SEPARATOR + "\n")
+                    out.write(separator + "\n")
             out.flush()
             if show_stats:
                 stats.render(console, title=f"strata decode, prompt {n + 1}/{len(prompts)}")
@@ -550,7 +560,6 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
                         "without --check", err=True)
 
 
-ANSWER_SEPARATOR = "---"  # the line between plain-text answers of several prompts (--each-line)
 
 
 @cli.command("selftest")

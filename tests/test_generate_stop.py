@@ -45,3 +45,12 @@ def test_an_empty_stop_string_is_a_usage_error_in_plain_lines():
         "",
         "Error: Invalid value for '--stop': a stop string must not be empty",
     ]
+
+
+def test_each_line_answers_take_the_separator_given():
+    result = CliRunner().invoke(cli, ["generate", "--each-line", "-n", "4", "--separator", "=== next ==="],
+                                input="def a():\nclass B:\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("\n=== next ===\n") == 1 and "---" not in result.stdout
+    alone = CliRunner().invoke(cli, ["generate", "x", "-n", "2", "--separator", "@@"])
+    assert alone.exit_code == 2 and "--separator applies only with --each-line" in alone.output
