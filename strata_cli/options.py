@@ -17,6 +17,9 @@ from .speculative.suffix_drafter import DEFAULT_MIN_MATCH
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 0.0
+# float32's smallest normal (logits are float32): a temperature below it, whose reciprocal
+# overflows and which below ~7e-46 rounds to 0, decodes greedily, the limit it tends to.
+MIN_SAMPLING_TEMPERATURE = 2.0**-126
 DEFAULT_SEED = 0
 DEFAULT_REPETITION_CONTEXT = 20  # mlx-lm's repetition_context_size
 MAX_SUFFIX_DRAFT = 7  # a window is root + drafts; T <= 8 is what every rollback rule is tested for
@@ -267,11 +270,14 @@ class GenerateOptions:
     Args:
         max_tokens: most tokens to generate (default 256).
         temperature: 0 is greedy (default); above 0 samples from the processed distribution
-            softmax(processed logits / temperature), filtered by top_k, top_p and min_p.
+            softmax(processed logits / temperature), filtered by top_k, top_p and min_p. One
+            below MIN_SAMPLING_TEMPERATURE (float32's smallest normal) is greedy too; one past
+            float32's largest is sampled as float32's largest (sampling.py).
         seed: seeds this request's own sampler; the global seed is left alone.
         top_k: sample among the k most likely tokens only (0 = off, the default). Sampling only.
         top_p: sample from the smallest set of most likely tokens whose probability reaches
-            top_p (1.0 = off, the default). Sampling only.
+            top_p (1.0 = off, the default); the most likely token(s) are always in it, so a
+            top_p below float32's resolution keeps just them. Sampling only.
         min_p: drop tokens less likely than min_p times the most likely one (0 = off, the
             default). Sampling only.
         repetition_penalty: divide positive logits (multiply negative ones) of tokens among the
@@ -332,7 +338,8 @@ class GenerateOptions:
 
     @property
     def is_sampling(self) -> bool:
-        return self.temperature > 0
+        """Whether tokens are drawn: temperature at least MIN_SAMPLING_TEMPERATURE, else greedy."""
+        return self.temperature >= MIN_SAMPLING_TEMPERATURE
 
     @property
     def has_processors(self) -> bool:

@@ -184,7 +184,8 @@ class Processors:
             r, c = mx.array(rows), mx.array(cols)
             picked = logits[r, c]
             penalty = self.repetition_penalty
-            repeated = mx.where(picked > 0, picked / penalty, picked * penalty)
+            # a zero logit stays 0: times a penalty that is inf in float32 it would be NaN
+            repeated = mx.where(picked > 0, picked / penalty, mx.where(picked < 0, picked * penalty, picked))
             new = mx.where(mx.array(scale) > 0, repeated, picked) - mx.array(shift)
             logits = logits.at[r, c].add(new - picked)
         if ban_rows:

@@ -15,18 +15,29 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .options import GenerateOptions
+from .options import MIN_SAMPLING_TEMPERATURE, GenerateOptions
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def filtered_logits(logits: mx.array, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
                     min_p: float = 0.0) -> mx.array:
-    """logits (T, V) -> log-probabilities (T, V) of the sampling distribution, -inf where filtered.
+    """logits (T, V) float32 -> log-probabilities (T, V) of the sampling distribution, -inf where
+    filtered.
 
     Order: temperature, then top-k, top-p and min-p, each on the distribution the previous left
-    (ties at a cut are kept).
+    (ties at a cut are kept). Every row keeps its most likely token(s), whatever the knobs: a
+    temperature below MIN_SAMPLING_TEMPERATURE gives the limit t -> 0 (those tokens, evenly), one
+    past float32's range is float32's largest, and +inf logits (a repetition penalty that
+    overflowed) are infinitely more likely than the rest.
     """
-    # Shift so the largest logit is 0: a tiny temperature then gives -inf, never inf - inf.
-    x = (logits - logits.max(axis=-1, keepdims=True)) / temperature
+    top = logits.max(axis=-1, keepdims=True)
+    if temperature < MIN_SAMPLING_TEMPERATURE:  # in float32 1/t overflows, and t may round to 0
+        x = mx.where(logits == top, 0.0, -mx.inf)
+    else:
+        # Shift so the largest logit is 0: a tiny temperature then gives -inf, never inf - inf.
+        x = (logits - top) / min(temperature, FLOAT32_MAX)
+    x = mx.where(top == mx.inf, mx.where(logits == mx.inf, 0.0, -mx.inf), x)
     V = x.shape[-1]
     if 0 < top_k < V:
         kth = mx.sort(x, axis=-1)[..., V - top_k : V - top_k + 1]
@@ -37,6 +48,7 @@ def filtered_logits(logits: mx.array, *, temperature: float, top_k: int = 0, top
         before = mx.cumsum(ordered, axis=-1) - ordered  # mass strictly more likely than each
         # the smallest probability still inside the nucleus
         floor = mx.min(mx.where(before < top_p, ordered, mx.inf), axis=-1, keepdims=True)
+        floor = mx.minimum(floor, ordered[..., :1])  # a top_p that rounds to 0 in float32 keeps the top
         x = mx.where(probs >= floor, x, -mx.inf)
     if min_p > 0.0:
         x = mx.where(x >= mx.log(mx.array(min_p, mx.float32)), x, -mx.inf)  # max(x) is 0
@@ -52,7 +64,8 @@ class Choice:
 
 
 class TokenChooser:
-    """Greedy argmax (temperature 0) or a seeded draw per generated position.
+    """Greedy argmax (temperature 0, or below MIN_SAMPLING_TEMPERATURE) or a seeded draw per
+    generated position.
 
     Args:
         options: temperature, top_k, top_p, min_p and seed.
@@ -63,7 +76,7 @@ class TokenChooser:
     def __init__(self, options: GenerateOptions, prompt_length: int):
         self.options = options
         self.prompt_length = prompt_length
-        self.is_sampling = options.temperature > 0
+        self.is_sampling = options.is_sampling
         self._chain = mx.random.key(options.seed)
         self._keys: list[mx.array] = []
 

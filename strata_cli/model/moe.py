@@ -269,10 +269,27 @@ class SparseMoeBlock(nn.Module):
         return y.reshape(shape)
 
 
-@partial(mx.compile, shapeless=True)
 def weighted_sum(picks: mx.array, weights: mx.array) -> mx.array:
-    """picks (N, k, H) weighted by weights (N, k) and summed over k, in one compiled kernel."""
+    """picks (N, k, H) weighted by weights (N, k) and summed over k, in one compiled kernel.
+
+    With k = 1 the sum is the one weighted pick, taken without a reduction: MLX 0.32.4 crashes on
+    a shapeless-compiled sum over a length-1 axis (docs/mlx-bugs.md). Summing one value adds
+    nothing, so both forms give the same bits.
+    """
+    if picks.shape[1] == 1:
+        return scaled(picks.reshape(picks.shape[0], picks.shape[2]), weights)
+    return weighted_picks_sum(picks, weights)
+
+
+@partial(mx.compile, shapeless=True)
+def weighted_picks_sum(picks: mx.array, weights: mx.array) -> mx.array:
     return (picks * weights[..., None].astype(picks.dtype)).sum(axis=1)
+
+
+@partial(mx.compile, shapeless=True)
+def scaled(x: mx.array, weight: mx.array) -> mx.array:
+    """x (N, H) times weight (N, 1), in x's dtype."""
+    return x * weight.astype(x.dtype)
 
 
 @partial(mx.compile, shapeless=True)
