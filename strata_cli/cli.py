@@ -359,7 +359,7 @@ def _verify(model: str, as_json: bool) -> None:
     status = "verified" if verification.is_verified else "unverified"
     if as_json:
         click.echo(json.dumps({"path": str(path), "status": status, "against": verification.source or None,
-                               "sha256": verification.digests}))
+                               "sha256": verification.digests, "expert_records": verification.expert_records}))
         return
     for name, digest in sorted(verification.digests.items()):
         click.echo(f"{digest}  {name}")

@@ -53,10 +53,14 @@ class Verification:
         digests: file name (relative to the checkpoint) -> its sha256.
         source: what the digests were checked against ("checksums.json", "hub cache"), or ""
             when nothing was: then `is_verified` is False.
+        expert_records: a streamed checkpoint's expert records whose crc32 `strata verify`
+            checked against experts/index.json (0 when none were: loading checks each as it
+            reads it).
     """
 
     digests: dict[str, str] = field(default_factory=dict)
     source: str = ""
+    expert_records: int = 0
 
     @property
     def is_verified(self) -> bool:
@@ -64,9 +68,11 @@ class Verification:
 
     @property
     def note(self) -> str:
+        records = f"; {self.expert_records} expert records match their crc32 in experts/index.json"
         if self.is_verified:
-            return f"weights verified against {self.source}"
-        return "weights unverified (no checksums.json and not a hub cache: a corrupt file would go unnoticed)"
+            return f"weights verified against {self.source}" + (records if self.expert_records else "")
+        return ("weights unverified (no checksums.json and not a hub cache: a corrupt file would go unnoticed)"
+                + (records if self.expert_records else ""))
 
 
 def cache_path() -> Path:

@@ -398,6 +398,46 @@ def check_layout_sanity(index_path: Path, index: dict, blocks: list[BlockLayout]
                 raise bad(f"{name}.records[{e}]", f"length {length}, record_bytes is {block.record_bytes}")
 
 
+def check_file_size(block: BlockLayout) -> None:
+    """The block's file exists and holds every record the index places in it.
+
+    Raises:
+        ExpertStoreError: missing, or truncated (naming the first expert cut off).
+    """
+    try:
+        size = block.file.stat().st_size
+    except FileNotFoundError:
+        raise ExpertStoreError(f"{block.file}: missing (listed in {STREAM_DIR}/{INDEX_NAME})") from None
+    need = max(o + block.stride for o, _, _ in block.records)
+    if size < need:
+        first_bad = next(e for e, (o, _, _) in enumerate(block.records) if o + block.stride > size)
+        raise ExpertStoreError(
+            f"{block.file}: truncated ({size} bytes, the index needs {need}); "
+            f"expert {first_bad} of {block.path} and later are cut off"
+        )
+
+
+def corrupt_records(block: BlockLayout) -> list[int]:
+    """The experts of `block` whose payload's crc32 differs from the index's: every record read
+    once, in file order, and checked as `ExpertStore.read` checks it (`strata verify`).
+
+    Raises:
+        ExpertStoreError: the file is missing or truncated.
+        OSError: it cannot be read.
+    """
+    check_file_size(block)
+    bad = []
+    with open(block.file, "rb") as f:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for offset, e in sorted((o, e) for e, (o, _, _) in enumerate(block.records)):
+            _, length, crc = block.records[e]
+            f.seek(offset)
+            if zlib.crc32(f.read(length)) != crc:
+                bad.append(e)
+    return sorted(bad)
+
+
 def _expected_dtype(tensor: str, quantization: dict, stored_dtype: str | None) -> str | None:
     proj, _, part = tensor.partition(".")
     if proj in quantization and part == "weight":
@@ -466,17 +506,7 @@ class ExpertStore:
         return "mixed" if len(modes) > 1 else ("direct" if modes == {True} else "buffered")
 
     def _open(self, block: BlockLayout, io: str) -> None:
-        try:
-            size = block.file.stat().st_size
-        except FileNotFoundError:
-            raise ExpertStoreError(f"{block.file}: missing (listed in {STREAM_DIR}/{INDEX_NAME})") from None
-        need = max(o + block.stride for o, _, _ in block.records)
-        if size < need:
-            first_bad = next(e for e, (o, _, _) in enumerate(block.records) if o + block.stride > size)
-            raise ExpertStoreError(
-                f"{block.file}: truncated ({size} bytes, the index needs {need}); "
-                f"expert {first_bad} of {block.path} and later are cut off"
-            )
+        check_file_size(block)
         fd, direct = None, False
         can_direct = hasattr(os, "O_DIRECT") and self.alignment % 512 == 0
         if io in ("auto", "direct") and can_direct:
