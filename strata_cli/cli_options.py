@@ -9,6 +9,7 @@ import functools
 import inspect
 import math
 import os
+import re
 
 import rich_click as click
 from click.core import ParameterSource
@@ -147,7 +148,7 @@ MAX_TOKENS = option("--max-tokens", "-n", type=click.IntRange(min=1), default=DE
                     help="Most tokens to generate per prompt (serve-stdio: for requests that leave it out).")
 TEMPERATURE = option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0,
                      envvar="STRATA_TEMPERATURE", show_default=True, panel=SAMPLING,
-                     help="0 is greedy; above 0 samples.")
+                     help="0 is greedy; above 0 samples (below float32's smallest normal, 1.2e-38, is greedy too).")
 SEED = option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
               show_default=True, panel=SAMPLING,
               help="Seed for sampling: each prompt uses its own sampler, so the same seed gives the same "
@@ -219,14 +220,21 @@ def generate_options(command):
 
     def build(max_tokens, temperature, seed, top_k, top_p, min_p, repetition_penalty, repetition_context,
               presence_penalty, frequency_penalty, ban_phrases, no_heal):
-        return GenerateOptions(
-            max_tokens=max_tokens, temperature=temperature, seed=seed, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, repetition_context=repetition_context,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            ban_phrases=read_ban_phrases(ban_phrases) if ban_phrases else (), heal=not no_heal,
-        )
+        try:
+            return GenerateOptions(
+                max_tokens=max_tokens, temperature=temperature, seed=seed, top_k=top_k, top_p=top_p, min_p=min_p,
+                repetition_penalty=repetition_penalty, repetition_context=repetition_context,
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                ban_phrases=read_ban_phrases(ban_phrases) if ban_phrases else (), heal=not no_heal,
+            )
+        except ConfigError as e:  # the options' field names, as the flags a CLI user typed
+            raise ConfigError(FIELD_NAME.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
 
     return options_object("options", build, options)(command)
+
+
+FIELD_NAME = re.compile(r"\b(top_k|top_p|min_p|temperature|max_tokens|repetition_penalty|repetition_context|"
+                        r"presence_penalty|frequency_penalty)\b")
 
 
 def speculative_options(command):

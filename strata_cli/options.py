@@ -321,11 +321,11 @@ class GenerateOptions:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.temperature == 0 and (self.top_k or self.top_p < 1 or self.min_p):
-            raise ConfigError(
-                f"top_k ({self.top_k}), top_p ({self.top_p}) and min_p ({self.min_p}) filter sampling: "
-                "they need temperature > 0"
-            )
+        filters = [f"{name} {value}" for name, value, off in
+                   (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0), ("min_p", self.min_p, 0.0)) if value != off]
+        if self.temperature == 0 and filters:
+            raise ConfigError(f"{' and '.join(filters)} only {'apply' if len(filters) > 1 else 'applies'} when "
+                              "sampling: set temperature above 0 too")
         if not self.repetition_penalty > 0:
             raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.repetition_context < 1:

@@ -54,3 +54,10 @@ def test_each_line_answers_take_the_separator_given():
     assert result.stdout.count("\n=== next ===\n") == 1 and "---" not in result.stdout
     alone = CliRunner().invoke(cli, ["generate", "x", "-n", "2", "--separator", "@@"])
     assert alone.exit_code == 2 and "--separator applies only with --each-line" in alone.output
+
+
+def test_a_filter_without_a_temperature_names_only_the_flags_given():
+    result = CliRunner().invoke(cli, ["generate", "x", "--top-p", "0.9"])
+    assert result.exit_code == 2
+    assert "--top-p 0.9 only applies when sampling: set --temperature above 0 too" in result.output
+    assert "top_k" not in result.output and "min_p" not in result.output

@@ -102,7 +102,7 @@ def test_request_fields_build_the_options():
     assert (o.top_k, o.top_p, o.min_p, o.repetition_penalty, o.repetition_context, o.presence_penalty,
             o.frequency_penalty, o.ban_phrases) == (5, 0.9, 0.05, 1.3, 6, 0.4, 0.3, ("no",))
     for bad, code, message in (
-        ({"top_p": 0.9}, OUT_OF_RANGE, "need temperature > 0"),
+        ({"top_p": 0.9}, OUT_OF_RANGE, "top_p 0.9 only applies when sampling: set temperature above 0"),
         ({"ban_phrases": "no"}, INVALID_REQUEST, "'ban_phrases' must be a list"),
         ({"ban_phrases": [""]}, OUT_OF_RANGE, "empty"),
         ({"top_k": 1.5}, INVALID_REQUEST, "'top_k' must be an integer"),
@@ -119,7 +119,7 @@ def test_cli_checks_sampling_flags_before_opening_a_model(tmp_path):
     from strata_cli.cli import cli
 
     result = CliRunner().invoke(cli, ["generate", "--top-p", "0.9", "hi"])
-    assert result.exit_code == 2 and "need temperature > 0" in result.output
+    assert result.exit_code == 2 and "--top-p 0.9 only applies when sampling: set --temperature above 0" in result.output
     empty = tmp_path / "ban.txt"
     empty.write_text("\n\n")
     result = CliRunner().invoke(cli, ["serve-stdio", "--ban-phrases", str(empty)])

@@ -187,7 +187,7 @@ def test_a_banned_phrase_never_appears(temperature):
 
 
 def test_options_are_checked():
-    with pytest.raises(ConfigError, match="need temperature > 0"):
+    with pytest.raises(ConfigError, match="top_p 0.9 only applies when sampling: set temperature above 0"):
         GenerateOptions(top_p=0.9)
     with pytest.raises(ConfigError, match="presence_penalty must be in"):
         GenerateOptions(presence_penalty=3)

@@ -232,7 +232,7 @@ def run_bench(
         raise ConfigError("the first bench mode must be serial (the reference output)")
     if any(m.kind == "peer" for m in modes) and peer is None:
         raise ConfigError("peer modes need a loaded mlx-lm peer")
-    if any(m.kind == "peer" for m in modes) and options.temperature > 0:
+    if any(m.kind == "peer" for m in modes) and GenerateOptions(temperature=options.temperature).is_sampling:
         raise ConfigError("peer modes decode greedily; they cannot run at temperature > 0")
     mx.random.seed(options.seed)
     result = BenchResult(meta=dict(meta or {}))
