@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "docs" / "cli.md"
 STATS = ROOT / "docs" / "stats.md"
 OTHER = "Other options"
-ORDER = ("generate", "serve-stdio", "bench", "selftest", "convert", "verify")  # everyday first
+ORDER = ("generate", "serve", "serve-stdio", "bench", "selftest", "convert", "verify")  # everyday first
 
 
 def cell(text: str) -> str:

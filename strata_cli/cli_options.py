@@ -18,20 +18,28 @@ from .model.config import DTYPE_NAMES
 from .options import (
     DEFAULT_EXPERT_IO_THREADS,
     DEFAULT_EXPERT_PREFETCH,
+    DEFAULT_HTTP_HOST,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
+    DEFAULT_PREFIX_CACHE_ENTRIES,
+    DEFAULT_PREFIX_CACHE_POSITIONS,
     DEFAULT_MIN_MATCH,
     DEFAULT_REPETITION_CONTEXT,
-    DEFAULT_SEED,
     DEMO_MODEL,
     MAX_SUFFIX_DRAFT,
     EXPERT_IO_MODES,
     EXPERT_PREFETCH_MODES,
     FOLD_MODES,
+    PREFILL_CHUNK,
     ConfigError,
     EngineOptions,
     GenerateOptions,
+    HttpOptions,
     LoadOptions,
     MoceOptions,
+    ServeOptions,
     SpecOptions,
     StreamOptions,
     parse_suffix_draft,
@@ -149,15 +157,22 @@ MAX_TOKENS = option("--max-tokens", "-n", type=click.IntRange(min=1), default=DE
 TEMPERATURE = option("--temperature", "-t", type=FiniteFloatRange(min=0.0), default=0.0,
                      envvar="STRATA_TEMPERATURE", show_default=True, panel=SAMPLING,
                      help="0 is greedy; above 0 samples (below float32's smallest normal, 1.2e-38, is greedy too).")
-SEED = option("--seed", type=click.IntRange(0, 2**63 - 1), default=DEFAULT_SEED, envvar="STRATA_SEED",
-              show_default=True, panel=SAMPLING,
+SEED = option("--seed", type=click.IntRange(0, 2**63 - 1), default=None, envvar="STRATA_SEED", panel=SAMPLING,
               help="Seed for sampling: each prompt uses its own sampler, so the same seed gives the same "
-                   "text with any --suffix-draft.")
-SUFFIX_DRAFT_OPTION = option(
-    "--suffix-draft", type=SUFFIX_DRAFT, default="0", envvar="STRATA_SUFFIX_DRAFT", show_default=True,
-    panel=SPECULATIVE,
-    help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
-         f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
+                   "text with any --suffix-draft  [default: a fresh seed per prompt, reported as 'seed' in "
+                   "--json and --stats]")
+
+
+def suffix_draft_option(default: str):
+    """--suffix-draft with a command's own default ("0" everywhere; `serve` drafts with "auto")."""
+    return option(
+        "--suffix-draft", type=SUFFIX_DRAFT, default=default, envvar="STRATA_SUFFIX_DRAFT", show_default=True,
+        panel=SPECULATIVE,
+        help="At most N suffix-lookup drafts per window (0 = off); 'auto' lets the draft-length controller "
+             f"choose up to {MAX_SUFFIX_DRAFT} per window, 'auto:N' up to N. Greedy output is identical either way.")
+
+
+SUFFIX_DRAFT_OPTION = suffix_draft_option("0")
 DRAFT_COST = option(
     "--draft-cost", type=click.Path(exists=True, dir_okay=False), default=None, envvar="STRATA_DRAFT_COST",
     panel=SPECULATIVE,
@@ -237,13 +252,16 @@ FIELD_NAME = re.compile(r"\b(top_k|top_p|min_p|temperature|max_tokens|repetition
                         r"presence_penalty|frequency_penalty)\b")
 
 
-def speculative_options(command):
+def speculative_options(command=None, *, draft_default: str = "0"):
     """--suffix-draft, --draft-cost and --min-match, passed to `command` as one `spec: SpecOptions`
-    argument."""
+    argument. `@speculative_options` drafts nothing by default; `@speculative_options(draft_default="auto")`
+    lets the controller draft unless told otherwise."""
     def build(suffix_draft, draft_cost, min_match):
         return spec_options(suffix_draft, min_match, draft_cost)
 
-    return options_object("spec", build, [SUFFIX_DRAFT_OPTION, DRAFT_COST, MIN_MATCH])(command)
+    draft = SUFFIX_DRAFT_OPTION if draft_default == "0" else suffix_draft_option(draft_default)
+    decorate = options_object("spec", build, [draft, DRAFT_COST, MIN_MATCH])
+    return decorate if command is None else decorate(command)
 
 
 def draft_options(command):
@@ -364,3 +382,62 @@ def engine_options(command):
         return EngineOptions(fold=fold, partial=partial, max_context=max_context, warm_shapes=warm_shapes)
 
     return options_object("engine", build, options)(command)
+
+
+def cache_options(command=None, *, suffix_cache: int = 0):
+    """What a server keeps across requests (--prefix-cache, --prefix-cache-positions,
+    --checkpoint-every, --suffix-cache with the command's own default), passed to `command` as
+    one `serve: ServeOptions` argument. (serve-stdio still declares these four in cli.py, with
+    --session and --max-line-bytes; `strata serve` takes them from here.)"""
+    options = [
+        option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
+               envvar="STRATA_PREFIX_CACHE", show_default=True, panel=SERVER,
+               help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse)."),
+        option("--prefix-cache-positions", type=click.IntRange(min=1), default=DEFAULT_PREFIX_CACHE_POSITIONS,
+               envvar="STRATA_PREFIX_CACHE_POSITIONS", show_default=True, panel=SERVER,
+               help="Most positions all checkpoints together hold (their KV memory grows with it)."),
+        option("--checkpoint-every", type=click.IntRange(min=0), default=PREFILL_CHUNK,
+               envvar="STRATA_CHECKPOINT_EVERY", show_default=True, panel=SERVER,
+               help="Also checkpoint a prompt's prefill at every multiple of N positions (0 = only at its end)."),
+        option("--suffix-cache", type=click.IntRange(min=0), default=suffix_cache, envvar="STRATA_SUFFIX_CACHE",
+               show_default=True, panel=SERVER, help="Tokens of earlier requests' outputs kept for drafts (0 = off)."),
+    ]
+
+    def build(prefix_cache, prefix_cache_positions, checkpoint_every, suffix_cache):
+        return ServeOptions(prefix_cache_entries=prefix_cache, prefix_cache_positions=prefix_cache_positions,
+                            checkpoint_every=checkpoint_every, suffix_cache_tokens=suffix_cache)
+
+    decorate = options_object("serve", build, options)
+    return decorate if command is None else decorate(command)
+
+
+def http_options(command):
+    """`strata serve`'s address, admission limits, API key and model name, passed to `command` as
+    one `http: HttpOptions` argument."""
+    options = [
+        option("--host", default=DEFAULT_HTTP_HOST, envvar="STRATA_HOST", show_default=True, panel=SERVER,
+               help="Address to listen on (0.0.0.0 exposes the server to the network: set --api-key)."),
+        option("--port", type=click.IntRange(0, 65535), default=DEFAULT_HTTP_PORT, envvar="STRATA_PORT",
+               show_default=True, panel=SERVER, help="TCP port (0 = any free port; the log line names it)."),
+        option("--api-key", default=None, envvar="STRATA_API_KEY", panel=SERVER,
+               help="Require 'Authorization: Bearer KEY' on /v1 and /metrics (default: no key)."),
+        option("--model-name", default=None, envvar="STRATA_MODEL_NAME", panel=SERVER,
+               help="The model's id in /v1/models, which requests' 'model' must match "
+                    "(default: --model as given, or a directory's own name)."),
+        option("--max-queue", type=click.IntRange(min=0), default=DEFAULT_MAX_QUEUE, envvar="STRATA_MAX_QUEUE",
+               show_default=True, panel=SERVER,
+               help="Requests that may wait behind the one running; one more is answered 503 with Retry-After."),
+        option("--max-body-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_LINE_BYTES,
+               envvar="STRATA_MAX_BODY_BYTES", show_default=True, panel=SERVER,
+               help="Larger request bodies are answered 413."),
+        option("--request-timeout", type=FiniteFloatRange(min=0, min_open=True), default=None,
+               envvar="STRATA_REQUEST_TIMEOUT", metavar="SECONDS", panel=SERVER,
+               help="Stop a request this long after it arrived, queue wait included, and answer what it "
+                    "generated (default: no limit)."),
+    ]
+
+    def build(host, port, api_key, model_name, max_queue, max_body_bytes, request_timeout):
+        return HttpOptions(host=host, port=port, api_key=api_key, model_name=model_name, max_queue=max_queue,
+                           max_body_bytes=max_body_bytes, request_timeout=request_timeout)
+
+    return options_object("http", build, options)(command)

@@ -273,7 +273,8 @@ class GenerateOptions:
             softmax(processed logits / temperature), filtered by top_k, top_p and min_p. One
             below MIN_SAMPLING_TEMPERATURE (float32's smallest normal) is greedy too; one past
             float32's largest is sampled as float32's largest (sampling.py).
-        seed: seeds this request's own sampler; the global seed is left alone.
+        seed: seeds this request's own sampler; the global seed is left alone. None (default) =
+            a fresh seed from the system for each request (request.py reports the one used).
         top_k: sample among the k most likely tokens only (0 = off, the default). Sampling only.
         top_p: sample from the smallest set of most likely tokens whose probability reaches
             top_p (1.0 = off, the default); the most likely token(s) are always in it, so a
@@ -297,7 +298,7 @@ class GenerateOptions:
 
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
-    seed: int = DEFAULT_SEED
+    seed: int | None = None
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -313,7 +314,7 @@ class GenerateOptions:
             raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN fails both
             raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}")
-        if not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
@@ -465,3 +466,48 @@ class ServeOptions:
             raise ConfigError(f"max_line_bytes must be at least 1024, got {self.max_line_bytes}")
         if self.session is not None and self.prefix_cache_entries < 1:
             raise ConfigError("a session is restored through the prefix cache: prefix_cache_entries must be >= 1")
+
+
+DEFAULT_HTTP_HOST = "127.0.0.1"  # loopback only unless asked: `strata serve` has no TLS
+DEFAULT_HTTP_PORT = 8080
+DEFAULT_MAX_QUEUE = 16
+DEFAULT_HTTP_SUFFIX_CACHE = 65536  # agents resend what earlier answers said: on by default over HTTP
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """What `strata serve` (the OpenAI-compatible HTTP server) listens on and admits.
+
+    Args:
+        host: address to bind (default 127.0.0.1).
+        port: TCP port (default 8080; 0 = any free port, logged at start).
+        max_queue: requests that may wait behind the one running (default 16); one more gets 503.
+        max_body_bytes: largest request body (default 4 MiB); a larger one gets 413.
+        request_timeout: seconds a request may take from arrival, queue wait included (None,
+            the default = no limit); then it stops at the next window and answers what it has.
+        api_key: when set, every /v1 and /metrics request needs `Authorization: Bearer KEY`.
+        model_name: the model's id in /v1/models and the `model` requests may name (None, the
+            default: the --model value's, resolved by the CLI: serve/http.py `model_name`).
+    """
+
+    host: str = DEFAULT_HTTP_HOST
+    port: int = DEFAULT_HTTP_PORT
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_body_bytes: int = DEFAULT_MAX_LINE_BYTES
+    request_timeout: float | None = None
+    api_key: str | None = None
+    model_name: str | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.request_timeout is not None and not (self.request_timeout > 0 and math.isfinite(self.request_timeout)):
+            raise ConfigError(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("the API key is empty")
+        if self.model_name is not None and not self.model_name.strip():
+            raise ConfigError("the model name is empty")
