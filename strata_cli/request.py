@@ -9,6 +9,8 @@ where the engine's state comes from (a reset, or a checkpoint it restored).
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -47,8 +49,11 @@ class TextRequest:
     def __init__(self, tokenizer: Tokenizer, text: str, options: GenerateOptions, *, stop: Sequence[str] = (),
                  heal: bool = True, stats: DecodeStats | None = None):
         self.tokenizer = tokenizer
+        if options.seed is None:  # every unseeded request samples anew; the seed used is reported
+            options = dataclasses.replace(options, seed=secrets.randbits(63))
         self.options = options
         self.stats = stats if stats is not None else DecodeStats()
+        self.stats.seed = options.seed if options.is_sampling else None
         self.ids = tokenizer.encode(text)
         heal = heal and options.heal
         self.heal_plan = plan_heal(self.ids, tokenizer.heal_table() if heal else None, enabled=heal)

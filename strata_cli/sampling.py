@@ -10,6 +10,7 @@ acceptance then couples the draft with the target's own draw (speculative/accept
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,7 +78,9 @@ class TokenChooser:
         self.options = options
         self.prompt_length = prompt_length
         self.is_sampling = options.is_sampling
-        self._chain = mx.random.key(options.seed)
+        # No seed: a fresh one (request.py draws and reports it before this; a library call may not).
+        seed = options.seed if options.seed is not None else secrets.randbits(63)
+        self._chain = mx.random.key(seed) if self.is_sampling else None
         self._keys: list[mx.array] = []
 
     def key(self, index: int) -> mx.array:

@@ -110,6 +110,7 @@ class DecodeStats:
     controller: object | None = None  # the `auto` draft-length controller, if any (has snapshot())
     warmup_seconds: float = 0.0  # load time: every window shape run once (runtime.open_model)
     calibration_seconds: float = 0.0  # load time: the device's cost curve measured (calibrate.py)
+    seed: int | None = None  # the sampling seed used (None: greedy)
 
     def attach_controller(self, controller) -> None:
         """Report what this draft-length controller learned in the summary's `controller`."""
@@ -154,6 +155,7 @@ class DecodeStats:
             "healed_tokens": self.healed_tokens,
             "prefill_tokens": self.prefill_tokens,
             "generated_tokens": self.generated,
+            "seed": self.seed,
             "prefill_tokens_per_s": _rate(self.prefill_tokens, self.prefill_seconds),
             "tokens_per_s": _rate(self.generated, seconds),
             "steady_tokens_per_s": _rate(sum(w.emitted for w in steady), steady_seconds),
@@ -252,6 +254,8 @@ FIELDS = {
     "prefill_tokens": ("prefilled", "tokens", "tokens this request ran through prefill: the prompt less its last "
                        "token (the first window runs it) and less positions restored from a checkpoint"),
     "generated_tokens": ("generated", "tokens", "tokens emitted (an end-of-sequence token is not emitted)"),
+    "seed": ("sampling seed", "", "the seed this request sampled with (--seed, or drawn from the system when none "
+             "was given: pass it as --seed to get the same text again); null when greedy"),
     "prefill_tokens_per_s": ("prefill speed", "tok/s", "prefilled tokens per second of prefill; n/a if prefill_tokens"),
     "tokens_per_s": ("decode speed", "tok/s", "generated tokens per second of decoding (all windows)"),
     "steady_tokens_per_s": ("decode speed, first window apart", "tok/s",
@@ -332,6 +336,8 @@ def _with_unit(key: str, value, unit: str) -> str:
         return "-"
     if key == "controller":
         return _controller_text(value)
+    if key == "seed":
+        return str(value)
     if isinstance(value, dict):
         return " ".join(f"{k}:{_short(v)}" for k, v in value.items()) or "-"
     if unit == "%":

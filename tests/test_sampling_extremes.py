@@ -143,7 +143,7 @@ def cache_home(tmp_path_factory):
 
 def generate_json(args, monkeypatch, cache_home):
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
-    result = CliRunner().invoke(cli, ["generate", *args, "--max-tokens", str(MAX_TOKENS), "--json"])
+    result = CliRunner().invoke(cli, ["generate", *args, "--max-tokens", str(MAX_TOKENS), "--json", "--seed", "0"])
     assert result.exit_code == 0, (args, result.output)
     return json.loads(result.stdout)
 
@@ -180,7 +180,7 @@ def test_cli_huge_temperature_with_a_banned_phrase(tmp_path, monkeypatch, cache_
 def test_serve_stdio_underflowing_knobs_give_the_greedy_tokens():
     requests = []
     for mode in (0, 3, "auto"):
-        base = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "suffix_draft": mode, "stream": False}
+        base = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "suffix_draft": mode, "stream": False, "seed": 0}
         requests.append({"id": f"greedy {mode}", **base})
         for i, knobs in enumerate(({"temperature": 5e-324}, {"temperature": 1e-46, "top_p": 0.5},
                                    {"temperature": 1, "top_p": 5e-324}, {"temperature": 1, "top_p": 1e-46},
