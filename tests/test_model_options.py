@@ -45,7 +45,8 @@ def serve(model, *args):
     proc = subprocess.run([sys.executable, "-m", "strata_cli.cli", "serve-stdio", "--model", str(model), *args],
                           input=json.dumps(request) + "\n", capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr
-    (reply,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    ready, reply = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert ready["ready"] is True
     return reply
 
 

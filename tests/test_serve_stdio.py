@@ -45,11 +45,14 @@ def lines_of(requests):
 
 
 def serve(stdin: bytes, *args, cwd=None):
-    """Run the server over `stdin`; every stdout line must be a JSON object."""
+    """Run the server over `stdin`; every stdout line must be a JSON object, the first the ready
+    frame (returned are the frames after it)."""
     proc = subprocess.run([*SERVE, *args], input=stdin, capture_output=True, timeout=TIMEOUT, env=env(), cwd=cwd)
     frames = [json.loads(line) for line in proc.stdout.decode("utf-8").splitlines()]
     assert all(isinstance(f, dict) for f in frames)
-    return proc.returncode, frames, proc.stderr.decode("utf-8", "replace")
+    assert not frames or frames[0].get("ready") is True, frames[:1]
+    assert not any(f.get("ready") for f in frames[1:])
+    return proc.returncode, frames[1:], proc.stderr.decode("utf-8", "replace")
 
 
 def finals(frames):
@@ -234,12 +237,14 @@ def test_signal_cancels_the_request_in_flight(signum, status, tmp_path):
 def test_signal_while_idle_exits_without_frames():
     proc = subprocess.Popen(SERVE, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
     try:
-        assert wait_for(proc.stderr, lambda line: b"ready" in line, time.monotonic() + 60)
+        ready = wait_for(proc.stdout, lambda line: True, time.monotonic() + 60)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out = proc.stdout.read()  # stdin stays open: a signal, not EOF, ends it
+        proc.wait(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 143 and out == b""
+    assert json.loads(ready)["ready"] is True
+    assert proc.returncode == 143 and out == b""  # nothing after the ready frame
 
 
 def test_stray_prints_never_reach_stdout():

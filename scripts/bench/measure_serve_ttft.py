@@ -43,6 +43,8 @@ class Server:
             [sys.executable, "-m", "strata_cli.cli", "serve-stdio", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )
+        ready = json.loads(self.proc.stdout.readline())  # the first frame, once the model is open
+        assert ready.get("ready") is True, ready
 
     def ask(self, request: dict) -> tuple[dict, float]:
         """Send one request; return its final frame and the seconds to its first frame."""

@@ -1,10 +1,11 @@
 """Seeded hostile-line fuzz of `strata serve-stdio` (issue 17).
 
 Feeds one server N lines (default 10,000): broken JSON and UTF-8, wrong types, nulls in every
-field, deep nesting, huge numbers, oversize lines, hostile chat messages, interleaved with good
-greedy requests. Checks that the server exits 0, that stdout is JSON objects only, that every
-non-blank line gets exactly one final frame (done or error) in order, and that every good request
-answers token-identical to the same request in a clean server.
+field, deep nesting, huge numbers, oversize lines, hostile chat messages, cancel lines of every
+shape (none naming a good request), interleaved with good greedy requests. Checks that the server
+exits 0, that stdout is JSON objects only with the ready frame first, that every non-blank line
+gets exactly one final frame (done, error, or a cancel line's answer) in order, and that every
+good request answers token-identical to the same request in a clean server.
 
     python -m scripts.lab.fuzz_serve_stdio --lines 10000 --seed 17
     python -m scripts.lab.fuzz_serve_stdio --lines 300 --seed 1 --model demo  # what the test suite runs
@@ -30,8 +31,14 @@ VALUES = [None, True, False, 0, -1, 1.5, 2**63, -(2**70), 1e308, "", "x", "auto"
           ["a"] * 40, "\ud800", "\x00", {"role": "user"}, [{"role": "user", "content": 5}], "NaN"]
 
 
+CANCEL_TARGETS = ["nobody", 7, None, True, 1.5, [], {}, "a" * 300, 2**64, "\ud800"]
+
+
 def hostile_line(rng: random.Random, max_bytes: int) -> bytes:
-    kind = rng.randrange(12)
+    kind = rng.randrange(13)
+    if kind == 12:  # cancel lines: unknown ids, bad ids, extra fields, padding past the limit
+        line = json.dumps({"cancel": rng.choice(CANCEL_TARGETS), **rng.choice([{}, {}, {"prompt": "a"}])})
+        return (line + " " * rng.choice([0, 0, 5000])).encode("utf-8", "surrogatepass")
     if kind == 0:
         return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))).replace(b"\n", b" ")
     if kind == 1:
@@ -99,7 +106,8 @@ def check(lines: list[bytes], good: dict[str, dict], *, model: str = "demo", max
     rc, frames, err = serve(lines, model, max_line_bytes, timeout)
     assert rc == 0, f"exit {rc}: {err[-2000:]}"
     assert all(isinstance(f, dict) for f in frames), "a frame that is not a JSON object"
-    finals = [f for f in frames if f.get("done") or "error" in f]
+    assert frames and frames[0].get("ready") is True, f"the first frame is not the ready frame: {frames[:1]}"
+    finals = [f for f in frames[1:] if f.get("done") or "error" in f or "cancel" in f]
     expected = sum(1 for line in lines if line.strip())
     assert len(finals) == expected, f"{len(finals)} final frames for {expected} non-blank lines"
     answered = 0

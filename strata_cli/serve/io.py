@@ -3,6 +3,8 @@
 - `LineReader` reads stdin's file descriptor on a thread, so the main thread can wait for a line
   and still notice a signal. A line longer than the limit is skipped without being held in
   memory and reported as an `OversizeLine`.
+- `ReadAhead` numbers the reader's lines and lets the server look at those behind the request in
+  flight (a cancel line) while still handing every line out in its turn.
 - `protocol_stdout` hands out the real stdout for frames and points fd 1 and `sys.stdout` at
   stderr meanwhile, so a stray print (from strata or any library, C code included) can never
   corrupt the protocol.
@@ -17,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +27,8 @@ from typing import BinaryIO
 
 READ_SIZE = 1 << 16
 QUEUE_LINES = 8  # lines read ahead of the request in flight
+AHEAD_LINES = 256  # lines `ReadAhead` may hold besides the reader's queue, looking for cancel lines
+AHEAD_BYTES = 16 << 20  # ... and bytes (one longer line may pass it)
 EOF = object()  # `LineReader.get`: stdin is exhausted
 NOTHING = object()  # `LineReader.get`: no line arrived in time
 
@@ -97,6 +102,61 @@ class LineReader:
                     self._lines.put(bytes(buf))
                     buf = bytearray()
                 start = newline + 1
+
+
+class ReadAhead:
+    """A `LineReader`'s items, numbered from 1 in order, with a look at those not handed out yet.
+
+    `get` hands out the next item in its turn; `look_ahead` takes what the reader holds now
+    (without waiting, while fewer than `max_lines` items and `max_bytes` bytes are held) and
+    returns those new items, which `get` still hands out later. The server looks ahead while a
+    request decodes, so it sees a cancel line that arrived behind it.
+
+    Args:
+        reader: the line reader (anything with `get(timeout)`).
+        max_lines: most items held ahead (default `AHEAD_LINES`).
+        max_bytes: most bytes held ahead, past which nothing more is taken (default `AHEAD_BYTES`).
+    """
+
+    def __init__(self, reader: LineReader, *, max_lines: int = AHEAD_LINES, max_bytes: int = AHEAD_BYTES):
+        self.reader = reader
+        self.max_lines = max_lines
+        self.max_bytes = max_bytes
+        self._held: deque = deque()
+        self._held_bytes = 0
+        self._count = 0
+        self._is_ended = False
+
+    def get(self, timeout: float):
+        """`(number, item)` for the next item (as `LineReader.get` gives them), or `NOTHING`."""
+        if self._held:
+            number, item = self._held.popleft()
+            self._held_bytes -= _num_bytes(item)
+            return number, item
+        item = self.reader.get(timeout)
+        return NOTHING if item is NOTHING else self._numbered(item)
+
+    def look_ahead(self) -> list[tuple[int, object]]:
+        """The `(number, item)`s that came in since the last look, taken without waiting."""
+        new = []
+        while not self._is_ended and len(self._held) < self.max_lines and self._held_bytes < self.max_bytes:
+            item = self.reader.get(0)
+            if item is NOTHING:
+                break
+            entry = self._numbered(item)
+            self._held.append(entry)
+            self._held_bytes += _num_bytes(item)
+            new.append(entry)
+        return new
+
+    def _numbered(self, item) -> tuple[int, object]:
+        self._count += 1
+        self._is_ended = item is EOF
+        return self._count, item
+
+
+def _num_bytes(item) -> int:
+    return len(item) if isinstance(item, bytes) else 0
 
 
 @contextmanager

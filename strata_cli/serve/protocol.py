@@ -1,7 +1,7 @@
 """The serve-stdio protocol: request lines in, checked requests out, reply frames back.
 
 One checker turns a request line into a `Request` or a `RequestError` (an error code, a message,
-and the request's id when it got that far). Ranges are the CLI's: the options are built with
+and the request's id when it got that far); `check_cancel` reads a cancel line (`{"cancel": ID}`). Ranges are the CLI's: the options are built with
 config.py's `GenerateOptions` and `SpecOptions`, so a value the CLI refuses is refused here with
 the same message. Documented in README.md ("serve-stdio") and docs/serve.md.
 """
@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from .. import __version__
 from ..options import ConfigError, GenerateOptions, SpecOptions, parse_suffix_draft
 
 # Error codes (the `code` of an error reply).
@@ -36,6 +37,10 @@ SAMPLING_NUMBERS = ("top_p", "min_p", "repetition_penalty", "presence_penalty", 
 FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "seed", "suffix_draft", "stop", "stream",
           *SAMPLING_INTEGERS, *SAMPLING_NUMBERS, "ban_phrases", "heal")
 MESSAGE_FIELDS = ("role", "content")
+TEXT_PART_FIELDS = ("type", "text")  # an OpenAI-style content part; only text parts are understood
+CANCEL = "cancel"  # the one field of a cancel line
+MAX_CANCEL_LINE_BYTES = 4096  # a cancel line is looked at ahead of its turn, so it is kept small
+PROTOCOL_VERSION = 1  # the ready frame's `protocol`: raised when frames or requests change incompatibly
 
 
 class RequestError(Exception):
@@ -56,7 +61,8 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class Request:
-    """A checked request: exactly one of `prompt` and `messages` is set."""
+    """A checked request: exactly one of `prompt` and `messages` is set; each message's content
+    is one string (content parts already joined)."""
 
     id: Any
     prompt: str | None
@@ -109,6 +115,30 @@ def check_request(obj: dict, *, defaults: GenerateOptions, spec: SpecOptions) ->
     except RequestError as e:
         e.request_id = request_id
         raise
+
+
+def check_cancel(obj: dict, num_bytes: int) -> Any:
+    """The request id a cancel line names, or None when `obj` is not a cancel line.
+
+    A cancel line is `{"cancel": ID}`, ID a request id other than null, the line at most
+    `MAX_CANCEL_LINE_BYTES` long (`num_bytes`: the line's length).
+
+    Raises:
+        RequestError: an object with a "cancel" field that is not such a line.
+    """
+    if CANCEL not in obj:
+        return None
+    if len(obj) != 1:
+        others = ", ".join(repr(k) for k in obj if k != CANCEL)
+        raise RequestError(INVALID_REQUEST, f"a cancel line has the one field 'cancel' (got also {others})")
+    if num_bytes > MAX_CANCEL_LINE_BYTES:
+        raise RequestError(INVALID_REQUEST, f"a cancel line has at most {MAX_CANCEL_LINE_BYTES} bytes, got {num_bytes}")
+    if obj[CANCEL] is None:
+        raise RequestError(INVALID_REQUEST, "'cancel' names a request id; null is not one that can be cancelled")
+    try:
+        return _check_id(obj[CANCEL])
+    except RequestError as e:
+        raise RequestError(e.code, e.message.replace("'id'", "'cancel'", 1)) from None
 
 
 def _check_fields(obj: dict, request_id: Any, defaults: GenerateOptions, spec: SpecOptions) -> Request:
@@ -226,8 +256,37 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise RequestError(
                 INVALID_REQUEST, f"messages[{i}] needs exactly 'role' and 'content' (unknown {unknown}, missing {missing})"
             )
-        checked.append({k: _text(f"messages[{i}].{k}", message[k]) for k in MESSAGE_FIELDS})
+        checked.append({"role": _text(f"messages[{i}].role", message["role"]),
+                        "content": _content(f"messages[{i}].content", message["content"])})
     return checked
+
+
+def _content(name: str, value: Any) -> str:
+    """A message's content: a string, or OpenAI's list of content parts, of which only text parts
+    (`{"type": "text", "text": str}`) are understood; they are joined in order."""
+    if not isinstance(value, list):
+        if not isinstance(value, str):
+            raise RequestError(
+                INVALID_REQUEST, f"'{name}' must be a string or a list of text parts, got {_type_name(value)}"
+            )
+        return _text(name, value)
+    texts = []
+    for j, part in enumerate(value):
+        where = f"{name}[{j}]"
+        if not isinstance(part, dict):
+            raise RequestError(INVALID_REQUEST, f"{where} must be a content part object, got {_type_name(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            shown = repr(kind) if isinstance(kind, str) else f"a part without a string 'type' ({_type_name(kind)})"
+            raise RequestError(INVALID_REQUEST, f"{where} is {shown}: only \"text\" content parts are supported")
+        unknown = [k for k in part if k not in TEXT_PART_FIELDS]
+        if unknown or "text" not in part:
+            raise RequestError(
+                INVALID_REQUEST, f"{where} needs exactly 'type' and 'text' (unknown {unknown}, "
+                f"missing {[] if 'text' in part else ['text']})"
+            )
+        texts.append(_text(f"{where}.text", part["text"]))
+    return "".join(texts)
 
 
 def _stops(value: Any) -> tuple[str, ...]:
@@ -281,6 +340,17 @@ def error_frame(request_id: Any, code: str, message: str) -> dict:
 
 def delta_frame(request_id: Any, text: str) -> dict:
     return {"id": request_id, "delta": text}
+
+
+def cancel_frame(target: Any, found: bool) -> dict:
+    """The answer to a cancel line, sent in the line's turn: after every request it stopped."""
+    return {"cancel": target, "found": found}
+
+
+def ready_frame(*, model: str, identity: str, dtype: str, max_context: int, chat_template: bool) -> dict:
+    """The first frame: the server has opened the model (and restored the session) and reads requests."""
+    return {"ready": True, "protocol": PROTOCOL_VERSION, "version": __version__, "model": model,
+            "identity": identity, "dtype": dtype, "max_context": max_context, "chat_template": chat_template}
 
 
 class ClientGone(Exception):

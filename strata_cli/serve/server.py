@@ -8,6 +8,11 @@ One engine answers requests one at a time. Across requests it keeps:
   (speculative/suffix_cache.py);
 - optionally, a session file (serve/session.py) that carries the last request's state across runs.
 
+While a request runs, the server looks at the lines that arrived behind it (serve/io.py
+`ReadAhead`): a cancel line naming it stops it at the next prefill piece or window, and one
+naming a request still waiting gets that request answered "cancelled" without running. Every
+line is still answered once, in its turn.
+
 Protocol: serve/protocol.py; I/O edges and signals: serve/io.py; docs: README.md, docs/serve.md.
 Nothing here writes to stdout except through the `FrameWriter`; logs go to the "strata.serve"
 logger, which the CLI sends to stderr.
@@ -18,13 +23,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
 from ..engine.window import WindowEngine
 from ..options import GenerateOptions, ServeOptions, SpecOptions
-from ..request import TextRequest
+from ..request import FINISH_CANCELLED, TextRequest
 from ..runtime import Runtime
 from ..speculative.drafters import request_drafter
 from ..speculative.suffix_cache import GlobalSuffixCache
@@ -32,21 +39,25 @@ from ..telemetry import DecodeStats
 from ..tokenizer import Tokenizer
 from .chat import ChatTemplate, ChatTemplateError
 from .checkpoints import Checkpoint, CheckpointRing, plan
-from .io import EOF, NOTHING, LineReader, OversizeLine, SignalFlag, protocol_stdout
+from .io import EOF, NOTHING, LineReader, OversizeLine, ReadAhead, SignalFlag, protocol_stdout
 from .protocol import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     LINE_TOO_LONG,
+    MAX_CANCEL_LINE_BYTES,
     NO_CHAT_TEMPLATE,
     PROMPT_TOO_LONG,
     ClientGone,
     FrameWriter,
     Request,
     RequestError,
+    cancel_frame,
+    check_cancel,
     check_request,
     decode_line,
     delta_frame,
     error_frame,
+    ready_frame,
 )
 from .session import SessionError, load_session, save_session
 
@@ -54,6 +65,26 @@ log = logging.getLogger("strata.serve")
 
 POLL_SECONDS = 0.1  # how often an idle server looks at the signal latch
 PROMPT_BYTES_SLACK = 2  # normalizers may shrink text a little before it is split into tokens
+UNSTARTED_NOTE = "cancelled before it started"
+
+
+@dataclass
+class _Cancel:
+    """A cancel line seen ahead of its turn: the id it names, its line number, and whether it
+    stopped a request (what its answer says)."""
+
+    target: Any
+    number: int
+    found: bool = False
+
+
+class _Unstarted(Exception):
+    """The request was cancelled before it generated anything: answer it without running it."""
+
+
+def _id_key(request_id: Any) -> tuple[bool, Any] | None:
+    """What ids are matched by (1 and "1" differ); None for null, which no cancel names."""
+    return None if request_id is None else (isinstance(request_id, str), request_id)
 
 
 class Server:
@@ -69,6 +100,8 @@ class Server:
         frames: where reply frames go.
         cancelled: polled between prefill pieces and decode steps; True aborts the request in
             flight with a "cancelled" reply (default: never).
+        lines: the input lines not answered yet (`serve_lines` hands them to `handle`); looked
+            at during each poll for cancel lines (default: none, so only `cancelled` stops).
         spec_for: completes each request's speculative options (`Runtime.spec_for`: an `auto`
             request gets the device's measured cost curve even when the server's default is not
             auto); default: as given.
@@ -86,6 +119,7 @@ class Server:
         frames: FrameWriter,
         cancelled: Callable[[], bool] = lambda: False,
         spec_for: Callable[[SpecOptions], SpecOptions] = lambda spec: spec,
+        lines: ReadAhead | None = None,
     ):
         self.engine = engine
         self.spec_for = spec_for
@@ -107,6 +141,12 @@ class Server:
             else None
         )
         self.is_changed = False  # a checkpoint was taken since start (the session needs saving)
+        self.lines = lines
+        self._number = 0  # the line number of the line being answered
+        self._cancels: dict[tuple[bool, Any], list[_Cancel]] = {}  # seen ahead, not yet answered
+        self._current: tuple[bool, Any] | None = None  # the id key of the request in flight
+        self._is_stopped = False  # a cancel line named the request in flight
+        self._was_cancelled = False  # a poll answered True during the request in flight
 
     def adopt(self, checkpoints: list[Checkpoint]) -> None:
         """Make restored checkpoints (a session, least recently used first) available for reuse."""
@@ -120,15 +160,21 @@ class Server:
 
     # -- one line --------------------------------------------------------------------------------
 
-    def handle(self, item: bytes | OversizeLine) -> None:
+    def handle(self, item: bytes | OversizeLine, *, number: int | None = None) -> None:
         """Answer one input line: a reply on stdout, whatever the line holds.
 
-        Blank lines are skipped without a reply.
+        Blank lines are skipped without a reply. A request is answered with its frames, a cancel
+        line with one cancel frame, anything else with an error frame.
+
+        Args:
+            item: the line, as the line reader gives it.
+            number: its line number (`ReadAhead`); default: the one after the last line handled.
 
         Raises:
             ClientGone: stdout is closed, so no reply can be delivered.
         """
         started = time.perf_counter()
+        self._number = self._number + 1 if number is None else number
         request_id = None
         try:
             if isinstance(item, OversizeLine):
@@ -138,9 +184,22 @@ class Server:
             if not item.strip():
                 return
             obj = decode_line(item)
+            target = check_cancel(obj, len(item))
+            if target is not None:
+                self._answer_cancel(target)
+                return
             request = check_request(obj, defaults=self.defaults, spec=self.spec)
             request_id = request.id
-            self._answer(request, started)
+            self._start(request)
+            try:
+                if self._is_cancelled():
+                    raise _Unstarted
+                self._answer(request, started)
+            except _Unstarted:
+                log.debug("request %r: %s", request.id, UNSTARTED_NOTE)
+                self.frames.send(self._unstarted_frame(request))
+            finally:
+                self._current = None
         except RequestError as e:
             log.debug("request %r: %s: %s", e.request_id, e.code, e.message)
             self.frames.send(error_frame(e.request_id, e.code, e.message))
@@ -151,6 +210,60 @@ class Server:
             self.engine.reset()
             self.frames.send(error_frame(request_id, INTERNAL_ERROR, f"{type(e).__name__}: {e}"))
 
+    # -- cancel lines ----------------------------------------------------------------------------
+
+    def _start(self, request: Request) -> None:
+        """Make `request` the one in flight; a cancel line already seen behind it stops it."""
+        self._current = _id_key(request.id)
+        self._is_stopped = self._was_cancelled = False
+        for cancel in self._cancels.get(self._current, ()) if self._current is not None else ():
+            if cancel.number > self._number:
+                cancel.found = self._is_stopped = True
+
+    def _is_cancelled(self) -> bool:
+        """Polled between prefill pieces, decode steps and template lines: a signal (`cancelled`),
+        or a cancel line naming the request in flight, looked for among the lines behind it."""
+        if self.lines is not None and self._current is not None:
+            for number, item in self.lines.look_ahead():
+                self._see(number, item)
+        stop = self._is_stopped or self.cancelled()
+        self._was_cancelled |= stop
+        return stop
+
+    def _see(self, number: int, item: object) -> None:
+        """Note a cancel line read ahead of its turn; every other line waits for its turn."""
+        if not isinstance(item, bytes) or len(item) > MAX_CANCEL_LINE_BYTES or not item.strip():
+            return
+        try:
+            target = check_cancel(decode_line(item), len(item))
+        except RequestError:  # answered with its error in its turn
+            return
+        if target is None:
+            return
+        cancel = _Cancel(target, number)
+        self._cancels.setdefault(_id_key(target), []).append(cancel)
+        if _id_key(target) == self._current:
+            cancel.found = self._is_stopped = True
+
+    def _answer_cancel(self, target: Any) -> None:
+        """A cancel line's turn: every request it stopped has been answered, so say whether there was one."""
+        key = _id_key(target)
+        seen = self._cancels.get(key, [])
+        cancel = next((c for c in seen if c.number == self._number), None)
+        if cancel is not None:
+            seen.remove(cancel)
+            if not seen:
+                del self._cancels[key]
+        found = cancel is not None and cancel.found
+        log.debug("cancel %r: %s", target, "done" if found else "no such request in flight or waiting")
+        self.frames.send(cancel_frame(target, found))
+
+    def _unstarted_frame(self, request: Request) -> dict:
+        stats = DecodeStats()
+        stats.note(UNSTARTED_NOTE)
+        return self._done_frame(request.id, text="", finish_reason=FINISH_CANCELLED, token_ids=[],
+                                prompt_tokens=0, cached_tokens=0, stats=stats, ttft=None)
+
     # -- one request -----------------------------------------------------------------------------
 
     def _answer(self, request: Request, started: float) -> None:
@@ -160,7 +273,7 @@ class Server:
         text = self._text_request(request)
         prompt_ids = text.prompt_ids
         reused, is_prefilled = self._prefill(prompt_ids, text.stats)
-        if is_prefilled and not self.cancelled():
+        if is_prefilled and not self._is_cancelled():
             self._decode(request, text)
         last = text.close()
         if last and request.stream:
@@ -171,20 +284,26 @@ class Server:
             log.info("request %r: %s", request.id, note)
         log.debug("request %r: %d prompt tokens (%d reused), %d generated, %s", request.id,
                   len(prompt_ids), reused, len(ids), text.finish_reason)
-        self.frames.send({
-            "id": request.id,
+        self.frames.send(self._done_frame(request.id, text=text.text, finish_reason=text.finish_reason, token_ids=ids,
+                                          prompt_tokens=len(prompt_ids), cached_tokens=reused, stats=stats, ttft=ttft))
+
+    @staticmethod
+    def _done_frame(request_id: Any, *, text: str, finish_reason: str, token_ids: list[int], prompt_tokens: int,
+                    cached_tokens: int, stats: DecodeStats, ttft: float | None) -> dict:
+        return {
+            "id": request_id,
             "done": True,
-            "text": text.text,
-            "finish_reason": text.finish_reason,
-            "token_ids": ids,
+            "text": text,
+            "finish_reason": finish_reason,
+            "token_ids": token_ids,
             "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "cached_tokens": reused,
-                "completion_tokens": len(ids),
-                "total_tokens": len(prompt_ids) + len(ids),
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": cached_tokens,
+                "completion_tokens": len(token_ids),
+                "total_tokens": prompt_tokens + len(token_ids),
             },
             "stats": {**stats.summary(), "ttft_ms": None if ttft is None else 1000 * ttft, "notes": stats.notes},
-        })
+        }
 
     def _decode(self, request: Request, text: TextRequest) -> None:
         """Generate from the prefilled engine until a finish, a stop string or a cancel,
@@ -192,7 +311,7 @@ class Server:
         spec = self.spec_for(request.spec)
         drafter = request_drafter(text.prompt_ids, max_drafts=spec.max_drafts, min_match=spec.min_match,
                                   shared=[self.suffix_cache] if self.suffix_cache is not None else ())
-        for delta in text.stream(self.engine, spec=spec, cancelled=self.cancelled, prefilled=self.engine.length,
+        for delta in text.stream(self.engine, spec=spec, cancelled=self._is_cancelled, prefilled=self.engine.length,
                                  drafter=drafter):
             if request.stream:
                 self.frames.send(delta_frame(request.id, delta))
@@ -212,8 +331,10 @@ class Server:
                     request.id,
                 )
             try:
-                prompt = self.chat.render(request.messages, cancelled=self.cancelled)
+                prompt = self.chat.render(request.messages, cancelled=self._is_cancelled)
             except ChatTemplateError as e:
+                if self._was_cancelled:  # stopped by a signal or a cancel line, not by its own fault
+                    raise _Unstarted from None
                 raise RequestError(e.code, str(e), request.id) from None
         else:
             prompt = request.prompt
@@ -257,7 +378,7 @@ class Server:
             points = plan(reused, end, every=self.options.checkpoint_every, divergence=divergence)
         start = time.perf_counter()
         for point in points:
-            if self.cancelled():
+            if self._is_cancelled():
                 break
             self.engine.prefill(prompt_ids[self.engine.length : point])
             self._checkpoint(prompt_ids[:point])
@@ -273,25 +394,34 @@ class Server:
         self.is_changed = True
 
 
-def serve_lines(server: Server, reader: LineReader, latch: SignalFlag) -> int:
-    """Answer lines until EOF, a closed stdout, or a signal.
+def serve_lines(server: Server, lines: ReadAhead, latch: SignalFlag, *, ready: dict | None = None) -> int:
+    """Send the ready frame, then answer lines until EOF, a closed stdout, or a signal.
+
+    Args:
+        server: answers each line (and looks at `lines` for cancel lines while it runs one).
+        lines: the input lines.
+        latch: the signal flag.
+        ready: the first frame (protocol.ready_frame), or None for none.
 
     Returns:
         0 at EOF (after the request in flight) or when stdout closes; 128 + the signal number
         after SIGINT or SIGTERM (the request in flight is answered with finish_reason "cancelled").
     """
-    while not latch.is_set():
-        item = reader.get(POLL_SECONDS)
-        if item is NOTHING:
-            continue
-        if item is EOF:
-            log.info("end of input")
-            return 0
-        try:
-            server.handle(item)
-        except ClientGone:
-            log.info("stdout is closed; stopping")
-            return 0
+    try:
+        if ready is not None:
+            server.frames.send(ready)
+        while not latch.is_set():
+            got = lines.get(POLL_SECONDS)
+            if got is NOTHING:
+                continue
+            number, item = got
+            if item is EOF:
+                log.info("end of input")
+                return 0
+            server.handle(item, number=number)
+    except ClientGone:
+        log.info("stdout is closed; stopping")
+        return 0
     log.info("signal %d: stopping", latch.signum)
     return 128 + latch.signum
 
@@ -342,13 +472,17 @@ def serve_stdio(
     latch = SignalFlag().install()
     try:
         with protocol_stdout() as stream:
+            lines = ReadAhead(LineReader(0, serve_options.max_line_bytes).start())
             server = Server(
                 engine, tokenizer, chat=chat, options=serve_options, defaults=defaults, spec=spec,
-                frames=FrameWriter(stream), cancelled=latch.is_set, spec_for=runtime.spec_for,
+                frames=FrameWriter(stream), cancelled=latch.is_set, spec_for=runtime.spec_for, lines=lines,
             )
             server.adopt(restored or [])
             log.info("ready: %s", runtime.path)
-            status = serve_lines(server, LineReader(0, serve_options.max_line_bytes).start(), latch)
+            ready = ready_frame(model=str(runtime.path), identity=runtime.identity,
+                                dtype=str(runtime.dtype).removeprefix("mlx.core."), max_context=engine.max_context,
+                                chat_template=chat is not None)
+            status = serve_lines(server, lines, latch, ready=ready)
     finally:
         latch.uninstall()
     if session is not None and server.is_changed:
