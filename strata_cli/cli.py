@@ -247,9 +247,10 @@ def serve_stdio_command(options, spec, session, prefix_cache, prefix_cache_posit
                         suffix_cache, max_line_bytes, verbose, load, engine):
     """Answer JSON-lines requests from stdin with JSON-lines frames on stdout.
 
-    stdout carries protocol frames only; logs go to stderr. Exit status: 0 at end of input,
-    130 after SIGINT, 143 after SIGTERM, 1 when the model or the session file cannot be used.
-    The protocol is in README.md ("serve-stdio") and docs/serve.md.
+    stdout carries protocol frames only, a ready frame first; logs go to stderr. A line
+    {"cancel": ID} stops request ID. Exit status: 0 at end of input, 130 after SIGINT, 143 after
+    SIGTERM, 1 when the model or the session file cannot be used. The protocol is in
+    docs/serve.md.
 
     \b
     Examples:
