@@ -390,33 +390,57 @@ def _convert(src: str, dst: Path, options: ConvertOptions) -> None:
 @cli.command("verify")
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, envvar="STRATA_JSON", help="Print one JSON object instead of lines.")
-def verify_command(model, as_json):
-    """Hash every weight file of MODEL (a checkpoint directory, or 'demo') and check it against
-    its checksums.json or its Hugging Face hub-cache blob names; remembered digests are ignored.
-    Exits non-zero, naming the file, when one differs.
+@click.option("--write-checksums", is_flag=True,
+              help="For a checkpoint with nothing to check against (no checksums.json, not a hub cache): "
+                   "record the digests just computed in MODEL/checksums.json, which every later load and "
+                   "verify checks.")
+def verify_command(model, as_json, write_checksums):
+    """Hash every weight file of MODEL (a checkpoint directory, a cached repo id, or 'demo') and
+    check it against its checksums.json or its Hugging Face hub-cache blob names; remembered
+    digests are ignored. A streamed checkpoint's experts/index.json and every expert record's
+    crc32 are checked too. Exits non-zero, naming the file, when one differs.
 
     \b
     Examples:
       strata verify ~/models/qwen3-next-q4-stream
       strata verify demo --json
+      strata verify ~/models/my-download --write-checksums
     """
-    run_guarded(lambda: _verify(model, as_json))
+    run_guarded(lambda: _verify(model, as_json, write_checksums))
 
 
-def _verify(model: str, as_json: bool) -> None:
+def _verify(model: str, as_json: bool, write_checksums: bool) -> None:
+    from .experts.store import INDEX_NAME, STREAM_DIR
+    from .integrity import CHECKSUMS_NAME
+    from .integrity import write_checksums as record_checksums
     from .runtime import resolve_model_path
     from .verify import verify_checkpoint
 
     path = resolve_model_path(model)
     verification = verify_checkpoint(path)
+    written = None
+    if write_checksums:
+        if verification.is_verified:
+            raise UserError(f"{path}: already verified against {verification.source}; nothing to write")
+        index = f"{STREAM_DIR}/{INDEX_NAME}"
+        names = sorted(verification.digests) + ([index] if (path / index).is_file() else [])
+        record_checksums(path, names)
+        written = path / CHECKSUMS_NAME
     status = "verified" if verification.is_verified else "unverified"
     if as_json:
         click.echo(json.dumps({"path": str(path), "status": status, "against": verification.source or None,
-                               "sha256": verification.digests, "expert_records": verification.expert_records}))
+                               "sha256": verification.digests, "expert_records": verification.expert_records,
+                               "wrote": None if written is None else str(written)}))
         return
     for name, digest in sorted(verification.digests.items()):
         click.echo(f"{digest}  {name}")
     click.echo(f"{path}: {verification.note}")
+    if written is not None:
+        click.echo(f"wrote {written}: later loads and verify check these digests")
+    elif not verification.is_verified:
+        click_core.echo(f"note: nothing to check these digests against; 'strata verify {model} --write-checksums' "
+                        "records them in checksums.json (strata convert writes one too), so later loads check them",
+                        err=True)
 
 
 @cli.command("bench")
