@@ -14,7 +14,13 @@ that loads. `--force` swaps it with the old DST in one step where the OS can (Li
 and a convert killed between the two renames leaves that directory, which the next convert into the
 same parent renames back. That next convert also removes the `.partial-`/`.old-` directories of
 processes that are no longer running. The shards and experts/index.json get sha256s in
-checksums.json (integrity.py), which loading checks.
+checksums.json (integrity.py), which loading checks. A write that fails (a full disk) is one
+`ConvertWriteError` naming the destination's file and the cause, and leaves DST as it was.
+
+A convert never writes a checkpoint that does not load: SRC must have a readable tokenizer.json
+(checked before anything is written). A streamed SRC (`convert --stream`'s output) is read whole:
+its experts come back from `experts/*.bin` (each record's crc32 checked), so it converts like any
+other checkpoint, back to safetensors or streamed again.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import shutil
 import sys
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,12 +45,20 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from . import safe_files
-from .experts.store import INDEX_NAME, STREAM_DIR, write_streamed_experts
+from .experts.store import (
+    INDEX_NAME,
+    STREAM_DIR,
+    ExpertStore,
+    ExpertStoreError,
+    is_streamed,
+    write_streamed_experts,
+)
 from .integrity import write_checksums
 from .model.layout import to_mlx_layout
 from .model.loader import (
     FORMAT_KEY,
     FORMAT_VERSION,
+    ModelLoadError,
     load_model,
     read_config,
     read_header,
@@ -50,6 +66,7 @@ from .model.loader import (
 )
 from .model.quant import Quantization, quantize
 from .options import ConvertOptions
+from .tokenizer import Tokenizer
 
 MAX_SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = (
@@ -62,6 +79,15 @@ STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 class ConvertError(Exception):
     """A conversion strata refuses before writing anything; the message says why."""
+
+
+class ConvertWriteError(ConvertError, OSError):
+    """A file of DST could not be written (a full disk); the message names it and the cause, and
+    DST is as it was. An OSError too, with the failed write's `errno`."""
+
+    def __init__(self, message: str, errno_: int | None):
+        super().__init__(message)
+        self.errno = errno_
 
 
 @dataclass(frozen=True)
@@ -81,18 +107,23 @@ def convert(
     options: ConvertOptions,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     show_progress: bool = False,
+    require_tokenizer: bool = True,
 ) -> ConvertResult:
     """Convert the checkpoint at `src` into strata's format at `dst`.
 
     Args:
-        src: a checkpoint directory in any layout the loader reads.
+        src: a checkpoint directory in any layout the loader reads, streamed or not.
         dst: the directory to create; it must not exist unless `options.force`.
         options: bits, group size, dtype, force (see `ConvertOptions`).
         max_shard_bytes: start a new safetensors shard beyond this size (default 2 GiB).
         show_progress: draw a tqdm bar over tensors on stderr (default False).
+        require_tokenizer: refuse a SRC without a readable tokenizer.json (default True); False
+            writes a model-only checkpoint, which `load_checkpoint` opens but `generate` cannot.
 
     Raises:
-        ConvertError: DST exists (without force), is SRC or holds it, or SRC is already quantized.
+        ConvertError: DST exists (without force), is SRC or holds it, SRC is already quantized
+            or has no readable tokenizer.json; or, as `ConvertWriteError`, a file of DST cannot
+            be written (DST is left as it was).
         ModelLoadError: SRC cannot be read.
     """
     src, dst = Path(src), Path(dst)
@@ -102,28 +133,37 @@ def convert(
         raise ConvertError(
             f"{src} is already quantized ({params['quantization']}); convert the unquantized checkpoint instead"
         )
+    if require_tokenizer:
+        _check_tokenizer(src, dst)
     dtype = options.dtype or stored_dtype_name(src)
-    model = load_model(src, dtype=dtype)
+    model = read_source(src, dtype=dtype)
     quantization = _quantize(model, options) if options.bits is not None else params.get("quantization")
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     repair_parent(dst.parent)
     staging = _sibling(dst, "partial")
     staging.mkdir()  # beside dst, so the final rename stays on one filesystem
+    is_writing = True
     try:
         if options.stream:  # the experts go to experts/ and leave the model: the shards hold the rest
-            write_streamed_experts(model, staging)
+            with _writing(staging / STREAM_DIR):
+                write_streamed_experts(model, staging)
         shards = _write_shards(model, staging, max_shard_bytes=max_shard_bytes, show_progress=show_progress)
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
-                shutil.copy2(src / name, staging / name)
+                with _writing(staging / name):
+                    shutil.copy2(src / name, staging / name)
         names = list(shards) + ([f"{STREAM_DIR}/{INDEX_NAME}"] if options.stream else [])
         write_checksums(staging, names)
         # config.json last: until it exists, not even the staging directory looks like a model.
         _write_config(staging, output_config(params, model.config, dtype=dtype, quantization=quantization))
+        is_writing = False
         _move_into_place(staging, dst)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as e:
+        failure = _write_failure(e, staging, dst) if isinstance(e, OSError) and is_writing else None
+        shutil.rmtree(staging, ignore_errors=True)  # after the failure is described: its free space
+        if failure is not None:
+            raise failure from None
         raise
     return ConvertResult(
         path=dst,
@@ -133,6 +173,85 @@ def convert(
         dtype=dtype,
         quantization=quantization,
     )
+
+
+def read_source(src: Path, *, dtype: str):
+    """The model in checkpoint `src`, whole: a streamed checkpoint's routed experts are read back
+    from `experts/` and load as if its shards held them, so the model is the one its converter
+    wrote (quantized experts included).
+
+    Raises:
+        ModelLoadError: SRC cannot be read (an expert record that fails its crc32 included).
+    """
+    if not is_streamed(src):
+        return load_model(src, dtype=dtype)
+
+    def experts() -> tuple[dict[str, mx.array], dict[str, Path]]:
+        tensors, files = {}, {}
+        try:
+            with ExpertStore(src, io="buffered") as store:
+                for path, block in store.blocks.items():
+                    for name, stacked in _stacked_experts(store, path).items():
+                        tensors[f"{path}.{name}"], files[f"{path}.{name}"] = stacked, block.file
+        except ExpertStoreError as e:
+            raise ModelLoadError(str(e)) from None
+        return tensors, files
+
+    return load_model(src, dtype=dtype, more_weights=experts)
+
+
+def _stacked_experts(store: ExpertStore, path: str) -> dict[str, mx.array]:
+    """Block `path`'s record tensors, each stacked over the experts: (E, ...), as stored."""
+    block = store.blocks[path]
+    buf = store.pools[block.stride].take()
+    try:
+        records = [store.to_arrays(path, store.read(path, e, buf), {}) for e in range(block.num_experts)]
+    finally:
+        store.pools[block.stride].give(buf)
+    return {t.name: mx.stack([r[t.name] for r in records]) for t in block.tensors}
+
+
+def _check_tokenizer(src: Path, dst: Path) -> None:
+    """Refuse, before writing, a SRC whose DST would not load: generate needs tokenizer.json."""
+    try:
+        Tokenizer(src)
+    except ModelLoadError as e:
+        raise ConvertError(f"{e}; {dst} would not load without it, so nothing was written") from None
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Name `path` in an OSError that does not name its file (a failed write(2) does not); for a
+    directory, the newest file in it: the one being written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else []
+            e.filename = str(max(files, key=lambda f: f.stat().st_mtime_ns) if files else path)
+        raise
+
+
+_SHARD = re.compile(r"shard-(\d{5})\.safetensors")
+
+
+def _write_failure(e: OSError, staging: Path, dst: Path) -> ConvertWriteError:
+    """"cannot write DST/config.json: no space left on device (0.0 MB free); DST was left as it
+    was": the file by the name DST gives it (shards are named at the end), and the errno's text."""
+    failed = Path(e.filename or staging)
+    if not failed.is_relative_to(staging):
+        where = str(failed)
+    elif shard := _SHARD.fullmatch(failed.name):
+        where = f"weight shard {int(shard[1]) + 1} of {dst}"
+    else:
+        where = str(dst / failed.relative_to(staging))
+    cause = str(e)
+    if e.errno is not None:
+        cause = os.strerror(e.errno)
+        cause = cause[:1].lower() + cause[1:]
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        cause += f" ({shutil.disk_usage(dst.parent).free / 1e6:.1f} MB free)"
+    return ConvertWriteError(f"cannot write {where}: {cause}; {dst} was left as it was", e.errno)
 
 
 def stored_dtype_name(path: Path) -> str:
@@ -198,7 +317,9 @@ def _write_shards(model, out: Path, *, max_shard_bytes: int, show_progress: bool
 
 
 def _save_shard(path: Path, tensors: dict[str, mx.array]) -> None:
-    mx.save_safetensors(str(path), tensors, metadata={"format": "mlx", FORMAT_KEY: str(FORMAT_VERSION)})
+    # Through a Python file: MLX's own writer says only "[write] Unable to write N bytes to file."
+    with _writing(path), open(path, "xb") as f:
+        mx.save_safetensors(f, tensors, metadata={"format": "mlx", FORMAT_KEY: str(FORMAT_VERSION)})
 
 
 def _name_shards(out: Path, written: list[list[str]]) -> dict[str, list[str]]:
@@ -212,12 +333,14 @@ def _name_shards(out: Path, written: list[list[str]]) -> dict[str, list[str]]:
             "metadata": {"total_size": sum((out / name).stat().st_size for name in names)},
             "weight_map": {tensor: name for name, tensors in shards.items() for tensor in tensors},
         }
-        safe_files.write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+        with _writing(out / "model.safetensors.index.json"):
+            safe_files.write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
     return shards
 
 
 def _write_config(out: Path, config: dict) -> None:
-    safe_files.write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    with _writing(out / "config.json"):
+        safe_files.write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 def _move_into_place(staging: Path, dst: Path) -> None:

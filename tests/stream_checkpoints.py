@@ -41,6 +41,8 @@ def build_pair(root: Path, *, seed: int = 3, bits: int | None = None, group_size
     config = tiny_qwen3_next_config(num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, **overrides)
     source = save_strata_checkpoint(random_model(config, seed=seed), root / "source")
     full, streamed = root / "full", root / "streamed"
-    convert(source, full, options=ConvertOptions(bits=bits, group_size=group_size))
-    convert(source, streamed, options=ConvertOptions(bits=bits, group_size=group_size, stream=True))
+    # model-only: the tests bring their own tokenizers
+    convert(source, full, options=ConvertOptions(bits=bits, group_size=group_size), require_tokenizer=False)
+    convert(source, streamed, options=ConvertOptions(bits=bits, group_size=group_size, stream=True),
+            require_tokenizer=False)
     return full, streamed

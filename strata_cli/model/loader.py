@@ -200,6 +200,7 @@ def should_dequantize_dense(model, requested: bool | None) -> bool:
 def load_model(
     path: str | Path, *, dtype: str | None = None, before_weights: Callable[[object, mx.Dtype], None] | None = None,
     dequantize: bool | None = None,
+    more_weights: Callable[[], tuple[dict[str, mx.array], dict[str, Path]]] | None = None,
 ):
     """Build the model a checkpoint directory describes and load its weights.
 
@@ -211,6 +212,9 @@ def load_model(
             there (runtime.py), which take the routed experts' parameters out of the model.
         dequantize: run a quantized checkpoint's dense layers dequantized (True), quantized
             (False), or None: dequantized on the CPU when they are small (`should_dequantize_dense`).
+        more_weights: called once after the shards are read; returns more tensors, named as the
+            model names its parameters, that load as if the shards held them, and the file each
+            came from (convert.py reads a streamed checkpoint's experts back so).
 
     Returns:
         The model, with `model.config` set and `model.verification` (integrity.py): each weight
@@ -253,6 +257,10 @@ def load_model(
             weights = model.sanitize(weights)
         elif version >= 2:
             weights = from_mlx_layout(weights)
+        if more_weights is not None:
+            more, more_sources = more_weights()
+            weights.update(more)
+            sources.update(more_sources)
         if quantization is not None:
             apply_to_load(model, quantization, weights)
     except LayoutError as e:

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import GatedAttention
-from .config import ConfigError, ModelConfig, lift_rope_parameters
+from .config import ConfigError, ModelConfig, check_value, lift_rope_parameters
 from .decoder_layer import PreNormLayer
 from .layers import MLP, DecoderStack, RMSNorm
 from .layout import stack_experts
@@ -34,11 +34,15 @@ class Qwen3MoeConfig(SparseLayerRule, ModelConfig):
     attention_bias: bool = False
     tie_word_embeddings: bool = False
 
+    ZERO_ALLOWED: ClassVar[frozenset[str]] = frozenset({"num_experts"})  # 0: a dense model
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "Qwen3MoeConfig":
         params = lift_rope_parameters(params)
+        cls.check_fields(params)
         # transformers 5 writes num_local_experts; the published checkpoints say num_experts.
         if "num_experts" not in params and "num_local_experts" in params:
+            check_value("num_local_experts", params["num_local_experts"], int, zero_ok=True)
             params["num_experts"] = params["num_local_experts"]
         if params.get("use_sliding_window") and params.get("sliding_window") is not None:
             raise ConfigError(
