@@ -1,7 +1,8 @@
 """`strata serve` through a real subprocess on loopback, driven by the official `openai` client:
 completions and chat, streamed and not, usage, stop strings, seeds, greedy text equal to
 `strata generate`'s, OpenAI error objects (the server serving on after them), /metrics as
-Prometheus text, a client gone mid-stream, the queue bound, the API key, and SIGTERM's drain."""
+Prometheus text, a client gone mid-stream, the queue bound, concurrent clients, the API key, and
+SIGTERM's drain."""
 
 import json
 import os
@@ -281,6 +282,61 @@ def test_the_queue_is_bounded(served, client):
     running.close()
     thread.join(REQUEST_SECONDS)
     assert waiting["reply"].usage.completion_tokens == 4
+
+
+def test_concurrent_clients_get_their_own_answers(cache):
+    """4 clients × 3 requests at once, completions and chat, streamed and not, through a queue
+    that holds them all: each answer is the one its prompt gets alone, and the server stays
+    healthy. A server of its own: the module's queue holds one request."""
+    root = cache / "concurrent"
+    root.mkdir()
+    server = Served(cache, "--model", str(chat_model(root)), "--max-queue", "4", "--max-tokens", "12")
+    try:
+        client = server.client()
+        prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "The quick brown fox"]
+
+        def answer(kind: str, prompt: str, stream: bool) -> str:
+            if kind == "chat":
+                reply = client.chat.completions.create(model="chat-model", messages=[{"role": "user", "content": prompt}],
+                                                       stream=stream)
+                return "".join(c.choices[0].delta.content or "" for c in reply) if stream \
+                    else reply.choices[0].message.content
+            reply = client.completions.create(model="chat-model", prompt=prompt, stream=stream)
+            return "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
+
+        alone = {(kind, p): answer(kind, p, stream=False) for kind in ("completion", "chat") for p in prompts}
+        assert len(set(alone.values())) > 1  # the prompts' answers differ, so a mix-up would show
+        start = threading.Barrier(4, timeout=REQUEST_SECONDS)
+        got: list[tuple[tuple[str, str], str]] = []
+        failures: list[BaseException] = []
+
+        def one_client(t: int) -> None:
+            try:
+                start.wait()
+                for j in range(3):
+                    kind, prompt = ("completion", "chat")[(t + j) % 2], prompts[(t + 2 * j) % len(prompts)]
+                    got.append(((kind, prompt), answer(kind, prompt, stream=(t + j) % 3 != 0)))
+            except BaseException as e:  # noqa: BLE001 - reported below, on the test's thread
+                failures.append(e)
+
+        threads = [threading.Thread(target=one_client, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(REQUEST_SECONDS)
+        assert not failures and not any(t.is_alive() for t in threads), failures
+        assert len(got) == 12
+        for key, text in got:
+            assert text == alone[key], key
+        health = server.health()
+        assert health["status"] == "ok" and health["queued"] == 0 and health["running"] is False
+        samples = server.metrics()
+        assert not [k for k, v in samples.items() if k.startswith("strata_http_requests_total{") and v
+                    and not k.endswith("status=200}")]  # not one error, 503 included
+        assert samples["strata_queued_requests"] == 0 and samples["strata_running_requests"] == 0
+        assert server.stop() == 0
+    finally:
+        server.stop(signal.SIGKILL)
 
 
 def test_api_key_and_sigterm_drain(cache):
