@@ -171,8 +171,9 @@ def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats
     runtime = open_model(load, engine_options)
     spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
     console = make_console(stderr=True)
-    if show_stats and not runtime.verification.is_verified:
-        click.echo(f"note: {runtime.verification.note}", err=True)
+    if show_stats:
+        for note in ([] if runtime.verification.is_verified else [runtime.verification.note]) + runtime.load_notes:
+            click.echo(f"note: {note}", err=True)
     out = sys.stdout
     with interrupt_latch() as latch:
         for n, prompt in enumerate(prompts):

@@ -141,6 +141,12 @@ class Runtime:
     _device_prior: CostPrior | None = dataclasses.field(default=None, repr=False)
 
     @property
+    def load_notes(self) -> list[str]:
+        """What loading did besides building the text model, one line each (a family's
+        `load_notes`: parts of a published checkpoint kept aside or left out, never silently)."""
+        return list(getattr(self.model, "load_notes", ()))
+
+    @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
 

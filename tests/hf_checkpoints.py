@@ -205,3 +205,313 @@ def _once(path: Path, key: tuple, build) -> Path:
         build(path)
         _built[key] = path
     return path
+
+
+# -- the Mamba-2 hybrids (issue 33): Nemotron-H and Granite-4.0-H ---------------------------------
+
+HYBRID_FAMILIES = ("nemotron_h", "granitemoehybrid")
+DT_GAIN = 0.3  # the dt rows of in_proj: dt = softplus(dt + dt_bias) stays inside [0.003, 0.3]
+
+
+def hybrid_hf_config(family: str, **overrides):
+    """A tiny config of each Mamba-2 hybrid: every block kind, groups of B/C heads (Nemotron-H),
+    group routing, multipliers and tied embeddings (Granite), dims multiples of 64 (so mlx-lm
+    quantizes every matrix at group size 64)."""
+    from transformers import GraniteMoeHybridConfig, NemotronHConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=512, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, eos_token_id=None, pad_token_id=None,
+                  bos_token_id=None)
+    if family == "nemotron_h":
+        params = dict(common, hybrid_override_pattern="ME*M-E", head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+                      ssm_state_size=16, n_groups=2, conv_kernel=4, n_routed_experts=8, n_group=2, topk_group=1,
+                      moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, intermediate_size=128,
+                      routed_scaling_factor=2.5, layer_norm_epsilon=1e-5, tie_word_embeddings=False)
+        return NemotronHConfig(**{**params, **overrides})
+    if family == "granitemoehybrid":
+        params = dict(common, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+                      num_local_experts=4, intermediate_size=64, shared_intermediate_size=64, mamba_n_heads=4,
+                      mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
+                      embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.0625,
+                      logits_scaling=2.0, position_embedding_type="nope", tie_word_embeddings=True,
+                      rms_norm_eps=1e-6)
+        return GraniteMoeHybridConfig(**{**params, **overrides})
+    raise ValueError(f"unknown hybrid family {family!r}")
+
+
+def init_hybrid_weights(model, *, seed: int = SEED) -> None:
+    """The module docstring's scales, plus the Mamba-2 parameters: A = -U(1, 8), dt_bias the
+    inverse softplus of a log-uniform dt in [0.01, 0.1] (long memories, as the reference init
+    gives, yet dt never reaches Nemotron-H's time_step_min), D near 1, and random routing biases."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    tied = model.config.tie_word_embeddings
+    heads = getattr(model.config, "mamba_num_heads", None) or model.config.mamba_n_heads
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("A_log"):
+                value = torch.log(torch.rand(p.shape, generator=g) * 7 + 1)
+            elif name.endswith("dt_bias"):
+                dt = torch.exp(torch.rand(p.shape, generator=g) * math.log(10) + math.log(0.01))
+                value = dt + torch.log(-torch.expm1(-dt))  # softplus⁻¹
+            elif name.endswith(("norm.weight", "norm_f.weight", ".D")):
+                value = torch.randn(p.shape, generator=g) * 0.1 + 1.0
+            elif name.endswith(("conv1d.bias", "e_score_correction_bias")):
+                value = torch.randn(p.shape, generator=g) * 0.1
+            elif "embed" in name:
+                value = torch.randn(p.shape, generator=g) * (HEAD_GAIN / math.sqrt(hidden) if tied else 1.0)
+            elif name.startswith("lm_head"):
+                value = torch.randn(p.shape, generator=g) * HEAD_GAIN / math.sqrt(hidden)
+            elif name.endswith(("mixer.gate.weight", "router.weight")):
+                value = torch.randn(p.shape, generator=g) * ROUTER_GAIN / math.sqrt(hidden)
+            elif p.ndim >= 2:
+                gain = RESIDUAL_GAIN if any(s in name for s in ("o_proj", "down_proj", "out_proj", "output_linear")) else 1.0
+                value = torch.randn(p.shape, generator=g) * gain / math.sqrt(p.shape[-1])
+                if name.endswith("in_proj.weight"):
+                    value[-heads:] *= DT_GAIN  # the dt rows come last
+            else:
+                continue
+            p.copy_(value)
+
+
+def hybrid_hf_model(family: str, **overrides):
+    """The transformers model behind `hybrid_hf_checkpoint(family)`, float32, eval mode (cached)."""
+    key = ("hybrid_hf_model", family, repr(sorted(overrides.items())))
+    if key not in _built:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(hybrid_hf_config(family, **overrides), dtype=torch.float32)
+        init_hybrid_weights(model)
+        _built[key] = model.eval()
+    return _built[key]
+
+
+def hybrid_hf_checkpoint(root: Path, family: str, variant: str = "", **overrides) -> Path:
+    """A sharded Hugging Face checkpoint of `hybrid_hf_model(family, **overrides)` as transformers
+    saves it (Nemotron-H: `backbone.*`, per-expert tensors; Granite: fused `input_linear`), plus
+    the tokenizer; `variant` names a checkpoint built with `overrides`."""
+
+    def build(out: Path) -> None:
+        hybrid_hf_model(family, **overrides).save_pretrained(out, max_shard_size=SHARD_SIZE)
+        copy_tokenizer(tokenizer_dir(root), out)
+
+    return _once(root / f"hf-{family}{variant}", ("hf", family, variant), build)
+
+
+def hybrid_fused_checkpoint(root: Path, family: str) -> Path:
+    """The model's in-memory state dict as is (`model.*`, fused `experts.*` tensors)."""
+
+    def build(out: Path) -> None:
+        from safetensors.torch import save_file
+
+        out.mkdir()
+        model = hybrid_hf_model(family)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            del state["lm_head.weight"]
+        save_file(state, out / "model.safetensors")
+        src = hybrid_hf_checkpoint(root, family)
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / name, out / name)
+
+    return _once(root / f"fused-{family}", ("fused", family), build)
+
+
+def hybrid_mlx_checkpoint(root: Path, family: str, bits: int | None) -> Path:
+    """The same checkpoint converted by mlx-lm (affine `bits`-bit, group size 64, or unquantized).
+
+    mlx-lm 0.32 cannot read two things transformers 5 writes, so its copy of config.json spells
+    them as the published checkpoints do: `time_step_limit` as numbers (transformers writes
+    infinity as {"__float__": "Infinity"}; the value Nemotron-H's transformers code uses,
+    (time_step_min, inf), which mlx-lm reads from here), and Granite's legacy layer names.
+    """
+
+    def source(out: Path) -> None:
+        shutil.copytree(hybrid_hf_checkpoint(root, family), out)
+        config = json.loads((out / "config.json").read_text())
+        low = config.get("time_step_min", 0.0) if family == "nemotron_h" else 0.0
+        config["time_step_limit"] = [low, math.inf]
+        if family == "granitemoehybrid":
+            legacy = {"linear_attention": "mamba", "full_attention": "attention"}
+            config["layer_types"] = [legacy[t] for t in config["layer_types"]]
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    def build(out: Path) -> None:
+        from mlx_lm.convert import convert
+
+        quantized = dict(quantize=True, q_bits=bits, q_group_size=64) if bits else {}
+        src = _once(root / f"hf-{family}-for-mlx-lm", ("hf for mlx-lm", family), source)
+        convert(str(src), str(out), **quantized)
+
+    name = f"mlx-{family}-" + (f"q{bits}" if bits else "float32")
+    return _once(root / name, ("mlx", family, bits), build)
+
+
+# -- Qwen3.5 / 3.6 (issue 33): dense `qwen3_5` and `qwen3_5_moe`, every layout they are published in ---
+
+QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+# transformers' save_pretrained of the multimodal model, of the text-only one, and the published
+# layout (the multimodal model's own state dict: fused experts, plus MTP tensors transformers drops).
+QWEN3_5_LAYOUTS = ("multimodal", "text", "published")
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      num_position_embeddings=16)
+
+
+def qwen3_5_text_params(family: str) -> dict:
+    """A tiny text config: the 3:1 rhythm, 8 value heads over 2 key heads, 16 rotary dims in
+    interleaved mRoPE sections [3, 3, 2], dims multiples of 64 (mlx-lm quantizes every matrix)."""
+    params = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4, tie_word_embeddings=False, eos_token_id=None, pad_token_id=None,
+                  bos_token_id=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+    if family == "qwen3_5":
+        return dict(params, intermediate_size=128)
+    if family == "qwen3_5_moe":
+        return dict(params, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                    shared_expert_intermediate_size=64)
+    raise ValueError(f"unknown Qwen3.5 family {family!r}")
+
+
+def qwen3_5_hf_model(family: str, layout: str = "multimodal"):
+    """The transformers model behind a Qwen3.5 checkpoint, float32, eval mode (cached).
+
+    "multimodal" is `Qwen3_5[Moe]ForConditionalGeneration` (a tiny vision tower included, as the
+    published models carry one); "text" is `Qwen3_5[Moe]ForCausalLM` holding the very same
+    language-model weights."""
+    key = ("qwen3_5_hf_model", family, layout == "text")
+    if key in _built:
+        return _built[key]
+    import torch
+    import transformers
+
+    prefix = "Qwen3_5Moe" if family == "qwen3_5_moe" else "Qwen3_5"
+    text = qwen3_5_text_params(family)
+    torch.manual_seed(SEED)
+    if layout == "text":
+        mm = qwen3_5_hf_model(family)
+        model = getattr(transformers, f"{prefix}ForCausalLM")(getattr(transformers, f"{prefix}TextConfig")(**text))
+        state = {k.replace("model.language_model.", "model."): v for k, v in mm.state_dict().items()
+                 if not k.startswith("model.visual.")}
+        model.load_state_dict(state)
+    else:
+        config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=QWEN3_5_VISION,
+                                                          tie_word_embeddings=False)
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
+        init_qwen3_5_weights(model)
+    _built[key] = model.to(torch.float32).eval()
+    return _built[key]
+
+
+def init_qwen3_5_weights(model, *, seed: int = SEED) -> None:
+    """The module docstring's scales; every RMSNorm but the GDN's gated one is zero-centred."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = model.config.get_text_config().hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")) or ".visual." in f".{name}":
+                continue  # transformers' own initialisation
+            p.copy_(_qwen3_5_init(name, p.shape, hidden, g))
+
+
+def _qwen3_5_init(name: str, shape, hidden: int, g):
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.randn(shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
+    if "embed_tokens" in name:
+        std = 1.0
+    elif name.startswith("lm_head"):
+        std = HEAD_GAIN / math.sqrt(hidden)
+    elif name.endswith("mlp.gate.weight"):  # the routers
+        std = ROUTER_GAIN / math.sqrt(hidden)
+    else:
+        gain = RESIDUAL_GAIN if any(s in name for s in ("o_proj", "down_proj", "out_proj")) else 1.0
+        std = gain / math.sqrt(shape[-1])
+    return torch.randn(shape, generator=g) * std
+
+
+def qwen3_5_mtp_tensors(family: str, *, seed: int = SEED + 1) -> dict:
+    """Random MTP tensors as the published checkpoints name them (vLLM's Qwen3_5 MTP loader): `fc`,
+    three zero-centred norms and one full-attention decoder layer, its experts stored per expert."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    p = qwen3_5_text_params(family)
+    H, D, I = p["hidden_size"], p["head_dim"], p.get("moe_intermediate_size", p.get("intermediate_size"))
+    q, kv = p["num_attention_heads"] * D, p["num_key_value_heads"] * D
+    shapes = {"mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (H,),
+              "mtp.pre_fc_norm_embedding.weight": (H,)}
+    layer = "mtp.layers.0"
+    shapes.update({f"{layer}.input_layernorm.weight": (H,), f"{layer}.post_attention_layernorm.weight": (H,),
+                   f"{layer}.self_attn.q_proj.weight": (2 * q, H), f"{layer}.self_attn.k_proj.weight": (kv, H),
+                   f"{layer}.self_attn.v_proj.weight": (kv, H), f"{layer}.self_attn.o_proj.weight": (H, q),
+                   f"{layer}.self_attn.q_norm.weight": (D,), f"{layer}.self_attn.k_norm.weight": (D,)})
+    if family == "qwen3_5_moe":
+        E = p["num_experts"]
+        shapes[f"{layer}.mlp.gate.weight"] = (E, H)
+        for e in range(E):
+            for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                shapes[f"{layer}.mlp.experts.{e}.{proj}.weight"] = shape
+        S = p["shared_expert_intermediate_size"]
+        shapes.update({f"{layer}.mlp.shared_expert.gate_proj.weight": (S, H),
+                       f"{layer}.mlp.shared_expert.up_proj.weight": (S, H),
+                       f"{layer}.mlp.shared_expert.down_proj.weight": (H, S),
+                       f"{layer}.mlp.shared_expert_gate.weight": (1, H)})
+    else:
+        shapes.update({f"{layer}.mlp.gate_proj.weight": (I, H), f"{layer}.mlp.up_proj.weight": (I, H),
+                       f"{layer}.mlp.down_proj.weight": (H, I)})
+    return {name: _qwen3_5_init(name, shape, H, g).contiguous() for name, shape in shapes.items()}
+
+
+def qwen3_5_checkpoint(root: Path, family: str, layout: str) -> Path:
+    """A Qwen3.5 checkpoint in one of QWEN3_5_LAYOUTS, plus the tokenizer.
+
+    - "multimodal": `Qwen3_5[Moe]ForConditionalGeneration.save_pretrained` (sharded; `text_config` +
+      `vision_config`; `model.language_model.*`, `model.visual.*`; experts per expert);
+    - "text": `Qwen3_5[Moe]ForCausalLM.save_pretrained` (`model_type` `qwen3_5[_moe]_text`, `model.*`);
+    - "published": what Qwen publishes: the multimodal state dict as the model holds it (fused
+      `experts.gate_up_proj` / `down_proj`), plus `mtp.*` and `mtp_num_hidden_layers: 1` in text_config.
+    """
+
+    def build(out: Path) -> None:
+        model = qwen3_5_hf_model(family, layout)
+        if layout != "published":
+            model.save_pretrained(out, max_shard_size=SHARD_SIZE)
+        else:
+            from safetensors.torch import save_file
+
+            out.mkdir()
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            state.update(qwen3_5_mtp_tensors(family))
+            save_file(state, out / "model.safetensors")
+            model.config.save_pretrained(out)
+            config = json.loads((out / "config.json").read_text())
+            config["text_config"]["mtp_num_hidden_layers"] = 1
+            (out / "config.json").write_text(json.dumps(config, indent=2))
+        copy_tokenizer(tokenizer_dir(root), out)
+
+    return _once(root / f"{layout}-{family}", ("qwen3_5", family, layout), build)
+
+
+def qwen3_5_mlx_checkpoint(root: Path, family: str, bits: int | None) -> Path:
+    """The published layout converted by mlx-lm (affine `bits`-bit, group size 64, or unquantized):
+    `language_model.*`, no vision tower and no MTP (mlx-lm drops both), as mlx-community ships them.
+    mlx-lm 0.32's qwen3_5_moe reads fused experts only, so it converts the published layout."""
+
+    def build(out: Path) -> None:
+        from mlx_lm.convert import convert
+
+        quantized = dict(quantize=True, q_bits=bits, q_group_size=64) if bits else {}
+        convert(str(qwen3_5_checkpoint(root, family, "published")), str(out), **quantized)
+
+    name = f"mlx-{family}-" + (f"q{bits}" if bits else "float32")
+    return _once(root / name, ("qwen3_5 mlx", family, bits), build)

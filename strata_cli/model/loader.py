@@ -29,7 +29,10 @@ from .quant import (
 )
 
 # model_type -> module in strata_cli.model
-ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+                 "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid"}
+# Qwen3.5 / 3.6, dense and MoE: the multimodal checkpoints' model_type and transformers' text-only ones.
+ARCHITECTURES.update(dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "qwen3_5"))
 # config.json key that marks strata's own layout (already sanitized), and its version:
 # 2 stores the tensors in mlx-lm's layout (layout.to_mlx_layout), so mlx-lm loads them too;
 # 1 stores the modules' parameters as they are (conv1d (C, K), bare expert stacks), read too.
@@ -241,6 +244,8 @@ def load_model(
         config = arch.Config.from_dict(params)
         model = arch.Model(config)
         quantization = read_quantization(params)
+        if quantization is not None and hasattr(model, "sanitize_quantization"):
+            quantization = model.sanitize_quantization(quantization)  # per-layer paths, as sanitize renames them
         version = strata_format(params)
     except (ConfigError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None

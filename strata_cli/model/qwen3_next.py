@@ -46,9 +46,15 @@ class Qwen3NextConfig(SparseLayerRule, ModelConfig):
     tie_word_embeddings: bool = False
     rope_scaling: Any = None
 
+    # 0: no experts (a dense model), no shared expert
+    ZERO_ALLOWED: ClassVar[frozenset[str]] = frozenset({"num_experts", "shared_expert_intermediate_size"})
+
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "Qwen3NextConfig":
         params = lift_rope_parameters(params, ("rope_theta", "partial_rotary_factor"))
+        cls.check_fields(params)  # the layer rule below computes with them
+        if not 0 < params.get("partial_rotary_factor", 0.25) <= 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {params['partial_rotary_factor']}")
         n = params.get("num_hidden_layers", 0)
         if not params.get("layer_types"):
             interval = params.get("full_attention_interval", 4)

@@ -1,0 +1,129 @@
+"""Serial decode speed of strata against mlx-lm on one family's small random checkpoint.
+
+Builds the checkpoint with mlx-lm's own model class (random weights, the shapes of the family's
+tiny test checkpoint in tests/hf_checkpoints.py), optionally quantized by mlx-lm, saved by mlx-lm;
+both engines load the same files and decode the same random prompt greedily, EOS off, prefill
+outside the clock. Runs alternate (strata, mlx-lm, strata, ...) after a warm-up pair; the figure
+is the ratio of the medians.
+
+    python -m scripts.bench.family_speed --family qwen3_5_moe
+    python -m scripts.bench.family_speed --family qwen3_5 --bits 4 --tokens 256
+    python -m scripts.bench.family_speed --family qwen3_5_moe --model ~/models/Qwen3.5-35B-A3B-4bit
+
+Families: the TINY table below (add a family with its mlx-lm model_type and a tiny config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from scripts.bench.compare_mlx_lm import timed_decode
+from strata_cli.bench.peers import MlxLmPeer
+from strata_cli.bench.runner import git_commit
+from strata_cli.engine.window import WindowEngine
+from strata_cli.options import SpecOptions
+from strata_cli.runtime import load_checkpoint
+
+_QWEN3_5_TEXT = dict(vocab_size=512, hidden_size=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                     num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                     linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                     full_attention_interval=4,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+# family -> the multimodal config.json mlx-lm reads (its text_config: tests/hf_checkpoints.py's shapes)
+TINY = {
+    "qwen3_5": {"model_type": "qwen3_5", "text_config": {**_QWEN3_5_TEXT, "model_type": "qwen3_5_text",
+                                                          "intermediate_size": 128}},
+    "qwen3_5_moe": {"model_type": "qwen3_5_moe", "text_config": {
+        **_QWEN3_5_TEXT, "model_type": "qwen3_5_moe_text", "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}},
+}
+
+
+def build_checkpoint(path: Path, family: str, *, bits: int, seed: int) -> Path:
+    """The family's tiny config as mlx-lm's model class, random weights, saved (and quantized) by mlx-lm."""
+    import importlib
+
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    config = json.loads(json.dumps(TINY[family]))
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    if bits:
+        model, config = quantize_model(model, config, group_size=64, bits=bits)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    return path
+
+
+def vocab_size(path: Path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    return config.get("text_config", config)["vocab_size"]
+
+
+def run(args) -> dict:
+    path = args.model
+    if path is None:
+        path = args.dir / f"{args.family}-{f'q{args.bits}' if args.bits else 'float32'}"
+        if not (path / "config.json").is_file():
+            print(f"building {path} with mlx-lm", flush=True)
+            build_checkpoint(path, args.family, bits=args.bits, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(0, vocab_size(path), args.context).tolist()
+    compute = "float32" if mx.default_device() == mx.cpu else "bfloat16"
+    engine = WindowEngine(load_checkpoint(path, dtype=compute))
+    peer = MlxLmPeer.load(path, dtype=getattr(mx, compute))
+    strata_s, peer_s, same = [], [], True
+    for i in range(args.warmup + args.repeats):
+        tokens, seconds = timed_decode(engine, prompt, args.tokens, SpecOptions())
+        result = peer.run("mlx-lm", prompt, args.tokens)
+        same &= tokens == result.token_ids[0]
+        if i >= args.warmup:
+            strata_s.append(seconds)
+            peer_s.append(result.seconds)
+    out = {"family": args.family, "model": str(path), "bits": args.bits, "device": str(mx.default_device()),
+           "dtype": compute, "mlx": mx.__version__, "machine": f"{platform.node()} ({platform.machine()})",
+           "commit": git_commit(), "context": args.context, "tokens": args.tokens, "repeats": args.repeats,
+           "strata_tok_s": args.tokens / statistics.median(strata_s),
+           "mlx_lm_tok_s": args.tokens / statistics.median(peer_s),
+           "strata_runs_s": strata_s, "mlx_lm_runs_s": peer_s, "same_tokens": same}
+    out["ratio"] = out["strata_tok_s"] / out["mlx_lm_tok_s"]
+    print(f"{args.family} serial decode ({compute}, {out['device']}): strata {out['strata_tok_s']:.1f} tok/s, "
+          f"mlx-lm {out['mlx_lm_tok_s']:.1f} tok/s ({out['ratio']:.2f}x); same tokens: {same}", flush=True)
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", required=True, choices=sorted(TINY))
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint both engines read (default: build the tiny one)")
+    parser.add_argument("--bits", type=int, default=0, choices=[0, 4, 8], help="quantize the built checkpoint (0: float32)")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-family-speed")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    result = run(args)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
