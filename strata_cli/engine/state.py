@@ -9,20 +9,23 @@ Every state implements one protocol, `LayerState`:
 - `abandon()` closes a WINDOW-mode window that keeps nothing (committed state never changed);
 - `flush()` applies any deferred work, `snapshot()` / `restore()` save and bring back committed
   state (MLX arrays are immutable, so a snapshot is a tuple of references), and `tensors()`
-  names the committed tensors, for checkpoints and for the rollback tests.
+  names the committed tensors, for checkpoints and for the rollback tests;
+- `check_snapshot(snap, like, length)` says why a snapshot from outside (a session file) cannot
+  be this layer's committed state, against `like`, the `ArraySpec`s of one this model made.
 
 Further rows of the state table (sparse-attention indexer tail, PLE history, logit processors)
-implement the same five calls, so the window contract never changes when they arrive.
+implement the same calls, so the window contract never changes when they arrive.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 
-from ..model.layer_state import GDNRows, Scan
+from ..model.layer_state import GDNRows, Scan, SSMRows
 
 KV_STEP = 256  # KV buffers grow in steps of this many cells, so shapes change rarely
 
@@ -43,6 +46,55 @@ class LayerState(Protocol):
     def snapshot(self) -> tuple: ...
     def restore(self, snap: tuple) -> None: ...
     def tensors(self) -> dict[str, mx.array]: ...
+    @staticmethod
+    def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """The shape and dtype of one snapshot array, without its data."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @classmethod
+    def of(cls, value):
+        """`value`'s spec if it is an array; other slot values (ints, None) as they are."""
+        return cls(tuple(value.shape), value.dtype) if isinstance(value, mx.array) else value
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def _slot_kind(value) -> str:
+    if isinstance(value, mx.array):
+        return f"an array {_shape(value.shape)}"
+    return "empty" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def _check_array(name: str, value, like: ArraySpec, *, shape_text: str | None = None, fits=None) -> str | None:
+    """Why `value` is not an array like `like` (shape and dtype), or None.
+
+    Args:
+        name: the slot's name, for the message.
+        value: the restored slot value.
+        like: the spec of the array this model puts there.
+        shape_text: `like`'s shape as the message shows it (default: `like.shape`).
+        fits: a test of the shape (default: equal to `like.shape`).
+    """
+    if not isinstance(value, mx.array):
+        return f"{name} is {_slot_kind(value)}, not an array"
+    ok = fits(tuple(value.shape)) if fits else tuple(value.shape) == like.shape
+    if not ok:
+        return f"{name} has shape {_shape(value.shape)}, this model's is {shape_text or _shape(like.shape)}"
+    if value.dtype != like.dtype:
+        return f"{name} is {_dtype_name(value.dtype)}, this model's is {_dtype_name(like.dtype)}"
+    return None
 
 
 class KVState:
@@ -114,6 +166,30 @@ class KVState:
     def restore(self, snap: tuple) -> None:
         self.keys, self.values, self.length = snap
         self._window = None
+
+    @staticmethod
+    def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None:
+        """Why `snap` cannot be this state after `length` positions (`like`: `ArraySpec`s of
+        one this model made), or None: keys and values (B, H_kv, capacity >= length, D) of the
+        model's dtype, both of one shape, and the length slot equal to `length`."""
+        if len(snap) != 3:
+            return f"{len(snap)} slots, a KV state has 3 (keys, values, length)"
+        keys, values, n = snap
+        if length == 0 and keys is None and values is None and n == 0:
+            return None
+        if type(n) is not int or n != length:
+            return f"length slot is {_slot_kind(n)}, the checkpoint holds {length} positions"
+        B, H, _, D = like[0].shape
+        text = f"({B}, {H}, N, {D}) with N >= {length}"
+
+        def fits(shape: tuple[int, ...]) -> bool:  # any capacity that holds the committed cells
+            return len(shape) == 4 and (shape[0], shape[1], shape[3]) == (B, H, D) and shape[2] >= length
+
+        problem = _check_array("keys", keys, like[0], shape_text=text, fits=fits)
+        problem = problem or _check_array("values", values, like[1], shape_text=text, fits=fits)
+        if problem is None and values.shape != keys.shape:
+            problem = f"values have shape {_shape(values.shape)}, keys {_shape(keys.shape)}: they must match"
+        return problem
 
     def tensors(self) -> dict[str, mx.array]:
         if self.keys is None:
@@ -231,8 +307,56 @@ class GDNState:
         self.pending = None
         self._window = None
 
+    @staticmethod
+    def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None:
+        """Why `snap` cannot be this state after `length` positions (`like`: `ArraySpec`s of
+        one this model made), or None: `S` and the conv history exactly as the model shapes
+        them (S in float32, the history in the model's dtype)."""
+        if len(snap) != 2:
+            return f"{len(snap)} slots, a GDN state has 2 (recurrent state, conv history)"
+        if length == 0 and snap[0] is None and snap[1] is None:
+            return None
+        return (_check_array("recurrent state", snap[0], like[0])
+                or _check_array("conv history", snap[1], like[1]))
+
     def tensors(self) -> dict[str, mx.array]:
         self.flush()
         if self.S is None:
             return {}
         return {"recurrent": self.S, "conv_history": self.history}
+
+
+class Mamba2State(GDNState):
+    """Mamba-2 (SSD) recurrent state `S` and the causal conv's input history.
+
+    The GDN rule exactly (`GDNState`): a window runs its rows from the committed state without
+    changing it and keeps each row's recurrence inputs (`SSMRows`: x, B, C, dt and the log-decay
+    g = dt·A); commit folds only the kept rows into `S`, eagerly or lazily (the next window's
+    scan starts with the fold, always with the scan of the window the rows came from), and
+    partial mode commits the root row inside the run. The history is the last K-1 raw conv
+    inputs (x, B, C before the conv), updated at commit by a slice. Only the rows and the shape
+    of `S` differ, so only those are here.
+    """
+
+    def __init__(self, conv_kernel: int, *, lazy: bool):
+        super().__init__(conv_kernel, lazy=lazy)
+        self.S: mx.array | None = None  # (B, H, P, N), float32
+
+    def _start_state(self, rows: SSMRows) -> mx.array:
+        if self.S is None:
+            B, _, H, P = rows.x.shape
+            self.S = mx.zeros((B, H, P, rows.B.shape[-1]), dtype=mx.float32)
+        self.flush()  # the lazy fold joins this window's graph
+        return self.S
+
+    @staticmethod
+    def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None:
+        """Why `snap` cannot be this state after `length` positions (`like`: `ArraySpec`s of
+        one this model made), or None: `S` and the conv history exactly as the model shapes
+        them (S in float32, the history in the model's dtype)."""
+        if len(snap) != 2:
+            return f"{len(snap)} slots, a Mamba-2 state has 2 (SSM state, conv history)"
+        if length == 0 and snap[0] is None and snap[1] is None:
+            return None
+        return (_check_array("SSM state", snap[0], like[0])
+                or _check_array("conv history", snap[1], like[1]))

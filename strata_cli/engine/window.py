@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
-from .state import GDNState, KVState, Mode
+from .state import ArraySpec, GDNState, KVState, Mamba2State, Mode
 
 # Prompt rows per chunk on a GPU: on the H200 (80B-A3B shape, 4,096 tokens) 2,048-row chunks
 # prefill at 7,699 tok/s against 6,736 with PREFILL_CHUNK's 512 (docs/benchmarks.md, "H200:
@@ -41,6 +41,11 @@ def default_prefill_chunk() -> int:
 
 class WindowError(RuntimeError):
     """The window contract was broken by the caller."""
+
+
+class SnapshotError(ValueError):
+    """A snapshot from outside (a session file) that this engine's model cannot have made: the
+    message names the layer, the slot and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,8 @@ def make_state(kind: str, params: dict, options: EngineOptions):
         return KVState()
     if kind == "gdn":
         return GDNState(params["conv_kernel"], lazy=options.fold == "lazy")
+    if kind == "mamba2":
+        return Mamba2State(params["conv_kernel"], lazy=options.fold == "lazy")
     raise ValueError(f"unknown layer state kind {kind!r}")
 
 
@@ -105,6 +112,7 @@ class WindowEngine:
         # Streamed experts (experts/cache.py): performance state, told where windows start, never rewound.
         self.expert_cache = getattr(model, "expert_cache", None)
         self.prefill_expert_bytes = 0  # bytes the last prefill read from the expert files
+        self._like: Snapshot | None = None  # snapshot_like(), made once
 
     # -- the window contract -------------------------------------------------------------------
 
@@ -245,6 +253,41 @@ class WindowEngine:
         for state, saved in zip(self.states, snap.states):
             state.restore(saved)
         self.length = snap.length
+
+    def snapshot_like(self) -> Snapshot:
+        """What this model's snapshots hold, slot by slot: `ArraySpec`s (shape and dtype) and
+        the ints, from a one-row window run on scratch state and dropped unevaluated (streamed
+        experts are read as the graph is built). Committed state is untouched; made once."""
+        if self._like is None:
+            self._require_closed("snapshot_like")
+            states = self.states
+            self.states = [make_state(kind, params, self.options) for kind, params in self.model.state_kinds]
+            try:
+                self._forward(mx.array([[0]]), 0, Mode.WINDOW, last_only=True)
+                like = tuple(tuple(ArraySpec.of(v) for v in state.snapshot()) for state in self.states)
+            finally:
+                self.states = states
+            self._like = Snapshot(1, like)
+        return self._like
+
+    def check_snapshot(self, snap: Snapshot) -> None:
+        """Check that `snap` could be this engine's committed state: one state per layer, every
+        slot of the shape, dtype and value this model's layer gives it after `snap.length`
+        positions (`LayerState.check_snapshot`). Values of the right shape are not checked:
+        nothing can tell a changed one from a real one.
+
+        Raises:
+            SnapshotError: naming the layer, its state type and the slot that does not fit.
+        """
+        like = self.snapshot_like()
+        if not isinstance(snap.length, int) or not 0 <= snap.length <= self.max_context:
+            raise SnapshotError(f"length {snap.length!r} is outside this engine's context of {self.max_context}")
+        if len(snap.states) != len(self.states):
+            raise SnapshotError(f"{len(snap.states)} layers, this model has {len(self.states)}")
+        for i, (state, saved, spec) in enumerate(zip(self.states, snap.states, like.states)):
+            problem = type(state).check_snapshot(tuple(saved), spec, snap.length)
+            if problem:
+                raise SnapshotError(f"layer {i} ({type(state).__name__}): {problem}")
 
     def reset(self) -> None:
         """Forget everything: the next window starts at position 0."""

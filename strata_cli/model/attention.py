@@ -118,8 +118,9 @@ class GatedAttention(nn.Module):
         """Rotary at the state's offset, the window's KV written, attention -> (B, T, heads·D)."""
         B, _, T, _ = q.shape
         offset = state.offset
-        q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
-        k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        if self.rotary_dim:  # 0: no positional embedding (Nemotron-H, Granite-4.0-H's NoPE)
+            q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+            k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         keys, values = state.update_and_fetch(k, v)
         if self.takes_kernel(T):
             out = attention_window.attention_window(q, keys, values, self.scale)  # (B, T, heads, D)

@@ -4,7 +4,8 @@ The layers never own state. The caller (the window engine, engine/state.py) pass
 object per layer into every forward call, and decides which rows reach committed state and how
 they roll back (docs/design.md, "State and its rollback rule"). This module only says what a
 layer may call, so `model/` needs nothing from the engine — as mlx-lm's `models/cache.py` sits
-below its models.
+below its models. GDN layers (`RecurrentState`) and Mamba-2 layers (`SSMState`) make the same two
+calls, each with its own rows.
 """
 
 from __future__ import annotations
@@ -57,4 +58,39 @@ class RecurrentState(Protocol):
         """Prepend the committed history to the window's raw conv inputs (B, T, C)."""
 
     def recur(self, rows: GDNRows, scan: Scan) -> mx.array:
+        """Run `scan` over the window's rows from committed state; return the outputs."""
+
+
+@dataclass(frozen=True)
+class SSMRows:
+    """Per-row inputs of the Mamba-2 (SSD) recurrence, after the causal conv, in float32.
+
+    Shapes: x (B, T, H, P); B, C (B, T, G, N) (each group serves H/G consecutive heads);
+    dt (B, T, H) after softplus and the limits; g = dt·A (B, T, H), the log of each row's decay.
+    """
+
+    x: mx.array
+    B: mx.array
+    C: mx.array
+    dt: mx.array
+    g: mx.array
+
+    def __len__(self) -> int:
+        return self.x.shape[1]
+
+    def rows(self, start: int, stop: int) -> "SSMRows":
+        return SSMRows(*(a[:, start:stop] for a in (self.x, self.B, self.C, self.dt, self.g)))
+
+
+# scan(rows, state) -> (outputs (B, T, H, P), state (B, H, P, N) after the last row)
+SSMScan = Callable[[SSMRows, mx.array], tuple[mx.array, mx.array]]
+
+
+class SSMState(Protocol):
+    """The causal conv's input history and the recurrent state of a Mamba-2 layer."""
+
+    def conv_window(self, raw: mx.array) -> mx.array:
+        """Prepend the committed history to the window's raw conv inputs (B, T, C)."""
+
+    def recur(self, rows: SSMRows, scan: SSMScan) -> mx.array:
         """Run `scan` over the window's rows from committed state; return the outputs."""
