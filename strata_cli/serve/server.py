@@ -462,7 +462,7 @@ def serve_stdio(
         if session.exists():
             try:
                 restored = load_session(session, **signature, max_context=engine.max_context,
-                                        vocab_size=engine.vocab_size)
+                                        vocab_size=engine.vocab_size, check=engine.check_snapshot)
             except SessionError as e:
                 raise SessionError(f"{e}; serve-stdio did not start (delete the file or pass another --session)") from None
             log.info("session %s: restored %d checkpoints", session, len(restored))
@@ -478,6 +478,8 @@ def serve_stdio(
                 frames=FrameWriter(stream), cancelled=latch.is_set, spec_for=runtime.spec_for, lines=lines,
             )
             server.adopt(restored or [])
+            for note in runtime.load_notes:
+                log.info("load: %s", note)
             log.info("ready: %s", runtime.path)
             ready = ready_frame(model=str(runtime.path), identity=runtime.identity,
                                 dtype=str(runtime.dtype).removeprefix("mlx.core."), max_context=engine.max_context,
