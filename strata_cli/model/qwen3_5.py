@@ -29,7 +29,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .attention import GatedAttention
 from .config import ConfigError, ModelConfig, lift_rope_parameters
 from .decoder_layer import PreNormLayer
 from .gdn import GatedDeltaNet
@@ -37,6 +36,7 @@ from .layers import MLP, DecoderStack, RMSNorm, RowLinear
 from .layout import MLX, detect_layout, stack_experts
 from .moe import SparseMoeBlock
 from .quant import Quantization, router_overrides
+from .qwen3_next import gated_attention, gated_delta_net
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -145,19 +145,6 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
 
-def gated_attention(config: Qwen3_5Config) -> GatedAttention:
-    return GatedAttention(
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rotary_dim=int(config.head_dim * config.partial_rotary_factor),
-        rope_theta=config.rope_theta,
-        eps=config.rms_norm_eps,
-        bias=config.attention_bias,
-    )
-
-
 def feed_forward(config: Qwen3_5Config) -> nn.Module:
     if config.is_moe:
         return SparseMoeBlock(
@@ -176,15 +163,7 @@ class DecoderLayer(PreNormLayer):
         super().__init__()
         self.is_linear = config.layer_types[index] == LINEAR
         if self.is_linear:
-            self.linear_attn = SplitGatedDeltaNet(
-                hidden_size=config.hidden_size,
-                num_k_heads=config.linear_num_key_heads,
-                num_v_heads=config.linear_num_value_heads,
-                head_k_dim=config.linear_key_head_dim,
-                head_v_dim=config.linear_value_head_dim,
-                conv_kernel=config.linear_conv_kernel_dim,
-                eps=config.rms_norm_eps,
-            )
+            self.linear_attn = gated_delta_net(config, SplitGatedDeltaNet)
         else:
             self.self_attn = gated_attention(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -73,31 +73,41 @@ class Qwen3NextConfig(SparseLayerRule, ModelConfig):
 Config = Qwen3NextConfig
 
 
+def gated_delta_net(config, cls=GatedDeltaNet) -> GatedDeltaNet:
+    """A linear-attention layer of `config`'s shape (`cls`: the projections' layout)."""
+    return cls(
+        hidden_size=config.hidden_size,
+        num_k_heads=config.linear_num_key_heads,
+        num_v_heads=config.linear_num_value_heads,
+        head_k_dim=config.linear_key_head_dim,
+        head_v_dim=config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+        eps=config.rms_norm_eps,
+    )
+
+
+def gated_attention(config) -> GatedAttention:
+    """A full-attention layer of `config`'s shape: gated, q/k-normed, partial rotary."""
+    return GatedAttention(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rotary_dim=int(config.head_dim * config.partial_rotary_factor),
+        rope_theta=config.rope_theta,
+        eps=config.rms_norm_eps,
+        bias=config.attention_bias,
+    )
+
+
 class DecoderLayer(PreNormLayer):
     def __init__(self, config: Qwen3NextConfig, index: int):
         super().__init__()
         self.is_linear = config.layer_types[index] == LINEAR
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(
-                hidden_size=config.hidden_size,
-                num_k_heads=config.linear_num_key_heads,
-                num_v_heads=config.linear_num_value_heads,
-                head_k_dim=config.linear_key_head_dim,
-                head_v_dim=config.linear_value_head_dim,
-                conv_kernel=config.linear_conv_kernel_dim,
-                eps=config.rms_norm_eps,
-            )
+            self.linear_attn = gated_delta_net(config)
         else:
-            self.self_attn = GatedAttention(
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                rotary_dim=int(config.head_dim * config.partial_rotary_factor),
-                rope_theta=config.rope_theta,
-                eps=config.rms_norm_eps,
-                bias=config.attention_bias,
-            )
+            self.self_attn = gated_attention(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(index):
