@@ -15,6 +15,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from state_checks import max_state_diff, serial_decode
 from hf_checkpoints import checkpoint_root, hybrid_hf_checkpoint
 
 from strata_cli.engine.state import Mamba2State, Mode
@@ -35,30 +36,10 @@ def model(tmp_path_factory):
     return load_model(hybrid_hf_checkpoint(checkpoint_root(tmp_path_factory), "nemotron_h"))
 
 
-def max_state_diff(a: list[dict], b: list[dict]) -> float:
-    worst = 0.0
-    assert len(a) == len(b)
-    for layer_a, layer_b in zip(a, b):
-        assert layer_a.keys() == layer_b.keys()
-        for name in layer_a:
-            assert layer_a[name].shape == layer_b[name].shape, name
-            worst = max(worst, float(mx.abs(layer_a[name] - layer_b[name]).max()))
-    return worst
-
-
 @pytest.fixture(scope="module")
 def serial(model):
     """Serial T=1 decoding of a fixed sequence: logits and committed state after each token."""
-    rng = random.Random(1234)
-    seq = [rng.randrange(model.config.vocab_size) for _ in range(SEQ_LEN)]
-    engine = WindowEngine(model)
-    logits, states = [], []
-    for pos, token in enumerate(seq):
-        out = engine.run([token], pos)
-        engine.commit(1)
-        logits.append(out.logits[0])
-        states.append(engine.state_tensors())
-    return seq, logits, states
+    return serial_decode(model, SEQ_LEN)
 
 
 def test_the_model_has_every_state_kind(model):

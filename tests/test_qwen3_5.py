@@ -17,12 +17,12 @@ The checkpoints are tiny random models, built once per session (hf_checkpoints.p
 """
 
 import json
-import random
 import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from state_checks import max_state_diff, serial_decode
 import torch
 from hf_checkpoints import (
     QWEN3_5_FAMILIES,
@@ -188,30 +188,11 @@ def test_seeded_sampling_is_identical_across_draft_modes(root, prompt_ids, famil
     assert offered > 0
 
 
-def max_state_diff(a: list[dict], b: list[dict]) -> float:
-    worst = 0.0
-    assert len(a) == len(b)
-    for layer_a, layer_b in zip(a, b):
-        assert layer_a.keys() == layer_b.keys()
-        for name in layer_a:
-            worst = max(worst, float(mx.abs(layer_a[name] - layer_b[name]).max()))
-    return worst
-
-
 @pytest.fixture(scope="module", params=QWEN3_5_FAMILIES)
 def serial(request, root):
     """Serial T=1 decoding of a fixed sequence: logits and committed state after each token."""
     model = loaded(root, request.param, "published")
-    rng = random.Random(1234)
-    seq = [rng.randrange(model.config.vocab_size) for _ in range(SEQ_LEN)]
-    engine = WindowEngine(model)
-    logits, states = [], []
-    for pos, token in enumerate(seq):
-        out = engine.run([token], pos)
-        engine.commit(1)
-        logits.append(out.logits[0])
-        states.append(engine.state_tensors())
-    return model, seq, logits, states
+    return (model, *serial_decode(model, SEQ_LEN))
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
