@@ -649,10 +649,12 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
 def selftest_command(max_tokens, dtypes, as_json):
     """Check that speculative decoding is lossless on this machine's backend.
 
-    Runs the embedded demo model over built-in prompts serially and with --suffix-draft 3 and
-    auto, in every dtype the backend computes in, and prints for each whether the output is
-    identical to serial decoding (or where it first differs), then the cost of a window of
-    T = 1..8 rows. Exits with status 1 on any difference.
+    Runs the embedded demo model (GDN and attention layers) over built-in prompts, and a tiny
+    random Mamba-2 hybrid (Nemotron-H: Mamba-2, attention and MoE layers) over fixed prompts of
+    random token ids, serially and with --suffix-draft 3 and auto, in every dtype the backend
+    computes in, and prints for each model, dtype, prompt and mode whether the output is
+    identical to serial decoding (or where it first differs), then the demo model's cost of a
+    window of T = 1..8 rows. Exits with status 1 on any difference.
 
     \b
     Examples:
@@ -669,7 +671,7 @@ def _selftest(max_tokens, dtypes, as_json):
     from .bench.selftest import selftest
 
     err = Console(stderr=True)
-    with err.status("selftest: decoding the demo model serially and with drafts"):
+    with err.status("selftest: decoding the demo model and a Mamba-2 hybrid serially and with drafts"):
         report = selftest(max_tokens=max_tokens, dtypes=dtypes)
     if as_json:
         click.echo(json.dumps(report))
@@ -677,11 +679,11 @@ def _selftest(max_tokens, dtypes, as_json):
         console = Console(width=max(100, Console().width))
         console.print(f"strata selftest on {report['backend']}")  # a line of its own: a title would wrap
         table = Table(title_justify="left")
-        for column in ("dtype", "prompt", "mode", "result"):
+        for column in ("model", "dtype", "prompt", "mode", "result"):
             table.add_column(column)
         for r in report["results"]:
             result = "identical" if r["identical"] else f"DIFFERS at token {r['first_difference']}"
-            table.add_row(r["dtype"], str(r["prompt"]), r["mode"], result)
+            table.add_row(r["model"], r["dtype"], str(r["prompt"]), r["mode"], result)
         console.print(table)
         console.print("window of T rows, ms (median)")
         costs = Table()

@@ -15,8 +15,13 @@ def test_selftest_reports_identity_and_window_costs():
     assert report["passed"] and report["backend"].startswith("Device(cpu")
     assert report["gdn_kernels"] == {"usable": False, "probed": True, "error": None}  # the CPU runs the GDN window as MLX ops
     assert report["attention_kernel"] == {"usable": False, "probed": True, "error": None}
-    assert {(r["mode"], r["dtype"]) for r in report["results"]} == {("3", "float32"), ("auto", "float32")}
-    assert len(report["results"]) == 2 * len(selftest_module.PROMPTS)
+    assert {(r["model"], r["mode"], r["dtype"]) for r in report["results"]} == {
+        (model, mode, "float32") for model in ("demo", "mamba2-hybrid") for mode in ("3", "auto")}
+    demo = [r for r in report["results"] if r["model"] == "demo"]
+    hybrid = [r for r in report["results"] if r["model"] == "mamba2-hybrid"]
+    assert len(demo) == 2 * len(selftest_module.PROMPTS) and len(hybrid) == 2 * 3
+    assert len(report["results"]) == len(demo) + len(hybrid)
+    assert all(r["identical"] and r["first_difference"] is None for r in hybrid)
     assert all(r["tokens"] == 6 for r in report["results"])  # end-of-text never cuts a comparison short
     assert sorted(report["window_ms"]["float32"], key=int) == [str(T) for T in range(1, 9)]
     assert all(ms > 0 for ms in report["window_ms"]["float32"].values())
@@ -32,4 +37,40 @@ def test_selftest_exits_1_on_a_difference(monkeypatch):
     monkeypatch.setattr(selftest_module, "_tokens", broken)
     result = CliRunner().invoke(cli, ["selftest", "-n", "4"])
     assert result.exit_code == 1 and "differ from serial decoding" in result.output
-    assert "DIFFERS at token 3" in result.output
+    runs = 2 * (len(selftest_module.PROMPTS) + 3)  # both models' runs, each one broken
+    assert f"{runs} of {runs} runs differ" in result.output
+    rows = [line for line in result.output.splitlines() if "DIFFERS at token 3" in line]
+    assert any("demo" in row for row in rows) and any("mamba2-hybrid" in row for row in rows)
+
+
+def test_the_mamba2_hybrid_is_built_deterministically_and_its_drafts_are_kept_and_rejected():
+    """The probe model: every Nemotron-H block kind, the same parameters on every build, logits
+    far from flat, and prompts on which the suffix drafter's drafts are kept in full, kept in
+    part and rejected (else identity would check no rollback)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from strata_cli.bench import hybrid_probe
+    from strata_cli.decode import DecodeStats, generate
+    from strata_cli.options import GenerateOptions, SpecOptions
+
+    engine = hybrid_probe.build_engine()
+    assert "".join(layer.block_type for layer in engine.model.layers) == "ME*M-E"
+    assert [type(s).__name__ for s in engine.states] == ["Mamba2State", "KVState", "Mamba2State"]
+    again = dict(tree_flatten(hybrid_probe.build_model().parameters()))
+    assert all(mx.array_equal(p, again[name]) for name, p in tree_flatten(engine.model.parameters()))
+    logits = engine.run([1, 2, 3], 0).logits
+    engine.commit(3)
+    assert float(logits.std()) > 1.0
+    prompts = hybrid_probe.prompts(lambda ids, n: selftest_module._tokens(engine, ids, n, SpecOptions()))
+    assert len(prompts) == 3 and all(len(ids) == 64 for ids in prompts)
+    keeps = set()
+    for ids in prompts:
+        for _, spec in selftest_module.MODES:
+            stats = DecodeStats()
+            for _ in generate(engine, ids, options=GenerateOptions(max_tokens=64), spec=spec, eos_ids=(), stats=stats):
+                pass
+            keeps |= {(w.T, w.keep) for w in stats.windows if w.proposed}
+    assert any(keep == T > 1 for T, keep in keeps)  # kept in full
+    assert any(1 < keep < T for T, keep in keeps)  # kept in part
+    assert any(keep == 1 < T for T, keep in keeps)  # rejected

@@ -1,8 +1,10 @@
 """`strata selftest`: is speculative decoding lossless on this machine's backend?
 
-Runs the embedded demo model over built-in prompts serially and with `--suffix-draft 3` and
-`auto`, in every dtype the backend computes in (float32 on the CPU; float32 and bfloat16 on a
-GPU), and reports, per dtype and mode, identical or the first divergence; then a window-cost
+Runs the embedded demo model (GDN and attention layers) over built-in prompts, and a tiny
+random Nemotron-H model (Mamba-2, attention and MoE layers: bench/hybrid_probe.py) over fixed
+prompts of random token ids, serially and with `--suffix-draft 3` and `auto`, in every dtype the
+backend computes in (float32 on the CPU; float32 and bfloat16 on a GPU), and reports, per model,
+dtype, prompt and mode, identical or the first divergence; then the demo model's window-cost
 table (forced acceptance, T = 1..8). It is how a user checks the Metal or CUDA path on their own
 machine: any divergence is a bug (docs/design.md, "Row invariance").
 """
@@ -19,6 +21,7 @@ from ..decode import generate
 from ..model.config import dtype_name
 from ..options import GenerateOptions, LoadOptions, SpecOptions
 from ..runtime import open_model
+from . import hybrid_probe
 
 # Code to copy, code to continue, prose: drafts are proposed and both kept and rejected.
 PROMPTS = (
@@ -33,6 +36,7 @@ PROMPTS = (
     "The module reads the configuration file again when",
 )
 MODES = (("3", SpecOptions(max_drafts=3)), ("auto", SpecOptions(max_drafts=7, auto=True)))
+DEMO, HYBRID = "demo", hybrid_probe.NAME
 
 
 def backend_dtypes() -> list[str]:
@@ -53,31 +57,42 @@ def window_costs(engine, context_length: int, repeats: int = 10) -> dict[str, fl
     return {str(T): 1000 * seconds for T, seconds in enumerate(curve, start=1)}
 
 
+def _check(engine, model: str, dtype: str, prompts: list[list[int]], max_tokens: int, results: list,
+           progress) -> None:
+    """Each prompt serially, then in each mode; one result per prompt and mode."""
+    for n, ids in enumerate(prompts):
+        serial = _tokens(engine, ids, max_tokens, SpecOptions())
+        for label, spec in MODES:
+            out = _tokens(engine, ids, max_tokens, spec)
+            first = next((i for i, (a, b) in enumerate(zip(serial, out)) if a != b),
+                         None if len(out) == len(serial) else min(len(out), len(serial)))
+            results.append({"model": model, "dtype": dtype, "prompt": n, "mode": label,
+                            "identical": out == serial, "first_difference": first, "tokens": len(serial)})
+            if progress:
+                progress(results[-1])
+
+
 def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_window_costs: bool = True,
              progress=None) -> dict:
-    """Check greedy identity of every mode against serial decoding on the demo model.
+    """Check greedy identity of every mode against serial decoding on the demo model and on the
+    tiny Mamba-2 hybrid (bench/hybrid_probe.py).
 
     Returns:
-        {"backend", "results": [{"dtype", "prompt", "mode", "identical", "first_difference",
-        "tokens"}], "window_ms": {dtype: {T: ms}} (when asked), "passed"}.
+        {"backend", "results": [{"model" ("demo" or "mamba2-hybrid"), "dtype", "prompt", "mode",
+        "identical", "first_difference", "tokens"}], "window_ms": {dtype: {T: ms}} (the demo
+        model's, when asked), "passed" (every result of both models identical)}.
     """
     results, costs = [], {}
     for dtype in dtypes or backend_dtypes():
         runtime = open_model(LoadOptions(dtype=dtype))
         engine, tokenizer = runtime.engine, runtime.tokenizer
-        for n, prompt in enumerate(PROMPTS):
-            ids = tokenizer.encode(prompt)
-            serial = _tokens(engine, ids, max_tokens, SpecOptions())
-            for label, spec in MODES:
-                out = _tokens(engine, ids, max_tokens, spec)
-                first = next((i for i, (a, b) in enumerate(zip(serial, out)) if a != b),
-                             None if len(out) == len(serial) else min(len(out), len(serial)))
-                results.append({"dtype": dtype_name(runtime.dtype), "prompt": n, "mode": label,
-                                "identical": out == serial, "first_difference": first, "tokens": len(serial)})
-                if progress:
-                    progress(results[-1])
+        name = dtype_name(runtime.dtype)
+        _check(engine, DEMO, name, [tokenizer.encode(p) for p in PROMPTS], max_tokens, results, progress)
         if with_window_costs:
-            costs[dtype_name(runtime.dtype)] = window_costs(engine, len(tokenizer.encode(PROMPTS[0])))
+            costs[name] = window_costs(engine, len(tokenizer.encode(PROMPTS[0])))
+        hybrid = hybrid_probe.build_engine(runtime.dtype)
+        prompts = hybrid_probe.prompts(lambda ids, n, engine=hybrid: _tokens(engine, ids, n, SpecOptions()))
+        _check(hybrid, HYBRID, name, prompts, max_tokens, results, progress)
     report = {"backend": str(mx.default_device()), "kernels": kernels.status(),
               "gdn_kernels": gdn_window.status(), "attention_kernel": attention_window.status(), "results": results,
               "passed": all(r["identical"] for r in results)}
