@@ -50,6 +50,7 @@ from .experts.store import (
     STREAM_DIR,
     ExpertStore,
     ExpertStoreError,
+    expert_blocks,
     is_streamed,
     write_streamed_experts,
 )
@@ -122,8 +123,9 @@ def convert(
 
     Raises:
         ConvertError: DST exists (without force), is SRC or holds it, SRC is already quantized
-            or has no readable tokenizer.json; or, as `ConvertWriteError`, a file of DST cannot
-            be written (DST is left as it was).
+            or has no readable tokenizer.json, or `options.stream` and SRC has no experts strata
+            streams (Nemotron-H's, a dense model's); or, as `ConvertWriteError`, a file of DST
+            cannot be written (DST is left as it was).
         ModelLoadError: SRC cannot be read.
     """
     src, dst = Path(src), Path(dst)
@@ -137,6 +139,9 @@ def convert(
         _check_tokenizer(src, dst)
     dtype = options.dtype or stored_dtype_name(src)
     model = read_source(src, dtype=dtype)
+    if options.stream and not expert_blocks(model):  # Nemotron-H's relu² experts, a dense model
+        raise ConvertError(f"--stream: {src} ({params.get('model_type')}) has no experts strata can stream "
+                           "(only SparseMoeBlock experts stream); convert it without --stream")
     quantization = _quantize(model, options) if options.bits is not None else params.get("quantization")
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -266,10 +271,12 @@ def stored_dtype_name(path: Path) -> str:
 
 def output_config(params: dict, model_config, *, dtype: str, quantization: dict | None) -> dict:
     """SRC's config.json with every field strata parsed (`model_config`) at the top level, where
-    mlx-lm reads them (transformers 5 nests rope_theta in rope_parameters, for one), and the
-    quantization recorded under both keys mlx-lm writes."""
+    mlx-lm reads them (transformers 5 nests rope_theta in rope_parameters, for one), but for the
+    config's `INTERNAL_FIELDS` (Nemotron-H's `layer_types`, pattern characters transformers and
+    mlx-lm refuse there), and the quantization recorded under both keys mlx-lm writes."""
     config = {k: v for k, v in params.items() if k not in ("quantization", "quantization_config", "torch_dtype")}
-    config.update({k: v for k, v in dataclasses.asdict(model_config).items() if v is not None})
+    internal = getattr(model_config, "INTERNAL_FIELDS", ())  # parsed into strata's own spelling: SRC's stays
+    config.update({k: v for k, v in dataclasses.asdict(model_config).items() if v is not None and k not in internal})
     config.update({FORMAT_KEY: FORMAT_VERSION, "dtype": dtype})
     if quantization is not None:
         config["quantization"] = config["quantization_config"] = quantization

@@ -9,6 +9,8 @@ is the ratio of the medians.
     python -m scripts.bench.family_speed --family qwen3_5_moe
     python -m scripts.bench.family_speed --family qwen3_5 --bits 4 --tokens 256
     python -m scripts.bench.family_speed --family qwen3_5_moe --model ~/models/Qwen3.5-35B-A3B-4bit
+    python -m scripts.bench.family_speed --family nemotron_h --repeats 7 --tokens 128
+    python -m scripts.bench.family_speed --family granitemoehybrid --repeats 7 --tokens 128
 
 Families: the TINY table below (add a family with its mlx-lm model_type and a tiny config).
 """
@@ -46,6 +48,27 @@ TINY = {
     "qwen3_5_moe": {"model_type": "qwen3_5_moe", "text_config": {
         **_QWEN3_5_TEXT, "model_type": "qwen3_5_moe_text", "num_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}},
+    # the Mamba-2 hybrids: tests/hf_checkpoints.py's hybrid_hf_config shapes, in mlx-lm's spelling
+    # (time_step_limit as numbers, Granite's legacy layer names); vocabulary 512 as above
+    "nemotron_h": {"model_type": "nemotron_h", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                   "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "head_dim": 16, "attention_bias": False, "mamba_num_heads": 4, "mamba_head_dim": 16,
+                   "mamba_proj_bias": False, "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 2,
+                   "mlp_bias": False, "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
+                   "hybrid_override_pattern": "ME*M-E", "n_routed_experts": 8, "num_experts_per_tok": 2,
+                   "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "moe_intermediate_size": 64,
+                   "moe_shared_expert_intermediate_size": 64, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                   "time_step_min": 0.001, "time_step_limit": [0.001, float("inf")], "tie_word_embeddings": False},
+    "granitemoehybrid": {"model_type": "granitemoehybrid", "vocab_size": 512, "hidden_size": 64,
+                         "intermediate_size": 64, "num_hidden_layers": 4, "max_position_embeddings": 4096,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": False,
+                         "embedding_multiplier": 4.0, "attention_multiplier": 0.0625, "logits_scaling": 2.0,
+                         "residual_multiplier": 0.5, "layer_types": ["mamba", "attention", "mamba", "mamba"],
+                         "rms_norm_eps": 1e-6, "num_local_experts": 4, "num_experts_per_tok": 2,
+                         "shared_intermediate_size": 64, "mamba_n_heads": 4, "mamba_d_head": 32,
+                         "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1,
+                         "mamba_conv_bias": True, "position_embedding_type": "nope", "tie_word_embeddings": True,
+                         "time_step_limit": [0.0, float("inf")]},
 }
 
 
@@ -60,12 +83,39 @@ def build_checkpoint(path: Path, family: str, *, bits: int, seed: int) -> Path:
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
+    # mlx-lm's Nemotron-H router starts at zero: every expert ties, and the picks among ties are
+    # each engine's own; random router rows (nn.Linear's scale) make the routing a real one
+    from mlx.utils import tree_flatten
+
+    zero_routers = [(name, w) for name, w in tree_flatten(model.parameters())
+                    if name.endswith("gate.weight") and not mx.any(w).item()]
+    if zero_routers:
+        scale = 1 / (zero_routers[0][1].shape[-1] ** 0.5)
+        model.load_weights([(name, mx.random.uniform(-scale, scale, w.shape)) for name, w in zero_routers],
+                           strict=False)
+        mx.eval(model.parameters())
     if bits:
         model, config = quantize_model(model, config, group_size=64, bits=bits)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
+    if not config["model_type"].startswith("qwen3_5"):  # mlx-lm's load wants a tokenizer for the others
+        _tiny_tokenizer(path, vocab_size=config.get("text_config", config)["vocab_size"])
     save_config(config, path / "config.json")
     return path
+
+
+def _tiny_tokenizer(path: Path, *, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer.json of `vocab_size` trained on a few stdlib modules (as the tests
+    build theirs); the prompt is random ids, so it only has to load."""
+    import argparse as _argparse
+    import difflib
+    import inspect
+    import textwrap
+
+    from scripts.train.build_tokenizer import train_tokenizer
+
+    files = [Path(m.__file__) for m in (textwrap, inspect, json, _argparse, difflib)]
+    train_tokenizer(files, vocab_size=vocab_size, out_dir=path)
 
 
 def vocab_size(path: Path) -> int:

@@ -11,7 +11,7 @@ hold state, so the engine's states follow them in order. Module names are mlx-lm
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +36,8 @@ ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_d
 
 @dataclass(frozen=True)
 class NemotronHConfig(ModelConfig):
+    # strata's own spelling, not config.json's: `strata convert` keeps SRC's pattern fields instead
+    INTERNAL_FIELDS: ClassVar[tuple[str, ...]] = ("layer_types",)
     layer_types: tuple[str, ...]  # one pattern character per block
     num_attention_heads: int
     num_key_value_heads: int
