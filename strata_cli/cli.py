@@ -29,6 +29,7 @@ from .cli_options import (
     model_options,
     option,
     panels,
+    session_option,
     speculative_options,
 )
 from .model.config import DTYPE_NAMES
@@ -225,8 +226,7 @@ def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats
 @panels
 @generate_options
 @speculative_options
-@option("--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
-        panel=SERVER, help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
+@session_option
 @option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
         envvar="STRATA_PREFIX_CACHE", show_default=True, panel=SERVER,
         help="Most committed-state checkpoints kept for prefix reuse (0 = no reuse).")
@@ -285,22 +285,25 @@ def serve_stdio_command(options, spec, session, prefix_cache, prefix_cache_posit
 @generate_options
 @speculative_options(draft_default="auto")
 @http_options
+@session_option
 @cache_options(suffix_cache=DEFAULT_HTTP_SUFFIX_CACHE)
 @option("--verbose", "-v", is_flag=True, envvar="STRATA_VERBOSE", panel=SERVER,
         help="Log every HTTP request and every completion on stderr.")
 @model_options
 @engine_options
-def serve_command(options, spec, http, serve, verbose, load, engine):
+def serve_command(options, spec, http, session, serve, verbose, load, engine):
     """Serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on one model, requests queued first in, first out.
 
     Needs the 'serve' extra. SIGINT or SIGTERM stops accepting, answers every request already
-    in (a second SIGINT drops them) and exits 0. Endpoints, fields and errors: docs/http.md.
+    in (a second SIGINT drops them), saves the --session file and exits 0; 1 when the model or
+    the session file cannot be used. Endpoints, fields and errors: docs/http.md.
 
     \b
     Examples:
       strata serve
       strata serve --model mlx-community/Qwen3-30B-A3B-4bit --port 8000 --api-key "$KEY"
+      strata serve --session agent.session
       curl -s localhost:8080/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 16}'
     """
     import logging
@@ -317,6 +320,8 @@ def serve_command(options, spec, http, serve, verbose, load, engine):
 
     if http.model_name is None:
         http = replace(http, model_name=model_name(load.model))
+    if session is not None:
+        serve = replace(serve, session=str(session))
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
                         format="strata serve: %(message)s")
 

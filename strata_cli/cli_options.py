@@ -10,6 +10,7 @@ import inspect
 import math
 import os
 import re
+from pathlib import Path
 
 import rich_click as click
 from click.core import ParameterSource
@@ -384,11 +385,18 @@ def engine_options(command):
     return options_object("engine", build, options)(command)
 
 
+# --session, for serve-stdio and `strata serve` alike (serve/server.py `restore_session`, `save_session_of`).
+session_option = option(
+    "--session", type=click.Path(dir_okay=False, path_type=Path), default=None, envvar="STRATA_SESSION",
+    panel=SERVER, help="Restore committed state from FILE at start (if it exists) and save it there at exit.")
+
+
 def cache_options(command=None, *, suffix_cache: int = 0):
     """What a server keeps across requests (--prefix-cache, --prefix-cache-positions,
     --checkpoint-every, --suffix-cache with the command's own default), passed to `command` as
     one `serve: ServeOptions` argument. (serve-stdio still declares these four in cli.py, with
-    --session and --max-line-bytes; `strata serve` takes them from here.)"""
+    --max-line-bytes; `strata serve` takes them from here. Both take --session from
+    `session_option`.)"""
     options = [
         option("--prefix-cache", type=click.IntRange(min=0), default=DEFAULT_PREFIX_CACHE_ENTRIES,
                envvar="STRATA_PREFIX_CACHE", show_default=True, panel=SERVER,

@@ -1,8 +1,8 @@
 """`strata serve` through a real subprocess on loopback, driven by the official `openai` client:
 completions and chat, streamed and not, usage, stop strings, seeds, greedy text equal to
 `strata generate`'s, OpenAI error objects (the server serving on after them), /metrics as
-Prometheus text, a client gone mid-stream, the queue bound, concurrent clients, the API key, and
-SIGTERM's drain."""
+Prometheus text, a client gone mid-stream, the queue bound, concurrent clients, the API key,
+SIGTERM's drain, and --session (saved at exit, restored at start, a corrupt file refused)."""
 
 import json
 import os
@@ -365,6 +365,59 @@ def test_api_key_and_sigterm_drain(cache):
         assert server.stop() == 0
     finally:
         server.stop(signal.SIGKILL)
+
+
+def refused(cache: Path, *args: str) -> subprocess.CompletedProcess:
+    """`strata serve` that must not start: its exit status and output."""
+    return subprocess.run([*STRATA, "serve", "--port", "0", *args], capture_output=True, text=True, check=False,
+                          env=env(cache), timeout=START_SECONDS)
+
+
+def test_a_session_is_saved_at_exit_and_restored_at_start(cache, tmp_path):
+    """--session: the first server saves its checkpoints (0600) on SIGTERM; a second one restores
+    them, so the same prompt's reply counts cached tokens at once; a corrupt file refuses start."""
+    session = tmp_path / "agent.session"
+    first = Served(cache, "--session", str(session), "--max-tokens", "8")
+    try:
+        done = first.client().completions.create(model="demo", prompt=PROMPT)
+        assert done.usage.completion_tokens == 8 and done.usage.prompt_tokens_details.cached_tokens == 0
+        assert first.stop() == 0, "".join(first.log)
+    finally:
+        first.stop(signal.SIGKILL)
+    assert session.is_file() and session.stat().st_mode & 0o777 == 0o600, "".join(first.log)
+    assert any("saved" in line for line in first.log), "".join(first.log)
+
+    second = Served(cache, "--session", str(session), "--max-tokens", "8")
+    try:
+        assert any("restored" in line for line in second.log), "".join(second.log)
+        again = second.client().completions.create(model="demo", prompt=PROMPT)
+        assert again.choices[0].text == done.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens > 0  # from the session's checkpoints
+        assert second.stop() == 0, "".join(second.log)
+    finally:
+        second.stop(signal.SIGKILL)
+
+    flipped = bytearray(session.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x01
+    session.write_bytes(bytes(flipped))
+    proc = refused(cache, "--session", str(session))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert len(lines) == 1 and str(session) in lines[0] and "strata serve did not start" in lines[0], proc.stderr
+
+
+def test_a_forged_session_refuses_start_with_one_line(cache, tmp_path):
+    forged = tmp_path / "forged.session"
+    forged.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      not a session")
+    proc = refused(cache, "--session", str(forged))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert len(lines) == 1 and str(forged) in lines[0] and "strata serve did not start" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    missing = tmp_path / "nowhere" / "s.session"
+    proc = refused(cache, "--session", str(missing))
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"Error: session {missing}: directory {missing.parent} does not exist"], proc.stderr
 
 
 def test_without_the_serve_extra_it_says_what_to_install():

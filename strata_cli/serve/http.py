@@ -72,7 +72,7 @@ from .protocol import (
     decode_line,
     error_frame,
 )
-from .server import Server
+from .server import Server, restore_session, save_session_of
 
 log = logging.getLogger("strata.serve")
 
@@ -506,13 +506,14 @@ def _signals_drain(server: uvicorn.Server, worker: Worker):
 
 def serve_http(runtime: Runtime, *, http: HttpOptions, serve_options: ServeOptions, defaults: GenerateOptions,
                spec: SpecOptions, verbose: bool = False) -> int:
-    """Serve the OpenAI HTTP API until SIGINT or SIGTERM, then drain and return 0. The calling
-    thread (the one that opened the model) runs the engine; uvicorn's event loop gets a thread.
+    """Restore the session (if any), serve the OpenAI HTTP API until SIGINT or SIGTERM, drain,
+    save the session and return 0. The calling thread (the one that opened the model) runs the
+    engine; uvicorn's event loop gets a thread.
 
     Args:
         runtime: the opened checkpoint (runtime.open_model) and its engine.
         http: address, queue, limits, API key and the model's name.
-        serve_options: prefix-cache and suffix-cache sizes.
+        serve_options: prefix-cache and suffix-cache sizes, and the session file (serve-stdio's).
         defaults: generate options for fields a request leaves out.
         spec: speculative options for fields a request leaves out.
         verbose: log every HTTP request (uvicorn's access log) and every strata request.
@@ -522,12 +523,15 @@ def serve_http(runtime: Runtime, *, http: HttpOptions, serve_options: ServeOptio
 
     Raises:
         OSError: the address cannot be bound.
+        SessionError: the session file is corrupt, forged, another model's, or cannot be written.
         RuntimeError: the HTTP server stopped without being told to.
     """
+    restored = restore_session(runtime, serve_options.session, command="strata serve")
     sock = listen(http.host, http.port)
     chat = ChatTemplate.from_model_dir(runtime.path)
     worker = Worker(runtime, chat=chat, serve_options=serve_options, defaults=defaults, spec=spec,
                     max_queue=http.max_queue)
+    worker.server.adopt(restored)
     dtype = str(runtime.dtype).removeprefix("mlx.core.")
     api = HttpApi(worker, options=http, defaults=defaults, fingerprint=f"strata-{runtime.identity[:12]}-{dtype}",
                   max_context=runtime.engine.max_context)
@@ -545,6 +549,7 @@ def serve_http(runtime: Runtime, *, http: HttpOptions, serve_options: ServeOptio
             worker.run(until=lambda: not loop.is_alive())
     finally:
         sock.close()
+    save_session_of(runtime, worker.server, serve_options.session)  # on the thread that owns the engine
     if not worker.is_draining:
         raise RuntimeError("the HTTP server stopped on its own (see the log above)")
     log.info("stopped")

@@ -426,6 +426,65 @@ def serve_lines(server: Server, lines: ReadAhead, latch: SignalFlag, *, ready: d
     return 128 + latch.signum
 
 
+def session_signature(runtime: Runtime) -> dict:
+    """What a session file must match to be restored into `runtime`: the model's identity, the
+    compute dtype and the engine's state layout."""
+    return {
+        "identity": runtime.identity,
+        "dtype": str(runtime.dtype),
+        "layout": [type(state).__name__ for state in runtime.engine.states],
+    }
+
+
+def restore_session(runtime: Runtime, session: str | Path | None, *, command: str) -> list[Checkpoint]:
+    """The checkpoints saved in `session` for `runtime`'s model, validated (signature, sizes,
+    `engine.check_snapshot`), least recently used first: what `Server.adopt` takes. A file that
+    does not exist yet is a new session (nothing to restore).
+
+    Args:
+        runtime: the opened checkpoint and its engine.
+        session: the session file, or None (no session: nothing to restore).
+        command: the command starting ('serve-stdio', 'strata serve'), named in the error.
+
+    Raises:
+        SessionError: its directory does not exist, or the file is corrupt, forged or another
+            model's (one line; the command does not start).
+    """
+    if session is None:
+        return []
+    session, engine = Path(session), runtime.engine
+    if not session.parent.is_dir():
+        raise SessionError(f"session {session}: directory {session.parent} does not exist")
+    if not session.exists():
+        log.info("session %s: new", session)
+        return []
+    try:
+        restored = load_session(session, **session_signature(runtime), max_context=engine.max_context,
+                                vocab_size=engine.vocab_size, check=engine.check_snapshot)
+    except SessionError as e:
+        raise SessionError(f"{e}; {command} did not start (delete the file or pass another --session)") from None
+    log.info("session %s: restored %d checkpoints", session, len(restored))
+    return restored
+
+
+def save_session_of(runtime: Runtime, server: Server, session: str | Path | None) -> None:
+    """Save `server`'s checkpoints to `session` (atomically, mode 0600) if one was taken since
+    start; nothing when `session` is None or nothing changed.
+
+    Raises:
+        SessionError: the file cannot be written.
+    """
+    if session is None or not server.is_changed:
+        return
+    session, checkpoints = Path(session), server.checkpoints()
+    try:
+        save_session(session, checkpoints, **session_signature(runtime))
+    except OSError as e:
+        raise SessionError(f"session {session}: cannot write it ({e})") from None
+    log.info("session %s: saved %d checkpoints (%d positions)", session, len(checkpoints),
+             sum(c.length for c in checkpoints))
+
+
 def serve_stdio(
     runtime: Runtime,
     *,
@@ -449,25 +508,7 @@ def serve_stdio(
     """
     engine, tokenizer = runtime.engine, runtime.tokenizer
     chat = ChatTemplate.from_model_dir(runtime.path)
-    session = Path(serve_options.session) if serve_options.session else None
-    signature = {
-        "identity": runtime.identity,
-        "dtype": str(runtime.dtype),
-        "layout": [type(state).__name__ for state in engine.states],
-    }
-    restored = None
-    if session is not None:
-        if not session.parent.is_dir():
-            raise SessionError(f"session {session}: directory {session.parent} does not exist")
-        if session.exists():
-            try:
-                restored = load_session(session, **signature, max_context=engine.max_context,
-                                        vocab_size=engine.vocab_size, check=engine.check_snapshot)
-            except SessionError as e:
-                raise SessionError(f"{e}; serve-stdio did not start (delete the file or pass another --session)") from None
-            log.info("session %s: restored %d checkpoints", session, len(restored))
-        else:
-            log.info("session %s: new", session)
+    restored = restore_session(runtime, serve_options.session, command="serve-stdio")
 
     latch = SignalFlag().install()
     try:
@@ -477,7 +518,7 @@ def serve_stdio(
                 engine, tokenizer, chat=chat, options=serve_options, defaults=defaults, spec=spec,
                 frames=FrameWriter(stream), cancelled=latch.is_set, spec_for=runtime.spec_for, lines=lines,
             )
-            server.adopt(restored or [])
+            server.adopt(restored)
             for note in runtime.load_notes:
                 log.info("load: %s", note)
             log.info("ready: %s", runtime.path)
@@ -487,12 +528,5 @@ def serve_stdio(
             status = serve_lines(server, lines, latch, ready=ready)
     finally:
         latch.uninstall()
-    if session is not None and server.is_changed:
-        checkpoints = server.checkpoints()
-        try:
-            save_session(session, checkpoints, **signature)
-        except OSError as e:
-            raise SessionError(f"session {session}: cannot write it ({e})") from None
-        log.info("session %s: saved %d checkpoints (%d positions)", session, len(checkpoints),
-                 sum(c.length for c in checkpoints))
+    save_session_of(runtime, server, serve_options.session)
     return status
