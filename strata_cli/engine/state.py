@@ -307,16 +307,18 @@ class GDNState:
         self.pending = None
         self._window = None
 
-    @staticmethod
-    def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None:
+    KIND, STATE_NAME = "GDN", "recurrent state"  # how check_snapshot's messages name them
+
+    @classmethod
+    def check_snapshot(cls, snap: tuple, like: tuple, length: int) -> str | None:
         """Why `snap` cannot be this state after `length` positions (`like`: `ArraySpec`s of
         one this model made), or None: `S` and the conv history exactly as the model shapes
         them (S in float32, the history in the model's dtype)."""
         if len(snap) != 2:
-            return f"{len(snap)} slots, a GDN state has 2 (recurrent state, conv history)"
+            return f"{len(snap)} slots, a {cls.KIND} state has 2 ({cls.STATE_NAME}, conv history)"
         if length == 0 and snap[0] is None and snap[1] is None:
             return None
-        return (_check_array("recurrent state", snap[0], like[0])
+        return (_check_array(cls.STATE_NAME, snap[0], like[0])
                 or _check_array("conv history", snap[1], like[1]))
 
     def tensors(self) -> dict[str, mx.array]:
@@ -338,6 +340,8 @@ class Mamba2State(GDNState):
     of `S` differ, so only those are here.
     """
 
+    KIND, STATE_NAME = "Mamba-2", "SSM state"
+
     def __init__(self, conv_kernel: int, *, lazy: bool):
         super().__init__(conv_kernel, lazy=lazy)
         self.S: mx.array | None = None  # (B, H, P, N), float32
@@ -348,15 +352,3 @@ class Mamba2State(GDNState):
             self.S = mx.zeros((B, H, P, rows.B.shape[-1]), dtype=mx.float32)
         self.flush()  # the lazy fold joins this window's graph
         return self.S
-
-    @staticmethod
-    def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None:
-        """Why `snap` cannot be this state after `length` positions (`like`: `ArraySpec`s of
-        one this model made), or None: `S` and the conv history exactly as the model shapes
-        them (S in float32, the history in the model's dtype)."""
-        if len(snap) != 2:
-            return f"{len(snap)} slots, a Mamba-2 state has 2 (SSM state, conv history)"
-        if length == 0 and snap[0] is None and snap[1] is None:
-            return None
-        return (_check_array("SSM state", snap[0], like[0])
-                or _check_array("conv history", snap[1], like[1]))
