@@ -33,3 +33,36 @@ def serial_decode(model, length: int, *, seed: int = 1234):
         logits.append(out.logits[0])
         states.append(engine.state_tensors())
     return seq, logits, states
+
+
+def check_forced_rejections(model, options, serial, pos0: int, tol: float) -> int:
+    """Every keep of every window T = 2..8 at `pos0`, its rejected drafts made wrong: the kept
+    rows' logits, the committed state, the next row's logits and the state after it must equal
+    serial decoding's (`serial` from `serial_decode`) within `tol`. Returns the cases checked."""
+    seq, serial_logits, serial_states = serial
+    vocab = model.config.vocab_size
+    engine = WindowEngine(model, options)
+    engine.prefill(seq[:pos0])
+    start = engine.snapshot()
+    checked = 0
+    for T in range(2, 9):
+        for keep in range(1, T + 1):
+            engine.restore(start)
+            wrong = [(t + 1 + i) % vocab for i, t in enumerate(seq[pos0 + keep : pos0 + T])]
+            out = engine.run(seq[pos0 : pos0 + keep] + wrong, pos0)
+            for i in range(keep):  # rows up to the rejection saw only true inputs: serial rows
+                diff = float(mx.abs(out.logits[i] - serial_logits[pos0 + i]).max())
+                assert diff <= tol, (T, keep, i, diff)
+            engine.commit(keep)
+            assert engine.length == pos0 + keep
+            diff = max_state_diff(engine.state_tensors(), serial_states[pos0 + keep - 1])
+            assert diff <= tol, (T, keep, "state", diff)
+            nxt = pos0 + keep
+            out = engine.run([seq[nxt]], nxt)
+            diff = float(mx.abs(out.logits[0] - serial_logits[nxt]).max())
+            assert diff <= tol, (T, keep, "next logits", diff)
+            engine.commit(1)
+            diff = max_state_diff(engine.state_tensors(), serial_states[nxt])
+            assert diff <= tol, (T, keep, "state after next", diff)
+            checked += 1
+    return checked

@@ -10,7 +10,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from state_checks import max_state_diff, serial_decode
+from state_checks import check_forced_rejections, max_state_diff, serial_decode
 
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.host_blas import HostBlas
@@ -30,35 +30,8 @@ def serial(tiny_model):
 @pytest.mark.parametrize("fold", ["lazy", "eager"])
 @pytest.mark.parametrize("pos0", [8, 9, 10, 11], ids=lambda p: f"pos0%4={p % 4}")
 def test_forced_rejection_matches_serial(tiny_model, serial, fold, partial, pos0):
-    seq, serial_logits, serial_states = serial
-    vocab = tiny_model.config.vocab_size
-    engine = WindowEngine(tiny_model, EngineOptions(fold=fold, partial=partial))
-    engine.prefill(seq[:pos0])
-    start = engine.snapshot()
-    checked = 0
-    for T in range(2, 9):
-        for keep in range(1, T + 1):
-            engine.restore(start)
-            wrong = [(t + 1 + i) % vocab for i, t in enumerate(seq[pos0 + keep : pos0 + T])]
-            inputs = seq[pos0 : pos0 + keep] + wrong
-            out = engine.run(inputs, pos0)
-            # Rows up to the rejection saw only true inputs: they are serial rows.
-            for i in range(keep):
-                diff = float(mx.abs(out.logits[i] - serial_logits[pos0 + i]).max())
-                assert diff <= TOL, (T, keep, i, diff)
-            engine.commit(keep)
-            assert engine.length == pos0 + keep
-            diff = max_state_diff(engine.state_tensors(), serial_states[pos0 + keep - 1])
-            assert diff <= TOL, (T, keep, "state", diff)
-            nxt = pos0 + keep
-            out = engine.run([seq[nxt]], nxt)
-            diff = float(mx.abs(out.logits[0] - serial_logits[nxt]).max())
-            assert diff <= TOL, (T, keep, "next logits", diff)
-            engine.commit(1)
-            diff = max_state_diff(engine.state_tensors(), serial_states[nxt])
-            assert diff <= TOL, (T, keep, "state after next", diff)
-            checked += 1
-    assert checked == sum(range(2, 9))
+    options = EngineOptions(fold=fold, partial=partial)
+    assert check_forced_rejections(tiny_model, options, serial, pos0, TOL) == sum(range(2, 9))
 
 
 def test_wrong_rows_would_be_detected(tiny_model, serial):
