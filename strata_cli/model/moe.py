@@ -39,7 +39,10 @@ def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: boo
         if wt is not None and is_sorted:  # a CPU prompt chunk: its picks over the prompt streams
             return over_streams(lambda xs, ids: mx.gather_mm(xs, wt, rhs_indices=ids, sorted_indices=True),
                                 x, experts)
-        return mx.gather_mm(x, rhs, rhs_indices=experts, sorted_indices=is_sorted)
+        # Sorted picks are flagged on the CPU only: MLX 0.32.4's CUDA gather_mm returns wrong
+        # products when told its unquantized picks are sorted (docs/mlx-bugs.md); unflagged, the
+        # same products, one pick at a time.
+        return mx.gather_mm(x, rhs, rhs_indices=experts, sorted_indices=is_sorted and mx.default_device() == mx.cpu)
     # MLX's CPU gather_mm takes float32 only: gather the matrices instead.
     return x @ w[experts].swapaxes(-1, -2)
 
