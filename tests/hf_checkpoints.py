@@ -574,7 +574,8 @@ def glm_mtp_tensors(*, seed: int = SEED + 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     config = glm_hf_config()
     H, E, I = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
-    D, q, kv = config.head_dim, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    D = config.head_dim
+    q, kv = config.num_attention_heads * D, config.num_key_value_heads * D
     shapes = {"eh_proj.weight": (H, 2 * H), "enorm.weight": (H,), "hnorm.weight": (H,), "shared_head.norm.weight": (H,),
               "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
               "self_attn.q_proj.weight": (q, H), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.weight": (kv, H),

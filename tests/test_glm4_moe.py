@@ -141,7 +141,8 @@ def test_mtp_layer_is_kept_aside(root):
     assert len(model.layers) == 3 and len(model.mtp_layers) == 1
     kept = {f"{MTP_LAYER}.{k}": v for k, v in tree_flatten(model.mtp_layers[0].parameters())}
     source = {k: mx.array(v.numpy()) for k, v in glm_mtp_tensors().items()}
-    for name in ("eh_proj.weight", "shared_head.norm.weight", "self_attn.q_proj.bias", "mlp.gate.e_score_correction_bias"):
+    for name in ("eh_proj.weight", "shared_head.norm.weight", "self_attn.q_proj.bias",
+                 "mlp.gate.e_score_correction_bias"):
         assert mx.array_equal(kept[f"{MTP_LAYER}.{name}"], source[f"{MTP_LAYER}.{name}"]), name
     stacked = mx.stack([source[f"{MTP_LAYER}.mlp.experts.{e}.up_proj.weight"] for e in range(8)])
     assert mx.array_equal(kept[f"{MTP_LAYER}.mlp.switch_mlp.up_proj"], stacked)
@@ -214,7 +215,8 @@ def test_what_is_refused_is_said_in_one_line(root, tmp_path):
                                                                                        second_mtp_layer))
     for n, (edit, expected) in enumerate([
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope scaling is not supported"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+         "rope scaling is not supported"),
         (dict(n_group=3), "must split into n_group (3) groups"),
         (dict(num_experts_per_tok=5), "exceeds the experts of topk_group (1) groups"),
     ]):
@@ -249,7 +251,8 @@ def test_convert_q4_decodes_as_mlx_lm_q4(root, prompt_ids, converted):
     expected = json.loads((glm_mlx_checkpoint(root, 4) / "config.json").read_text())["quantization"]
     assert json.loads((q4 / "config.json").read_text())["quantization"] == expected
     model, reference = load_model(q4), load_model(glm_mlx_checkpoint(root, 4))
-    np.testing.assert_allclose(strata_logits(model, prompt_ids), strata_logits(reference, prompt_ids), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(strata_logits(model, prompt_ids), strata_logits(reference, prompt_ids),
+                               rtol=0, atol=1e-5)
     assert strata_tokens(model, prompt_ids, SpecOptions())[0] == strata_tokens(reference, prompt_ids, SpecOptions())[0]
     assert len(model.mtp_layers) == 1 and model.config.num_nextn_predict_layers == 1
     peer = MlxLmPeer.load(q4, dtype=mx.float32).model

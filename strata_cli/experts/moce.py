@@ -124,8 +124,9 @@ def attach_moce(cache: ExpertCache, blocks, options: MoceOptions) -> None:
         return
     for path, moe in blocks:
         if not moe.takes_routing_policy:
-            raise ConfigError(f"cache-aware routing (--moce) needs a softmax router; {path.removesuffix('.switch_mlp')} "
-                              "routes by sigmoid scores with a correction bias (run without --moce)")
+            block = path.removesuffix(".switch_mlp")
+            raise ConfigError(f"cache-aware routing (--moce) needs a softmax router; {block} routes by sigmoid "
+                              "scores with a correction bias (run without --moce)")
         for name, J in (("--moce-protect", options.protect), ("--draft-moce-protect", options.draft_j)):
             if J > moe.top_k:
                 raise ConfigError(f"{name} ({J}) must be at most the model's experts per token ({moe.top_k})")
