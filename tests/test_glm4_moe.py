@@ -11,7 +11,7 @@ norm, q/k/v biases, partial rotary; the "-air" variant without q/k norm and grou
   mixed 4/6-bit recipe with per-layer records): logits and greedy tokens against mlx-lm;
 - the MTP layer kept aside (loaded, unused, written back by convert under its published names,
   optional tensors too), what is refused, in one line; `strata convert` (plain, `--bits 4`,
-  `--stream`), streamed bit-identical to resident at 3 cache slots.
+  `--stream`), streamed bit-identical to resident at 3 and 5 cache slots.
 """
 
 import json
@@ -260,12 +260,15 @@ def test_convert_q4_decodes_as_mlx_lm_q4(root, prompt_ids, converted):
     np.testing.assert_allclose(strata_logits(model, ids), np.array(peer(mx.array([ids]))[0]), rtol=0, atol=1e-4)
 
 
-def test_streamed_convert_is_bit_identical(prompt_ids, converted):
+@pytest.mark.parametrize("slots", [3, 5])
+def test_streamed_convert_is_bit_identical(prompt_ids, converted, slots):
     q4, streamed_path = converted
-    resident = load_model(q4)
-    streamed = load_checkpoint(streamed_path, stream=StreamOptions(resident_experts=3))
+    if "q4 model" not in _cache:
+        _cache["q4 model"] = load_model(q4)
+    resident = _cache["q4 model"]
+    streamed = load_checkpoint(streamed_path, stream=StreamOptions(resident_experts=slots))
     try:
-        assert streamed.expert_cache.num_slots == 3  # below top-k · rows: windows served in several passes
+        assert streamed.expert_cache.num_slots == slots  # below top-k · rows: windows served in several passes
         assert len(streamed.mtp_layers) == 1  # the MTP layer's experts stay in the shards, unstreamed
         ids = prompt_ids[:60]
         assert mx.array_equal(WindowEngine(streamed).run(ids, 0).logits, WindowEngine(resident).run(ids, 0).logits)
