@@ -219,6 +219,10 @@ def test_what_is_refused_is_said_in_one_line(root, tmp_path):
          "rope scaling is not supported"),
         (dict(n_group=3), "must split into n_group (3) groups"),
         (dict(num_experts_per_tok=5), "exceeds the experts of topk_group (1) groups"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 2}),
+         "partial_rotary_factor must be in (0, 1], got 2"),
+        (dict(head_dim=18), "gives 9 rotary dims; they must be even"),
+        (dict(n_routed_experts="8"), 'n_routed_experts must be a positive integer, got "8" (a string)'),
     ]):
         path = shutil.copytree(glm_checkpoint(root, "hf"), tmp_path / f"c{n}")
         config = json.loads((path / "config.json").read_text())

@@ -85,9 +85,11 @@ class Glm4MoeConfig(ModelConfig):
         config = super().from_dict(params)
         if config.head_dim is None:
             config = replace(config, head_dim=config.hidden_size // config.num_attention_heads)
-        if int(config.head_dim * config.partial_rotary_factor) % 2 or config.partial_rotary_factor > 1:
+        if config.partial_rotary_factor > 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {config.partial_rotary_factor}")
+        if config.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor {config.partial_rotary_factor} of head_dim {config.head_dim} "
-                              "must give an even number of rotary dims, at most head_dim")
+                              f"gives {config.rotary_dim} rotary dims; they must be even")
         return config
 
     @property
