@@ -35,8 +35,7 @@ from .layers import MLP, DecoderStack, KeptAside, RMSNorm
 from .layout import stack_experts
 from .moe import SigmoidTopkRouter, SparseMoeBlock, SwitchGLU, weighted_sum
 
-# Per MTP layer, besides its decoder layer: always present, and present in some checkpoints only.
-MTP_REQUIRED = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+# Per MTP layer, tensors some checkpoints carry and others share with the model (`mtp_shapes`).
 MTP_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")
 
 
