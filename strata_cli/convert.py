@@ -273,10 +273,14 @@ def output_config(params: dict, model_config, *, dtype: str, quantization: dict 
     """SRC's config.json with every field strata parsed (`model_config`) at the top level, where
     mlx-lm reads them (transformers 5 nests rope_theta in rope_parameters, for one), but for the
     config's `INTERNAL_FIELDS` (Nemotron-H's `layer_types`, pattern characters transformers and
-    mlx-lm refuse there), and the quantization recorded under both keys mlx-lm writes."""
+    mlx-lm refuse there), its `WRITTEN_DEFAULTS` where SRC lacks them (GLM's `rope_scaling`, which
+    mlx-lm requires and transformers 5 no longer writes), and the quantization recorded under
+    both keys mlx-lm writes."""
     config = {k: v for k, v in params.items() if k not in ("quantization", "quantization_config", "torch_dtype")}
     internal = getattr(model_config, "INTERNAL_FIELDS", ())  # parsed into strata's own spelling: SRC's stays
     config.update({k: v for k, v in dataclasses.asdict(model_config).items() if v is not None and k not in internal})
+    for key, value in getattr(model_config, "WRITTEN_DEFAULTS", {}).items():  # keys mlx-lm requires, if SRC lacks them
+        config.setdefault(key, value)
     config.update({FORMAT_KEY: FORMAT_VERSION, "dtype": dtype})
     if quantization is not None:
         config["quantization"] = config["quantization_config"] = quantization

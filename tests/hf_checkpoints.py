@@ -515,3 +515,129 @@ def qwen3_5_mlx_checkpoint(root: Path, family: str, bits: int | None) -> Path:
 
     name = f"mlx-{family}-" + (f"q{bits}" if bits else "float32")
     return _once(root / name, ("qwen3_5 mlx", family, bits), build)
+
+
+# -- GLM-4.5 / 4.6 / 4.7 MoE (issue 34): `glm4_moe` -----------------------------------------------
+
+# transformers' save_pretrained (sharded, per-expert, config listing 1 MTP layer it does not hold),
+# the in-memory state dict (fused experts), and the published layout (the save plus an MTP shard).
+GLM_LAYOUTS = ("hf", "fused", "published")
+GLM_VARIANTS = {"": {}, "-air": dict(use_qk_norm=False, n_group=1, topk_group=1, partial_rotary_factor=1.0)}
+
+
+def glm_hf_config(variant: str = ""):
+    """A tiny GLM-4.5: a dense first layer then two MoE layers of 8 experts (top-2 in 2 groups,
+    scaling 2.5, one shared expert), q/k norm, q/k/v biases, head_dim 32 (not hidden / heads) with
+    half of it rotary; dims multiples of 64, so mlx-lm quantizes every matrix. "-air" drops the
+    q/k norm and the groups (GLM-4.5-Air's settings) and rotates whole heads."""
+    from transformers import Glm4MoeConfig
+
+    params = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  moe_intermediate_size=64, num_experts_per_tok=2, n_shared_experts=1, n_routed_experts=8,
+                  routed_scaling_factor=2.5, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                  use_qk_norm=True, attention_bias=True, tie_word_embeddings=False, num_nextn_predict_layers=1,
+                  eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    params.update(GLM_VARIANTS[variant])
+    rotary = params.pop("partial_rotary_factor", 0.5)
+    return Glm4MoeConfig(**params, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": rotary})
+
+
+def glm_hf_model(variant: str = ""):
+    """The transformers model behind the GLM checkpoints, float32, eval mode (cached): the module
+    docstring's scales, and non-negative routing biases (mlx-lm masks dropped groups with 0, not
+    -inf as transformers does; non-negative biased scores keep the two references one routing)."""
+    key = ("glm_hf_model", variant)
+    if key not in _built:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(glm_hf_config(variant), dtype=torch.float32)
+        init_weights(model, "glm4_moe")
+        g = torch.Generator().manual_seed(SEED + 2)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(torch.randn(buffer.shape, generator=g).abs() * 0.1)
+        _built[key] = model.eval()
+    return _built[key]
+
+
+def glm_mtp_tensors(*, seed: int = SEED + 1) -> dict:
+    """Random tensors of one MTP layer as the published checkpoints name them (model.layers.3.*,
+    after the 3 decoder layers): eh_proj, enorm, hnorm, shared_head.norm and a MoE decoder layer
+    with per-expert tensors, the routing bias included; no embed_tokens / shared_head.head."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    config = glm_hf_config()
+    H, E, I = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+    D = config.head_dim
+    q, kv = config.num_attention_heads * D, config.num_key_value_heads * D
+    shapes = {"eh_proj.weight": (H, 2 * H), "enorm.weight": (H,), "hnorm.weight": (H,), "shared_head.norm.weight": (H,),
+              "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+              "self_attn.q_proj.weight": (q, H), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.weight": (kv, H),
+              "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.weight": (kv, H), "self_attn.v_proj.bias": (kv,),
+              "self_attn.o_proj.weight": (H, q), "self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,),
+              "mlp.gate.weight": (E, H), "mlp.gate.e_score_correction_bias": (E,),
+              "mlp.shared_experts.gate_proj.weight": (I, H), "mlp.shared_experts.up_proj.weight": (I, H),
+              "mlp.shared_experts.down_proj.weight": (H, I)}
+    for e in range(E):
+        shapes.update({f"mlp.experts.{e}.gate_proj.weight": (I, H), f"mlp.experts.{e}.up_proj.weight": (I, H),
+                       f"mlp.experts.{e}.down_proj.weight": (H, I)})
+    first = config.num_hidden_layers
+    return {f"model.layers.{first}.{name}": (torch.randn(shape, generator=g) * 0.1).contiguous()
+            for name, shape in shapes.items()}
+
+
+def glm_checkpoint(root: Path, layout: str = "hf", variant: str = "") -> Path:
+    """A GLM checkpoint in one of GLM_LAYOUTS, plus the tokenizer (see GLM_LAYOUTS)."""
+
+    def build(out: Path) -> None:
+        from safetensors.torch import save_file
+
+        model = glm_hf_model(variant)
+        if layout == "fused":
+            out.mkdir()
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
+            model.config.save_pretrained(out)
+        else:
+            model.save_pretrained(out, max_shard_size=SHARD_SIZE)
+        if layout == "published":  # one more shard holding the MTP layer, listed in the index
+            name = "model-mtp.safetensors"
+            tensors = glm_mtp_tensors()
+            save_file(tensors, out / name)
+            index = json.loads((out / "model.safetensors.index.json").read_text())
+            index["weight_map"].update(dict.fromkeys(tensors, name))
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        copy_tokenizer(tokenizer_dir(root), out)
+
+    return _once(root / f"glm-{layout}{variant}", ("glm", layout, variant), build)
+
+
+def glm_mlx_checkpoint(root: Path, bits: int | str | None) -> Path:
+    """The published layout converted by mlx-lm (affine `bits`-bit, group size 64, or unquantized,
+    or a mixed recipe such as "mixed_4_6": per-layer records in config.json), as mlx-community
+    ships GLM: `switch_mlp` stacks, no MTP layer (mlx-lm drops it). mlx-lm 0.32 reads rope_theta,
+    partial_rotary_factor and rope_scaling at the top level of config.json."""
+
+    def source(out: Path) -> None:
+        shutil.copytree(glm_checkpoint(root, "published"), out)
+        config = json.loads((out / "config.json").read_text())
+        config.update(rope_theta=config["rope_parameters"]["rope_theta"], rope_scaling=None,
+                      partial_rotary_factor=config["rope_parameters"]["partial_rotary_factor"])
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    def build(out: Path) -> None:
+        from mlx_lm.convert import convert
+
+        quantized = dict(quantize=True, q_bits=bits, q_group_size=64) if isinstance(bits, int) else {}
+        if isinstance(bits, str):
+            quantized = dict(quantize=True, q_group_size=64, quant_predicate=bits)
+        src = _once(root / "glm-published-for-mlx-lm", ("glm for mlx-lm",), source)
+        convert(str(src), str(out), **quantized)
+
+    name = "mlx-glm4_moe-" + (f"q{bits}" if isinstance(bits, int) else bits or "float32")
+    return _once(root / name, ("glm mlx", bits), build)

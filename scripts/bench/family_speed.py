@@ -11,6 +11,7 @@ is the ratio of the medians.
     python -m scripts.bench.family_speed --family qwen3_5_moe --model ~/models/Qwen3.5-35B-A3B-4bit
     python -m scripts.bench.family_speed --family nemotron_h --repeats 7 --tokens 128
     python -m scripts.bench.family_speed --family granitemoehybrid --repeats 7 --tokens 128
+    python -m scripts.bench.family_speed --family glm4_moe --repeats 9 --tokens 256
 
 Families: the TINY table below (add a family with its mlx-lm model_type and a tiny config).
 """
@@ -69,6 +70,16 @@ TINY = {
                          "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1,
                          "mamba_conv_bias": True, "position_embedding_type": "nope", "tie_word_embeddings": True,
                          "time_step_limit": [0.0, float("inf")]},
+    # GLM-4.x MoE: tests/hf_checkpoints.py's glm_hf_config shapes (a dense layer, two MoE layers of
+    # 8 experts top-2 in 2 groups plus a shared expert, q/k norm, q/k/v biases, half-rotary heads of 32)
+    "glm4_moe": {"model_type": "glm4_moe", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                 "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                 "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "moe_intermediate_size": 64,
+                 "num_experts_per_tok": 2, "n_shared_experts": 1, "n_routed_experts": 8,
+                 "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                 "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5,
+                 "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False,
+                 "num_nextn_predict_layers": 0},
 }
 
 

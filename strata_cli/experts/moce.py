@@ -117,11 +117,16 @@ def attach_moce(cache: ExpertCache, blocks, options: MoceOptions) -> None:
     """Give every streamed block in `blocks` ((path, SparseMoeBlock) pairs) a `MoceRouter`.
 
     Raises:
-        ConfigError: a protect count above the model's experts per token.
+        ConfigError: a protect count above the model's experts per token, or a block whose router
+            has no softmax probabilities to rank (`SparseMoeBlock.takes_routing_policy`).
     """
     if not options.is_enabled:
         return
     for path, moe in blocks:
+        if not moe.takes_routing_policy:
+            block = path.removesuffix(".switch_mlp")
+            raise ConfigError(f"cache-aware routing (--moce) needs a softmax router; {block} routes by sigmoid "
+                              "scores with a correction bias (run without --moce)")
         for name, J in (("--moce-protect", options.protect), ("--draft-moce-protect", options.draft_j)):
             if J > moe.top_k:
                 raise ConfigError(f"{name} ({J}) must be at most the model's experts per token ({moe.top_k})")

@@ -72,9 +72,12 @@ class GatedAttention(nn.Module):
         rope_theta: float,
         eps: float,
         bias: bool = False,
+        output_bias: bool | None = None,
         output_gate: bool = True,
         qk_norm: bool = True,
     ):
+        """`bias`: on the q, k, v projections, and on o_proj unless `output_bias` says otherwise
+        (GLM-4.x biases q, k and v only)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rotary_dim, self.rope_theta = rotary_dim, rope_theta
@@ -84,7 +87,7 @@ class GatedAttention(nn.Module):
         self.q_proj = RowLinear(hidden_size, q_width, bias=bias)
         self.k_proj = RowLinear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = RowLinear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = RowLinear(num_heads * head_dim, hidden_size, bias=bias)
+        self.o_proj = RowLinear(num_heads * head_dim, hidden_size, bias=bias if output_bias is None else output_bias)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)

@@ -8,6 +8,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from metal_shaders import rows_matvec as kernels
 
@@ -267,3 +268,21 @@ class DecoderStack(nn.Module):
         if self.config.tie_word_embeddings:
             return by_row(self.model.embed_tokens.as_linear, h)
         return self.lm_head(h)
+
+
+class KeptAside(nn.Module):
+    """Checkpoint tensors loaded and kept aside, unused by the forward pass (a checkpoint's
+    multi-token-prediction layers: a later drafter reads them), never dropped, written back by
+    `strata convert`.
+
+    Plain arrays, not layers: no quantization, streaming or expert cache ever takes them for the
+    model's own (a sparse block here would be one more MoE layer to stream).
+
+    Args:
+        shapes: dotted parameter name -> shape (zeros until the checkpoint's tensors load).
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        super().__init__()
+        for key, value in tree_unflatten([(k, mx.zeros(s)) for k, s in shapes.items()]).items():
+            self[key] = value

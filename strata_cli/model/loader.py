@@ -30,7 +30,7 @@ from .quant import (
 
 # model_type -> module in strata_cli.model
 ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
-                 "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid"}
+                 "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid", "glm4_moe": "glm4_moe"}
 # Qwen3.5 / 3.6, dense and MoE: the multimodal checkpoints' model_type and transformers' text-only ones.
 ARCHITECTURES.update(dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "qwen3_5"))
 # config.json key that marks strata's own layout (already sanitized), and its version:
@@ -188,6 +188,12 @@ def strata_format(params: dict) -> int | None:
     return version
 
 
+def _dtype_of(model, name: str, target: mx.Dtype) -> mx.Dtype:
+    """float32 for the parameters a family keeps in float32 whatever it computes in (`FLOAT32_PARAMETERS`,
+    name suffixes: routers, as the references keep them), else `target`."""
+    return mx.float32 if name.endswith(getattr(model, "FLOAT32_PARAMETERS", ())) else target
+
+
 def _some(names: list[str], limit: int = 5) -> str:
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
@@ -262,6 +268,8 @@ def load_model(
             weights = model.sanitize(weights)
         elif version >= 2:
             weights = from_mlx_layout(weights)
+        if hasattr(model, "fit_to_checkpoint"):  # parts whose presence only the tensors tell (MTP layers)
+            model.fit_to_checkpoint(weights)
         if more_weights is not None:
             more, more_sources = more_weights()
             weights.update(more)
@@ -276,7 +284,8 @@ def load_model(
     if before_weights is not None:
         before_weights(model, target)
     check_weights(model, weights, sources, path)
-    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    weights = {k: v.astype(_dtype_of(model, k, target)) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in weights.items()}
     model.load_weights(list(weights.items()))
     if quantization is not None and should_dequantize_dense(model, dequantize):
         dequantize_dense(model, target)

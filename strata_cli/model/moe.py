@@ -20,6 +20,7 @@ from .layers import (
     WINDOW_ROWS,
     RowLinear,
     RowSplit,
+    by_row,
     is_cpu_prompt,
     over_streams,
     swiglu,
@@ -67,9 +68,11 @@ class SwitchGLU(nn.Module):
 
         return glu_by_expert(x, inds, matmul)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchGLU":
-        """The same experts, affine-quantized (what `nn.quantize` calls)."""
-        return QuantizedSwitchGLU(self, group_size=group_size, bits=bits, mode=mode)
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
+                     projections: dict[str, dict] | None = None) -> "QuantizedSwitchGLU":
+        """The same experts, affine-quantized (what `nn.quantize` calls); `projections` gives some
+        projections their own {"group_size", "bits"} (mlx-lm's mixed recipes record them so)."""
+        return QuantizedSwitchGLU(self, group_size=group_size, bits=bits, mode=mode, projections=projections)
 
 
 class QuantizedExperts(nn.Module):
@@ -127,10 +130,13 @@ PADDED_MAX_ROWS_PER_PICK = 8  # a batch padded beyond this many rows per pick (s
 class QuantizedSwitchGLU(nn.Module):
     """`SwitchGLU` with quantized experts, run through `mx.gather_qmm`."""
 
-    def __init__(self, glu: SwitchGLU, *, group_size: int, bits: int, mode: str = "affine"):
+    def __init__(self, glu: SwitchGLU, *, group_size: int, bits: int, mode: str = "affine",
+                 projections: dict[str, dict] | None = None):
         super().__init__()
         for name in ("gate_proj", "up_proj", "down_proj"):
-            setattr(self, name, QuantizedExperts(glu[name], group_size=group_size, bits=bits, mode=mode))
+            own = (projections or {}).get(name, {})
+            setattr(self, name, QuantizedExperts(glu[name], group_size=own.get("group_size", group_size),
+                                                 bits=own.get("bits", bits), mode=mode))
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
@@ -208,6 +214,53 @@ class SparseLayerRule:
         )
 
 
+class SigmoidTopkRouter(nn.Module):
+    """DeepSeek-V3-style routing (Nemotron-H, GLM-4.x MoE; transformers' `*TopkRouter`): sigmoid
+    scores; the top-k of score + `e_score_correction_bias` among the `topk_group` groups of experts
+    whose two best biased scores sum highest; the picks weigh their unbiased scores, renormalised
+    (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. In float32, as transformers
+    keeps the router.
+
+    Calling it gives the logits (N, E), as a linear router does (the expert cache's prefetch ranks
+    experts by them); `select` routes."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..the number of experts ({num_experts})")
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"{num_experts} experts must split into n_group ({n_group}) groups, of which "
+                             f"topk_group ({topk_group}) are kept")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"num_experts_per_tok ({top_k}) exceeds the experts of topk_group ({topk_group}) groups")
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, float(routed_scaling_factor)
+        self.weight = mx.zeros((num_experts, hidden_size))
+        self.e_score_correction_bias = mx.zeros((num_experts,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x (N, H) -> router logits (N, E), float32."""
+        weight = self.weight.astype(mx.float32)
+        return by_row(lambda rows: rows.astype(mx.float32) @ weight.T, x)
+
+    def select(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
+        scores = mx.sigmoid(self(x))
+        choice = scores + self.e_score_correction_bias.astype(mx.float32)
+        if self.n_group > 1:
+            N, E = choice.shape
+            group_scores = mx.topk(choice.reshape(N, self.n_group, -1), 2, axis=-1).sum(axis=-1)  # (N, groups)
+            threshold = mx.sort(group_scores, axis=-1)[:, self.n_group - self.topk_group, None]
+            kept = mx.repeat(group_scores >= threshold, E // self.n_group, axis=-1)
+            choice = mx.where(kept, choice, -mx.inf)
+        inds = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
+        weights = mx.take_along_axis(scores, inds, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return inds, weights * self.routed_scaling_factor
+
+
 class SparseMoeBlock(nn.Module):
     """Router, routed experts (`switch_mlp`) and optional shared expert.
 
@@ -221,6 +274,7 @@ class SparseMoeBlock(nn.Module):
     """
 
     routing_policy = None
+    takes_routing_policy = True  # False where `route` has no softmax probabilities to hand a policy
 
     def __init__(
         self,

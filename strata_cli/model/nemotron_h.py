@@ -22,7 +22,7 @@ from .config import ConfigError, ModelConfig
 from .layers import WINDOW_ROWS, RMSNorm, RowLinear, by_row, is_cpu_prompt, transposed
 from .layout import stack_experts
 from .mamba2 import Mamba2Mixer
-from .moe import QuantizedExperts, gather_matmul, weighted_sum
+from .moe import QuantizedExperts, SigmoidTopkRouter, gather_matmul, weighted_sum
 
 MAMBA, ATTENTION, MLP_BLOCK, MOE = "M", "*", "-", "E"
 # transformers' block names (and the legacy ones it still reads) -> the pattern's characters
@@ -168,44 +168,17 @@ class SwitchMLP(nn.Module):
         return out[mx.argsort(order)].reshape(N, k, -1)
 
 
-class TopkRouter(nn.Module):
-    """Sigmoid scores; the top-k of score + `e_score_correction_bias` among the `topk_group`
-    groups of experts whose two best biased scores sum highest; the picks weigh their unbiased
-    scores, renormalised (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. In
-    float32, as transformers keeps the router."""
-
-    def __init__(self, config: NemotronHConfig):
-        super().__init__()
-        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
-        self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, float(config.routed_scaling_factor)
-        self.weight = mx.zeros((config.n_routed_experts, config.hidden_size))
-        self.e_score_correction_bias = mx.zeros((config.n_routed_experts,))
-
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
-        weight = self.weight.astype(mx.float32)
-        scores = mx.sigmoid(by_row(lambda rows: rows.astype(mx.float32) @ weight.T, x))
-        choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        if self.n_group > 1:
-            N, E = choice.shape
-            group_scores = mx.topk(choice.reshape(N, self.n_group, -1), 2, axis=-1).sum(axis=-1)  # (N, groups)
-            threshold = mx.sort(group_scores, axis=-1)[:, self.n_group - self.topk_group, None]
-            kept = mx.repeat(group_scores >= threshold, E // self.n_group, axis=-1)
-            choice = mx.where(kept, choice, -mx.inf)
-        inds = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
-        weights = mx.take_along_axis(scores, inds, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return inds, weights * self.routed_scaling_factor
-
-
 class NemotronMoE(nn.Module):
     """Routed relu² experts (optionally in a latent space) plus the shared experts."""
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
         dims = config.moe_latent_size or config.hidden_size
-        self.gate = TopkRouter(config)
+        self.gate = SigmoidTopkRouter(
+            hidden_size=config.hidden_size, num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+            n_group=config.n_group, topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
+            routed_scaling_factor=config.routed_scaling_factor,
+        )
         self.switch_mlp = SwitchMLP(dims, config.moe_intermediate_size, config.n_routed_experts)
         self.shared_experts = NemotronMLP(config.hidden_size, config.moe_shared_expert_intermediate_size,
                                           bias=config.mlp_bias)
@@ -216,7 +189,7 @@ class NemotronMoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        inds, weights = self.gate(x)
+        inds, weights = self.gate.select(x)
         h = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
         y = weighted_sum(self.switch_mlp(h, inds), weights)
         if "fc2_latent_proj" in self:

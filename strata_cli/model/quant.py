@@ -88,10 +88,21 @@ def apply_to_load(model: nn.Module, quantization: Quantization, weights: dict[st
         if not hasattr(module, "to_quantized"):
             return False
         if isinstance(module, SwitchGLU):
-            return _experts_quantized(path, weights) and quantization.settings(path)
+            return _experts_quantized(path, weights) and _experts_settings(path, quantization)
         return f"{path}.scales" in weights and quantization.settings(path)
 
     nn.quantize(model, class_predicate=predicate)
+
+
+def _experts_settings(path: str, quantization: Quantization) -> dict | bool:
+    """A stack of experts' settings, with the projections' own where the checkpoint records them
+    under `<path>.gate_proj` etc. (mlx-lm's mixed recipes give down_proj more bits)."""
+    settings = quantization.settings(path)
+    own = {p: quantization.settings(f"{path}.{p}") for p in _PROJECTIONS if f"{path}.{p}" in quantization.layers}
+    return {**settings, "projections": own} if own and settings else settings
+
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _experts_quantized(path: str, weights: dict[str, mx.array]) -> bool:

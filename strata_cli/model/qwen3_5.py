@@ -13,7 +13,7 @@ What differs from Qwen3-Next (model/qwen3_next.py), as transformers 5.24 defines
   `decoder_sparse_step`, `mlp_only_layers` or `norm_topk_prob`);
 - the published checkpoints are multimodal: `text_config` + `vision_config` in config.json, the
   language model under `model.language_model.*`, the vision tower under `model.visual.*` (skipped:
-  strata runs text), and MTP layers under `mtp.*` (kept aside, see `MtpWeights`).
+  strata runs text), and MTP layers under `mtp.*` (kept aside, see `layers.KeptAside`).
 
 Layouts read (`Model.sanitize`): the multimodal one above, transformers' text-only one
 (`Qwen3_5TextConfig`, `model.*`), and mlx-lm's (`language_model.model.*`, norms already 1 + w,
@@ -27,12 +27,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from .config import ConfigError, ModelConfig, lift_rope_parameters
 from .decoder_layer import PreNormLayer
 from .gdn import GatedDeltaNet
-from .layers import MLP, DecoderStack, RMSNorm, RowLinear
+from .layers import MLP, DecoderStack, KeptAside, RMSNorm, RowLinear
 from .layout import MLX, detect_layout, stack_experts
 from .moe import SparseMoeBlock
 from .quant import Quantization, router_overrides
@@ -197,26 +197,13 @@ def mtp_shapes(config: Qwen3_5Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class MtpWeights(nn.Module):
-    """The checkpoint's multi-token-prediction layers, loaded and kept aside: unused by the forward
-    pass (a later drafter reads them), never dropped, written back by `strata convert`.
-
-    Plain arrays, not layers: no quantization, streaming or expert cache ever takes them for the
-    model's own (a sparse block here would be one more MoE layer to stream)."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
-        super().__init__()
-        for key, value in tree_unflatten([(k, mx.zeros(s)) for k, s in shapes.items()]).items():
-            self[key] = value
-
-
 class Model(DecoderStack):
     """Token ids in, logits out; per-layer state comes from the caller (the window engine)."""
 
     def __init__(self, config: Qwen3_5Config):
         super().__init__(config, [DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         if config.mtp_num_hidden_layers:
-            self.mtp = MtpWeights(mtp_shapes(config))
+            self.mtp = KeptAside(mtp_shapes(config))
         self.__dict__["skipped"] = {}  # what sanitize left out of the model, for `load_notes`
 
     @property
