@@ -263,7 +263,7 @@ class WindowEngine:
 
         Returns:
             seconds spent per window row count, in the order warmed (`progress(done, total)`
-            is called after each).
+            is called before the first and after each).
         """
         self._require_closed("warm_up")
         if self.length:
@@ -273,6 +273,8 @@ class WindowEngine:
             self.reset()
         shapes = sorted({self.window_rows(T, 0) for T in range(1, min(max_T, self.max_context - 1) + 1)})
         seconds = {}
+        if progress:
+            progress(0, len(shapes))
         for done, rows in enumerate(shapes, 1):
             seconds[rows] = self.warm(rows)
             if progress:
