@@ -11,6 +11,8 @@ from them.
 
 from __future__ import annotations
 
+import time
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -112,6 +114,7 @@ class DecodeStats:
     shape_warmup_seconds: float = 0.0  # between windows: new shapes warmed on first use, outside every window
     calibration_seconds: float = 0.0  # load time: the device's cost curve measured (calibrate.py)
     seed: int | None = None  # the sampling seed used (None: greedy)
+    first_token_unix_s: float | None = None  # wall clock when the first window ended (time to first token from outside)
 
     def attach_controller(self, controller) -> None:
         """Report what this draft-length controller learned in the summary's `controller`."""
@@ -134,6 +137,8 @@ class DecodeStats:
         self.shape_warmup_seconds += seconds
 
     def record_window(self, record: WindowRecord) -> None:
+        if not self.windows:
+            self.first_token_unix_s = time.time()
         self.windows.append(record)
 
     def note(self, message: str) -> None:
@@ -169,6 +174,7 @@ class DecodeStats:
             "shape_warmup_seconds": self.shape_warmup_seconds,
             "calibration_seconds": self.calibration_seconds,
             "warmup_window_ms": 1000 * ws[0].seconds if ws else 0.0,
+            "first_token_unix_s": self.first_token_unix_s,
             "windows": len(ws),
             "tokens_per_window": self.generated / len(ws) if ws else 0.0,
             "drafts_proposed": sum(w.proposed for w in ws),
@@ -238,6 +244,7 @@ class DecodeStats:
         summary = self.summary()
         experts = summary.pop("experts", None) or {}
         per_layer = experts.pop("per_layer", None)
+        summary.pop("first_token_unix_s", None)  # a timestamp, for tools (--json), not a figure to read
         for key, label, value in readable_rows(summary, FIELDS):
             table.add_row(label, value, key)
         for key, label, value in readable_rows({k: v for k, v in experts.items() if k != "moce"}, EXPERT_FIELDS):
@@ -278,6 +285,8 @@ FIELDS = {
                             "window cost by T for --suffix-draft auto (0 when cached or not auto)"),
     "warmup_window_ms": ("first window", "ms", "wall time of the first window (kernel and graph building, caches "
                          "warming); not in the window latencies below"),
+    "first_token_unix_s": ("first window's end", "unix s", "wall-clock time (seconds since the epoch) the first "
+                           "window ended: time to first token, measured from outside the process"),
     "windows": ("windows", "", "windows run (one forward pass each: the root and its drafts)"),
     "tokens_per_window": ("tokens per window", "", "generated tokens / windows; below 1 when the last window "
                           "ended at an end-of-sequence token, which is not emitted; n/a if windows"),
