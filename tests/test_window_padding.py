@@ -184,6 +184,16 @@ def test_warm_on_first_use_touches_no_state(tiny_model):
     assert engine.warm_rows >= {1, 4}  # the warm-up's fold ran a one-row window too
 
 
+def test_a_window_too_near_the_end_to_pad_warms_its_own_shape(tiny_model):
+    engine = WindowEngine(tiny_model, EngineOptions(pad_windows=True, max_context=16))
+    engine.warms_on_first_use = True
+    engine.prefill(list(range(13)))
+    assert engine.window_rows(3, 13) == 3 and engine.needs_warm(3, 13)
+    engine.ensure_warm(3, 13)
+    assert 3 in engine.warm_rows and 4 not in engine.warm_rows and not engine.needs_warm(3, 13)
+    assert engine.pads_windows and engine.length == 13
+
+
 def test_lazy_warm_up_in_decoding_is_outside_windows_and_changes_no_output(tiny_model):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 4
 

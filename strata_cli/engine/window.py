@@ -290,17 +290,16 @@ class WindowEngine:
         """Warm the shape of a window of T tokens at pos0 if it is new (`needs_warm`); the
         seconds spent (0.0 when nothing was warmed). Call it between windows, outside their
         timing, so no window and no cost sample carries a kernel build."""
-        return self.warm(T) if self.needs_warm(T, pos0) else 0.0
+        return self.warm(self.window_rows(T, pos0)) if self.needs_warm(T, pos0) else 0.0
 
-    def warm(self, T: int) -> float:
-        """Run the shape of a T-token window on scratch state: a run keeping one row, a run
-        keeping every row, then a one-row run that folds the first's kept row. The engine's
-        own state is untouched. Returns the seconds spent."""
+    def warm(self, rows: int) -> float:
+        """Run windows of exactly `rows` rows on scratch state: one keeping one row, one keeping
+        every row, then a one-row window that folds the first's kept row. The engine's own
+        state is untouched. Returns the seconds spent."""
         self._require_closed("warm")
-        rows = self.window_rows(T, 0)
-        states, length = self.states, self.length
+        states, length, pads = self.states, self.length, self.pads_windows
         self.states = [make_state(kind, params, self.options) for kind, params in self.model.state_kinds]
-        self.length = 0
+        self.length, self.pads_windows = 0, False  # `rows` as given: a bucket, or a window near the context's end
         start = time.perf_counter()
         try:
             tokens = [i % self.vocab_size for i in range(rows)]
@@ -314,7 +313,7 @@ class WindowEngine:
                 self.commit(1)
             mx.eval(self._committed_arrays())
         finally:
-            self.states, self.length, self._open = states, length, None
+            self.states, self.length, self.pads_windows, self._open = states, length, pads, None
         return time.perf_counter() - start
 
     # -- committed state -----------------------------------------------------------------------
