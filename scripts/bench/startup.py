@@ -7,9 +7,10 @@ process; time to first token is the `first_token_unix_s` its stats report minus 
 "cold" run gets an empty cache directory (XDG_CACHE_HOME: strata's kernel cache, which MLX_PTX_CACHE_DIR
 points at, and the cost curve); a "later" run reuses the directory the cold run of its mode
 filled. Steady tok/s, the median and the largest window after the first come from the same
-stats. Then, each in its own process, where the time goes: every window shape warmed at load
-(`--warm-shapes`), per row count, with padding on (4 shapes) and off (T = 1..8), and with the
-kernel cache cold and warm; and the number of kernel modules MLX kept.
+stats. Then, each in its own process, where the time goes: the start-up probes of strata's own
+kernels (metal_shaders: compiled by NVRTC in every process, MLX keeps none of them), then every
+window shape warmed at load (`--warm-shapes`), per row count, with padding on (4 shapes) and
+off (T = 1..8), with the kernel cache cold and warm; and the number of kernel modules MLX kept.
 
     python -m scripts.bench.startup --out h200_startup.json      # the H200 run (builds the checkpoint)
     python -m scripts.bench.startup --tiny --out /tmp/s.json      # a CPU check of the script, < 1 min
@@ -104,14 +105,20 @@ def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (
 SHAPES_PROBE = """
 import json, sys, time
 start = time.perf_counter()
+from strata_cli.kernel_cache import prepare_kernel_cache
 from strata_cli.options import EngineOptions, LoadOptions
 from strata_cli.runtime import open_model
+from metal_shaders import attention_window, gdn_window, rows_matvec
+prepare_kernel_cache()  # before any compile: MLX fixes its cache directory at the first
+probes = {}
+for name, usable in (("rows_matvec", rows_matvec.kernels_usable), ("gdn_window", gdn_window.usable),
+                     ("attention_window", attention_window.usable)):
+    t = time.perf_counter(); usable(); probes[name] = time.perf_counter() - t
 rt = open_model(LoadOptions(model=sys.argv[1]), EngineOptions(warm_shapes=True, pad_windows=sys.argv[2] == "1",
                 max_context=int(sys.argv[3]) or None))
 first = time.perf_counter() - start
 t = time.perf_counter(); again = rt.engine.warm_up(8); rewarm = time.perf_counter() - t
-from metal_shaders import attention_window, gdn_window, rows_matvec
-print(json.dumps({"process_to_ready_s": first, "warmup_s": rt.warmup_seconds,
+print(json.dumps({"process_to_ready_s": first, "kernel_probes_s": probes, "warmup_s": rt.warmup_seconds,
                   "warmup_by_rows_s": {str(k): v for k, v in rt.warmup_by_rows.items()},
                   "second_warm_up_s": rewarm, "kernel_cache": rt.kernel_cache.as_dict(),
                   "kernels": {"rows": rows_matvec.status(), "gdn": gdn_window.status(),
@@ -206,8 +213,8 @@ def run(args) -> dict:
     save()
 
     # Where the time goes: every shape warmed at load, per row count, cold and warm kernel cache.
-    probes = [("warm cache, padded", caches["serial"], True), ("warm cache, unpadded", caches["serial"], False),
-              ("cold cache, padded", work / "cache-probe", True)]
+    probes = [("warm cache, padded", caches["serial"], True), ("cold cache, padded", work / "cache-probe", True),
+              ("warm cache, unpadded", caches["serial"], False)]
     result["shapes"] = []
     for label, cache, pad in probes:
         if not fits(f"shape probe: {label}"):
@@ -215,7 +222,9 @@ def run(args) -> dict:
         probe = {"label": label, **shapes_probe(model, cache, pad, args)}
         result["shapes"].append(probe)
         rows = ", ".join(f"{k}: {v:.2f}" for k, v in probe["warmup_by_rows_s"].items())
-        print(f"shapes ({label}): ready in {probe['process_to_ready_s']:.1f} s, warm-up {probe['warmup_s']:.1f} s "
+        kernels = ", ".join(f"{k} {v:.1f}" for k, v in probe["kernel_probes_s"].items())
+        print(f"shapes ({label}): kernel probes (s) {kernels}; ready in {probe['process_to_ready_s']:.1f} s, "
+              f"warm-up {probe['warmup_s']:.1f} s "
               f"by rows (s) {rows}; again {probe['second_warm_up_s']:.2f} s", flush=True)
         save()
     result["kept_modules"] = {"serial": kept_modules(caches["serial"]), "auto": kept_modules(caches["auto"])}
@@ -231,9 +240,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and few tokens: a CPU check of the script")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--later-runs", type=int, default=2, help="later processes per mode (median)")
+    parser.add_argument("--later-runs", type=int, default=1, help="later processes per mode (median)")
     parser.add_argument("--max-context", type=int, default=None)
-    parser.add_argument("--budget-seconds", type=float, default=330.0, help="start no phase after this")
+    parser.add_argument("--budget-seconds", type=float, default=300.0,
+                        help="start no phase after this many seconds (the checkpoint build included)")
     parser.add_argument("--process-timeout", type=float, default=300.0)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-compare",
                         help="where a built checkpoint is kept (compare_mlx_lm's default: shared with it)")

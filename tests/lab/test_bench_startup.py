@@ -24,4 +24,5 @@ def test_startup_tiny_writes_every_field(tmp_path):
     assert not any(r["announced_compile"] for r in data["runs"])  # the CPU compiles nothing per machine
     assert data["identical"]
     assert [list(p["warmup_by_rows_s"]) for p in data["shapes"]] == [
-        ["1", "2", "4", "8"], [str(T) for T in range(1, 9)], ["1", "2", "4", "8"]]
+        ["1", "2", "4", "8"], ["1", "2", "4", "8"], [str(T) for T in range(1, 9)]]
+    assert all(set(p["kernel_probes_s"]) == {"rows_matvec", "gdn_window", "attention_window"} for p in data["shapes"])
