@@ -76,10 +76,11 @@ def prepare_kernel_cache(*, cuda: bool | None = None, directory: Path | None = N
     if not (is_cuda() if cuda is None else cuda):
         return KernelCache(path=None, chosen_by="none", cold=False)
     chosen = os.environ.get(PTX_CACHE_ENV)
-    if chosen:
-        path, chosen_by = Path(chosen), "user"
+    default = default_kernel_dir(backend_name(), directory)
+    if chosen:  # the user's, or strata's own from an earlier call in this process
+        path, chosen_by = Path(chosen), "strata" if Path(chosen) == default else "user"
     else:
-        path, chosen_by = default_kernel_dir(backend_name(), directory), "strata"
+        path, chosen_by = default, "strata"
         try:
             path.mkdir(parents=True, exist_ok=True)
             os.environ[PTX_CACHE_ENV] = str(path)

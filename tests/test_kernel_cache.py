@@ -37,6 +37,8 @@ def test_cuda_gets_a_directory_per_mlx_version_and_gpu(tmp_path, monkeypatch):
     assert cache.path == tmp_path / "kernels" / f"mlx-{mx.__version__}-gpu-NVIDIA-H200"
     assert os.environ[PTX_CACHE_ENV] == str(cache.path) and cache.path.is_dir()
     assert "compiling GPU kernels for this machine, once" in cache.notice
+    again = prepare_kernel_cache(cuda=True, directory=tmp_path)  # a second model in the same process
+    assert again.chosen_by == "strata" and again.path == cache.path
     # MLX puts a long module name's file in subdirectories: a compiled module anywhere counts
     (cache.path / "abc").mkdir()
     (cache.path / "abc" / "def.ptx").write_bytes(b"\x7fELF")
