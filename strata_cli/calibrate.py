@@ -6,8 +6,9 @@ windows, so that prior declines drafts that pay. When `auto` runs without `--dra
 `device_cost_prior` measures the curve on the model, backend and dtype in use: forced-acceptance
 windows of T = 1..max_T rows (as scripts/bench/window_cost.py does, a few per T, on a scratch state),
 median per T. The curve is cached as JSON in the user cache directory (`$XDG_CACHE_HOME/strata`,
-else `~/.cache/strata`), keyed by model identity, backend and dtype, and reused; the online
-estimate refines it while decoding.
+else `~/.cache/strata`), keyed by model identity, backend, dtype, MLX version and whether windows
+are padded to row buckets, and reused; the online estimate refines it while decoding. Each T's
+first window is not timed: it may build the shape's kernels.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def device_cost_prior(engine: WindowEngine, *, identity: str, dtype: str, max_T:
     """
     backend = backend_name()
     key = {"version": CURVE_VERSION, "identity": identity, "backend": backend, "dtype": dtype,
-           "mlx": mx.__version__}
+           "mlx": mx.__version__, "padded": engine.pads_windows}  # padded windows cost their bucket
     path = curve_path(identity, backend, dtype, directory)
     seconds = read_curve(path, key, max_T)
     if seconds is not None:

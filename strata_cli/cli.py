@@ -47,7 +47,7 @@ from .options import (
     ConvertOptions,
     ServeOptions,
 )
-from .terminal import InterruptLatch, PrefillBar, Terminated, interrupt_latch, make_console
+from .terminal import InterruptLatch, PrefillBar, Terminated, WarmUpBar, interrupt_latch, make_console
 
 
 ANSWER_SEPARATOR = "---"  # the default line between plain-text answers of several prompts (--each-line)
@@ -169,9 +169,13 @@ def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats
     from .runtime import open_model
     from .telemetry import DecodeStats
 
-    runtime = open_model(load, engine_options)
-    spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
     console = make_console(stderr=True)
+    warming = WarmUpBar(console)
+    try:
+        runtime = open_model(load, engine_options, announce=warming.announce, warm_progress=warming)
+    finally:
+        warming.close()
+    spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
     if show_stats:
         for note in ([] if runtime.verification.is_verified else [runtime.verification.note]) + runtime.load_notes:
             click.echo(f"note: {note}", err=True)
@@ -274,7 +278,7 @@ def serve_stdio_command(options, spec, session, prefix_cache, prefix_cache_posit
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
                         format="strata serve: %(message)s")
     def serve():
-        runtime = open_model(load, engine)
+        runtime = open_model(load, engine, announce=lambda line: click.echo(line, err=True))
         return serve_stdio(runtime, serve_options=serve_options, defaults=options, spec=runtime.spec_for(spec))
 
     run_guarded(lambda: sys.exit(serve()))
@@ -326,7 +330,7 @@ def serve_command(options, spec, http, session, serve, verbose, load, engine):
                         format="strata serve: %(message)s")
 
     def serve_forever():
-        runtime = open_model(load, engine)
+        runtime = open_model(load, engine, announce=lambda line: click.echo(line, err=True))
         return serve_http(runtime, http=http, serve_options=serve, defaults=options, spec=runtime.spec_for(spec),
                           verbose=verbose)
 
@@ -589,7 +593,7 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         if not err.is_terminal:
             click.echo(f"bench: loading {load.model}", err=True)
         with err.status(f"loading {load.model}"):
-            runtime = open_model(load, engine_options)
+            runtime = open_model(load, engine_options, announce=err.print)
             # auto modes without --draft-cost: the device's own cost curve (cached or measured now)
             modes = [replace(m, spec=runtime.spec_for(m.spec)) if m.spec else m for m in modes]
             peer = None
@@ -601,6 +605,7 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
                             modes=modes, extra={"workloads": [w.name for w in workloads],
                                                 "peer_draft_tokens": peer_draft_tokens, "notes": list(notes),
                                                 "warmup_seconds": runtime.warmup_seconds,
+                                                "kernel_cache": runtime.kernel_cache.as_dict(),
                                                 "calibration_seconds": runtime.calibration_seconds,
                                                 "cost_prior": {m.label: m.spec.cost_prior.source for m in modes
                                                                if m.spec and m.spec.cost_prior}})

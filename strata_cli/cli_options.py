@@ -369,8 +369,14 @@ def engine_options(command):
         option("--max-context", type=click.IntRange(min=2), default=None, envvar="STRATA_MAX_CONTEXT", panel=ENGINE,
                help="Positions the engine may hold (prompt + output); default: the model's maximum."),
         option("--warm-shapes/--no-warm-shapes", default=None, envvar="STRATA_WARM_SHAPES", panel=ENGINE,
-               help="Run every window shape once at load, so none is first built inside a timed "
-                    "window (load time)  [default: on for GPU backends, off on the CPU]"),
+               help="Run every window shape once at load (--warm-shapes), or never warm one, so a new "
+                    "shape is built inside the window that first runs it (--no-warm-shapes)  [default: "
+                    "GPU backends warm each shape just before its first window, outside its timing; "
+                    "the CPU builds nothing per shape]"),
+        option("--pad-windows/--no-pad-windows", default=None, envvar="STRATA_PAD_WINDOWS", panel=EXPERIMENTAL,
+               help="Run each window as 1, 2, 4 or 8 rows, the extra rows never kept, so four shapes "
+                    "serve every window (exact: a row computes what it computes alone)  [default: on "
+                    "for GPU backends with resident experts, off on the CPU]"),
         option("--fold", type=click.Choice(FOLD_MODES), default="lazy", envvar="STRATA_FOLD", show_default=True,
                panel=EXPERIMENTAL,
                help="When kept GDN rows fold into the recurrent state: at the next window (lazy) "
@@ -379,8 +385,9 @@ def engine_options(command):
                panel=EXPERIMENTAL, help="Experiment: commit each window's root row inside the run (exact)."),
     ]
 
-    def build(max_context, warm_shapes, fold, partial):
-        return EngineOptions(fold=fold, partial=partial, max_context=max_context, warm_shapes=warm_shapes)
+    def build(max_context, warm_shapes, pad_windows, fold, partial):
+        return EngineOptions(fold=fold, partial=partial, max_context=max_context, warm_shapes=warm_shapes,
+                             pad_windows=pad_windows)
 
     return options_object("engine", build, options)(command)
 

@@ -124,6 +124,9 @@ def generate(
                 emitted, pos0, root = emitted + len(step.tokens), pos0 + len(step.tokens), step.tokens[-1]
             continue
         inputs = [root, *plan.drafts]
+        warming = engine.ensure_warm(len(inputs), pos0)  # a new shape is built here, not inside the window
+        stats.record_shape_warmup(warming)
+        start += warming
         out = engine.run(inputs, pos0)
         row_tokens, draft_probs = choose_rows(out, inputs, pos0, chooser, track)
         verified = greedy_keep(inputs, row_tokens)  # with draws: speculative sampling (acceptance.py)

@@ -68,15 +68,22 @@ class EngineOptions:
             next window, where it joins that window's graph; "eager" folds at commit.
         partial: commit the root row inside `run` (it is always kept), so commit folds keep-1 rows.
         max_context: positions the engine may hold (prompt + generated); None = the model's maximum.
-        warm_shapes: run every window shape (T = 1..MAX_SUFFIX_DRAFT+1) and a prefill chunk once
-            at load (`WindowEngine.warm_up`), so no shape is first built inside a timed window;
-            None (default) = on for GPU backends, off on the CPU (which builds nothing per shape).
+        warm_shapes: True runs every window shape (the row buckets of T = 1..MAX_SUFFIX_DRAFT+1)
+            once at load (`WindowEngine.warm_up`); None (default) warms each shape on first use
+            instead, before the window that needs it and outside its timing, on GPU backends
+            (nothing on the CPU, which builds nothing per shape); False never warms (a new shape
+            is built inside the window that first runs it).
+        pad_windows: run a window of T rows as its row bucket (1, 2, 4 or 8 rows: the extra rows
+            repeat the last token, and are never kept), so four shapes serve every window;
+            None (default) = on GPU backends with resident experts (a padded row of a streamed
+            model would read experts), off on the CPU, where a row costs a row.
     """
 
     fold: str = "lazy"
     partial: bool = False
     max_context: int | None = None
     warm_shapes: bool | None = None
+    pad_windows: bool | None = None
 
     def __post_init__(self):
         if self.fold not in FOLD_MODES:

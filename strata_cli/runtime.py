@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 
@@ -23,6 +24,7 @@ from .experts.store import INDEX_NAME, STREAM_DIR, ExpertStoreError, is_streamed
 from .experts.switch import attach_streamed_experts
 from .hub import is_repo_id, resolve_repo
 from .integrity import Verification
+from .kernel_cache import KernelCache, prepare_kernel_cache
 from .model.config import ConfigError, dtype_name
 from .model.loader import ModelLoadError, compute_dtype, load_model
 from .options import (
@@ -124,7 +126,10 @@ class Runtime:
         identity: `model_identity(path, ...)`, which session files are keyed by.
         verification: each weight file's sha256 and what it was checked against.
         dtype: the compute dtype.
-        warmup_seconds: load time spent running every window shape once (0.0 when not warmed).
+        warmup_seconds: load time spent warming window shapes (0.0 when none was warmed at load).
+        warmup_by_rows: the seconds of each window row count warmed at load.
+        kernel_cache: where compiled GPU kernels are kept across processes, and whether this
+            process found it empty (kernel_cache.py).
         calibration_seconds: load time spent measuring the device's cost curve (0.0 when none
             was measured, or the cache had it).
     """
@@ -138,6 +143,8 @@ class Runtime:
     verification: Verification
     warmup_seconds: float = 0.0
     calibration_seconds: float = 0.0
+    warmup_by_rows: dict[int, float] = dataclasses.field(default_factory=dict)
+    kernel_cache: KernelCache | None = None
     _device_prior: CostPrior | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -164,36 +171,57 @@ class Runtime:
         return dataclasses.replace(spec, cost_prior=self._device_prior)
 
 
-def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = None) -> Runtime:
+def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = None, *,
+               announce: Callable[[str], None] | None = None,
+               warm_progress: Callable[[int, int], None] | None = None) -> Runtime:
     """Open the checkpoint `load.model` names and build its engine.
+
+    On a CUDA backend, compiled kernels are kept in the user cache (kernel_cache.py) unless
+    `MLX_PTX_CACHE_DIR` says where. Window shapes are warmed (`WindowEngine.warm_up`) at load
+    with `engine.warm_shapes`; by default each is warmed before its first window instead, except
+    that a process that finds the kernel cache empty warms the one-row shape here, after
+    `announce` told the user why it waits.
 
     Args:
         load: which checkpoint, dtype and expert streaming (default: the demo model).
-        engine: fold, partial mode, context limit and shape warm-up (default `EngineOptions()`:
-            on GPU backends every window shape runs once here, see `WindowEngine.warm_up`).
+        engine: fold, partial mode, context limit, padding and shape warm-up (default
+            `EngineOptions()`).
+        announce: called with one line before a cold kernel cache's first compile (CLI: stderr).
+        warm_progress: `warm_progress(done, total)` before the first and after each shape warmed
+            at load.
 
     Raises:
         ModelLoadError, ConfigError: as `load_checkpoint`, plus a missing or unreadable tokenizer.
     """
+    kernels = prepare_kernel_cache()  # before anything compiles: MLX reads the variable once
+    if kernels.notice and announce:
+        announce(kernels.notice)
     load = load or LoadOptions()
     path = resolve_model_path(load.model, download=load.download)
     model = load_checkpoint(path, dtype=load.dtype, stream=load.stream, moce=load.moce)
     tokenizer = Tokenizer(path)
     window_engine = WindowEngine(model, engine)
-    warmup_seconds = 0.0
+    start = time.perf_counter()
     if should_warm_shapes(window_engine.options):
-        start = time.perf_counter()
-        window_engine.warm_up(MAX_SUFFIX_DRAFT + 1)
-        warmup_seconds = time.perf_counter() - start
+        warmup_by_rows = window_engine.warm_up(MAX_SUFFIX_DRAFT + 1, progress=warm_progress)
+    elif kernels.cold and window_engine.warms_on_first_use:
+        if warm_progress:
+            warm_progress(0, 1)
+        warmup_by_rows = {1: window_engine.warm(1)}  # what the first token needs, shown as progress
+        if warm_progress:
+            warm_progress(1, 1)
+    else:
+        warmup_by_rows = {}
+    warmup_seconds = time.perf_counter() - start if warmup_by_rows else 0.0
     return Runtime(
         path=path, model=model, tokenizer=tokenizer, engine=window_engine,
         identity=model_identity(path, model.verification), dtype=compute_dtype(model),
-        verification=model.verification, warmup_seconds=warmup_seconds,
+        verification=model.verification, warmup_seconds=warmup_seconds, warmup_by_rows=warmup_by_rows,
+        kernel_cache=kernels,
     )
 
 
 def should_warm_shapes(options: EngineOptions) -> bool:
-    """`options.warm_shapes`, or by default: on GPU backends (kernels built per shape), off on the CPU."""
-    if options.warm_shapes is not None:
-        return options.warm_shapes
-    return mx.default_device().type != mx.cpu
+    """Whether every window shape is warmed at load: only with `options.warm_shapes` True (by
+    default GPU backends warm each shape before its first window, `WindowEngine.ensure_warm`)."""
+    return options.warm_shapes is True

@@ -11,6 +11,8 @@ from them.
 
 from __future__ import annotations
 
+import time
+
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -109,8 +111,10 @@ class DecodeStats:
     load_bytes_read: int = 0  # weight bytes read from storage before decoding (streaming engines)
     controller: object | None = None  # the `auto` draft-length controller, if any (has snapshot())
     warmup_seconds: float = 0.0  # load time: every window shape run once (runtime.open_model)
+    shape_warmup_seconds: float = 0.0  # between windows: new shapes warmed on first use, outside every window
     calibration_seconds: float = 0.0  # load time: the device's cost curve measured (calibrate.py)
     seed: int | None = None  # the sampling seed used (None: greedy)
+    first_token_unix_s: float | None = None  # wall clock when the first window ended (time to first token from outside)
 
     def attach_controller(self, controller) -> None:
         """Report what this draft-length controller learned in the summary's `controller`."""
@@ -128,7 +132,13 @@ class DecodeStats:
         self.prefill_tokens += tokens
         self.prefill_seconds += seconds
 
+    def record_shape_warmup(self, seconds: float) -> None:
+        """Time spent warming a window shape before its first window (not in any window's time)."""
+        self.shape_warmup_seconds += seconds
+
     def record_window(self, record: WindowRecord) -> None:
+        if not self.windows:
+            self.first_token_unix_s = time.time()
         self.windows.append(record)
 
     def note(self, message: str) -> None:
@@ -161,8 +171,10 @@ class DecodeStats:
             "steady_tokens_per_s": _rate(sum(w.emitted for w in steady), steady_seconds),
             "decode_seconds": seconds,
             "warmup_seconds": self.warmup_seconds,
+            "shape_warmup_seconds": self.shape_warmup_seconds,
             "calibration_seconds": self.calibration_seconds,
             "warmup_window_ms": 1000 * ws[0].seconds if ws else 0.0,
+            "first_token_unix_s": self.first_token_unix_s,
             "windows": len(ws),
             "tokens_per_window": self.generated / len(ws) if ws else 0.0,
             "drafts_proposed": sum(w.proposed for w in ws),
@@ -179,8 +191,10 @@ class DecodeStats:
             "match_length_histogram": _match_histogram(w.match_length for w in proposed),
             "window_T_histogram": {str(t): n for t, n in sorted(Counter(w.T for w in ws).items())},
             "window_ms_mean": sum(latencies_ms) / len(latencies_ms) if latencies_ms else 0.0,
+            "window_ms_median": percentile(latencies_ms, 50),
             "window_ms_p95": percentile(latencies_ms, 95),
             "window_ms_p99": percentile(latencies_ms, 99),
+            "window_ms_max": max(latencies_ms, default=0.0),
             **({"controller": self.controller.snapshot()} if self.controller is not None else {}),
             **({"approximate": True} if self.is_approximate else {}),
             "experts": self._expert_summary(),
@@ -230,6 +244,7 @@ class DecodeStats:
         summary = self.summary()
         experts = summary.pop("experts", None) or {}
         per_layer = experts.pop("per_layer", None)
+        summary.pop("first_token_unix_s", None)  # a timestamp, for tools (--json), not a figure to read
         for key, label, value in readable_rows(summary, FIELDS):
             table.add_row(label, value, key)
         for key, label, value in readable_rows({k: v for k, v in experts.items() if k != "moce"}, EXPERT_FIELDS):
@@ -262,11 +277,16 @@ FIELDS = {
                             "as tokens_per_s without the first window, which pays one-time costs; n/a if windows"),
     "decode_seconds": ("decode time", "s", "wall time of all windows (drafting, runs, acceptance, commits)"),
     "warmup_seconds": ("shape warm-up at load", "s", "load time spent running every window shape once "
-                       "(--warm-shapes: on for GPU backends, off on the CPU, where it is 0)"),
+                       "(--warm-shapes; 0 by default, where shapes are warmed on first use)"),
+    "shape_warmup_seconds": ("shape warm-up while decoding", "s", "time spent warming a window shape before the "
+                             "first window of that shape (GPU backends warm shapes on first use by default); "
+                             "in no window's time"),
     "calibration_seconds": ("cost-curve calibration at load", "s", "load time spent measuring this device's "
                             "window cost by T for --suffix-draft auto (0 when cached or not auto)"),
     "warmup_window_ms": ("first window", "ms", "wall time of the first window (kernel and graph building, caches "
                          "warming); not in the window latencies below"),
+    "first_token_unix_s": ("first window's end", "unix s", "wall-clock time (seconds since the epoch) the first "
+                           "window ended: time to first token, measured from outside the process"),
     "windows": ("windows", "", "windows run (one forward pass each: the root and its drafts)"),
     "tokens_per_window": ("tokens per window", "", "generated tokens / windows; below 1 when the last window "
                           "ended at an end-of-sequence token, which is not emitted; n/a if windows"),
@@ -286,8 +306,11 @@ FIELDS = {
     "match_length_histogram": ("match lengths", "", "windows with a proposal, by match-length bucket"),
     "window_T_histogram": ("windows by rows", "", "windows by T, their rows (1 = no drafts)"),
     "window_ms_mean": ("window latency, mean", "ms", "mean wall time of a window after the first; n/a if windows"),
+    "window_ms_median": ("window latency, median", "ms", "median wall time of a window after the first; n/a if "
+                         "windows"),
     "window_ms_p95": ("window latency, p95", "ms", "95th percentile of the same; n/a if windows"),
     "window_ms_p99": ("window latency, p99", "ms", "99th percentile of the same; n/a if windows"),
+    "window_ms_max": ("window latency, max", "ms", "the slowest window after the first; n/a if windows"),
     "controller": ("auto controller", "", "--suffix-draft auto only: its cost prior (calibrated, cached, file:PATH "
                    "or builtin), learned acceptance by draft position, window ms by T and cost samples by T"),
     "approximate": ("approximate", "", "present (true) when cache-aware routing changed the output"),

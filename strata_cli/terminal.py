@@ -1,5 +1,5 @@
 """What the CLI does at a terminal: consoles that never cut a table on a file or pipe, the prompt
-progress bar, and the interrupt latch that lets Ctrl-C or SIGTERM stop after the output is written."""
+progress bar, the first run's kernel-compile line and bar, and the interrupt latch that lets Ctrl-C or SIGTERM stop after the output is written."""
 
 from __future__ import annotations
 
@@ -47,6 +47,39 @@ class PrefillBar:
             self.bar = Progress(TextColumn("prompt"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                 console=self.console, transient=True)
             self.task = self.bar.add_task("prompt", total=total)
+            self.bar.start()
+        self.bar.update(self.task, completed=done)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+class WarmUpBar:
+    """`runtime.open_model`'s `announce` and `warm_progress`: the cold-cache line on stderr, then
+    on a terminal a bar of the window shapes being compiled, removed when done."""
+
+    def __init__(self, console):
+        self.console = console
+        self.bar = self.task = None
+        self.announced = False
+
+    def announce(self, line: str) -> None:
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        self.announced = True
+
+    def __call__(self, done: int, total: int) -> None:
+        if not (self.announced and self.console.is_terminal):
+            return
+        if self.bar is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("compiling window shapes"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=self.console, transient=True)
+            self.task = self.bar.add_task("shapes", total=total)
             self.bar.start()
         self.bar.update(self.task, completed=done)
         if done >= total:

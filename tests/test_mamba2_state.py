@@ -59,6 +59,13 @@ def test_forced_rejection_matches_serial(model, serial, fold, partial, pos0):
     assert check_forced_rejections(model, options, serial, pos0, TOL) == sum(range(2, 9))
 
 
+@pytest.mark.parametrize("fold,partial", [("lazy", False), ("eager", False), ("lazy", True)])
+def test_padded_windows_match_serial(model, serial, fold, partial):
+    """Windows padded to their row bucket (GPU backends' default): the same checks."""
+    options = EngineOptions(fold=fold, partial=partial, pad_windows=True)
+    assert check_forced_rejections(model, options, serial, 9, TOL) == sum(range(2, 9))
+
+
 def test_wrong_rows_would_be_detected(model, serial):
     """The comparison is sharp: a committed row whose input was wrong shows in the SSM state."""
     seq, _, serial_states = serial

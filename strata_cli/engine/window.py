@@ -15,10 +15,18 @@ It changes no committed state until `commit(1)`; `abandon()` closes it instead.
 
 A transaction guard turns every misuse (a second run before commit, a second commit, a keep out
 of range, a window that does not start at the committed length) into a `WindowError`.
+
+Shapes: a backend that builds kernels per shape (MLX's CUDA backend) pays for each new window
+size once. With padding on, a window of T rows runs as its row bucket (1, 2, 4 or 8 rows), the
+extra rows repeating the last token: under row invariance a row computes what it computes alone,
+so the real rows' outputs are those of the unpadded window, bit for bit, and commit never keeps
+a padded row (keep <= T). Each bucket is warmed once, at load (`warm_up`) or before the window
+that first needs it (`ensure_warm`), on scratch state.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -34,9 +42,23 @@ from .state import ArraySpec, GDNState, KVState, Mamba2State, Mode
 GPU_PREFILL_CHUNK = 2048
 
 
+# The row counts a padded window runs: the compiled row capacities of metal_shaders/rows_matvec.py.
+WINDOW_BUCKETS = (1, 2, 4, 8)
+
+
 def default_prefill_chunk() -> int:
     """Prompt rows per chunk on the running backend."""
     return PREFILL_CHUNK if mx.default_device() == mx.cpu else GPU_PREFILL_CHUNK
+
+
+def on_gpu() -> bool:
+    """Whether the default device is a GPU (its backend builds kernels per shape)."""
+    return mx.default_device().type != mx.cpu
+
+
+def row_bucket(T: int) -> int:
+    """The smallest bucket of WINDOW_BUCKETS that holds T rows (T itself past the largest)."""
+    return next((b for b in WINDOW_BUCKETS if b >= T), T)
 
 
 class WindowError(RuntimeError):
@@ -113,6 +135,11 @@ class WindowEngine:
         self.expert_cache = getattr(model, "expert_cache", None)
         self.prefill_expert_bytes = 0  # bytes the last prefill read from the expert files
         self._like: Snapshot | None = None  # snapshot_like(), made once
+        pad = self.options.pad_windows
+        self.pads_windows = (on_gpu() and self.expert_cache is None) if pad is None else pad
+        # Warm each window shape before first use, off the window's clock (EngineOptions.warm_shapes).
+        self.warms_on_first_use = self.options.warm_shapes is None and on_gpu()
+        self.warm_rows: set[int] = set()  # window row counts this process has run
 
     # -- the window contract -------------------------------------------------------------------
 
@@ -123,13 +150,22 @@ class WindowEngine:
         T = len(tokens)
         self._check_window(tokens, pos0)
         mode = Mode.PARTIAL if self.options.partial else Mode.WINDOW
-        logits = self._forward(mx.array([list(tokens)]), pos0, mode)[0].astype(mx.float32)
+        rows = self.window_rows(T, pos0)
+        ids = list(tokens) + [tokens[-1]] * (rows - T)  # padded rows: never kept (commit checks keep <= T)
+        logits = self._forward(mx.array([ids]), pos0, mode)[0].astype(mx.float32)
         greedy = mx.argmax(logits, axis=-1)
         mx.eval(logits, greedy)
+        self.warm_rows.add(rows)
         self._open = (pos0, T, mode)
         if mode is Mode.PARTIAL:
             self.length = pos0 + 1
-        return WindowOutput(logits=logits, tokens=greedy.tolist())
+        return WindowOutput(logits=logits[:T] if rows > T else logits, tokens=greedy.tolist()[:T])
+
+    def window_rows(self, T: int, pos0: int) -> int:
+        """Rows a window of T tokens at pos0 runs: its bucket when padding is on and the bucket
+        fits the context, else T."""
+        rows = row_bucket(T) if self.pads_windows else T
+        return rows if pos0 + rows <= self.max_context else T
 
     def launch(self, token: int | PendingToken, pos0: int) -> PendingToken:
         """Start a 1-row window at pos0 and return its greedy token without waiting for it.
@@ -151,6 +187,7 @@ class WindowEngine:
         logits = self._forward(ids, pos0, Mode.WINDOW)[0].astype(mx.float32)
         greedy = mx.argmax(logits, axis=-1, keepdims=True)
         mx.async_eval(greedy)
+        self.warm_rows.add(1)
         self._open = (pos0, 1, Mode.WINDOW)
         return PendingToken(greedy)
 
@@ -214,32 +251,70 @@ class WindowEngine:
                 progress(len(piece))
         return None if logits is None else logits[0, -1].astype(mx.float32)
 
-    def warm_up(self, max_T: int, chunk: int | None = None) -> None:
-        """Run every window shape once on a scratch state, then reset.
+    def warm_up(self, max_T: int, chunk: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> dict[int, float]:
+        """Warm every window shape of T = 1..max_T rows once (`warm`), and with `chunk` one
+        prefill chunk of that many rows (fewer when the context is smaller).
 
-        Backends that build kernels per shape (MLX's CUDA backend) pay that the first time a
-        shape appears; here it is paid at load, not inside a request's timed windows. Covers
-        one prefill chunk of `chunk` rows (fewer when the context is smaller) and windows of
-        T = 1..max_T rows, each committed with every keep 1..T (a lazy fold's shape follows
-        keep). Needs an engine that holds nothing; it holds nothing afterwards.
+        With padding that is one shape per row bucket (four for T <= 8), else one per T. No
+        shape depends on keep: a commit slices the window's rows, and the next window's fold
+        scans them with the window's own scan. Needs an engine that holds nothing; it holds
+        nothing afterwards.
+
+        Returns:
+            seconds spent per window row count, in the order warmed (`progress(done, total)`
+            is called before the first and after each).
         """
         self._require_closed("warm_up")
         if self.length:
             raise WindowError(f"warm_up() needs an empty engine, this one holds {self.length} positions")
-        max_T = min(max_T, self.max_context - 1)
-        chunk = chunk or default_prefill_chunk()
-        tokens = [i % self.vocab_size for i in range(max(1, min(chunk, self.max_context - 1)))]
-        self.prefill(tokens)
-        self.reset()
-        for T in range(1, max_T + 1):
-            for keep in range(1, T + 1):
-                if self.length + T + 1 > self.max_context:
-                    self.reset()
-                self.run([i % self.vocab_size for i in range(T)], self.length)
+        if chunk:
+            self.prefill([i % self.vocab_size for i in range(max(1, min(chunk, self.max_context - 1)))])
+            self.reset()
+        shapes = sorted({self.window_rows(T, 0) for T in range(1, min(max_T, self.max_context - 1) + 1)})
+        seconds = {}
+        if progress:
+            progress(0, len(shapes))
+        for done, rows in enumerate(shapes, 1):
+            seconds[rows] = self.warm(rows)
+            if progress:
+                progress(done, len(shapes))
+        return seconds
+
+    def needs_warm(self, T: int, pos0: int) -> bool:
+        """Whether a window of T tokens at pos0 would be the first of its shape, on an engine
+        that warms shapes on first use."""
+        return self.warms_on_first_use and self.window_rows(T, pos0) not in self.warm_rows
+
+    def ensure_warm(self, T: int, pos0: int) -> float:
+        """Warm the shape of a window of T tokens at pos0 if it is new (`needs_warm`); the
+        seconds spent (0.0 when nothing was warmed). Call it between windows, outside their
+        timing, so no window and no cost sample carries a kernel build."""
+        return self.warm(self.window_rows(T, pos0)) if self.needs_warm(T, pos0) else 0.0
+
+    def warm(self, rows: int) -> float:
+        """Run windows of exactly `rows` rows on scratch state: one keeping one row, one keeping
+        every row, then a one-row window that folds the first's kept row. The engine's own
+        state is untouched. Returns the seconds spent."""
+        self._require_closed("warm")
+        states, length, pads = self.states, self.length, self.pads_windows
+        self.states = [make_state(kind, params, self.options) for kind, params in self.model.state_kinds]
+        self.length, self.pads_windows = 0, False  # `rows` as given: a bucket, or a window near the context's end
+        start = time.perf_counter()
+        try:
+            tokens = [i % self.vocab_size for i in range(rows)]
+            for keep in (1, rows):
+                if self.length + rows + 1 > self.max_context:
+                    break
+                self.run(tokens, self.length)
                 self.commit(keep)
-        self.run([0], self.length)  # the last commit's fold
-        self.commit(1)
-        self.reset()
+            if self.length + 1 <= self.max_context:
+                self.run([0], self.length)  # the last commit's fold
+                self.commit(1)
+            mx.eval(self._committed_arrays())
+        finally:
+            self.states, self.length, self.pads_windows, self._open = states, length, pads, None
+        return time.perf_counter() - start
 
     # -- committed state -----------------------------------------------------------------------
 

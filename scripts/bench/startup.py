@@ -1,0 +1,264 @@
+"""Start-up of `strata generate` as a user's script runs it: time to first token from process
+start, on a fresh machine (empty caches) and on a machine that has run strata before, serial and
+`auto`, and where the time goes.
+
+Every timed run is its own `strata generate --json` process, its clock started just before the
+process; time to first token is the `first_token_unix_s` its stats report minus that start. A
+"cold" run gets an empty cache directory (XDG_CACHE_HOME: strata's kernel cache, which MLX_PTX_CACHE_DIR
+points at, and the cost curve); a "later" run reuses the directory the cold run of its mode
+filled. Steady tok/s, the median and the largest window after the first come from the same
+stats. Then, each in its own process, where the time goes: the start-up probes of strata's own
+kernels (metal_shaders: compiled by NVRTC in every process, MLX keeps none of them), then every
+window shape warmed at load (`--warm-shapes`), per row count, with padding on (4 shapes) and
+off (T = 1..8), with the kernel cache cold and warm; and the number of kernel modules MLX kept.
+
+    python -m scripts.bench.startup --out h200_startup.json      # the H200 run (builds the checkpoint)
+    python -m scripts.bench.startup --tiny --out /tmp/s.json      # a CPU check of the script, < 1 min
+
+Writes JSON as it goes (a phase that does not fit `--budget-seconds` is skipped and named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT_FILE = ROOT / "examples" / "prompts" / "prose.txt"
+MODES = {"serial": "0", "auto": "auto"}
+
+
+def checkpoint(args) -> Path:
+    """`--model`, or the 8-layer 80B-A3B-shaped 4-bit checkpoint (`compare_mlx_lm.build_checkpoint`),
+    with the demo model's tokenizer (random weights: any tokenizer will do)."""
+    if args.model:
+        return Path(args.model)
+    from scripts.bench.compare_mlx_lm import build_checkpoint
+    from strata_cli.runtime import embedded_model_path
+
+    path = args.dir / ("tiny" if args.tiny else f"q4-{args.layers}L")
+    if not (path / "config.json").is_file():
+        print(f"building {path} with mlx-lm", flush=True)
+        start = time.perf_counter()
+        # the tiny shape takes the demo tokenizer's vocabulary, so the prompt's ids fit
+        build_checkpoint(path, layers=args.layers, tiny=args.tiny, bits=4, seed=0,
+                         shape={"vocab_size": 4096} if args.tiny else None)
+        print(f"built in {time.perf_counter() - start:.1f} s", flush=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (path / name).is_file():
+            shutil.copy(embedded_model_path() / name, path / name)
+    return path
+
+
+def clean_env(cache: Path) -> dict:
+    """The environment of a timed process: its own cache directory and no strata or MLX cache
+    setting from the caller's shell."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_") and k != "MLX_PTX_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(cache)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = ()) -> dict:
+    """One `strata generate --json` process: time to first token from process start and its stats."""
+    cmd = [sys.executable, "-m", "strata_cli.cli", "generate", "-", "--json", "--model", str(model),
+           "--max-tokens", str(args.tokens), "--suffix-draft", MODES[mode], *extra]
+    if args.max_context:
+        cmd += ["--max-context", str(args.max_context)]
+    started = time.time()
+    proc = subprocess.run(cmd, input=args.prompt, capture_output=True, text=True, env=clean_env(cache),
+                          timeout=args.process_timeout)
+    wall = time.time() - started
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    record = json.loads(proc.stdout.splitlines()[-1])
+    stats = record["stats"]
+    return {
+        "mode": mode,
+        "ttft_s": stats["first_token_unix_s"] - started,
+        "process_s": wall,
+        "load_warmup_s": stats["warmup_seconds"],
+        "shape_warmup_in_request_s": stats["shape_warmup_seconds"],
+        "calibration_s": stats["calibration_seconds"],
+        "prefill_s": stats["prefill_tokens"] / stats["prefill_tokens_per_s"] if stats["prefill_tokens_per_s"] else 0.0,
+        "first_window_ms": stats["warmup_window_ms"],
+        "steady_tokens_per_s": stats["steady_tokens_per_s"],
+        "median_window_ms": stats["window_ms_median"],
+        "max_window_ms_after_first_token": stats["window_ms_max"],
+        "generated_tokens": stats["generated_tokens"],
+        "drafts_offered": stats["drafts_offered"],
+        "windows_by_T": stats["window_T_histogram"],
+        "announced_compile": "compiling GPU kernels" in proc.stderr,
+        "token_ids": record["token_ids"],
+    }
+
+
+SHAPES_PROBE = """
+import json, sys, time
+start = time.perf_counter()
+from strata_cli.kernel_cache import prepare_kernel_cache
+from strata_cli.options import EngineOptions, LoadOptions
+from strata_cli.runtime import open_model
+from metal_shaders import attention_window, gdn_window, rows_matvec
+prepare_kernel_cache()  # before any compile: MLX fixes its cache directory at the first
+probes = {}
+for name, usable in (("rows_matvec", rows_matvec.kernels_usable), ("gdn_window", gdn_window.usable),
+                     ("attention_window", attention_window.usable)):
+    t = time.perf_counter(); usable(); probes[name] = time.perf_counter() - t
+rt = open_model(LoadOptions(model=sys.argv[1]), EngineOptions(warm_shapes=True, pad_windows=sys.argv[2] == "1",
+                max_context=int(sys.argv[3]) or None))
+first = time.perf_counter() - start
+t = time.perf_counter(); again = rt.engine.warm_up(8); rewarm = time.perf_counter() - t
+print(json.dumps({"process_to_ready_s": first, "kernel_probes_s": probes, "warmup_s": rt.warmup_seconds,
+                  "warmup_by_rows_s": {str(k): v for k, v in rt.warmup_by_rows.items()},
+                  "second_warm_up_s": rewarm, "kernel_cache": rt.kernel_cache.as_dict(),
+                  "kernels": {"rows": rows_matvec.status(), "gdn": gdn_window.status(),
+                              "attention": attention_window.status()}}))
+"""
+
+
+def shapes_probe(model: Path, cache: Path, pad: bool, args) -> dict:
+    """One process: load, warm every window shape at load (per row count), then warm them again
+    (what is left once the process has built them: the runs themselves)."""
+    proc = subprocess.run([sys.executable, "-c", SHAPES_PROBE, str(model), "1" if pad else "0",
+                           str(args.max_context or 0)], capture_output=True, text=True, env=clean_env(cache),
+                          timeout=args.process_timeout)
+    if proc.returncode:
+        raise RuntimeError(f"shape probe exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return {"padded": pad, **json.loads(proc.stdout.splitlines()[-1])}
+
+
+def kept_modules(cache: Path) -> int:
+    """Kernel modules MLX compiled and kept under `cache` (strata's kernel directory)."""
+    return sum(1 for _ in (cache / "strata" / "kernels").rglob("*.ptx")) if (cache / "strata").exists() else 0
+
+
+def git_tree() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def summarize(runs: list[dict], mode: str) -> dict:
+    cold = [r for r in runs if r["mode"] == mode and r["phase"] == "cold"]
+    later = [r for r in runs if r["mode"] == mode and r["phase"] == "later"]
+    steady = [r for r in cold + later]
+    out = {"first_run_ttft_s": cold[0]["ttft_s"] if cold else None,
+           "later_run_ttft_s": statistics.median(r["ttft_s"] for r in later) if later else None}
+    if steady:
+        out["steady_tokens_per_s"] = statistics.median(r["steady_tokens_per_s"] for r in steady)
+        out["max_window_ms_after_first_token"] = max(r["max_window_ms_after_first_token"] for r in steady)
+        out["median_window_ms"] = statistics.median(r["median_window_ms"] for r in steady)
+        out["max_over_median"] = out["max_window_ms_after_first_token"] / out["median_window_ms"]
+    return out
+
+
+def run(args) -> dict:
+    started = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="strata-startup-"))
+    model = checkpoint(args)
+    result = {"tree": git_tree(), "model": str(model) if args.model else f"q4-{args.layers}L 80B-A3B shape"
+              + (" (tiny)" if args.tiny else ""), "machine": platform.node(), "tokens": args.tokens,
+              "python": sys.executable, "runs": [], "skipped": []}
+    import mlx.core as mx
+
+    result["device"], result["mlx"] = str(mx.default_device()), mx.__version__
+
+    def save():
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    def fits(what: str) -> bool:
+        if time.perf_counter() - started < args.budget_seconds:
+            return True
+        result["skipped"].append(what)
+        print(f"skipped (budget): {what}", flush=True)
+        return False
+
+    caches = {mode: work / f"cache-{mode}" for mode in MODES}
+    plan = [("cold", "serial"), ("later", "serial"), ("cold", "auto"), ("later", "auto")]
+    plan += [("later", mode) for _ in range(args.later_runs - 1) for mode in MODES]
+    for phase, mode in plan:
+        if not fits(f"{phase} {mode}"):
+            continue
+        r = generate_run(model, mode, caches[mode], args)
+        r["phase"] = phase
+        r["kept_modules_after"] = kept_modules(caches[mode])
+        result["runs"].append({k: v for k, v in r.items() if k != "token_ids"} | {"tokens_head": r["token_ids"][:8]})
+        result.setdefault("token_ids", {}).setdefault(mode, r["token_ids"])
+        print(f"{phase:5} {mode:6}: first token {r['ttft_s']:.1f} s (process {r['process_s']:.1f} s), "
+              f"{r['steady_tokens_per_s']:.1f} tok/s, window median {r['median_window_ms']:.2f} ms, "
+              f"max {r['max_window_ms_after_first_token']:.2f} ms, drafts offered {r['drafts_offered']}", flush=True)
+        save()
+    ids = result.pop("token_ids", {})
+    result["identical"] = len({tuple(v) for v in ids.values()}) <= 1
+    for mode in MODES:
+        result[mode] = summarize(result["runs"], mode)
+    if result["serial"].get("steady_tokens_per_s") and result["auto"].get("steady_tokens_per_s"):
+        result["auto_over_serial_steady"] = result["auto"]["steady_tokens_per_s"] / result["serial"]["steady_tokens_per_s"]
+    save()
+
+    # Where the time goes: every shape warmed at load, per row count, cold and warm kernel cache.
+    probes = [("warm cache, padded", caches["serial"], True), ("cold cache, padded", work / "cache-probe", True),
+              ("warm cache, unpadded", caches["serial"], False)]
+    result["shapes"] = []
+    for label, cache, pad in probes:
+        if not fits(f"shape probe: {label}"):
+            continue
+        probe = {"label": label, **shapes_probe(model, cache, pad, args)}
+        result["shapes"].append(probe)
+        rows = ", ".join(f"{k}: {v:.2f}" for k, v in probe["warmup_by_rows_s"].items())
+        kernels = ", ".join(f"{k} {v:.1f}" for k, v in probe["kernel_probes_s"].items())
+        print(f"shapes ({label}): kernel probes (s) {kernels}; ready in {probe['process_to_ready_s']:.1f} s, "
+              f"warm-up {probe['warmup_s']:.1f} s "
+              f"by rows (s) {rows}; again {probe['second_warm_up_s']:.2f} s", flush=True)
+        save()
+    result["kept_modules"] = {"serial": kept_modules(caches["serial"]), "auto": kept_modules(caches["auto"])}
+    result["seconds"] = time.perf_counter() - started
+    save()
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a checkpoint directory (default: build the 80B-A3B shape)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and few tokens: a CPU check of the script")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--later-runs", type=int, default=1, help="later processes per mode (median)")
+    parser.add_argument("--max-context", type=int, default=None)
+    parser.add_argument("--budget-seconds", type=float, default=300.0,
+                        help="start no phase after this many seconds (the checkpoint build included)")
+    parser.add_argument("--process-timeout", type=float, default=300.0)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-compare",
+                        help="where a built checkpoint is kept (compare_mlx_lm's default: shared with it)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.layers, args.tokens, args.later_runs = 2, 12, 1
+        args.max_context = args.max_context or 256
+    args.prompt = PROMPT_FILE.read_text()
+    result = run(args)
+    print(json.dumps({k: result[k] for k in ("tree", "model", "serial", "auto")}, indent=1))
+    if args.out:
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

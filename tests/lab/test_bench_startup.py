@@ -1,0 +1,28 @@
+"""scripts/bench/startup.py on the tiny shape (CPU): it builds the checkpoint, times separate
+`strata generate` processes cold and later, serial and auto, probes the shapes, and writes every
+field docs/runs/h200_startup.json records."""
+
+import json
+
+from scripts.bench import startup
+
+
+def test_startup_tiny_writes_every_field(tmp_path):
+    out = tmp_path / "startup.json"
+    startup.main(["--tiny", "--dir", str(tmp_path / "ckpt"), "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert (tmp_path / "ckpt" / "tiny" / "tokenizer.json").is_file()
+    assert data["tree"] and data["model"] and data["skipped"] == []
+    for mode in ("serial", "auto"):
+        figures = data[mode]
+        for key in ("first_run_ttft_s", "later_run_ttft_s", "steady_tokens_per_s",
+                    "max_window_ms_after_first_token", "median_window_ms"):
+            assert figures[key] > 0, (mode, key)
+    assert {(r["phase"], r["mode"]) for r in data["runs"]} == {
+        (p, m) for p in ("cold", "later") for m in ("serial", "auto")}
+    assert all(0 < r["ttft_s"] < r["process_s"] for r in data["runs"])
+    assert not any(r["announced_compile"] for r in data["runs"])  # the CPU compiles nothing per machine
+    assert data["identical"]
+    assert [list(p["warmup_by_rows_s"]) for p in data["shapes"]] == [
+        ["1", "2", "4", "8"], ["1", "2", "4", "8"], [str(T) for T in range(1, 9)]]
+    assert all(set(p["kernel_probes_s"]) == {"rows_matvec", "gdn_window", "attention_window"} for p in data["shapes"])
