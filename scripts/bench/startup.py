@@ -75,8 +75,14 @@ def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (
     if args.max_context:
         cmd += ["--max-context", str(args.max_context)]
     started = time.time()
-    proc = subprocess.run(cmd, input=args.prompt, capture_output=True, text=True, env=clean_env(cache),
-                          timeout=args.process_timeout)
+    try:
+        proc = subprocess.run(cmd, input=args.prompt, capture_output=True, text=True, env=clean_env(cache),
+                              timeout=args.process_timeout)
+    except subprocess.TimeoutExpired as e:
+        # A fresh machine's first process can outlast the timeout: record it, keep what it compiled.
+        tail = (e.stderr or b"")[-2000:]
+        return {"mode": mode, "timed_out": True, "process_s": time.time() - started,
+                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail, "token_ids": []}
     wall = time.time() - started
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -154,10 +160,13 @@ def git_tree() -> str:
 
 
 def summarize(runs: list[dict], mode: str) -> dict:
-    cold = [r for r in runs if r["mode"] == mode and r["phase"] == "cold"]
-    later = [r for r in runs if r["mode"] == mode and r["phase"] == "later"]
+    done = [r for r in runs if not r.get("timed_out")]
+    cold = [r for r in done if r["mode"] == mode and r["phase"] == "cold"]
+    later = [r for r in done if r["mode"] == mode and r["phase"] == "later"]
     steady = [r for r in cold + later]
+    timed_out = [r for r in runs if r.get("timed_out") and r["mode"] == mode and r["phase"] == "cold"]
     out = {"first_run_ttft_s": cold[0]["ttft_s"] if cold else None,
+           "first_run_timed_out_after_s": timed_out[0]["process_s"] if timed_out else None,
            "later_run_ttft_s": statistics.median(r["ttft_s"] for r in later) if later else None}
     if steady:
         out["steady_tokens_per_s"] = statistics.median(r["steady_tokens_per_s"] for r in steady)
@@ -189,8 +198,11 @@ def run(args) -> dict:
         print(f"skipped (budget): {what}", flush=True)
         return False
 
-    caches = {mode: work / f"cache-{mode}" for mode in MODES}
-    plan = [("cold", "serial"), ("later", "serial"), ("cold", "auto"), ("later", "auto")]
+    # One cache directory, as on a user's machine: the first process finds it empty, later ones
+    # (either mode) find what earlier processes kept.
+    shared = work / "cache"
+    caches = {mode: shared for mode in MODES}
+    plan = [("cold", "serial"), ("later", "serial"), ("later", "auto")]
     plan += [("later", mode) for _ in range(args.later_runs - 1) for mode in MODES]
     for phase, mode in plan:
         if not fits(f"{phase} {mode}"):
@@ -198,6 +210,12 @@ def run(args) -> dict:
         r = generate_run(model, mode, caches[mode], args)
         r["phase"] = phase
         r["kept_modules_after"] = kept_modules(caches[mode])
+        if r.get("timed_out"):
+            result["runs"].append({k: v for k, v in r.items() if k != "token_ids"})
+            print(f"{phase:5} {mode:6}: no first token within {args.process_timeout:.0f} s "
+                  f"({r['kept_modules_after']} kernel modules kept)", flush=True)
+            save()
+            continue
         result["runs"].append({k: v for k, v in r.items() if k != "token_ids"} | {"tokens_head": r["token_ids"][:8]})
         result.setdefault("token_ids", {}).setdefault(mode, r["token_ids"])
         print(f"{phase:5} {mode:6}: first token {r['ttft_s']:.1f} s (process {r['process_s']:.1f} s), "
