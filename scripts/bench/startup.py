@@ -135,9 +135,12 @@ print(json.dumps({"process_to_ready_s": first, "kernel_probes_s": probes, "warmu
 def shapes_probe(model: Path, cache: Path, pad: bool, args) -> dict:
     """One process: load, warm every window shape at load (per row count), then warm them again
     (what is left once the process has built them: the runs themselves)."""
-    proc = subprocess.run([sys.executable, "-c", SHAPES_PROBE, str(model), "1" if pad else "0",
-                           str(args.max_context or 0)], capture_output=True, text=True, env=clean_env(cache),
-                          timeout=args.process_timeout)
+    try:
+        proc = subprocess.run([sys.executable, "-c", SHAPES_PROBE, str(model), "1" if pad else "0",
+                               str(args.max_context or 0)], capture_output=True, text=True, env=clean_env(cache),
+                              timeout=args.process_timeout)
+    except subprocess.TimeoutExpired:
+        return {"padded": pad, "timed_out": True}
     if proc.returncode:
         raise RuntimeError(f"shape probe exited {proc.returncode}: {proc.stderr[-2000:]}")
     return {"padded": pad, **json.loads(proc.stdout.splitlines()[-1])}
@@ -239,6 +242,10 @@ def run(args) -> dict:
             continue
         probe = {"label": label, **shapes_probe(model, cache, pad, args)}
         result["shapes"].append(probe)
+        if probe.get("timed_out"):
+            print(f"shapes ({label}): not ready within {args.process_timeout:.0f} s", flush=True)
+            save()
+            continue
         rows = ", ".join(f"{k}: {v:.2f}" for k, v in probe["warmup_by_rows_s"].items())
         kernels = ", ".join(f"{k} {v:.1f}" for k, v in probe["kernel_probes_s"].items())
         print(f"shapes ({label}): kernel probes (s) {kernels}; ready in {probe['process_to_ready_s']:.1f} s, "
