@@ -150,8 +150,8 @@ def mamba2_prepare(window, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_he
     T, H = dt.shape[1], dt.shape[2]
     P, G, N = head_dim, n_groups, state_size
     if conv_bias is None:
-        conv_bias = mx.zeros((C,), dtype=mx.float32)  # + 0 leaves every value (silu(±0) = ±0 alike)
-    limits = mx.array(dt_limits, dtype=mx.float32)
+        conv_bias = _constant(("zeros", C), lambda: mx.zeros((C,), dtype=mx.float32))  # + 0 changes no value
+    limits = _constant(("limits", *dt_limits), lambda: mx.array(dt_limits, dtype=mx.float32))
     kernel = gpu_kernel("strata_mamba2_prepare",
                         ["dims", "window", "conv_weight", "conv_bias", "dt_in", "dt_bias", "A_log", "limits"],
                         ["x_out", "B_out", "C_out", "dt_out", "g_out"], PREPARE)
@@ -162,6 +162,16 @@ def mamba2_prepare(window, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_he
                      output_shapes=[(B, T, H, P), (B, T, G, N), (B, T, G, N), (B, T, H), (B, T, H)],
                      **prepare_launch(B, T, C, H))
     return tuple(outputs)
+
+
+_constants: dict[tuple, mx.array] = {}
+
+
+def _constant(key: tuple, make) -> mx.array:
+    """A small constant input made once per process (a decode step makes no new array for it)."""
+    if key not in _constants:
+        _constants[key] = make()
+    return _constants[key]
 
 
 def reference_prepare(window, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_heads: int, head_dim: int,

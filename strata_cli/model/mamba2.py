@@ -32,6 +32,9 @@ from .layers import RowLinear, RowSplit
 
 CHUNK = 64  # rows per chunk of the SSD form
 MIN_CHUNKED_ROWS = 16  # shorter windows (every decode window: T <= 8) keep the per-row scan
+# Whether decode windows may take the window kernels where they pass their probe: kept on only
+# where measured faster than the MLX ops (scripts/bench/kernel_bench.py, docs/families.md).
+WINDOW_KERNELS = True
 _per_head = mamba2_window.per_head
 
 
@@ -167,7 +170,7 @@ class Mamba2Mixer(nn.Module):
     def takes_kernels(self, rows: int) -> bool:
         """Whether a window of `rows` rows runs the Mamba-2 window kernels (a GPU where they passed
         their probe; RowSplit "never" keeps every window on MLX ops, as for the matmuls)."""
-        return (RowSplit.kernel_may_take(rows) and mamba2_window.supports(self.state_size)
+        return (WINDOW_KERNELS and RowSplit.kernel_may_take(rows) and mamba2_window.supports(self.state_size)
                 and mamba2_window.usable())
 
     # A layer call is head (pure), core (the state's part), tail (pure): the decoder layers
