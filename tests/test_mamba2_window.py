@@ -217,3 +217,20 @@ def test_kernel_bench_times_the_mamba2_window_on_the_cpu():
     records = kernel_bench.bench_mamba2("mamba2", 4, 16, 2, 32, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0)
     assert [r["R"] for r in records] == list(kernel_bench.ROWS)
     assert all(r["identical_to_1_row"] and r["max_abs_diff"] == 0.0 and r["ms"]["mlx"] > 0 for r in records)
+
+
+def test_selftest_hybrid_check_passes_in_bfloat16_through_the_kernels(monkeypatch, emulator):
+    """What `strata selftest` runs for the Mamba-2 hybrid on a GPU backend: bfloat16 weights, the
+    window kernels (emulated here) in every decode window, drafts against serial decoding."""
+    from strata_cli.bench import hybrid_probe, selftest
+    from strata_cli.options import SpecOptions
+
+    calls = []
+    _emulated_kernels(monkeypatch, emulator, calls)
+    engine = hybrid_probe.build_engine(mx.bfloat16)
+    assert engine.model.layers[0].mixer.in_proj.weight.dtype == mx.bfloat16
+    prompts = hybrid_probe.prompts(lambda ids, n: selftest._tokens(engine, ids, n, SpecOptions()), count=1)
+    results = []
+    selftest._check(engine, selftest.HYBRID, "bfloat16", prompts, 8, results, None)
+    assert [r["mode"] for r in results] == ["3", "auto"] and all(r["identical"] for r in results)
+    assert {n for kind, n in calls if kind == "scan"} > {1}
