@@ -105,7 +105,7 @@ def test_streamed_convert_is_bit_identical(root, prompt_ids, tmp_path, family, b
         streamed.expert_cache.close()
 
 
-def test_nemotron_streamed_records_verify_and_corruption_is_named(root, tmp_path):
+def test_nemotron_streamed_records_verify_convert_back_and_corruption_is_named(root, tmp_path):
     out = tmp_path / "s"
     result = CliRunner().invoke(cli, ["convert", str(hybrid_hf_checkpoint(root, "nemotron_h")), str(out),
                                       "--bits", "4", "--stream"])
@@ -114,6 +114,12 @@ def test_nemotron_streamed_records_verify_and_corruption_is_named(root, tmp_path
     records = sum(len(b["records"]) for b in index["blocks"])
     assert records == 2 * 8  # two E blocks of 8 experts
     assert verify_checkpoint(out).expert_records == records
+    back = convert(out, tmp_path / "back", options=ConvertOptions()).path  # the relu² records read back whole
+    assert not (back / "experts").exists()
+    ids = list(range(3, 40))
+    assert mx.array_equal(WindowEngine(load_model(back)).run(ids, 0).logits,
+                          WindowEngine(load_model(convert(hybrid_hf_checkpoint(root, "nemotron_h"), tmp_path / "q4",
+                                                          options=ConvertOptions(bits=4)).path)).run(ids, 0).logits)
     block = index["blocks"][1]
     offset, length, _ = block["records"][5]
     with open(out / "experts" / block["file"], "r+b") as f:
