@@ -56,6 +56,7 @@ from strata_cli.bench.runner import git_commit
 from strata_cli.bench.selftest import selftest, window_costs
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
+from strata_cli.model import mamba2
 from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
 from strata_cli.runtime import load_checkpoint
 
@@ -351,7 +352,8 @@ def run(args, *, after_each=None) -> dict:
 def _record(families: dict) -> dict:
     common = {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
               "commit": git_commit(), "kernels": kernels.status(), "gdn_kernels": gdn_window.status(),
-              "mamba2_kernels": mamba2_window.status(), "attention_kernel": attention_window.status()}
+              "mamba2_kernels": {**mamba2_window.status(), "switched_on": mamba2.WINDOW_KERNELS},
+              "attention_kernel": attention_window.status()}
     if list(families) == ["qwen3_next"]:  # the record this script always wrote for the 80B shape
         only = families["qwen3_next"]
         return {**common, **{k: v for k, v in only.items() if k != "identity"}, "identity_80b_shape": only["identity"]}
@@ -376,6 +378,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefill-repeats", type=int, default=2)
     parser.add_argument("--identity-tokens", type=int, default=None, help="tokens per identity decode (--tokens)")
     parser.add_argument("--identity-dtypes", default="float32,bfloat16")
+    parser.add_argument("--mamba2-kernels", choices=["on", "off"], default="on",
+                        help="Mamba-2 decode windows through metal_shaders/mamba2_window.py where they pass their "
+                             "probe (on, the default) or as MLX ops (off): model/mamba2.py's WINDOW_KERNELS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-compare")
     parser.add_argument("--out", type=Path, default=None)
@@ -391,6 +396,7 @@ def main(argv=None) -> dict:
         args.prefill_tokens = min(args.prefill_tokens, 256)
     args.identity_tokens = args.identity_tokens or args.tokens
     args.identity_dtypes = [d.strip() for d in args.identity_dtypes.split(",") if d.strip()]
+    mamba2.WINDOW_KERNELS = args.mamba2_kernels == "on"
 
     def write(result: dict) -> None:
         if args.out:
