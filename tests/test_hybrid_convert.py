@@ -164,3 +164,26 @@ def test_nemotron_stream_refuses_options_that_read_softmax_probabilities(root, t
         assert "sigmoid" in str(e.value) and "\n" not in str(e.value)
     model = load_checkpoint(out, stream=StreamOptions(prefetch="history", resident_experts=2))
     model.expert_cache.close()
+
+
+def test_latent_experts_refuse_router_prefetch_in_one_line(tmp_path):
+    """Experts in a latent space (`moe_latent_size`) take a projection of the input the router
+    reads, so the next block's router cannot be applied to their input: router prefetch is refused
+    (history prefetch serves them)."""
+    from strata_cli.bench.hybrid_probe import CONFIG
+    from strata_cli.experts.store import write_streamed_experts
+    from strata_cli.experts.switch import attach_streamed_experts
+    from strata_cli.model.nemotron_h import Model, NemotronHConfig
+    from strata_cli.options import ConfigError
+
+    config = NemotronHConfig.from_dict({**CONFIG, "moe_latent_size": 32})
+    write_streamed_experts(Model(config), tmp_path)
+    with pytest.raises(ConfigError, match="--expert-prefetch router: .*latent") as e:
+        attach_streamed_experts(Model(config), tmp_path, dtype=mx.float32)
+    assert "\n" not in str(e.value)
+    model = Model(config)
+    cache = attach_streamed_experts(model, tmp_path, dtype=mx.float32, options=StreamOptions(prefetch="history"))
+    try:
+        assert model.layers[1].mixer.switch_mlp.kind == "relu2" and not model.layers[1].mixer.compilable
+    finally:
+        cache.close()
