@@ -37,15 +37,23 @@ class StreamedSwitchGLU(nn.Module):
     Args:
         cache: the expert cache.
         path: this block's module path (its records in the layout).
+        resident: the class of the resident stack it replaces: unquantized SwiGLU records take
+            its `by_expert` form where it has one (Granite's GPU prompt form), quantized ones
+            `QuantizedSwitchGLU`'s (`glu_by_expert`).
     """
 
-    def __init__(self, cache: ExpertCache, path: str):
+    def __init__(self, cache: ExpertCache, path: str, resident: type | None = None):
         super().__init__()
         self.cache, self.path = cache, path
         layout = cache.store.blocks[path]
         self.kind, self.quantization = layout.kind, layout.quantization
         self.plain = {proj: layout.plain_name(proj) for proj in layout.projections}
-        self.by_expert = relu2_by_expert if self.kind == "relu2" else glu_by_expert
+        if self.kind == "relu2":
+            self.by_expert = relu2_by_expert
+        elif self.quantization:
+            self.by_expert = glu_by_expert
+        else:
+            self.by_expert = getattr(resident, "by_expert", glu_by_expert)
 
     def _matmul(self, banks: dict[str, mx.array]):
         def matmul(name: str, xs: mx.array, slots: mx.array, is_sorted: bool) -> mx.array:
@@ -135,7 +143,7 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         store.close()
         raise
     for p, moe in blocks:
-        moe.switch_mlp = StreamedSwitchGLU(cache, p)
+        moe.switch_mlp = StreamedSwitchGLU(cache, p, type(moe.switch_mlp))
     model.expert_cache = cache
     return cache
 
