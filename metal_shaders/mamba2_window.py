@@ -64,7 +64,7 @@ SCAN = """
 # g = dt·(-exp(A_log)). dims: B, T, H, P, G, N, K; window is (B, K-1+T, C); limits (lo, hi).
 PREPARE = """
     const int B = dims[0], T = dims[1], H = dims[2], P = dims[3], G = dims[4], N = dims[5], K = dims[6];
-    const int I = H * P, C = I + 2 * G * N, W = K - 1 + T;
+    const int HP = H * P, C = HP + 2 * G * N, W = K - 1 + T;
     const int gid = block_x * block_dim + thread_x;
     if (gid >= B * T * (C + H)) return;
     const int per_row = C + H;
@@ -78,9 +78,9 @@ PREPARE = """
                        static_cast<float>(conv_weight[static_cast<size_t>(r) * K + j]), acc);
         acc = acc + static_cast<float>(conv_bias[r]);
         acc = acc / (1.0f + expf(-acc));
-        if (r < I) x_out[bt * I + r] = acc;
-        else if (r < I + G * N) B_out[bt * G * N + (r - I)] = acc;
-        else C_out[bt * G * N + (r - I - G * N)] = acc;
+        if (r < HP) x_out[bt * HP + r] = acc;
+        else if (r < HP + G * N) B_out[bt * G * N + (r - HP)] = acc;
+        else C_out[bt * G * N + (r - HP - G * N)] = acc;
         return;
     }
     const int h = r - C;
