@@ -123,8 +123,8 @@ def convert(
 
     Raises:
         ConvertError: DST exists (without force), is SRC or holds it, SRC is already quantized
-            or has no readable tokenizer.json, or `options.stream` and SRC has no experts strata
-            streams (Nemotron-H's, a dense model's); or, as `ConvertWriteError`, a file of DST
+            or has no readable tokenizer.json, or `options.stream` and SRC has no MoE experts
+            (a dense model); or, as `ConvertWriteError`, a file of DST
             cannot be written (DST is left as it was).
         ModelLoadError: SRC cannot be read.
     """
@@ -139,9 +139,9 @@ def convert(
         _check_tokenizer(src, dst)
     dtype = options.dtype or stored_dtype_name(src)
     model = read_source(src, dtype=dtype)
-    if options.stream and not expert_blocks(model):  # Nemotron-H's relu² experts, a dense model
-        raise ConvertError(f"--stream: {src} ({params.get('model_type')}) has no experts strata can stream "
-                           "(only SparseMoeBlock experts stream); convert it without --stream")
+    if options.stream and not expert_blocks(model):  # a dense model
+        raise ConvertError(f"--stream: {src} ({params.get('model_type')}) has no MoE experts to stream; "
+                           "convert it without --stream")
     quantization = _quantize(model, options) if options.bits is not None else params.get("quantization")
 
     dst.parent.mkdir(parents=True, exist_ok=True)

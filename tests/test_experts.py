@@ -141,3 +141,30 @@ def test_budget_options(checkpoints):
     with pytest.raises(ConfigError, match="streamed checkpoint"):
         load_checkpoint(checkpoints[0], stream=StreamOptions(resident_experts=4))
     load_checkpoint(checkpoints[0], stream=StreamOptions())  # defaults are no request
+
+
+def test_version_1_index_without_record_kinds_still_reads(tmp_path):
+    """Indexes written before record kinds (version 1, no `kind`) load as SwiGLU records; a
+    version 1 index naming another kind, or a version 2 block without one, is refused."""
+    import json
+
+    from strata_cli.experts.store import ExpertStoreError
+
+    E, rng = 3, np.random.default_rng(1)
+    tensors = {name: mx.array(rng.normal(size=(E, 4, 4)).astype(np.float32)) for name in ("gate_proj", "up_proj", "down_proj")}
+    writer = ExpertLayoutWriter(tmp_path, num_experts=E)
+    writer.add_block("model.layers.1.mlp.switch_mlp", tensors)
+    path = writer.finish()
+    index = json.loads(path.read_text())
+    assert index["version"] == 2 and index["blocks"][0]["kind"] == "glu"
+    del index["blocks"][0]["kind"]
+    with pytest.raises(ExpertStoreError, match="malformed"):
+        path.write_text(json.dumps(index))
+        read_index(tmp_path)
+    path.write_text(json.dumps({**index, "version": 1}))
+    _, [block] = read_index(tmp_path)
+    assert block.kind == "glu" and block.projections == ("gate_proj", "up_proj", "down_proj")
+    index["blocks"][0]["kind"] = "relu2"
+    path.write_text(json.dumps({**index, "version": 1}))
+    with pytest.raises(ExpertStoreError, match="not a record kind of version 1"):
+        read_index(tmp_path)

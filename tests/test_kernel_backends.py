@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_shaders import attention_window, backends, gdn_window, probe
+from metal_shaders import attention_window, backends, gdn_window, mamba2_window, probe
 from metal_shaders import rows_matvec as kernels
 
 BODIES = {
@@ -21,6 +21,8 @@ BODIES = {
     "rows_matvec.GATHER_QUANTIZED": kernels.GATHER_QUANTIZED,
     "gdn_window.PREPARE": gdn_window.PREPARE,
     "gdn_window.SCAN": gdn_window.SCAN,
+    "mamba2_window.PREPARE": mamba2_window.PREPARE,
+    "mamba2_window.SCAN": mamba2_window.SCAN,
     "attention_window.SOURCE": attention_window.SOURCE,
 }
 
@@ -103,6 +105,28 @@ def test_a_probe_runs_on_metal_and_a_failure_turns_the_kernels_off(monkeypatch, 
     assert "the reference path" in caplog.text
 
 
+def test_a_failing_mamba2_probe_turns_its_kernels_off_and_the_layer_falls_back(monkeypatch, caplog):
+    """On a (stand-in) Metal device the Mamba-2 kernels are made from the Metal prelude and probed
+    once; stand-ins that return zeros disagree with the reference, so the kernels are turned off
+    (logged once) and a decode window runs the layer's MLX ops."""
+    from strata_cli.model.mamba2 import Mamba2Mixer
+
+    made = []
+    _stand_in_makers(monkeypatch, made)
+    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
+    monkeypatch.setattr(mamba2_window, "_probe", probe.Probe("Mamba-2 window kernels", "MLX ops"))
+    layer = Mamba2Mixer(hidden_size=32, num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4, eps=1e-5,
+                        time_step_limit=(0.001, float("inf")))
+    with caplog.at_level(logging.WARNING, logger="strata.kernels"):
+        assert layer.takes_kernels(3) is False
+    assert mamba2_window.status() == {"usable": False, "probed": True,
+                                      "error": "mamba2_prepare and reference disagree (mlx.core.float32)"}
+    assert "Mamba-2 window kernels disabled" in caplog.text
+    assert {kind for kind, _ in made} == {backends.METAL}
+    assert made[0][1]["source"] == backends.source(backends.METAL, mamba2_window.PREPARE)
+    assert layer.takes_kernels(3) is False and len(made) == 1  # decided once per process
+
+
 def test_no_backend_off_the_gpu():
     if mx.default_device() != mx.cpu:
         pytest.fail("this check is for the CPU test machine")
@@ -150,6 +174,11 @@ def test_matrix_bodies_are_row_invariant_behind_each_prelude(emulate, backend, t
 def test_gdn_bodies_are_row_invariant_behind_the_metal_prelude(emulate, tmp_path):
     """(The CUDA prelude's run is tests/test_gdn_window.py's.)"""
     assert emulate.check_gdn(emulate.GDNEmulator(tmp_path, backends.METAL), 1, 2, 4, 32, 64, rows=(1, 3))
+
+
+def test_mamba2_bodies_are_row_invariant_behind_the_metal_prelude(emulate, tmp_path):
+    """(The CUDA prelude's run is tests/test_mamba2_window.py's.)"""
+    assert emulate.check_mamba2(emulate.Mamba2Emulator(tmp_path, backends.METAL), 2, 4, 16, 2, 32, rows=(1, 3))
 
 
 def test_the_attention_body_is_row_invariant_behind_the_metal_prelude(emulate, tmp_path):

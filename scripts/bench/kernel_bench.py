@@ -12,7 +12,10 @@ random routing) `rows_gather_qmatvec` against MLX's unsorted `gather_qmm` on the
 and the GDN decode window (Qwen3-Next-80B's heads: Hk 16, Hv 32, Dk = Dv = 128, conv kernel 4):
 `gdn_prepare` + `gdn_scan` (metal_shaders/gdn_window.py) against the MLX ops the layer runs
 without them (its references: conv, silu, l2norms, gating, the per-row scan); its "GB/s" counts
-the recurrent state read and written; and a decode window's attention (80B heads: Hq 16, Hkv 2,
+the recurrent state read and written; the Mamba-2 decode window (Nemotron-3-Nano-30B-A3B's
+heads: H 64, P 64, G 8, N 128, conv kernel 4): `mamba2_prepare` + `mamba2_scan`
+(metal_shaders/mamba2_window.py) against the layer's MLX ops (its references), "GB/s" as for
+GDN (`kernel_over_mlx` < 1 is where the kernels pay); and a decode window's attention (80B heads: Hq 16, Hkv 2,
 D 256; 512 and 16,384 cached cells): `attention_window` (metal_shaders/attention_window.py)
 against MLX's sdpa in one causal call (`mlx`, mlx-lm's path) and once per row (`split`, strata's
 path without the kernel); its "GB/s" counts the keys and values read. Each the median of
@@ -39,7 +42,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from metal_shaders import attention_window, gdn_window
+from metal_shaders import attention_window, gdn_window, mamba2_window
 from metal_shaders import rows_matvec as kernels
 
 ROWS = (1, 2, 4, 8)
@@ -206,6 +209,47 @@ def bench_gdn(name: str, Hk: int, Hv: int, Dk: int, Dv: int, *, use_kernel: bool
     return records
 
 
+def bench_mamba2(name: str, H: int, P: int, G: int, N: int, *, use_kernel: bool, repeats: int, inner: int,
+                 peak_gbs: float, conv_kernel: int = 4, seed: int = 0) -> list[dict]:
+    """A Mamba-2 layer's decode window between its projections, R = 1, 2, 4, 8 rows, bfloat16
+    inputs: `mamba2_prepare` + `mamba2_scan` (metal_shaders/mamba2_window.py) against the MLX
+    ops the layer runs without them (`reference_prepare` + `reference_scan`)."""
+    R8 = max(ROWS)
+    window, weight, bias, dt, dt_bias, A_log = mamba2_window.probe_inputs(1, R8, H, P, G, N, K=conv_kernel,
+                                                                         dtype=mx.bfloat16, seed=seed)
+    S = mx.random.normal((1, H, P, N), key=mx.random.key(seed + 1)) * 0.1
+    shapes = {"num_heads": H, "head_dim": P, "n_groups": G, "state_size": N, "dt_limits": (0.001, float("inf"))}
+    mx.eval(window, weight, bias, dt, dt_bias, A_log, S)
+
+    def step(R, t0=0, *, kernel=use_kernel, state=S):
+        prepare, scan = ((mamba2_window.mamba2_prepare, mamba2_window.mamba2_scan) if kernel
+                         else (mamba2_window.reference_prepare, mamba2_window.reference_scan))
+        rows = prepare(window[:, t0 : t0 + conv_kernel - 1 + R], weight, bias, dt[:, t0 : t0 + R], dt_bias, A_log,
+                       **shapes)
+        return scan(*rows, state)
+
+    chained, state = [], S
+    for t in range(R8):
+        y, state = step(1, t, state=state)
+        chained.append(y)
+    chained = mx.concatenate(chained, axis=1)
+    expected = step(R8, kernel=False)[0]
+    mx.eval(chained, expected)
+    state_bytes = 2 * S.nbytes
+    records = []
+    for R in ROWS:
+        y, _ = step(R)
+        mx.eval(y)
+        times = {"kernel": _median_ms(lambda R=R: step(R), repeats=repeats, inner=inner),
+                 "mlx": _median_ms(lambda R=R: step(R, kernel=False), repeats=repeats, inner=inner)}
+        gbs = state_bytes / (times["kernel"] / 1000) / 1e9
+        records.append({"shape": name, "K": H * P + 2 * G * N, "N": H * P, "R": R, "cols": 0,
+                        "identical_to_1_row": mx.array_equal(y, chained[:, :R]).item(),
+                        "max_abs_diff": mx.abs(y - expected[:, :R]).max().item(), "ms": times,
+                        "kernel_over_mlx": times["kernel"] / times["mlx"], "weight_gbs": gbs, "of_peak": gbs / peak_gbs})
+    return records
+
+
 def bench_attention(name: str, Hq: int, Hkv: int, D: int, cells: int, *, use_kernel: bool, repeats: int, inner: int,
                     peak_gbs: float, seed: int = 0) -> list[dict]:
     """A decode window's attention over `cells` cached cells (the window's rows the last R),
@@ -263,13 +307,16 @@ def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[i
     gdn_heads = (2, 4, 64, 64) if small else (16, 32, 128, 128)
     records += bench_gdn("gdn_window", *gdn_heads, use_kernel=gdn_window.usable(), repeats=repeats, inner=inner,
                          peak_gbs=peak_gbs)
+    mamba2_heads = (4, 16, 2, 32) if small else (64, 64, 8, 128)  # H, P, G, N: Nemotron-3-Nano-30B-A3B's
+    records += bench_mamba2("mamba2_window", *mamba2_heads, use_kernel=mamba2_window.usable(), repeats=repeats,
+                            inner=inner, peak_gbs=peak_gbs)
     heads, contexts = ((4, 2, 64), (64,)) if small else ((16, 2, 256), (512, 16384))
     for cells in contexts:
         records += bench_attention(f"attention_{cells}", *heads, cells, use_kernel=attention_window.usable(),
                                    repeats=repeats, inner=inner, peak_gbs=peak_gbs)
     identical = all(r.get("identical_to_1_row", True) and r.get("identical_to_default_cols", True) for r in records)
     return {"device": str(mx.default_device()), "machine": platform.node(), "mlx": mx.__version__,
-            "kernels": kernels.status(), "gdn_kernels": gdn_window.status(),
+            "kernels": kernels.status(), "gdn_kernels": gdn_window.status(), "mamba2_kernels": mamba2_window.status(),
             "attention_kernel": attention_window.status(), "path": "kernel" if use_kernel else "reference",
             "bits": BITS, "group_size": GROUP_SIZE, "dtype": "bfloat16", "repeats": repeats, "inner": inner,
             "all_rows_identical": identical, "records": records}

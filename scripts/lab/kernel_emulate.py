@@ -11,7 +11,9 @@ float32 reference, including column tails, 8-bit packing and a routed expert pic
 rows than one block takes. The GDN window kernels (metal_shaders/gdn_window.py) run the same
 way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
 (relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
-model's (2, 4, 64, 64) and a batch of 2. The attention window kernel
+model's (2, 4, 64, 64) and a batch of 2; so do the Mamba-2 window kernels
+(metal_shaders/mamba2_window.py), at Nemotron-3-Nano's heads (H 64, P 64, G 8, N 128), a
+Granite-like single group without a conv bias, and a batch of 2. The attention window kernel
 (metal_shaders/attention_window.py) runs a whole block at a time (its warps share memory): for
 T = 1..8 each row of a T-row call equals its 1-row call over the same cache buffer bit for bit
 and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
@@ -38,7 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import attention_window, backends, gdn_window
+from metal_shaders import attention_window, backends, gdn_window, mamba2_window
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -228,24 +230,32 @@ GDN_KINDS = {
 class GDNEmulator:
     """The GDN window kernels on the CPU (float32): `scan` and `prepare` with gdn_window's launch shapes."""
 
+    name, header = "gdn", gdn_window.HEADER
+
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
 
+    def kinds(self) -> dict:
+        return GDN_KINDS
+
+    def consts(self, kind: str, const: int) -> str:
+        """The template values MLX would define, for float32 inputs; `const` the compiled size."""
+        return (f"constexpr int DK = {const};" if kind == "scan" else
+                f"using TX = float; using TW = float; using TA = float; using TB = float; using TL = float; "
+                f"using TD = float; constexpr int PER = {const};")
+
     def _binary(self, kind: str, const: int) -> Path:
         key = (kind, const)
         if key not in self.built:
-            inputs, outputs, body = GDN_KINDS[kind]
+            inputs, outputs, body = self.kinds()[kind]
             params = ["const int32_t* dims"] + [f"const float* {n}" for n in inputs[1:]] + [f"float* {n}" for n in outputs]
-            consts = (f"constexpr int DK = {const};" if kind == "scan" else
-                      f"using TX = float; using TW = float; using TA = float; using TB = float; using TL = float; "
-                      f"using TD = float; constexpr int PER = {const};")
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params[: len(inputs)])]
             args += [f"outs[{o}].data()" for o in range(len(outputs))]
-            source = (program(SHIM, self.backend, gdn_window.HEADER, params, consts, body)
+            source = (program(SHIM, self.backend, self.header, params, self.consts(kind, const), body)
                       + MAIN_GDN.replace("NUM_INPUTS", str(len(inputs))).replace("NUM_OUTPUTS", str(len(outputs)))
                       .replace("CALL", f"kernel({', '.join(args)})"))
-            path = self.dir / f"gdn_{kind}_{const}"
+            path = self.dir / f"{self.name}_{kind}_{const}"
             compile_program(path, source)
             self.built[key] = path
         return self.built[key]
@@ -281,6 +291,90 @@ class GDNEmulator:
                          [np.array([B, T, Hk, Hv, Dk, Dv, K], np.int32), window, conv_weight, a, b, A_log, dt_bias],
                          gdn_window.prepare_launch(B, T, Hk, Hv),
                          [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv)])
+
+
+# name: (inputs, outputs, body); every array float32 but dims
+MAMBA2_KINDS = {
+    "scan": (["dims", "x", "Bm", "Cm", "dt", "g", "S"], ["y", "S_out"], mamba2_window.SCAN),
+    "prepare": (["dims", "window", "conv_weight", "conv_bias", "dt_in", "dt_bias", "A_log", "limits"],
+                ["x_out", "B_out", "C_out", "dt_out", "g_out"], mamba2_window.PREPARE),
+}
+
+
+class Mamba2Emulator(GDNEmulator):
+    """The Mamba-2 window kernels on the CPU (float32), with mamba2_window's launch shapes."""
+
+    name, header = "mamba2", ""
+
+    def kinds(self) -> dict:
+        return MAMBA2_KINDS
+
+    def consts(self, kind: str, const: int) -> str:
+        types = " ".join(f"using T{i} = float;" for i in range(6))  # the input dtypes, template values
+        return f"constexpr int NS = {const}; {types}" if kind == "scan" else types
+
+    def scan(self, x, Bm, Cm, dt, g, S) -> list[np.ndarray]:
+        """mamba2_window.mamba2_scan's launch, emulated: numpy float32 in, [y, S_final] out."""
+        B, T, H, P = x.shape
+        G, N = Bm.shape[2:]
+        return self._run("scan", N, [np.array([B, T, H, G, P], np.int32), x, Bm, Cm, dt, g, S],
+                         mamba2_window.scan_launch(B, H, P), [(B, T, H, P), (B, H, P, N)])
+
+    def prepare(self, window, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_heads: int, head_dim: int,
+                n_groups: int, state_size: int, dt_limits: tuple[float, float]):
+        """mamba2_window.mamba2_prepare's launch, emulated: [x, B, C, dt, g]."""
+        B, W, C = window.shape
+        K = conv_weight.shape[1]
+        T, H, P, G, N = dt.shape[1], num_heads, head_dim, n_groups, state_size
+        if conv_bias is None:
+            conv_bias = np.zeros(C, np.float32)
+        return self._run("prepare", 0, [np.array([B, T, H, P, G, N, K], np.int32), window, conv_weight, conv_bias, dt,
+                                        dt_bias, A_log, np.array(dt_limits, np.float32)],
+                         mamba2_window.prepare_launch(B, T, C, H),
+                         [(B, T, H, P), (B, T, G, N), (B, T, G, N), (B, T, H), (B, T, H)])
+
+
+def check_mamba2(emu: Mamba2Emulator, B: int, H: int, P: int, G: int, N: int, *, rows=range(1, 9), tol=1e-5,
+                 bias: bool = True, dt_limits=(0.001, float("inf"))) -> bool:
+    """For each T in `rows`: the T-row call equals T chained (prepare: separate) 1-row calls bit for
+    bit, and stays within `tol` (relative to the largest value) of the reference (mamba2_window's
+    `reference_*`, the layer's MLX ops)."""
+    T_max = max(rows)
+    window, w, conv_bias, dt, dt_bias, A_log = mamba2_window.probe_inputs(B, T_max, H, P, G, N)
+    conv_bias = conv_bias if bias else None
+    shapes = {"num_heads": H, "head_dim": P, "n_groups": G, "state_size": N, "dt_limits": dt_limits}
+    K = w.shape[1]
+    np_bias = None if conv_bias is None else _f32(conv_bias)
+    np_in = [_f32(x) for x in (window, w, dt, dt_bias, A_log)]
+    alone = [emu.prepare(np_in[0][:, t : t + K], np_in[1], np_bias, np_in[2][:, t : t + 1], *np_in[3:], **shapes)
+             for t in range(T_max)]
+    alone = [np.concatenate(parts, axis=1) for parts in zip(*alone)]
+    ok = True
+    where = f"H={H} P={P} G={G} N={N}" + ("" if bias else " no bias")
+    for T in rows:
+        got = emu.prepare(np_in[0][:, : K - 1 + T], np_in[1], np_bias, np_in[2][:, :T], *np_in[3:], **shapes)
+        expected = mamba2_window.reference_prepare(window[:, : K - 1 + T], w, conv_bias, dt[:, :T], dt_bias, A_log,
+                                                   **shapes)
+        same = all(np.array_equal(x, y[:, :T]) for x, y in zip(got, alone))
+        diff = max(_relative(x, _f32(y)) for x, y in zip(got, expected))
+        ok &= _report(f"mamba2_prepare {where}", T, same, diff, tol)
+
+    x, Bm, Cm, dt_, g = (_f32(a) for a in mamba2_window.reference_prepare(window, w, conv_bias, dt, dt_bias, A_log,
+                                                                           **shapes))
+    S0 = _f32(mx.random.normal((B, H, P, N), key=mx.random.key(1)) * 0.1)
+    chained_y, chained_S, S = [], [], S0
+    for t in range(T_max):
+        y_t, S = emu.scan(*(a[:, t : t + 1] for a in (x, Bm, Cm, dt_, g)), S)
+        chained_y.append(y_t)
+        chained_S.append(S)
+    chained_y = np.concatenate(chained_y, axis=1)
+    for T in rows:
+        y, S_T = emu.scan(*(a[:, :T] for a in (x, Bm, Cm, dt_, g)), S0)
+        same = np.array_equal(y, chained_y[:, :T]) and np.array_equal(S_T, chained_S[T - 1])
+        y_ref, S_ref = mamba2_window.reference_scan(*(mx.array(a[:, :T]) for a in (x, Bm, Cm, dt_, g)), mx.array(S0))
+        diff = max(_relative(y, _f32(y_ref)), _relative(S_T, _f32(S_ref)))
+        ok &= _report(f"mamba2_scan {where}", T, same, diff, tol)
+    return ok
 
 
 def gdn_inputs(B: int, Hk: int, Hv: int, Dk: int, Dv: int, *, rows: int = 8, conv_kernel: int = 4, seed: int = 0):
@@ -496,6 +590,12 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
              f"using TX = {t}; using TW = {t}; using TA = {t}; using TB = {t}; using TL = float; using TD = float; "
              "constexpr int PER = 4;", gdn_window.PREPARE),
         ]
+        kernels_out.append((f"mamba2_prepare_{tn}", "",
+                            ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight",
+                             f"const {t}* conv_bias", f"const {t}* dt_in", "const float* dt_bias", "const float* A_log",
+                             "const float* limits"] + [f"float* {n}" for n in MAMBA2_KINDS["prepare"][1]],
+                            " ".join(f"using T{i} = {u};" for i, u in enumerate((t, t, t, t, "float", "float"))),
+                            mamba2_window.PREPARE))
         for D in (64, 256):  # inputs passed as views: each with its strides, as MLX declares them
             params = ["const int32_t* dims", "const float* scale"]
             for name in ("q", "keys", "values"):
@@ -509,6 +609,12 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                             + ["float* y", "float* S_out"],
                             f"constexpr int DK = {dk}; " + " ".join(f"using T{i} = float;" for i in range(6)),
                             gdn_window.SCAN))
+    for ns in (64, 128, 256):
+        kernels_out.append((f"mamba2_scan_{ns}", "",
+                            ["const int32_t* dims"] + [f"const float* {n}" for n in MAMBA2_KINDS["scan"][0][1:]]
+                            + ["float* y", "float* S_out"],
+                            f"constexpr int NS = {ns}; " + " ".join(f"using T{i} = float;" for i in range(6)),
+                            mamba2_window.SCAN))
     return kernels_out
 
 
@@ -585,6 +691,9 @@ def main() -> int:
     gdn = GDNEmulator(emu.dir, args.backend)
     for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
         results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
+    mamba2 = Mamba2Emulator(emu.dir, args.backend)
+    for B, H, P, G, N, bias in ((1, 64, 64, 8, 128, True), (1, 4, 32, 1, 16, False), (2, 4, 16, 2, 64, True)):
+        results.append(check_mamba2(mamba2, B, H, P, G, N, bias=bias))
     attention = AttentionEmulator(emu.dir, args.backend)
     for B, Hq, Hkv, D, cells in ((1, 16, 2, 256, 1), (1, 16, 2, 256, 7), (1, 16, 2, 256, 300), (1, 4, 2, 64, 1),
                                  (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000),

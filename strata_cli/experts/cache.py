@@ -122,14 +122,15 @@ class ExpertCache:
 
     Args:
         store: the opened streaming layout.
-        blocks: (path, SparseMoeBlock) of every streamed block, in layer order (the routers drive
-            prefetch).
+        blocks: (path, MoE block) of every streamed block, in layer order (the routers drive
+            prefetch): a `SparseMoeBlock`, or a block with its own router (`gate(x)` -> (ids,
+            weights)) and `top_k`, whose prefetch predicts its picks (Nemotron-H's).
         num_slots: S, resident experts per block (1..E).
         dtype: compute dtype of the floating tensors (quantized weights keep theirs).
         options: prefetch mode, root-only prefetch and I/O threads.
     """
 
-    def __init__(self, store: ExpertStore, blocks: list[tuple[str, SparseMoeBlock]], *, num_slots: int,
+    def __init__(self, store: ExpertStore, blocks: list[tuple[str, object]], *, num_slots: int,
                  dtype: mx.Dtype, options: StreamOptions):
         E = store.num_experts
         if not 1 <= num_slots <= E:
@@ -139,7 +140,7 @@ class ExpertCache:
         self.layers = [layer_of(path) for path in self.paths]
         self._position = {path: i for i, path in enumerate(self.paths)}
         self._blocks = [_Block(store.blocks[path], num_slots, dtype, E) for path in self.paths]
-        self._routers = [(moe.gate, moe.top_k) for _, moe in blocks]
+        self._routers = [(moe, moe.top_k) for _, moe in blocks]
         self._prefetch_rules: list[PrefetchRule | None] = [None] * len(self.paths)
         mx.eval([b.banks for b in self._blocks])
         # transitions[i][e, f]: how often expert f at block i+1 followed expert e at block i
@@ -379,9 +380,12 @@ class ExpertCache:
         (N', E) when a prefetch rule or the confidence gate needs them, else its top-k ids (N', k)."""
         if not self._prefetch_active(i) or self.options.prefetch != "router":
             return None
-        gate, k = self._routers[i + 1]
+        moe, k = self._routers[i + 1]
+        gate = moe.gate
         rows = x.reshape(-1, x.shape[-1])
         rows = rows[:1] if self.options.root_prefetch else rows
+        if not isinstance(moe, SparseMoeBlock):  # a router with its own rule (Nemotron-H's groups): its picks
+            return gate(rows)[0]
         if self._prefetch_rules[i + 1] is not None or self.options.readahead_min_prob:
             return mx.softmax(gate(rows).astype(mx.float32), axis=-1)  # (N', E), as the block routes
         return mx.argpartition(-gate(rows), kth=k - 1, axis=-1)[:, :k]

@@ -11,16 +11,22 @@ affine-quantized `weight` + `scales` + `biases`), each at a 64-byte-aligned offs
 records start on `alignment`-byte boundaries (4096 by default) and are padded to a whole `stride`,
 so a record is one O_DIRECT read. index.json:
 
-    {"format": "strata-experts", "version": 1, "alignment": 4096, "checksum": "crc32",
+    {"format": "strata-experts", "version": 2, "alignment": 4096, "checksum": "crc32",
      "num_experts": E,
      "blocks": [{"path": "model.layers.3.mlp.switch_mlp", "layer": 3, "file": "layer_003.bin",
-                 "record_bytes": R, "stride": S,
+                 "kind": "glu", "record_bytes": R, "stride": S,
                  "tensors": [{"name": "gate_proj.weight", "dtype": "uint32", "shape": [I, H/8],
                               "offset": 0, "nbytes": n}, ...],
                  "quantization": {"gate_proj": {"group_size": 64, "bits": 4, "mode": "affine"}, ...},
                  "records": [[offset, length, crc32], ...]}, ...]}
 
 `crc32` covers a record's `length` payload bytes (not its padding).
+
+`kind` names the experts' form, and so the projections a record holds (`KINDS`): "glu"
+(SwiGLU: `gate_proj`, `up_proj`, `down_proj`, a plain projection named bare) or "relu2"
+(down(relu²(up(x))): `fc1`, `fc2`, a plain projection named `<proj>.weight`, mlx-lm's
+`SwitchMLP` names); a quantized projection is `<proj>.weight`/`.scales`/`.biases` in both.
+Version 1 indexes have no `kind`: every block is "glu".
 """
 
 from __future__ import annotations
@@ -46,13 +52,17 @@ from .. import safe_files
 from ..integrity import IntegrityError, check_bytes
 
 FORMAT = "strata-experts"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: written before record kinds, every block "glu"
 STREAM_DIR = "experts"
 INDEX_NAME = "index.json"
 DEFAULT_ALIGNMENT = 4096  # a page and the usual logical block size: what O_DIRECT needs
 TENSOR_ALIGN = 64  # tensors inside a record start on a cache line
 IO_MODES = ("auto", "direct", "buffered")
 GLU = ("gate_proj", "up_proj", "down_proj")
+RELU2 = ("fc1", "fc2")
+# record kind -> (its projections, how a plain (unquantized) projection's tensor is named)
+KINDS = {"glu": (GLU, "{}"), "relu2": (RELU2, "{}.weight")}
 
 # dtype name -> (numpy dtype of the same width for the raw bytes, MLX dtype)
 DTYPES = {
@@ -88,7 +98,7 @@ class TensorSpec:
 class BlockLayout:
     """One MoE block's records: same tensor layout for every expert."""
 
-    path: str  # the SwitchGLU module path, e.g. "model.layers.3.mlp.switch_mlp"
+    path: str  # the expert stack's module path, e.g. "model.layers.3.mlp.switch_mlp"
     layer: int
     file: Path
     tensors: tuple[TensorSpec, ...]
@@ -96,10 +106,19 @@ class BlockLayout:
     record_bytes: int
     stride: int
     records: tuple[tuple[int, int, int], ...]  # (offset, length, crc32) per expert
+    kind: str = "glu"  # a key of KINDS
 
     @property
     def num_experts(self) -> int:
         return len(self.records)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        return KINDS[self.kind][0]
+
+    def plain_name(self, proj: str) -> str:
+        """The record tensor of unquantized projection `proj` ("gate_proj", "fc1.weight")."""
+        return KINDS[self.kind][1].format(proj)
 
 
 def _round_up(n: int, align: int) -> int:
@@ -145,15 +164,19 @@ class ExpertLayoutWriter:
         *,
         quantization: dict | None = None,
         layer: int | None = None,
+        kind: str = "glu",
     ) -> None:
         """Write one block's experts.
 
         Args:
-            path: the SwitchGLU module path the loader will replace.
+            path: the expert stack's module path the loader will replace.
             tensors: record tensor name -> (E, ...) array, in record order (MLX or numpy).
             quantization: projection -> {"group_size", "bits", "mode"} for quantized projections.
             layer: decoder layer index (default: read from `path`, "...layers.<i>...").
+            kind: the experts' form, a key of KINDS (default "glu").
         """
+        if kind not in KINDS:
+            raise ExpertStoreError(f"{path}: unknown expert kind {kind!r} (known: {', '.join(KINDS)})")
         layer = layer_of(path) if layer is None else layer
         if layer < 0:
             raise ExpertStoreError(f"cannot tell the layer of {path!r}; pass layer=")
@@ -190,6 +213,7 @@ class ExpertLayoutWriter:
                 "path": path,
                 "layer": layer,
                 "file": file_name,
+                "kind": kind,
                 "record_bytes": record_bytes,
                 "stride": stride,
                 "tensors": [
@@ -216,11 +240,18 @@ class ExpertLayoutWriter:
         return path
 
 
-def expert_blocks(model) -> list[tuple[str, object]]:
-    """(path, SwitchGLU-like module) for every MoE block's routed experts, in layer order."""
-    from ..model.moe import SparseMoeBlock
+def expert_kind(module) -> str | None:
+    """The record kind of a resident expert stack (its class's `expert_kind`: "glu" for
+    `SwitchGLU`, "relu2" for Nemotron-H's `SwitchMLP`), None for anything else."""
+    kind = getattr(type(module), "expert_kind", None)
+    return kind if kind in KINDS else None
 
-    found = [(f"{name}.switch_mlp", m.switch_mlp) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+
+def expert_blocks(model) -> list[tuple[str, object]]:
+    """(path, expert stack) for every MoE block's routed experts (a `switch_mlp` of a kind the
+    layout stores), in layer order."""
+    found = [(f"{name}.switch_mlp", m["switch_mlp"]) for name, m in model.named_modules()
+             if "switch_mlp" in m and expert_kind(m["switch_mlp"]) is not None]
     return sorted(found, key=lambda item: layer_of(item[0]))
 
 
@@ -235,7 +266,8 @@ def write_streamed_experts(model, directory: str | Path, *, alignment: int = DEF
     take them out of the model, so that its remaining parameters are the dense checkpoint.
 
     Experts are written as the model holds them: plain float, or affine-quantized
-    (`QuantizedSwitchGLU`: packed weight, scales and biases per projection). The caller saves
+    (`QuantizedSwitchGLU`, or `SwitchMLP` of `QuantizedExperts`: packed weight, scales and biases
+    per projection), each block under its stack's record kind. The caller saves
     `model.parameters()` afterwards, in strata's format (config.json marked `strata_format`).
 
     Args:
@@ -259,12 +291,13 @@ def write_streamed_experts(model, directory: str | Path, *, alignment: int = DEF
         if writer is None:
             num_experts = next(iter(tensors.values())).shape[0]
             writer = ExpertLayoutWriter(directory, num_experts=num_experts, alignment=alignment)
+        kind = expert_kind(glu)
         quantization = {}
-        for proj in GLU:
+        for proj in KINDS[kind][0]:
             module = glu[proj]
             if hasattr(module, "group_size"):  # QuantizedExperts
                 quantization[proj] = {"group_size": module.group_size, "bits": module.bits, "mode": module.mode}
-        writer.add_block(path, tensors, quantization=quantization)
+        writer.add_block(path, tensors, quantization=quantization, kind=kind)
     modules = dict(model.named_modules())
     for path, _ in blocks:
         modules[path.rsplit(".", 1)[0]].switch_mlp = nn.Module()  # the experts now live on disk
@@ -300,8 +333,10 @@ def read_index(directory: str | Path) -> tuple[dict, list[BlockLayout]]:
         raise ExpertStoreError(f"{index_path}: not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ExpertStoreError(f"{index_path}: not a {FORMAT} index")
-    if index.get("version") != VERSION:
-        raise ExpertStoreError(f"{index_path}: version {index.get('version')!r}, this strata reads {VERSION}")
+    version = index.get("version")
+    if version not in READABLE_VERSIONS:
+        raise ExpertStoreError(f"{index_path}: version {version!r}, this strata reads "
+                               f"{' and '.join(str(v) for v in READABLE_VERSIONS)}")
     try:
         blocks = [
             BlockLayout(
@@ -317,6 +352,7 @@ def read_index(directory: str | Path) -> tuple[dict, list[BlockLayout]]:
                 record_bytes=int(b["record_bytes"]),
                 stride=int(b["stride"]),
                 records=tuple((int(o), int(n), int(c)) for o, n, c in b["records"]),
+                kind=b["kind"] if version >= 2 else b.get("kind", "glu"),
             )
             for b in index["blocks"]
         ]
@@ -359,6 +395,10 @@ def check_layout_sanity(index_path: Path, index: dict, blocks: list[BlockLayout]
         if block.file in seen_files:
             raise bad(f"{name}.file", f"{block.file.name} is already another block's file")
         seen_files.add(block.file)
+        if block.kind not in KINDS or (index.get("version") == 1 and block.kind != "glu"):
+            raise bad(f"{name}.kind", f"{block.kind!r} is not a record kind of version {index.get('version')} "
+                                      f"(known: {', '.join(KINDS)})")
+        check_record_tensors(block, bad)
         if block.stride < block.record_bytes or block.stride % alignment:
             raise bad(f"{name}.stride", f"{block.stride} must be a multiple of {alignment} and hold "
                                         f"record_bytes {block.record_bytes}")
@@ -396,6 +436,25 @@ def check_layout_sanity(index_path: Path, index: dict, blocks: list[BlockLayout]
         for e, (o, length, _) in enumerate(block.records):
             if length != block.record_bytes:
                 raise bad(f"{name}.records[{e}]", f"length {length}, record_bytes is {block.record_bytes}")
+
+
+def check_record_tensors(block: BlockLayout, bad) -> None:
+    """The record holds exactly its kind's projections: each plain, or quantized (weight and
+    scales, biases where the mode has them), as `quantization` says; `bad(where, message)`
+    builds the error."""
+    want, may = set(), set()
+    for proj in block.projections:
+        q = block.quantization.get(proj)
+        want |= {f"{proj}.weight", f"{proj}.scales"} if q else {block.plain_name(proj)}
+        may |= {f"{proj}.biases"} if q else set()
+    unknown = sorted(set(block.quantization) - set(block.projections))
+    if unknown:
+        raise bad(f"{block.path}.quantization", f"{unknown[0]} is not a projection of a {block.kind} record")
+    have = {t.name for t in block.tensors}
+    missing, extra = sorted(want - have), sorted(have - want - may)
+    if missing or extra:
+        raise bad(f"{block.path}.tensors", f"a {block.kind} record needs {sorted(want)}" +
+                  (f"; {missing[0]} is missing" if missing else "") + (f"; {extra[0]} is not one" if extra else ""))
 
 
 def check_file_size(block: BlockLayout) -> None:

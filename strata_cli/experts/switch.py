@@ -1,8 +1,9 @@
 """Streamed experts inside the model: the switch layer that serves them, and attaching it.
 
 `attach_streamed_experts` replaces every MoE block's `switch_mlp` with a `StreamedSwitchGLU`
-that computes exactly what the resident layer computes (model/moe.py's own public helpers),
-over slot banks that the `ExpertCache` (experts/cache.py) fills from disk.
+that computes exactly what the resident layer computes (the resident stacks' own public helpers:
+model/moe.py's for SwiGLU experts, model/nemotron_h.py's for relu² ones), over slot banks that
+the `ExpertCache` (experts/cache.py) fills from disk.
 """
 
 from __future__ import annotations
@@ -15,38 +16,56 @@ import mlx.nn as nn
 import numpy as np
 
 from ..model.moe import SparseMoeBlock, gather_matmul, gather_qmatmul, glu_by_expert
+from ..model.nemotron_h import expert_matmul, relu2_by_expert
 from ..options import ConfigError, MoceOptions, StreamOptions
 from ..telemetry import format_bytes
 from .cache import ExpertCache
 from .moce import attach_moce
-from .store import DTYPES, GLU, ExpertStore, ExpertStoreError, expert_blocks
+from .store import DTYPES, ExpertStore, ExpertStoreError, expert_blocks
 
 
 class StreamedSwitchGLU(nn.Module):
     """Takes a MoE block's `switch_mlp` place: the same `(x, inds) -> (N, k, H)` contract, with
     the experts served from an `ExpertCache` instead of resident stacked weights.
 
-    It computes with the resident layers' own code (`moe.glu_by_expert` over
-    `moe.gather_matmul` or `moe.gather_qmatmul`), indexing slot banks with slot ids, so its
-    output is the resident layer's, bit for bit.
+    It computes with the resident layers' own code, indexing slot banks with slot ids, so its
+    output is the resident layer's, bit for bit: SwiGLU records ("glu") through
+    `moe.glu_by_expert` over `moe.gather_matmul` or `moe.gather_qmatmul`; relu² records
+    ("relu2", Nemotron-H) through `nemotron_h.relu2_by_expert` over `nemotron_h.expert_matmul`
+    or `moe.gather_qmatmul`.
 
     Args:
         cache: the expert cache.
         path: this block's module path (its records in the layout).
+        resident: the class of the resident stack it replaces: unquantized SwiGLU records take
+            its `by_expert` form where it has one (Granite's GPU prompt form), quantized ones
+            `QuantizedSwitchGLU`'s (`glu_by_expert`).
     """
 
-    def __init__(self, cache: ExpertCache, path: str):
+    def __init__(self, cache: ExpertCache, path: str, resident: type | None = None):
         super().__init__()
         self.cache, self.path = cache, path
-        self.quantization = cache.store.blocks[path].quantization
+        layout = cache.store.blocks[path]
+        self.kind, self.quantization = layout.kind, layout.quantization
+        self.plain = {proj: layout.plain_name(proj) for proj in layout.projections}
+        if self.kind == "relu2":
+            self.by_expert = relu2_by_expert
+        elif self.quantization:
+            self.by_expert = glu_by_expert
+        else:
+            self.by_expert = getattr(resident, "by_expert", glu_by_expert)
 
     def _matmul(self, banks: dict[str, mx.array]):
         def matmul(name: str, xs: mx.array, slots: mx.array, is_sorted: bool) -> mx.array:
             q = self.quantization.get(name)
-            if q is None:
-                return gather_matmul(xs, banks[name], slots, is_sorted=is_sorted)
-            return gather_qmatmul(xs, banks[f"{name}.weight"], banks[f"{name}.scales"], banks.get(f"{name}.biases"),
-                                  slots, **q, is_sorted=is_sorted)
+            if q is not None:
+                return gather_qmatmul(xs, banks[f"{name}.weight"], banks[f"{name}.scales"],
+                                      banks.get(f"{name}.biases"), slots, **q, is_sorted=is_sorted)
+            w = banks[self.plain[name]]
+            if self.kind == "relu2":
+                return expert_matmul(xs, w, slots, is_sorted=is_sorted,
+                                     wt_of=lambda: mx.contiguous(w.swapaxes(-1, -2)))
+            return gather_matmul(xs, w, slots, is_sorted=is_sorted)
 
         return matmul
 
@@ -56,8 +75,8 @@ class StreamedSwitchGLU(nn.Module):
         parts, served = [], []
         for picks, slots, banks in self.cache.serve(self.path, x, inds):
             if picks is None:
-                return glu_by_expert(x, mx.array(slots), self._matmul(banks))
-            out = glu_by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks))
+                return self.by_expert(x, mx.array(slots), self._matmul(banks))
+            out = self.by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks))
             mx.eval(out)  # before the next pass overwrites slots this one reads
             parts.append(out[:, 0])
             served.append(picks)
@@ -111,6 +130,7 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         moes = dict(model.named_modules())
         blocks = [(p, moes[p.rsplit(".", 1)[0]]) for p, _ in expert_blocks(model)]
         _check_layout(store, blocks)
+        _check_routing_options(blocks, options, moce or MoceOptions())
         bytes_per_expert = sum(
             math.prod(t.shape) * (dtype if mx.issubdtype(DTYPES[t.dtype][1], mx.floating) else DTYPES[t.dtype][1]).size
             for t in store.blocks[blocks[0][0]].tensors
@@ -123,12 +143,29 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         store.close()
         raise
     for p, moe in blocks:
-        moe.switch_mlp = StreamedSwitchGLU(cache, p)
+        moe.switch_mlp = StreamedSwitchGLU(cache, p, type(moe.switch_mlp))
     model.expert_cache = cache
     return cache
 
 
-def _check_layout(store: ExpertStore, blocks: list[tuple[str, SparseMoeBlock]]) -> None:
+def _check_routing_options(blocks: list[tuple[str, nn.Module]], options: StreamOptions, moce: MoceOptions) -> None:
+    """Refuse the options that read softmax router probabilities or the router's input where a
+    block routes otherwise (Nemotron-H: sigmoid scores in groups; experts in a latent space)."""
+    for path, moe in blocks:
+        if isinstance(moe, SparseMoeBlock):
+            continue
+        if moe.gate.weight.shape[-1] != moe.switch_mlp.fc1.weight.shape[-1] and options.prefetch == "router":
+            raise ConfigError(f"--expert-prefetch router: {path}'s experts take a latent projection of the "
+                              "input its router reads; use --expert-prefetch history or off")
+        if moce.is_enabled:
+            raise ConfigError(f"cache-aware routing (--moce-protect) needs softmax router probabilities; {path} "
+                              "routes by sigmoid scores in groups")
+        if options.readahead_min_prob:
+            raise ConfigError(f"--expert-readahead-min-prob needs softmax router probabilities; {path} routes by "
+                              "sigmoid scores in groups")
+
+
+def _check_layout(store: ExpertStore, blocks: list[tuple[str, nn.Module]]) -> None:
     where = store.root
     have, want = set(store.blocks), {p for p, _ in blocks}
     if have != want:
@@ -140,13 +177,19 @@ def _check_layout(store: ExpertStore, blocks: list[tuple[str, SparseMoeBlock]]) 
         )
     for p, moe in blocks:
         layout, glu = store.blocks[p], moe.switch_mlp
-        if store.num_experts != glu.gate_proj.shape[0]:
-            raise ExpertStoreError(f"{where}: {store.num_experts} experts per block, the model has {glu.gate_proj.shape[0]}")
+        kind = type(glu).expert_kind
+        if layout.kind != kind:
+            raise ExpertStoreError(f"{layout.file}: {p} holds {layout.kind} records, the model's experts are {kind}")
+        shapes = {proj: (glu[proj].weight if isinstance(glu[proj], nn.Module) else glu[proj]).shape
+                  for proj in layout.projections}
+        num_experts = shapes[layout.projections[0]][0]
+        if store.num_experts != num_experts:
+            raise ExpertStoreError(f"{where}: {store.num_experts} experts per block, the model has {num_experts}")
         specs = {t.name: t for t in layout.tensors}
-        for proj in GLU:
-            out_dim, in_dim = glu[proj].shape[1:]
+        for proj in layout.projections:
+            out_dim, in_dim = shapes[proj][1:]
             q = layout.quantization.get(proj)
-            name = f"{proj}.weight" if q else proj
+            name = f"{proj}.weight" if q else layout.plain_name(proj)
             spec = specs.get(name)
             packed = in_dim * q["bits"] // 32 if q else in_dim
             if spec is None or spec.shape != (out_dim, packed):

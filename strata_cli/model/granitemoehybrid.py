@@ -25,7 +25,7 @@ from .decoder_layer import PreNormLayer
 from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, by_row, swiglu
 from .layout import stack_experts
 from .mamba2 import Mamba2Mixer
-from .moe import QuantizedSwitchGLU, SparseMoeBlock, SwitchGLU, gather_matmul
+from .moe import QuantizedSwitchGLU, SparseMoeBlock, SwitchGLU, gather_matmul, glu_by_expert
 from .nemotron_h import sorted_gather_is_exact
 
 MAMBA, ATTENTION = "mamba", "attention"
@@ -107,6 +107,21 @@ class SharedMLP(nn.Module):
         return self.output_linear(swiglu(gate, up))
 
 
+def granite_glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
+    """`moe.glu_by_expert`, except GPU prompt chunks: picks sorted by expert, multiplied without
+    the sorted flag (`GraniteSwitchGLU`'s reason). Public so that streamed Granite experts
+    (experts/switch.py) run the very same form over their slot banks."""
+    N, k = inds.shape
+    if sorted_gather_is_exact() or N <= WINDOW_ROWS:
+        return glu_by_expert(x, inds, matmul)
+    flat = inds.reshape(-1)
+    order = mx.argsort(flat)
+    experts = flat[order]
+    xs = x[order // k][:, None, :]
+    h = swiglu(matmul("gate_proj", xs, experts, False), matmul("up_proj", xs, experts, False))
+    return matmul("down_proj", h, experts, False)[mx.argsort(order)].reshape(N, k, -1)
+
+
 class GraniteSwitchGLU(SwitchGLU):
     """`SwitchGLU` whose GPU prompt chunks sort their picks by expert and multiply them without
     the sorted flag. On MLX 0.32.4's CUDA backend, with unquantized experts, both the sorted
@@ -114,21 +129,14 @@ class GraniteSwitchGLU(SwitchGLU):
     products 2.0 off the pick-by-pick ones on the H200; this form matched them (as Nemotron-H's
     experts do). Quantized experts (`QuantizedSwitchGLU`, sorted `gather_qmm`) are unaffected."""
 
+    by_expert = staticmethod(granite_glu_by_expert)  # the form streamed unquantized records take
+
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        N, k = inds.shape
-        if sorted_gather_is_exact() or N <= WINDOW_ROWS:
+        if sorted_gather_is_exact() or inds.shape[0] <= WINDOW_ROWS:
             return super().__call__(x, inds)
-        flat = inds.reshape(-1)
-        order = mx.argsort(flat)
-        experts = flat[order]
-
-        def matmul(name: str, xs: mx.array) -> mx.array:
-            return gather_matmul(xs, self[name], experts, is_sorted=False)
-
-        xs = x[order // k][:, None, :]
-        h = swiglu(matmul("gate_proj", xs), matmul("up_proj", xs))
-        return matmul("down_proj", h)[mx.argsort(order)].reshape(N, k, -1)
+        return granite_glu_by_expert(
+            x, inds, lambda name, xs, experts, is_sorted: gather_matmul(xs, self[name], experts, is_sorted=is_sorted))
 
 
 class GraniteMoe(SparseMoeBlock):

@@ -14,6 +14,10 @@ the conv history and S and decides which rows reach committed state. Decode wind
 run the recurrence one row at a time (`ssd_step_scan`), the scan a commit's fold repeats;
 prompt chunks of MIN_CHUNKED_ROWS or more take the chunked SSD form (`ssd_chunked_scan`:
 matmuls within chunks of L rows, a step per chunk), within 1e-4 of it.
+
+The math between the projections lives in metal_shaders/mamba2_window.py: its `reference_*` are
+the MLX ops this layer runs; on a GPU where they passed their start-up probe, decode windows
+(serial steps included) run its row-invariant kernels instead (`mamba2_prepare`, `mamba2_scan`).
 """
 
 from __future__ import annotations
@@ -21,26 +25,22 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from metal_shaders import gdn_window
+from metal_shaders import mamba2_window
 
 from .layer_state import SSMRows, SSMState
-from .layers import RowLinear
+from .layers import RowLinear, RowSplit
 
 CHUNK = 64  # rows per chunk of the SSD form
 MIN_CHUNKED_ROWS = 16  # shorter windows (every decode window: T <= 8) keep the per-row scan
-
-
-def _per_head(a: mx.array, heads: int) -> mx.array:
-    """(B, T, G, N) -> (B, T, H, N): group g serves heads g·H/G .. (g+1)·H/G - 1."""
-    return a if a.shape[2] == heads else mx.repeat(a, heads // a.shape[2], axis=2)
+# Whether decode windows may take the window kernels where they pass their probe: kept on only
+# where measured faster than the MLX ops (scripts/bench/kernel_bench.py, docs/families.md).
+WINDOW_KERNELS = True
+_per_head = mamba2_window.per_head
 
 
 def ssd_step_scan(rows: SSMRows, state: mx.array) -> tuple[mx.array, mx.array]:
-    """The SSD recurrence one row at a time, in float32 (without the D skip).
-
-    Per row: S = S·exp(g) + (dt·x) ⊗ B; y = S·C. Every op is elementwise or a sum over N of one
-    row, so a row computes the same whatever the window's size, and folding kept rows repeats
-    exactly these operations (which is why a fold reproduces serial decoding).
+    """The SSD recurrence one row at a time, in float32 (without the D skip):
+    metal_shaders/mamba2_window.py's `reference_scan`, whose docstring gives the math.
 
     Args:
         rows: the window's post-conv rows (model/layer_state.py: SSMRows).
@@ -49,16 +49,12 @@ def ssd_step_scan(rows: SSMRows, state: mx.array) -> tuple[mx.array, mx.array]:
     Returns:
         outputs (B, T, H, P) float32 and the state after the last row.
     """
-    H = rows.x.shape[2]
-    Bh, Ch = _per_head(rows.B, H), _per_head(rows.C, H)
-    decay = mx.exp(rows.g)  # (B, T, H)
-    xdt = rows.x * rows.dt[..., None]  # (B, T, H, P)
-    outputs = []
-    S = state
-    for t in range(len(rows)):
-        S = S * decay[:, t, :, None, None] + xdt[:, t, :, :, None] * Bh[:, t, :, None, :]
-        outputs.append((S * Ch[:, t, :, None, :]).sum(axis=-1))  # (B, H, P)
-    return mx.stack(outputs, axis=1), S
+    return mamba2_window.reference_scan(rows.x, rows.B, rows.C, rows.dt, rows.g, state)
+
+
+def kernel_ssd_step_scan(rows: SSMRows, state: mx.array) -> tuple[mx.array, mx.array]:
+    """`ssd_step_scan` in one GPU kernel call (metal_shaders/mamba2_window.py), for decode windows."""
+    return mamba2_window.mamba2_scan(rows.x, rows.B, rows.C, rows.dt, rows.g, state)
 
 
 def ssd_chunked_scan(rows: SSMRows, state: mx.array, *, chunk: int = CHUNK) -> tuple[mx.array, mx.array]:
@@ -106,18 +102,14 @@ def ssd_chunked_scan(rows: SSMRows, state: mx.array, *, chunk: int = CHUNK) -> t
 
 
 class Mamba2Conv(nn.Module):
-    """Depthwise causal conv with an optional bias; `weight` is (C, K)."""
+    """The depthwise causal conv's parameters: `weight` (C, K) and an optional bias (C,). The
+    conv itself runs in metal_shaders/mamba2_window.py (`reference_prepare` or the kernel)."""
 
     def __init__(self, channels: int, kernel: int, *, bias: bool):
         super().__init__()
         self.weight = mx.zeros((channels, kernel))
         if bias:
             self.bias = mx.zeros((channels,))
-
-    def __call__(self, window: mx.array) -> mx.array:
-        """(B, K-1+T, C) history-prefixed inputs -> (B, T, C). Elementwise, so exact for any T."""
-        out = gdn_window.reference_causal_conv(window, self.weight)
-        return out + self.bias if "bias" in self else out
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -175,6 +167,12 @@ class Mamba2Mixer(nn.Module):
         self.norm = GroupedGatedRMSNorm(self.intermediate_size, n_groups, eps)
         self.out_proj = RowLinear(self.intermediate_size, hidden_size, bias=use_bias)
 
+    def takes_kernels(self, rows: int) -> bool:
+        """Whether a window of `rows` rows runs the Mamba-2 window kernels (a GPU where they passed
+        their probe; RowSplit "never" keeps every window on MLX ops, as for the matmuls)."""
+        return (WINDOW_KERNELS and RowSplit.kernel_may_take(rows) and mamba2_window.supports(self.state_size)
+                and mamba2_window.usable())
+
     # A layer call is head (pure), core (the state's part), tail (pure): the decoder layers
     # compile head and tail for decode windows.
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
@@ -187,17 +185,20 @@ class Mamba2Mixer(nn.Module):
         """The causal conv over the state's history and the SSD recurrence from its state ->
         y (B, T, I) float32, the D skip included."""
         B, T, _ = xBC.shape
-        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.state_size
-        mixed = nn.silu(self.conv1d(state.conv_window(xBC)))
-        x, b, c = mx.split(mixed, [H * P, H * P + G * N], axis=-1)
-        dt = mx.clip(nn.softplus(dt.astype(mx.float32) + self.dt_bias.astype(mx.float32)), self.dt_min, self.dt_max)
-        A = -mx.exp(self.A_log.astype(mx.float32))
-        x = x.reshape(B, T, H, P).astype(mx.float32)
-        rows = SSMRows(x, b.reshape(B, T, G, N).astype(mx.float32), c.reshape(B, T, G, N).astype(mx.float32),
-                       dt, dt * A)
-        scan = ssd_chunked_scan if T >= MIN_CHUNKED_ROWS else ssd_step_scan
-        y = state.recur(rows, scan) + x * self.D.astype(mx.float32)[:, None]
-        return y.reshape(B, T, H * P)
+        is_kernel = self.takes_kernels(T)
+        prepare = mamba2_window.mamba2_prepare if is_kernel else mamba2_window.reference_prepare
+        x, b, c, dt, g = prepare(state.conv_window(xBC), self.conv1d.weight, self.conv1d.get("bias"), dt,
+                                 self.dt_bias, self.A_log, num_heads=self.num_heads, head_dim=self.head_dim,
+                                 n_groups=self.n_groups, state_size=self.state_size,
+                                 dt_limits=(self.dt_min, self.dt_max))
+        # Prompt chunks take the chunked form; decode windows keep the exact per-row scan (the
+        # state's commit folds reuse the same `scan`, so they repeat the window's arithmetic).
+        if is_kernel:
+            scan = kernel_ssd_step_scan
+        else:
+            scan = ssd_chunked_scan if T >= MIN_CHUNKED_ROWS else ssd_step_scan
+        y = state.recur(SSMRows(x, b, c, dt, g), scan) + x * self.D.astype(mx.float32)[:, None]
+        return y.reshape(B, T, self.num_heads * self.head_dim)
 
     def tail(self, y: mx.array, z: mx.array) -> mx.array:
         """y (B, T, I) float32 -> (B, T, hidden)."""

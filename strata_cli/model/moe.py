@@ -51,6 +51,8 @@ def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: boo
 class SwitchGLU(nn.Module):
     """E stacked SwiGLU experts; `gate_proj`/`up_proj` are (E, I, H), `down_proj` (E, H, I)."""
 
+    expert_kind = "glu"  # its record kind when streamed (experts/store.py)
+
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int):
         super().__init__()
         self.gate_proj = mx.zeros((num_experts, expert_size, hidden_size))
@@ -129,6 +131,8 @@ PADDED_MAX_ROWS_PER_PICK = 8  # a batch padded beyond this many rows per pick (s
 
 class QuantizedSwitchGLU(nn.Module):
     """`SwitchGLU` with quantized experts, run through `mx.gather_qmm`."""
+
+    expert_kind = "glu"
 
     def __init__(self, glu: SwitchGLU, *, group_size: int, bits: int, mode: str = "affine",
                  projections: dict[str, dict] | None = None):

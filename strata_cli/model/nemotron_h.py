@@ -11,7 +11,7 @@ hold state, so the engine's states follow them in order. Module names are mlx-lm
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -125,6 +125,16 @@ def sorted_gather_is_exact() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def expert_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool,
+                  wt_of: Callable[[], mx.array]) -> mx.array:
+    """x (M, 1, in) @ w[experts]ᵀ with w (E, out, in) -> (M, 1, out), as `ExpertLinear` runs it;
+    public so that streamed relu² experts (experts/switch.py) run the very same call over their
+    slot banks. `wt_of()`: w's contiguous transpose, asked for on CPU prompt chunks only, which
+    multiply by it (model/moe.py's reason)."""
+    wt = wt_of() if is_sorted and x.dtype == mx.float32 and is_cpu_prompt(x) else None
+    return gather_matmul(x, w, experts, is_sorted=is_sorted and sorted_gather_is_exact(), wt=wt)
+
+
 class ExpertLinear(nn.Module):
     """E stacked matrices (E, out, in) under mlx-lm's `SwitchLinear` name `weight`; quantizes
     to `QuantizedExperts` (weight, scales, biases), as mlx-lm stores quantized experts."""
@@ -135,9 +145,7 @@ class ExpertLinear(nn.Module):
 
     def __call__(self, x: mx.array, experts: mx.array, *, is_sorted: bool = True) -> mx.array:
         """x (M, 1, in) @ weight[experts]ᵀ -> (M, 1, out); `is_sorted`: `experts` ascending."""
-        # Prompt chunks on the CPU multiply by a cached contiguous transpose (model/moe.py's reason).
-        wt = transposed(self, "weight") if is_sorted and x.dtype == mx.float32 and is_cpu_prompt(x) else None
-        return gather_matmul(x, self.weight, experts, is_sorted=is_sorted and sorted_gather_is_exact(), wt=wt)
+        return expert_matmul(x, self.weight, experts, is_sorted=is_sorted, wt_of=lambda: transposed(self, "weight"))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedExperts:
         return QuantizedExperts(self.weight, group_size=group_size, bits=bits, mode=mode)
@@ -146,6 +154,8 @@ class ExpertLinear(nn.Module):
 class SwitchMLP(nn.Module):
     """E stacked relu² experts: fc1 (up) and fc2 (down), mlx-lm's `SwitchMLP` names."""
 
+    expert_kind = "relu2"  # its record kind when streamed (experts/store.py)
+
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int):
         super().__init__()
         self.fc1 = ExpertLinear(num_experts, expert_size, hidden_size)
@@ -153,19 +163,27 @@ class SwitchMLP(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        N, k = inds.shape
-        flat = inds.reshape(-1)
-        if N <= WINDOW_ROWS:
-            # A decode window: each pick in row order, never grouped by the other rows' choices
-            # (docs/design.md, "Row invariance"), as model/moe.py's glu_by_expert does.
-            xs = mx.broadcast_to(x[:, None, None, :], (N, k, 1, x.shape[-1])).reshape(N * k, 1, -1)
-            h = nn.relu2(self.fc1(xs, flat, is_sorted=False))
-            return self.fc2(h, flat, is_sorted=False).reshape(N, k, -1)
-        order = mx.argsort(flat)  # each expert's rows together, each expert read once
-        experts = flat[order]
-        h = nn.relu2(self.fc1(x[order // k][:, None, :], experts))
-        out = self.fc2(h, experts)
-        return out[mx.argsort(order)].reshape(N, k, -1)
+        return relu2_by_expert(x, inds, lambda name, xs, experts, is_sorted: self[name](xs, experts,
+                                                                                      is_sorted=is_sorted))
+
+
+def relu2_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
+    """fc2(relu²(fc1(x))) over each token's picked experts; `matmul(name, xs, experts, is_sorted)`
+    does one projection. Also the compute of streamed relu² experts (experts/switch.py), with slot
+    ids for `inds`: one code path keeps them bit-identical to resident ones."""
+    N, k = inds.shape
+    flat = inds.reshape(-1)
+    if N <= WINDOW_ROWS:
+        # A decode window: each pick in row order, never grouped by the other rows' choices
+        # (docs/design.md, "Row invariance"), as model/moe.py's glu_by_expert does.
+        xs = mx.broadcast_to(x[:, None, None, :], (N, k, 1, x.shape[-1])).reshape(N * k, 1, -1)
+        h = nn.relu2(matmul("fc1", xs, flat, False))
+        return matmul("fc2", h, flat, False).reshape(N, k, -1)
+    order = mx.argsort(flat)  # each expert's rows together, each expert read once
+    experts = flat[order]
+    h = nn.relu2(matmul("fc1", x[order // k][:, None, :], experts, True))
+    out = matmul("fc2", h, experts, True)
+    return out[mx.argsort(order)].reshape(N, k, -1)
 
 
 class NemotronMoE(nn.Module):
@@ -185,6 +203,16 @@ class NemotronMoE(nn.Module):
         if config.moe_latent_size is not None:
             self.fc1_latent_proj = RowLinear(config.hidden_size, dims, bias=config.mlp_bias)
             self.fc2_latent_proj = RowLinear(dims, config.hidden_size, bias=config.mlp_bias)
+
+    @property
+    def top_k(self) -> int:
+        return self.gate.top_k
+
+    @property
+    def compilable(self) -> bool:
+        """Whether a decode window may run this block inside an `mx.compile` trace: not when
+        its experts stream (the expert cache's contents would be frozen into the trace)."""
+        return type(self.switch_mlp) is SwitchMLP
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
@@ -239,7 +267,7 @@ class NemotronBlock(nn.Module):
 
     def __call__(self, x: mx.array, state=None) -> mx.array:
         fns = (self.head, self.tail) if self.has_state else (self.block,)
-        if LayerCompile.applies(x):
+        if LayerCompile.applies(x) and getattr(self.mixer, "compilable", True):
             compiled = self.__dict__.get("_compiled")
             if compiled is None:
                 compiled = self.__dict__["_compiled"] = Compiled(self, *fns)

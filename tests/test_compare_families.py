@@ -1,0 +1,46 @@
+"""scripts/bench/compare_mlx_lm.py's real-model shapes: each family's config is one mlx-lm's model
+args and strata's loader both read, at the published dimensions (the H200 run builds from them)."""
+
+import importlib
+
+import pytest
+from mlx.utils import tree_flatten
+
+from scripts.bench import compare_mlx_lm as compare
+from strata_cli.model.nemotron_h import NemotronHConfig
+from strata_cli.model.qwen3_5 import Config as Qwen3_5Config
+
+
+def test_nemotron_pattern_is_the_published_mix_and_8_layers_keep_it():
+    pattern = compare.NEMOTRON_3_NANO_PATTERN
+    assert (len(pattern), pattern.count("M"), pattern.count("E"), pattern.count("*")) == (52, 23, 23, 6)
+    config = compare.family_config("nemotron_h", layers=8, tiny=False)
+    assert config["hybrid_override_pattern"] == "MEMEM*EM"  # 4 Mamba-2, 3 MoE, 1 attention
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "nemotron_h"])
+@pytest.mark.parametrize("tiny", [False, True], ids=["real", "tiny"])
+def test_both_engines_read_the_family_config(family, tiny):
+    config = compare.family_config(family, layers=8 if not tiny else compare.TINY_LAYERS[family], tiny=tiny)
+    arch = importlib.import_module(f"mlx_lm.models.{family}")
+    args = arch.ModelArgs.from_dict(config)
+    model = arch.Model(args)  # lazy: nothing is drawn until evaluated
+    shapes = {name: p.shape for name, p in tree_flatten(model.parameters())}
+    if family == "nemotron_h":
+        ours = NemotronHConfig.from_dict(config)
+        assert ours.layer_types == tuple(config["hybrid_override_pattern"])
+        if not tiny:
+            assert (ours.hidden_size, ours.mamba_num_heads, ours.mamba_head_dim, ours.ssm_state_size, ours.n_groups,
+                    ours.n_routed_experts, ours.num_experts_per_tok) == (2688, 64, 64, 128, 8, 128, 6)
+            assert args.moe_shared_expert_intermediate_size == 3712
+            assert shapes["backbone.layers.1.mixer.switch_mlp.fc1.weight"] == (128, 1856, 2688)
+            assert shapes["backbone.layers.0.mixer.in_proj.weight"] == (4096 + 6144 + 64, 2688)
+    else:
+        ours = Qwen3_5Config.from_dict(config)
+        assert ours.num_hidden_layers == config["text_config"]["num_hidden_layers"]
+        if not tiny:
+            assert (ours.hidden_size, ours.num_experts, ours.num_experts_per_tok, ours.vocab_size) == (2048, 256, 8, 248320)
+            assert args.text_config["linear_num_value_heads"] == 32
+            assert shapes["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"] == (256, 512, 2048)
+            assert shapes["language_model.lm_head.weight"] == (248320, 2048)
+            assert sum(".self_attn." in name for name in shapes) and sum(".linear_attn." in name for name in shapes)
