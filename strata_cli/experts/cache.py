@@ -385,7 +385,7 @@ class ExpertCache:
         rows = x.reshape(-1, x.shape[-1])
         rows = rows[:1] if self.options.root_prefetch else rows
         if not isinstance(moe, SparseMoeBlock):  # a router with its own rule (Nemotron-H's groups): its picks
-            return gate(rows)[0]
+            return gate.select(rows)[0]
         if self._prefetch_rules[i + 1] is not None or self.options.readahead_min_prob:
             return mx.softmax(gate(rows).astype(mx.float32), axis=-1)  # (N', E), as the block routes
         return mx.argpartition(-gate(rows), kth=k - 1, axis=-1)[:, :k]
