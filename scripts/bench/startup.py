@@ -205,6 +205,13 @@ def run(args) -> dict:
     # (either mode) find what earlier processes kept.
     shared = work / "cache"
     caches = {mode: shared for mode in MODES}
+    if args.seed_kernels:  # a machine whose kernel cache already holds these (MLX's own) kernels
+        from strata_cli.calibrate import backend_name
+        from strata_cli.kernel_cache import default_kernel_dir
+
+        target = default_kernel_dir(backend_name(), shared / "strata")
+        shutil.copytree(args.seed_kernels, target)
+        result["seeded_kernels"] = sum(1 for _ in target.rglob("*.ptx"))
     plan = [("cold", "serial"), ("later", "serial"), ("later", "auto")]
     plan += [("later", mode) for _ in range(args.later_runs - 1) for mode in MODES]
     for phase, mode in plan:
@@ -272,6 +279,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--process-timeout", type=float, default=300.0)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-compare",
                         help="where a built checkpoint is kept (compare_mlx_lm's default: shared with it)")
+    parser.add_argument("--seed-kernels", type=Path, default=None,
+                        help="copy this directory's compiled kernels into the cache before the first process "
+                             "(its run is then not a fresh machine's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.tiny:
