@@ -166,10 +166,9 @@ def generate(prompt, options, spec, stop, stats, as_json, each_line, separator, 
 
 def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats, as_json, separator):
     from .request import FINISH_CANCELLED, TextRequest
-    from .runtime import open_model
     from .telemetry import DecodeStats
 
-    runtime = open_model(load, engine_options)
+    runtime = open_runtime(load, engine_options)
     spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
     console = make_console(stderr=True)
     if show_stats:
@@ -260,7 +259,6 @@ def serve_stdio_command(options, spec, session, prefix_cache, prefix_cache_posit
     """
     import logging
 
-    from .runtime import open_model
     from .serve.server import serve_stdio
 
     try:
@@ -274,7 +272,7 @@ def serve_stdio_command(options, spec, session, prefix_cache, prefix_cache_posit
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
                         format="strata serve: %(message)s")
     def serve():
-        runtime = open_model(load, engine)
+        runtime = open_runtime(load, engine)
         return serve_stdio(runtime, serve_options=serve_options, defaults=options, spec=runtime.spec_for(spec))
 
     run_guarded(lambda: sys.exit(serve()))
@@ -316,7 +314,10 @@ def serve_command(options, spec, http, session, serve, verbose, load, engine):
             raise
         raise UserError(f"strata serve needs the 'serve' extra ({missing} is missing): "
                         "pip install 'strata-cli[serve]'") from None
-    from .runtime import open_model
+    from .distributed import find_group
+
+    if find_group() is not None:
+        raise UserError("strata serve does not run across ranks (mlx.launch) yet; serve-stdio and generate do")
 
     if http.model_name is None:
         http = replace(http, model_name=model_name(load.model))
@@ -326,7 +327,7 @@ def serve_command(options, spec, http, session, serve, verbose, load, engine):
                         format="strata serve: %(message)s")
 
     def serve_forever():
-        runtime = open_model(load, engine)
+        runtime = open_runtime(load, engine)
         return serve_http(runtime, http=http, serve_options=serve, defaults=options, spec=runtime.spec_for(spec),
                           verbose=verbose)
 
@@ -578,7 +579,6 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         render_table,
         run_bench,
     )
-    from .runtime import open_model
 
     err = make_console(stderr=True)
     try:
@@ -589,7 +589,7 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         if not err.is_terminal:
             click.echo(f"bench: loading {load.model}", err=True)
         with err.status(f"loading {load.model}"):
-            runtime = open_model(load, engine_options)
+            runtime = open_runtime(load, engine_options)
             # auto modes without --draft-cost: the device's own cost curve (cached or measured now)
             modes = [replace(m, spec=runtime.spec_for(m.spec)) if m.spec else m for m in modes]
             peer = None
@@ -707,10 +707,22 @@ def _selftest(max_tokens, dtypes, as_json):
                         f"on {report['backend']}")
 
 
+def open_runtime(load, engine):
+    """`runtime.open_model`; on a rank after the first of an `mlx.launch` pipeline, serve rank
+    0's windows on this rank's layers until rank 0 ends, then exit (rank 0 does all output)."""
+    from .runtime import open_model
+
+    runtime = open_model(load, engine)
+    if runtime.follower is not None:
+        sys.exit(runtime.follower.serve())
+    return runtime
+
+
 def run_guarded(action) -> None:
     """Run `action`, turning library errors into one clear line and a non-zero exit."""
     from .convert import ConvertError
     from .decode import PromptError
+    from .distributed import PipelineError
     from .engine.window import WindowError
     from .experts.store import ExpertStoreError
     from .model.loader import ModelLoadError
@@ -721,7 +733,8 @@ def run_guarded(action) -> None:
         return
     try:
         action()
-    except (ModelLoadError, ConfigError, PromptError, WindowError, ConvertError, SessionError, ExpertStoreError) as e:
+    except (ModelLoadError, ConfigError, PromptError, WindowError, ConvertError, SessionError, ExpertStoreError,
+            PipelineError) as e:
         raise UserError(str(e)) from None
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

@@ -111,6 +111,7 @@ class DecodeStats:
     warmup_seconds: float = 0.0  # load time: every window shape run once (runtime.open_model)
     calibration_seconds: float = 0.0  # load time: the device's cost curve measured (calibrate.py)
     seed: int | None = None  # the sampling seed used (None: greedy)
+    pipeline: dict | None = None  # across ranks (distributed.py): {rank, ranks, layers}; None in one process
 
     def attach_controller(self, controller) -> None:
         """Report what this draft-length controller learned in the summary's `controller`."""
@@ -183,6 +184,7 @@ class DecodeStats:
             "window_ms_p99": percentile(latencies_ms, 99),
             **({"controller": self.controller.snapshot()} if self.controller is not None else {}),
             **({"approximate": True} if self.is_approximate else {}),
+            **({"pipeline": self.pipeline} if self.pipeline is not None else {}),
             "experts": self._expert_summary(),
         }
 
