@@ -168,3 +168,10 @@ def test_a_stuck_rank_ends_every_rank_with_one_line():
         proc.wait(timeout=TIMEOUT)
     assert b"strata: rank 0: no answer from the other ranks within 3 s" in err, err[-2000:]
     assert elapsed < 30  # and the launcher has ended every rank (proc.wait above)
+
+
+def test_forced_rejections_across_ranks_match_one_engine():
+    script = str(Path(__file__).with_name("pipeline_rejections.py"))
+    proc = subprocess.run(launch() + [sys.executable, script], stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=4 * TIMEOUT, env=env())
+    assert "checked 70" in proc.stdout.decode(), proc.stderr.decode()[-3000:]
