@@ -293,6 +293,8 @@ FIELDS = {
     "controller": ("auto controller", "", "--suffix-draft auto only: its cost prior (calibrated, cached, file:PATH "
                    "or builtin), learned acceptance by draft position, window ms by T and cost samples by T"),
     "approximate": ("approximate", "", "present (true) when cache-aware routing changed the output"),
+    "pipeline": ("pipeline", "", "across ranks (mlx.launch) only: this rank, the number of ranks and every "
+                 "rank's decoder layers [start, stop)"),
 }
 EXPERT_FIELDS = {  # the `experts` section, streamed checkpoints only
     "union_experts_per_layer": ("experts per layer per window", "", "distinct experts a window's rows picked, "
