@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -423,6 +424,8 @@ class StageFollower:
     def serve(self) -> int:
         """Serve rank 0 until it says the run is over; returns the exit status."""
         rank = self.stage.rank
+        # Ctrl-C reaches every rank: rank 0 winds down and tells this one (or its link drops).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             while True:
                 header = mx.distributed.recv((HEADER_INTS,), mx.int32, self.source, group=self.group)
