@@ -314,10 +314,6 @@ def serve_command(options, spec, http, session, serve, verbose, load, engine):
             raise
         raise UserError(f"strata serve needs the 'serve' extra ({missing} is missing): "
                         "pip install 'strata-cli[serve]'") from None
-    from .distributed import find_group
-
-    if find_group() is not None:
-        raise UserError("strata serve does not run across ranks (mlx.launch) yet; serve-stdio and generate do")
 
     if http.model_name is None:
         http = replace(http, model_name=model_name(load.model))
