@@ -20,6 +20,7 @@ watchdog ends the process); `mlx.launch` then stops the other ranks.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import signal
@@ -61,9 +62,39 @@ class PipelineError(RuntimeError):
 
 
 def find_group():
-    """The group `mlx.launch` started this process in, or None for a single process."""
+    """The group `mlx.launch` started this process in, or None for a single process.
+
+    Raises:
+        PipelineError: the launcher started several ranks but no backend could join them (each
+            would otherwise run the whole model alone and answer every request twice).
+    """
     group = mx.distributed.init()
-    return group if group.size() > 1 else None
+    if group.size() > 1:
+        return group
+    expected = launched_ranks()
+    if expected > 1:
+        try:
+            mx.distributed.init(strict=True)
+            reason = "the backend started a group of one"
+        except RuntimeError as e:
+            reason = str(e)
+        raise PipelineError(f"started as rank {os.environ.get('MLX_RANK')} of {expected} but no distributed backend "
+                            f"joined the ranks ({reason}); check mlx.launch's --backend for this machine")
+    return None
+
+
+def launched_ranks() -> int:
+    """How many ranks the launcher's environment says it started (1 when none)."""
+    if os.environ.get("MLX_WORLD_SIZE", "").isdigit():
+        return int(os.environ["MLX_WORLD_SIZE"])
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if hostfile:
+        try:
+            hosts = json.loads(Path(hostfile).read_text())
+        except (OSError, ValueError):
+            return 1
+        return len(hosts) if isinstance(hosts, list) else 1
+    return 1
 
 
 # -- the split -------------------------------------------------------------------------------------

@@ -86,3 +86,24 @@ def test_stages_compose_to_the_whole_model(family, tmp_path_factory):
     out, ref = run_stages(models, stages, whole, ids)
     for o, r in zip(out, ref):
         assert mx.array_equal(o, r).item()
+
+
+def test_ranks_that_no_backend_joined_are_refused(monkeypatch):
+    from strata_cli.distributed import PipelineError, find_group
+
+    assert find_group() is None  # one process: nothing changes
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("MLX_WORLD_SIZE", "2")  # a launcher's ranks, with no backend to join them
+    with pytest.raises(PipelineError, match="started as rank 0 of 2 but no distributed backend joined"):
+        find_group()
+
+
+def test_a_session_is_refused_across_ranks(tmp_path):
+    from types import SimpleNamespace
+
+    from strata_cli.serve.server import restore_session
+    from strata_cli.serve.session import SessionError
+
+    runtime = SimpleNamespace(stage=Stage(0, 2), engine=None)
+    with pytest.raises(SessionError, match="sessions are not saved across ranks"):
+        restore_session(runtime, tmp_path / "s.session", command="serve-stdio")

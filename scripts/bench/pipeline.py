@@ -34,8 +34,8 @@ from pathlib import Path
 import mlx.core as mx
 
 RESULT = "PIPELINE-RESULT "
-# The Qwen3-Next-80B-A3B layer shapes (scripts/bench/window_cost.py) with few layers, 4-bit.
-LARGE = dict(layers=8, bits=4, dtype="bfloat16")
+# The Qwen3-Next-80B-A3B layer shapes (scripts/bench/window_cost.py) with few layers, bfloat16.
+LARGE = dict(layers=8)
 # CPU: a few hundred MB in float32, windows several times the demo model's.
 TINY_LARGE = dict(hidden_size=512, num_hidden_layers=8, vocab_size=4096, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -44,7 +44,7 @@ TINY_LARGE = dict(hidden_size=512, num_hidden_layers=8, vocab_size=4096, num_att
                   full_attention_interval=4)
 
 
-def build_checkpoint(out: Path, *, tiny: bool, seed: int = 0) -> Path:
+def build_checkpoint(out: Path, *, tiny: bool, bits: int, seed: int = 0) -> Path:
     """A random Qwen3-Next written in strata's format (mlx-lm's layout), with the demo's tokenizer
     files (the benchmark feeds token ids; its vocabulary need not match)."""
     from mlx.utils import tree_flatten
@@ -58,10 +58,10 @@ def build_checkpoint(out: Path, *, tiny: bool, seed: int = 0) -> Path:
     from strata_cli.runtime import embedded_model_path
 
     if tiny:
-        config, bits, dtype = tiny_qwen3_next_config(**TINY_LARGE), 0, mx.float32
+        config, dtype = tiny_qwen3_next_config(**TINY_LARGE), mx.float32
     else:
         config = qwen3_next.Config.from_dict({**QWEN3_NEXT_80B_A3B, "num_hidden_layers": LARGE["layers"]})
-        bits, dtype = LARGE["bits"], mx.bfloat16
+        dtype = mx.bfloat16
     model = random_model(config, seed=seed, dtype=dtype)
     params = {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
     params.update({FORMAT_KEY: FORMAT_VERSION, "dtype": "float32" if tiny else "bfloat16"})
@@ -188,16 +188,18 @@ def compare(args) -> dict:
     from strata_cli.bench.runner import git_commit
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="strata-pipeline-"))
-    large = workdir / ("large-tiny" if args.tiny else "large")
-    if not large.exists():
-        build_checkpoint(large, tiny=args.tiny)
+    large = workdir / (f"large-tiny-{args.bits}" if args.tiny else f"large-{args.bits}")
+    if "large" in args.models and not large.exists():
+        build_checkpoint(large, tiny=args.tiny, bits=args.bits)
     record = {
         "command": "python -m scripts.bench.pipeline " + " ".join(args.argv),
         "tree": git_commit(), "machine": platform.platform(), "processor": platform.processor(),
         "cpu_count": os.cpu_count(), "device": str(mx.default_device()), "backend": args.backend,
-        "ranks": args.ranks, "rounds": args.rounds, "models": {},
+        "ranks": args.ranks, "rounds": args.rounds, "large_bits": args.bits, "models": {},
     }
     for name, model in (("demo", "demo"), ("large", str(large))):
+        if name not in args.models:
+            continue
         runs = {1: [], args.ranks: []}
         for round_ in range(args.rounds):
             order = (1, args.ranks) if round_ % 2 == 0 else (args.ranks, 1)
@@ -217,6 +219,8 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="a small random checkpoint in float32: a CPU run")
     parser.add_argument("--backend", default="nccl", help="mlx.launch backend (default nccl; ring on CPUs, Macs)")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--models", default="demo,large", help="which of demo,large to run (default both)")
+    parser.add_argument("--bits", type=int, default=None, help="the large checkpoint's bits (default 4; 0 tiny)")
     parser.add_argument("--rounds", type=int, default=None, help="runs per setting, alternating (default 3; 2 tiny)")
     parser.add_argument("--context", type=int, default=None, help="prefilled positions (default 1024; 64 tiny)")
     parser.add_argument("--repeats", type=int, default=None, help="timed windows per T (default 20; 7 tiny)")
@@ -229,8 +233,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="demo", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    defaults = dict(rounds=2, context=64, repeats=7, warmup=2, max_tokens=64) if args.tiny else \
-        dict(rounds=3, context=1024, repeats=20, warmup=3, max_tokens=256)
+    args.models = args.models.split(",")
+    defaults = dict(rounds=2, context=64, repeats=7, warmup=2, max_tokens=64, bits=0) if args.tiny else \
+        dict(rounds=3, context=1024, repeats=20, warmup=3, max_tokens=256, bits=4)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
