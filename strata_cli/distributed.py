@@ -306,7 +306,8 @@ class Link:
         self.group, self.stage, self.hidden_size, self.timeout = group, stage, hidden_size, timeout
         self.calls: deque[tuple[int, int, int]] = deque()
         self.next_id = 0
-        self.is_open = True
+        self.is_open = True  # the other ranks are there (closing tells them to end)
+        self.in_sync = True  # no window was left half done
         self.watchdog = Watchdog(0)
         atexit.register(self.close)
 
@@ -332,8 +333,8 @@ class Link:
 
     def through(self, h: mx.array, remote: "RemoteStages", last_only: bool) -> mx.array:
         """Send a window's hidden rows (1, T, D) to rank 1 and return the last stage's (1, T or 1, D)."""
-        if not self.is_open:
-            raise PipelineError("rank 0: the pipeline is closed")
+        if not (self.is_open and self.in_sync):
+            raise PipelineError("rank 0: the pipeline is closed (a rank went away or a window was interrupted)")
         pos0, T, mode = remote.window
         self.send_calls()
         header = self.header(RUN, (remote.id, pos0, T, MODES.index(mode), int(last_only), DTYPES.index(h.dtype)))
@@ -348,6 +349,9 @@ class Link:
         except RuntimeError as e:
             self.is_open = False
             raise lost_peer(0, e) from None
+        except BaseException:  # interrupted mid-window: rows may be in flight, so no more windows
+            self.in_sync = False
+            raise
         return back
 
     def close(self) -> None:

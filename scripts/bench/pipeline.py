@@ -166,8 +166,10 @@ def run_once(args, model: str, ranks: int) -> dict:
         launcher = str(Path(sys.executable).with_name("mlx.launch"))
         worker_cmd = [launcher, "--hosts", "127.0.0.1", "-n", str(ranks), "--backend", args.backend, "--",
                       *worker_cmd]
+    # A pipeline only sends and receives; NVLink multicast stays off unless the caller sets it.
+    env = {"NCCL_NVLS_ENABLE": "0", **os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.run(worker_cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=args.timeout, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                          timeout=args.timeout, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
