@@ -107,3 +107,22 @@ def test_a_session_is_refused_across_ranks(tmp_path):
     runtime = SimpleNamespace(stage=Stage(0, 2), engine=None)
     with pytest.raises(SessionError, match="sessions are not saved across ranks"):
         restore_session(runtime, tmp_path / "s.session", command="serve-stdio")
+
+
+def test_a_later_rank_never_reads_the_other_ranks_tensors():
+    """Tensors load lazily and the dropped ones are never evaluated: rank 1 of 2's peak memory
+    while loading is about its own half, not the whole model plus a copy."""
+    path = embedded_model_path()
+
+    def peak_of(stage):
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        model = load_checkpoint(path, stage=stage)
+        held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        return mx.get_peak_memory() - before, held
+
+    whole_peak, whole = peak_of(None)
+    peak, held = peak_of(Stage(1, 2, path=path))
+    assert held < 0.5 * whole
+    assert peak < 0.6 * whole_peak
