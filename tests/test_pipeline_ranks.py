@@ -14,7 +14,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
 from hf_checkpoints import checkpoint_root, hybrid_hf_checkpoint
 
 TIMEOUT = 90

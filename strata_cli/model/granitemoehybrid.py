@@ -22,7 +22,7 @@ import mlx.nn as nn
 from .attention import GatedAttention
 from .config import ConfigError, ModelConfig, lift_rope_parameters
 from .decoder_layer import PreNormLayer
-from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, by_row, swiglu
+from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, swiglu
 from .layout import stack_experts
 from .mamba2 import Mamba2Mixer
 from .moe import QuantizedSwitchGLU, SparseMoeBlock, SwitchGLU, gather_matmul
