@@ -160,6 +160,10 @@ def generate(prompt, options, spec, stop, stats, as_json, each_line, separator, 
         raise click.UsageError("--separator applies only with --each-line")
     if "\n" in separator:
         raise click.BadParameter("the separator is one line", param_hint="'--separator'")
+    from .distributed import launched_ranks
+
+    if prompt in (None, "-") and launched_ranks() > 1:
+        raise UserError("under mlx.launch pass the prompt as an argument: the launcher never ends the ranks' stdin")
     prompts = read_prompts(prompt, each_line)
     run_guarded(lambda: _generate(load, engine, prompts, options, spec, stop, stats, as_json, separator))
 

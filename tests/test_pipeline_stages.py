@@ -126,3 +126,13 @@ def test_a_later_rank_never_reads_the_other_ranks_tensors():
     peak, held = peak_of(Stage(1, 2, path=path))
     assert held < 0.5 * whole
     assert peak < 0.6 * whole_peak
+
+
+def test_generate_refuses_stdin_prompts_under_a_launcher(monkeypatch):
+    from click.testing import CliRunner
+
+    from strata_cli.cli import cli
+
+    monkeypatch.setenv("MLX_WORLD_SIZE", "2")
+    result = CliRunner().invoke(cli, ["generate", "--each-line"], input="def f(x):\n")
+    assert result.exit_code != 0 and "pass the prompt as an argument" in result.output
