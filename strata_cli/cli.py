@@ -160,19 +160,22 @@ def generate(prompt, options, spec, stop, stats, as_json, each_line, separator, 
         raise click.UsageError("--separator applies only with --each-line")
     if "\n" in separator:
         raise click.BadParameter("the separator is one line", param_hint="'--separator'")
+    from .distributed import launched_ranks
+
+    if prompt in (None, "-") and launched_ranks() > 1:
+        raise UserError("under mlx.launch pass the prompt as an argument: the launcher never ends the ranks' stdin")
     prompts = read_prompts(prompt, each_line)
     run_guarded(lambda: _generate(load, engine, prompts, options, spec, stop, stats, as_json, separator))
 
 
 def _generate(load, engine_options, prompts, gen_options, spec, stop, show_stats, as_json, separator):
     from .request import FINISH_CANCELLED, TextRequest
-    from .runtime import open_model
     from .telemetry import DecodeStats
 
     console = make_console(stderr=True)
     warming = WarmUpBar(console)
     try:
-        runtime = open_model(load, engine_options, announce=warming.announce, warm_progress=warming)
+        runtime = open_runtime(load, engine_options, announce=warming.announce, warm_progress=warming)
     finally:
         warming.close()
     spec = runtime.spec_for(spec)  # auto without --draft-cost: the device's own cost curve
@@ -264,7 +267,6 @@ def serve_stdio_command(options, spec, session, prefix_cache, prefix_cache_posit
     """
     import logging
 
-    from .runtime import open_model
     from .serve.server import serve_stdio
 
     try:
@@ -278,7 +280,7 @@ def serve_stdio_command(options, spec, session, prefix_cache, prefix_cache_posit
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if verbose else logging.INFO,
                         format="strata serve: %(message)s")
     def serve():
-        runtime = open_model(load, engine, announce=lambda line: click.echo(line, err=True))
+        runtime = open_runtime(load, engine, announce=lambda line: click.echo(line, err=True))
         return serve_stdio(runtime, serve_options=serve_options, defaults=options, spec=runtime.spec_for(spec))
 
     run_guarded(lambda: sys.exit(serve()))
@@ -320,7 +322,6 @@ def serve_command(options, spec, http, session, serve, verbose, load, engine):
             raise
         raise UserError(f"strata serve needs the 'serve' extra ({missing} is missing): "
                         "pip install 'strata-cli[serve]'") from None
-    from .runtime import open_model
 
     if http.model_name is None:
         http = replace(http, model_name=model_name(load.model))
@@ -330,7 +331,7 @@ def serve_command(options, spec, http, session, serve, verbose, load, engine):
                         format="strata serve: %(message)s")
 
     def serve_forever():
-        runtime = open_model(load, engine, announce=lambda line: click.echo(line, err=True))
+        runtime = open_runtime(load, engine, announce=lambda line: click.echo(line, err=True))
         return serve_http(runtime, http=http, serve_options=serve, defaults=options, spec=runtime.spec_for(spec),
                           verbose=verbose)
 
@@ -582,7 +583,6 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         render_table,
         run_bench,
     )
-    from .runtime import open_model
 
     err = make_console(stderr=True)
     try:
@@ -593,7 +593,7 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
         if not err.is_terminal:
             click.echo(f"bench: loading {load.model}", err=True)
         with err.status(f"loading {load.model}"):
-            runtime = open_model(load, engine_options, announce=err.print)
+            runtime = open_runtime(load, engine_options, announce=err.print)
             # auto modes without --draft-cost: the device's own cost curve (cached or measured now)
             modes = [replace(m, spec=runtime.spec_for(m.spec)) if m.spec else m for m in modes]
             peer = None
@@ -712,10 +712,22 @@ def _selftest(max_tokens, dtypes, as_json):
                         f"on {report['backend']}")
 
 
+def open_runtime(load, engine, **kwargs):
+    """`runtime.open_model`; on a rank after the first of an `mlx.launch` pipeline, serve rank
+    0's windows on this rank's layers until rank 0 ends, then exit (rank 0 does all output)."""
+    from .runtime import open_model
+
+    runtime = open_model(load, engine, **kwargs)
+    if runtime.follower is not None:
+        sys.exit(runtime.follower.serve())
+    return runtime
+
+
 def run_guarded(action) -> None:
     """Run `action`, turning library errors into one clear line and a non-zero exit."""
     from .convert import ConvertError
     from .decode import PromptError
+    from .distributed import PipelineError
     from .engine.window import WindowError
     from .experts.store import ExpertStoreError
     from .model.loader import ModelLoadError
@@ -726,7 +738,8 @@ def run_guarded(action) -> None:
         return
     try:
         action()
-    except (ModelLoadError, ConfigError, PromptError, WindowError, ConvertError, SessionError, ExpertStoreError) as e:
+    except (ModelLoadError, ConfigError, PromptError, WindowError, ConvertError, SessionError, ExpertStoreError,
+            PipelineError) as e:
         raise UserError(str(e)) from None
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

@@ -40,9 +40,12 @@ from .options import (
     HttpOptions,
     LoadOptions,
     MoceOptions,
+    PipelineOptions,
     ServeOptions,
     SpecOptions,
     StreamOptions,
+    DEFAULT_PIPELINE_TIMEOUT,
+    parse_pipeline_split,
     parse_suffix_draft,
     read_ban_phrases,
 )
@@ -57,8 +60,9 @@ ENGINE = "Engine"
 STREAMING = "Expert streaming"
 EXPERIMENTAL = "Experiments and approximate modes (off by default)"
 SERVER = "Server"
+PIPELINE = "Ranks (mlx.launch)"
 BENCH = "Bench"
-PANEL_ORDER = (MODEL, OUTPUT, SAMPLING, SPECULATIVE, SERVER, BENCH, ENGINE, STREAMING, EXPERIMENTAL)
+PANEL_ORDER = (MODEL, OUTPUT, SAMPLING, SPECULATIVE, SERVER, BENCH, ENGINE, STREAMING, PIPELINE, EXPERIMENTAL)
 
 
 def panels(command):
@@ -99,6 +103,20 @@ class SuffixDraftType(click.ParamType):
 
 
 SUFFIX_DRAFT = SuffixDraftType()
+
+
+class PipelineSplitType(click.ParamType):
+    """--pipeline-split: layers per rank, "20,28"; converts to a tuple of ints."""
+
+    name = "N,N,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_pipeline_split(value)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -343,12 +361,20 @@ def model_options(command):
                envvar="STRATA_MOCE_COUNT_INFLIGHT", show_default=True, panel=EXPERIMENTAL,
                help="With --moce-protect: experts whose read-ahead is already in flight for a layer get "
                     "the resident bonus there (their read is already paid for)."),
+        option("--pipeline-split", type=PipelineSplitType(), default=None, envvar="STRATA_PIPELINE_SPLIT",
+               metavar="N,N,...", panel=PIPELINE,
+               help="Under mlx.launch: decoder layers per rank, in rank order (default: balanced by weight "
+                    "bytes). One process ignores it."),
+        option("--pipeline-timeout", type=FiniteFloatRange(min=0, min_open=True), default=DEFAULT_PIPELINE_TIMEOUT,
+               envvar="STRATA_PIPELINE_TIMEOUT", metavar="SECONDS", show_default=True, panel=PIPELINE,
+               help="Under mlx.launch: how long a rank waits for the others within one window or prompt "
+                    "chunk before every rank ends with an error."),
     ]
 
     def build(model, download, dtype, expert_cache, resident_experts, expert_prefetch, expert_io, expert_io_threads,
               spec_root_prefetch, expert_readahead_depth, expert_readahead_min_prob, moce_protect, moce_bonus,
               draft_moce_protect, draft_moce_bonus, expert_budget, moce_exact_prefill, moce_natural_prefetch,
-              moce_count_inflight):
+              moce_count_inflight, pipeline_split, pipeline_timeout):
         stream = StreamOptions(
             cache_gb=expert_cache, resident_experts=resident_experts, prefetch=expert_prefetch,
             root_prefetch=spec_root_prefetch, io=expert_io, io_threads=expert_io_threads,
@@ -357,7 +383,8 @@ def model_options(command):
         moce = MoceOptions(protect=moce_protect, bonus=moce_bonus, draft_protect=draft_moce_protect,
                            draft_bonus=draft_moce_bonus, budget=expert_budget, exact_prefill=moce_exact_prefill,
                            natural_prefetch=moce_natural_prefetch, count_inflight=moce_count_inflight)
-        return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce, download=download)
+        pipeline = PipelineOptions(split=pipeline_split, timeout=pipeline_timeout)
+        return LoadOptions(model=model, dtype=dtype, stream=stream, moce=moce, download=download, pipeline=pipeline)
 
     return options_object("load", build, options)(command)
 

@@ -88,6 +88,7 @@ def generate(
         `Step`s; the last one carries the finish reason ("stop", "length" or "context").
     """
     stats = stats if stats is not None else DecodeStats()
+    stats.pipeline = getattr(getattr(engine, "model", None), "pipeline_summary", None)  # the stages, across ranks
     prompt_ids = checked_prompt(prompt_ids, engine.max_context)
     chooser = TokenChooser(options, prompt_length=len(prompt_ids))
     processors = Processors(options, banned, heal) if options.has_processors or heal else None

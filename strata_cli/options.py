@@ -242,6 +242,44 @@ class MoceOptions:
 DEMO_MODEL = "demo"  # the model argument that names the embedded checkpoint
 
 
+DEFAULT_PIPELINE_TIMEOUT = 300.0  # seconds one window or prompt chunk may take across ranks
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How ranks started by `mlx.launch` share a model (distributed.py); ignored by one process.
+
+    Args:
+        split: layers per rank, in rank order (e.g. (20, 28)); None (default) = balanced by
+            weight bytes (rank 0's share counts the embeddings and the output head it holds).
+        timeout: seconds a rank waits for the others within one window or prompt chunk before
+            it ends with one error line (default 300); waiting for the next request is unbounded.
+    """
+
+    split: tuple[int, ...] | None = None
+    timeout: float = DEFAULT_PIPELINE_TIMEOUT
+
+    def __post_init__(self):
+        if self.split is not None and (not self.split or any(n < 1 for n in self.split)):
+            raise ConfigError(f"pipeline split must give every rank at least one layer, got {list(self.split)}")
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ConfigError(f"pipeline timeout must be a positive number of seconds, got {self.timeout}")
+
+
+def parse_pipeline_split(value: str) -> tuple[int, ...]:
+    """"20,28" -> (20, 28): layers per rank.
+
+    Raises:
+        ConfigError: not a comma-separated list of positive integers.
+    """
+    try:
+        split = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ConfigError(f"pipeline split must be layers per rank separated by commas (e.g. 20,28), got {value!r}") from None
+    PipelineOptions(split=split)
+    return split
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """Which checkpoint to open and how (runtime.open_model).
@@ -255,6 +293,7 @@ class LoadOptions:
         moce: cache-aware (approximate) routing of a streamed checkpoint (default off).
         download: fetch a Hugging Face repo id given as `model` when the hub cache lacks it
             (default False: say what to run instead).
+        pipeline: how ranks from `mlx.launch` split the layers (default `PipelineOptions()`).
     """
 
     model: str = DEMO_MODEL
@@ -262,6 +301,7 @@ class LoadOptions:
     stream: StreamOptions = field(default_factory=lambda: StreamOptions())
     moce: MoceOptions = field(default_factory=lambda: MoceOptions())
     download: bool = False
+    pipeline: PipelineOptions = field(default_factory=lambda: PipelineOptions())
 
     def __post_init__(self):
         if not self.model:

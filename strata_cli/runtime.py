@@ -19,6 +19,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .calibrate import device_cost_prior
+from .distributed import Link, PipelineModel, Stage, StageFollower, barrier, find_group
 from .engine.window import WindowEngine
 from .experts.store import INDEX_NAME, STREAM_DIR, ExpertStoreError, is_streamed
 from .experts.switch import attach_streamed_experts
@@ -75,7 +76,7 @@ def model_identity(path: str | Path, verification: Verification) -> str:
 
 
 def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: StreamOptions | None = None,
-                    moce: MoceOptions | None = None):
+                    moce: MoceOptions | None = None, stage: Stage | None = None):
     """The model in checkpoint directory `path`, its routed experts streamed from disk when the
     checkpoint keeps them in the streaming layout (`strata convert --stream`).
 
@@ -85,6 +86,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: Strea
         stream: expert cache options (default `StreamOptions()`); non-default ones need a
             streamed checkpoint.
         moce: cache-aware routing (default off); on, it needs a streamed checkpoint.
+        stage: load only this pipeline stage's layers (distributed.py); None = the whole model.
 
     Raises:
         ModelLoadError: missing or corrupt files, an unusable expert layout.
@@ -111,7 +113,10 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: Strea
             f"cache-aware routing (--moce-protect) applies to a streamed checkpoint (strata convert --stream); "
             f"{path} keeps its experts in safetensors"
         )
-    return load_model(path, dtype=dtype, before_weights=attach)
+    if stage is not None and attach is not None:
+        raise ConfigError(f"{path}: streamed experts (strata convert --stream) are not served across ranks yet; "
+                          "convert without --stream for mlx.launch")
+    return load_model(path, dtype=dtype, before_weights=attach, select=stage.select if stage else None)
 
 
 @dataclass
@@ -132,6 +137,8 @@ class Runtime:
             process found it empty (kernel_cache.py).
         calibration_seconds: load time spent measuring the device's cost curve (0.0 when none
             was measured, or the cache had it).
+        stage: this rank's pipeline stage under `mlx.launch` (None: one process holds it all).
+        follower: on ranks after the first, what serves rank 0's windows (`engine` is None there).
     """
 
     path: Path
@@ -145,6 +152,8 @@ class Runtime:
     calibration_seconds: float = 0.0
     warmup_by_rows: dict[int, float] = dataclasses.field(default_factory=dict)
     kernel_cache: KernelCache | None = None
+    stage: Stage | None = None
+    follower: StageFollower | None = None
     _device_prior: CostPrior | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -166,8 +175,11 @@ class Runtime:
         if not spec.auto or spec.cost_prior is not None:
             return spec
         if self._device_prior is None:
+            identity = self.identity
+            if self.stage is not None:  # a pipeline's windows cost what its split makes them cost
+                identity += f":ranks={self.stage.summary()['layers']}"
             self._device_prior, self.calibration_seconds = device_cost_prior(
-                self.engine, identity=self.identity, dtype=self.dtype_name, max_T=MAX_SUFFIX_DRAFT + 1)
+                self.engine, identity=identity, dtype=self.dtype_name, max_T=MAX_SUFFIX_DRAFT + 1)
         return dataclasses.replace(spec, cost_prior=self._device_prior)
 
 
@@ -198,8 +210,20 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
         announce(kernels.notice)
     load = load or LoadOptions()
     path = resolve_model_path(load.model, download=load.download)
-    model = load_checkpoint(path, dtype=load.dtype, stream=load.stream, moce=load.moce)
+    group = find_group()
+    stage = None if group is None else Stage(group.rank(), group.size(), split=load.pipeline.split, path=path)
+    model = load_checkpoint(path, dtype=load.dtype, stream=load.stream, moce=load.moce, stage=stage)
     tokenizer = Tokenizer(path)
+    identity = model_identity(path, model.verification)
+    if stage is not None:
+        barrier(group, stage.rank)
+        if not stage.is_first:  # this rank serves rank 0's windows on its layers (runtime.follower)
+            follower = StageFollower(model, stage, group, engine or EngineOptions(), load.pipeline.timeout)
+            return Runtime(path=path, model=model, tokenizer=tokenizer, engine=None, identity=identity,
+                           dtype=compute_dtype(model), verification=model.verification, stage=stage,
+                           follower=follower)
+        link = Link(group, stage, model.config.hidden_size, load.pipeline.timeout)
+        model = PipelineModel(model, stage, link)
     window_engine = WindowEngine(model, engine)
     start = time.perf_counter()
     if should_warm_shapes(window_engine.options):
@@ -214,10 +238,9 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
         warmup_by_rows = {}
     warmup_seconds = time.perf_counter() - start if warmup_by_rows else 0.0
     return Runtime(
-        path=path, model=model, tokenizer=tokenizer, engine=window_engine,
-        identity=model_identity(path, model.verification), dtype=compute_dtype(model),
-        verification=model.verification, warmup_seconds=warmup_seconds, warmup_by_rows=warmup_by_rows,
-        kernel_cache=kernels,
+        path=path, model=model, tokenizer=tokenizer, engine=window_engine, identity=identity,
+        dtype=compute_dtype(model if stage is None else model.model), verification=model.verification,
+        warmup_seconds=warmup_seconds, warmup_by_rows=warmup_by_rows, kernel_cache=kernels, stage=stage,
     )
 
 

@@ -115,6 +115,7 @@ class DecodeStats:
     calibration_seconds: float = 0.0  # load time: the device's cost curve measured (calibrate.py)
     seed: int | None = None  # the sampling seed used (None: greedy)
     first_token_unix_s: float | None = None  # wall clock when the first window ended (time to first token from outside)
+    pipeline: dict | None = None  # across ranks (distributed.py): {rank, ranks, layers}; None in one process
 
     def attach_controller(self, controller) -> None:
         """Report what this draft-length controller learned in the summary's `controller`."""
@@ -197,6 +198,7 @@ class DecodeStats:
             "window_ms_max": max(latencies_ms, default=0.0),
             **({"controller": self.controller.snapshot()} if self.controller is not None else {}),
             **({"approximate": True} if self.is_approximate else {}),
+            **({"pipeline": self.pipeline} if self.pipeline is not None else {}),
             "experts": self._expert_summary(),
         }
 
@@ -314,6 +316,8 @@ FIELDS = {
     "controller": ("auto controller", "", "--suffix-draft auto only: its cost prior (calibrated, cached, file:PATH "
                    "or builtin), learned acceptance by draft position, window ms by T and cost samples by T"),
     "approximate": ("approximate", "", "present (true) when cache-aware routing changed the output"),
+    "pipeline": ("pipeline", "", "across ranks (mlx.launch) only: this rank, the number of ranks and every "
+                 "rank's decoder layers [start, stop)"),
 }
 EXPERT_FIELDS = {  # the `experts` section, streamed checkpoints only
     "union_experts_per_layer": ("experts per layer per window", "", "distinct experts a window's rows picked, "

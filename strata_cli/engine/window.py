@@ -100,6 +100,8 @@ def make_state(kind: str, params: dict, options: EngineOptions):
         return GDNState(params["conv_kernel"], lazy=options.fold == "lazy")
     if kind == "mamba2":
         return Mamba2State(params["conv_kernel"], lazy=options.fold == "lazy")
+    if kind == "ranks":  # the later pipeline stages' layers, whose states the other ranks hold (distributed.py)
+        return params["make"]()
     raise ValueError(f"unknown layer state kind {kind!r}")
 
 

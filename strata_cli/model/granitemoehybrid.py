@@ -22,7 +22,7 @@ import mlx.nn as nn
 from .attention import GatedAttention
 from .config import ConfigError, ModelConfig, lift_rope_parameters
 from .decoder_layer import PreNormLayer
-from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, by_row, swiglu
+from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, swiglu
 from .layout import stack_experts
 from .mamba2 import Mamba2Mixer
 from .moe import QuantizedSwitchGLU, SparseMoeBlock, SwitchGLU, gather_matmul, glu_by_expert
@@ -237,19 +237,11 @@ class Model(DecoderStack):
         return [("mamba2", {"conv_kernel": self.config.mamba_d_conv}) if layer.is_mamba else ("kv", {})
                 for layer in self.layers]
 
-    def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
-        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
-        h = self.model.embed_tokens(tokens) * self.config.embedding_multiplier
-        for layer, state in zip(self.layers, states):
-            h = layer(h, state)
-        if last_only:
-            h = h[:, -1:]
-        h = self.model.norm(h)
-        if self.config.tie_word_embeddings:
-            logits = by_row(self.model.embed_tokens.as_linear, h)
-        else:
-            logits = self.lm_head(h)
-        return logits / self.config.logits_scaling
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.embed_tokens(tokens) * self.config.embedding_multiplier
+
+    def head(self, h: mx.array, *, last_only: bool = False) -> mx.array:
+        return super().head(h, last_only=last_only) / self.config.logits_scaling
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map a Hugging Face or MLX-layout checkpoint's tensors onto this module's parameters:

@@ -257,17 +257,32 @@ class DecoderStack(nn.Module):
     def state_kinds(self) -> list[tuple[str, dict]]:
         return [("kv", {}) for _ in self.layers]
 
-    def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
-        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
-        h = self.model.embed_tokens(tokens)
-        for layer, state in zip(self.layers, states):
+    def state_span(self, start: int, stop: int) -> slice:
+        """Which of `state_kinds` belong to layers start..stop-1 (every layer has one here)."""
+        return slice(start, stop)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """tokens (B, T) -> the first layer's input (B, T, D)."""
+        return self.model.embed_tokens(tokens)
+
+    def run_layers(self, h: mx.array, states: list, start: int = 0, stop: int | None = None) -> mx.array:
+        """Layers start..stop-1 over h, with their states (`states[state_span(start, stop)]`)."""
+        for layer, state in zip(self.layers[start:stop], states):
             h = layer(h, state)
+        return h
+
+    def head(self, h: mx.array, *, last_only: bool = False) -> mx.array:
+        """The last layer's output (B, T, D) -> logits (B, T, V), or (B, 1, V) for the last row only."""
         if last_only:
             h = h[:, -1:]
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
             return by_row(self.model.embed_tokens.as_linear, h)
         return self.lm_head(h)
+
+    def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
+        return self.head(self.run_layers(self.embed(tokens), states), last_only=last_only)
 
 
 class KeptAside(nn.Module):

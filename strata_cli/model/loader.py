@@ -210,6 +210,7 @@ def load_model(
     path: str | Path, *, dtype: str | None = None, before_weights: Callable[[object, mx.Dtype], None] | None = None,
     dequantize: bool | None = None,
     more_weights: Callable[[], tuple[dict[str, mx.array], dict[str, Path]]] | None = None,
+    select: Callable[[object], Callable[[str], bool]] | None = None,
 ):
     """Build the model a checkpoint directory describes and load its weights.
 
@@ -224,6 +225,10 @@ def load_model(
         more_weights: called once after the shards are read; returns more tensors, named as the
             model names its parameters, that load as if the shards held them, and the file each
             came from (convert.py reads a streamed checkpoint's experts back so).
+        select: called as `select(model)` once the tensors are named as the model names them;
+            it may replace modules this process does not hold with empty ones (a pipeline
+            stage, distributed.py) and returns which tensor names to keep; the others are
+            never read.
 
     Returns:
         The model, with `model.config` set and `model.verification` (integrity.py): each weight
@@ -280,6 +285,9 @@ def load_model(
         raise ModelLoadError(f"{sources.get(e.tensor, path)}: {e}") from None
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    if select is not None:
+        keep = select(model)
+        weights = {k: v for k, v in weights.items() if keep(k)}
     target = choose_dtype(dtype, stored)
     if before_weights is not None:
         before_weights(model, target)

@@ -304,10 +304,23 @@ class Model(nn.Module):
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
-        h = self.backbone.embeddings(tokens)
+        return self.head(self.run_layers(self.embed(tokens), states), last_only=last_only)
+
+    def state_span(self, start: int, stop: int) -> slice:
+        """Only the M and * blocks hold state: the states of those among layers start..stop-1."""
+        before = sum(layer.has_state for layer in self.layers[:start])
+        return slice(before, before + sum(layer.has_state for layer in self.layers[start:stop]))
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.backbone.embeddings(tokens)
+
+    def run_layers(self, h: mx.array, states: list, start: int = 0, stop: int | None = None) -> mx.array:
         states = iter(states)
-        for layer in self.layers:
+        for layer in self.layers[start:stop]:
             h = layer(h, next(states) if layer.has_state else None)
+        return h
+
+    def head(self, h: mx.array, *, last_only: bool = False) -> mx.array:
         if last_only:
             h = h[:, -1:]
         h = self.backbone.norm_f(h)

@@ -29,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..distributed import PipelineError
 from ..engine.window import WindowEngine
 from ..options import GenerateOptions, ServeOptions, SpecOptions
 from ..request import FINISH_CANCELLED, TextRequest
@@ -203,7 +204,7 @@ class Server:
         except RequestError as e:
             log.debug("request %r: %s: %s", e.request_id, e.code, e.message)
             self.frames.send(error_frame(e.request_id, e.code, e.message))
-        except ClientGone:
+        except (ClientGone, PipelineError):  # a rank went away: nothing more can be answered
             raise
         except Exception as e:  # the server outlives any one request; the engine starts clean
             log.exception("request %r failed", request_id)
@@ -452,6 +453,9 @@ def restore_session(runtime: Runtime, session: str | Path | None, *, command: st
     """
     if session is None:
         return []
+    if runtime.stage is not None:
+        raise SessionError(f"session {session}: sessions are not saved across ranks (mlx.launch) yet; "
+                           f"{command} did not start (run without --session)")
     session, engine = Path(session), runtime.engine
     if not session.parent.is_dir():
         raise SessionError(f"session {session}: directory {session.parent} does not exist")
