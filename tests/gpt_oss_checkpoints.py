@@ -199,3 +199,33 @@ def _once(path: Path, build) -> Path:
         build(path)
         _built[str(path)] = path
     return path
+
+
+def strata_model(window: int, *, seed: int = SEED, num_hidden_layers: int = 2):
+    """strata's own GPT-OSS module with random weights, no checkpoint: what the sliding-state
+    tests run on (a small window, so that cheap sequences wrap the ring many times)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from strata_cli.model.gpt_oss import Config, Model
+
+    params = dict(SHAPES, model_type="gpt_oss", sliding_window=window, num_hidden_layers=num_hidden_layers,
+                  layer_types=["sliding_attention", "full_attention"] * (num_hidden_layers // 2),
+                  rope_theta=10000.0, rope_scaling=YARN)
+    model = Model(Config.from_dict(params))
+    flat = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(flat))
+    drawn = {}
+    for (name, p), key in zip(flat, keys):
+        if name.endswith("norm.weight"):
+            drawn[name] = 1.0 + 0.1 * mx.random.normal(p.shape, key=key)
+        elif name.endswith(("sinks", "bias")):
+            drawn[name] = mx.random.normal(p.shape, key=key) * (SINK_STD if name.endswith("sinks") else BIAS_STD)
+        elif name.endswith("embed_tokens.weight"):
+            drawn[name] = mx.random.normal(p.shape, key=key)
+        else:
+            gain = ROUTER_GAIN if name.endswith("router.weight") else HEAD_GAIN if name.startswith("lm_head") else 1.0
+            drawn[name] = gain * mx.random.normal(p.shape, key=key) / math.sqrt(p.shape[-1])
+    model.update(tree_unflatten(list(drawn.items())))
+    mx.eval(model.parameters())
+    return model.eval()
