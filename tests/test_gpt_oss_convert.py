@@ -4,7 +4,9 @@
   checkpoint gives the source's logits bit for bit (MXFP4 experts stay MXFP4, recorded in the
   output's quantization block), and mlx-lm reads it as it reads the source;
 - `--bits 4`: the same model as mlx-lm's own 4-bit conversion of the same source (dense layers
-  affine 4-bit, routers 8-bit, MXFP4 experts kept), logits within 1e-5, the same greedy tokens.
+  affine 4-bit, routers 8-bit, MXFP4 experts kept), logits within 1e-5, the same greedy tokens;
+- `--stream`: the experts (with their biases) streamed through fewer cache slots than a window
+  needs give the resident model's logits and tokens bit for bit.
 """
 
 import json
@@ -20,8 +22,10 @@ from hybrid_parity import strata_logits, strata_tokens
 
 from strata_cli.cli import cli
 from strata_cli.convert import convert
+from strata_cli.engine.window import WindowEngine
 from strata_cli.model import load_model
-from strata_cli.options import ConvertOptions, SpecOptions
+from strata_cli.options import ConvertOptions, SpecOptions, StreamOptions
+from strata_cli.runtime import load_checkpoint
 from strata_cli.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.parity
@@ -107,7 +111,32 @@ def test_convert_q4_is_mlx_lm_q4(root, prompt_ids, tmp_path, source):
     assert strata_tokens(model, prompt_ids, spec)[0] == strata_tokens(reference, prompt_ids, SpecOptions())[0]
 
 
-def test_stream_is_refused_in_one_line(root, tmp_path):
-    result = CliRunner().invoke(cli, ["convert", "--stream", str(hf_checkpoint(root)), str(tmp_path / "s")])
-    assert result.exit_code != 0
-    assert "has no experts strata can stream" in result.output and not (tmp_path / "s").exists()
+@pytest.mark.parametrize("source, bits", [("float", None), ("mxfp4", None), ("float", 4)],
+                         ids=["float", "mxfp4", "float-q4"])
+def test_streamed_experts_are_bit_identical(root, prompt_ids, tmp_path, source, bits):
+    """`convert --stream`: the biased experts (float, mxfp4 or affine 4-bit) served from disk
+    through 3 of 4 cache slots give the resident model's logits and greedy tokens bit for bit
+    (serial and with drafts): the streamed switch adds the biases and clamps as the resident one."""
+    src = SOURCES[source](root)
+    resident = load_model(convert(src, tmp_path / "resident", options=ConvertOptions(bits=bits)).path)
+    streamed_path = convert(src, tmp_path / "stream", options=ConvertOptions(bits=bits, stream=True)).path
+    index = json.loads((streamed_path / "experts" / "index.json").read_text())
+    names = [t["name"] for t in index["blocks"][0]["tensors"]]
+    assert "gate_proj.bias" in names and "down_proj.bias" in names
+    streamed = load_checkpoint(streamed_path, stream=StreamOptions(resident_experts=3))
+    try:
+        assert streamed.expert_cache.num_slots == 3  # below top-k · rows: windows served in several passes
+        ids = prompt_ids[:60]
+        assert mx.array_equal(WindowEngine(streamed).run(ids, 0).logits, WindowEngine(resident).run(ids, 0).logits)
+        for spec in (SpecOptions(), SpecOptions(max_drafts=3)):
+            assert strata_tokens(streamed, prompt_ids, spec)[0] == strata_tokens(resident, prompt_ids, spec)[0]
+    finally:
+        streamed.expert_cache.close()
+
+
+def test_cache_aware_routing_is_refused_in_one_line(root, tmp_path):
+    from strata_cli.options import ConfigError, MoceOptions
+
+    path = convert(SOURCES["float"](root), tmp_path / "stream", options=ConvertOptions(stream=True)).path
+    with pytest.raises(ConfigError, match="cache-aware routing .* is not supported for GptOssMoe blocks"):
+        load_checkpoint(path, moce=MoceOptions(protect=1))

@@ -11,6 +11,7 @@ is the ratio of the medians.
     python -m scripts.bench.family_speed --family qwen3_5_moe --model ~/models/Qwen3.5-35B-A3B-4bit
     python -m scripts.bench.family_speed --family nemotron_h --repeats 7 --tokens 128
     python -m scripts.bench.family_speed --family granitemoehybrid --repeats 7 --tokens 128
+    python -m scripts.bench.family_speed --family gpt_oss --repeats 7 --tokens 128
 
 Families: the TINY table below (add a family with its mlx-lm model_type and a tiny config).
 """
@@ -69,6 +70,15 @@ TINY = {
                          "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1,
                          "mamba_conv_bias": True, "position_embedding_type": "nope", "tie_word_embeddings": True,
                          "time_step_limit": [0.0, float("inf")]},
+    # tests/gpt_oss_checkpoints.py's shapes: sliding window 8 and full layers alternating, sinks,
+    # YaRN (truncated: mlx-lm's reading), 4 biased experts top-2; vocabulary 512 as above
+    "gpt_oss": {"model_type": "gpt_oss", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "intermediate_size": 64, "sliding_window": 8,
+                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "layer_types": ["sliding_attention", "full_attention"] * 2, "tie_word_embeddings": False,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "original_max_position_embeddings": 128, "truncate": True}},
 }
 
 

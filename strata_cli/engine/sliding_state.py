@@ -46,6 +46,7 @@ class SlidingKVState:
         self.length = 0
         self._window: tuple[int, int, Mode] | None = None
         self._pending: tuple[mx.array, mx.array] | None = None  # a long run's rows, written at commit
+        self._masks: dict[tuple[int, int], mx.array] = {}  # (pos0 % capacity, T) -> mask, once the window is full
 
     @property
     def offset(self) -> int:
@@ -59,9 +60,16 @@ class SlidingKVState:
 
     def visible(self, pos0: int, T: int) -> mx.array:
         """(T, capacity) bool: the ring cells row t (at position pos0+t) sees."""
+        full = pos0 >= self.window - 1  # every row sees W cells: the mask depends on pos0 % capacity only
+        key = (pos0 % self.capacity, T)
+        if full and key in self._masks:
+            return self._masks[key]
         p = np.arange(pos0, pos0 + T)[:, None]
         back = (p - np.arange(self.capacity)[None, :]) % self.capacity  # how far back each cell's position is
-        return mx.array(back < np.minimum(self.window, p + 1))
+        mask = mx.array(back < np.minimum(self.window, p + 1))
+        if full:
+            self._masks[key] = mask
+        return mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Write the window's (B, H_kv, T, D) keys and values; return the cells its rows attend

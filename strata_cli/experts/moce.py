@@ -122,6 +122,9 @@ def attach_moce(cache: ExpertCache, blocks, options: MoceOptions) -> None:
     if not options.is_enabled:
         return
     for path, moe in blocks:
+        if not hasattr(moe, "routing_policy"):  # GPT-OSS's block routes by its own rule, with no hook
+            raise ConfigError(f"cache-aware routing (--moce-protect) is not supported for {type(moe).__name__} "
+                              f"blocks ({path})")
         for name, J in (("--moce-protect", options.protect), ("--draft-moce-protect", options.draft_j)):
             if J > moe.top_k:
                 raise ConfigError(f"{name} ({J}) must be at most the model's experts per token ({moe.top_k})")

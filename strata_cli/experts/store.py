@@ -217,10 +217,10 @@ class ExpertLayoutWriter:
 
 
 def expert_blocks(model) -> list[tuple[str, object]]:
-    """(path, SwitchGLU-like module) for every MoE block's routed experts, in layer order."""
-    from ..model.moe import SparseMoeBlock
-
-    found = [(f"{name}.switch_mlp", m.switch_mlp) for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    """(path, SwitchGLU-like module) for every MoE block's routed experts, in layer order: the
+    blocks that say where theirs sit (`experts_attribute`: `SparseMoeBlock`, GPT-OSS's)."""
+    found = [(f"{name}.{m.experts_attribute}", m[m.experts_attribute]) for name, m in model.named_modules()
+             if getattr(type(m), "experts_attribute", None)]
     return sorted(found, key=lambda item: layer_of(item[0]))
 
 
@@ -234,8 +234,9 @@ def write_streamed_experts(model, directory: str | Path, *, alignment: int = DEF
     """Write every MoE block's routed experts of a loaded model into `directory/experts/`, and
     take them out of the model, so that its remaining parameters are the dense checkpoint.
 
-    Experts are written as the model holds them: plain float, or affine-quantized
-    (`QuantizedSwitchGLU`: packed weight, scales and biases per projection). The caller saves
+    Experts are written as the model holds them: plain float, or quantized (`QuantizedSwitchGLU`:
+    packed weight, scales and biases per projection; GPT-OSS's mxfp4 experts: weight and scales),
+    with their bias rows where they have them. The caller saves
     `model.parameters()` afterwards, in strata's format (config.json marked `strata_format`).
 
     Args:
@@ -267,7 +268,8 @@ def write_streamed_experts(model, directory: str | Path, *, alignment: int = DEF
         writer.add_block(path, tensors, quantization=quantization)
     modules = dict(model.named_modules())
     for path, _ in blocks:
-        modules[path.rsplit(".", 1)[0]].switch_mlp = nn.Module()  # the experts now live on disk
+        block, name = path.rsplit(".", 1)
+        setattr(modules[block], name, nn.Module())  # the experts now live on disk
     return writer.finish()
 
 
@@ -442,6 +444,8 @@ def _expected_dtype(tensor: str, quantization: dict, stored_dtype: str | None) -
     proj, _, part = tensor.partition(".")
     if proj in quantization and part == "weight":
         return "uint32"
+    if proj in quantization and part == "scales" and quantization[proj].get("mode") == "mxfp4":
+        return "uint8"  # a power-of-two exponent per group
     return stored_dtype
 
 

@@ -14,6 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..model.biased_experts import add_bias
+from ..model.layers import swiglu
 from ..model.moe import SparseMoeBlock, gather_matmul, gather_qmatmul, glu_by_expert
 from ..options import ConfigError, MoceOptions, StreamOptions
 from ..telemetry import format_bytes
@@ -33,20 +35,25 @@ class StreamedSwitchGLU(nn.Module):
     Args:
         cache: the expert cache.
         path: this block's module path (its records in the layout).
+        activation: (gate, up) -> hidden, the resident layer's (SwiGLU, or GPT-OSS's clamped form).
     """
 
-    def __init__(self, cache: ExpertCache, path: str):
+    def __init__(self, cache: ExpertCache, path: str, *, activation=swiglu):
         super().__init__()
-        self.cache, self.path = cache, path
+        self.cache, self.path, self.activation = cache, path, activation
         self.quantization = cache.store.blocks[path].quantization
 
     def _matmul(self, banks: dict[str, mx.array]):
         def matmul(name: str, xs: mx.array, slots: mx.array, is_sorted: bool) -> mx.array:
             q = self.quantization.get(name)
-            if q is None:
-                return gather_matmul(xs, banks[name], slots, is_sorted=is_sorted)
-            return gather_qmatmul(xs, banks[f"{name}.weight"], banks[f"{name}.scales"], banks.get(f"{name}.biases"),
-                                  slots, **q, is_sorted=is_sorted)
+            if q is None:  # SwitchGLU's bare stacks, or biased experts' `<proj>.weight`
+                weight = banks[name] if name in banks else banks[f"{name}.weight"]
+                y = gather_matmul(xs, weight, slots, is_sorted=is_sorted)
+            else:
+                y = gather_qmatmul(xs, banks[f"{name}.weight"], banks[f"{name}.scales"], banks.get(f"{name}.biases"),
+                                   slots, **q, is_sorted=is_sorted)
+            bias = banks.get(f"{name}.bias")
+            return y if bias is None else add_bias(y, bias, slots)
 
         return matmul
 
@@ -56,8 +63,8 @@ class StreamedSwitchGLU(nn.Module):
         parts, served = [], []
         for picks, slots, banks in self.cache.serve(self.path, x, inds):
             if picks is None:
-                return glu_by_expert(x, mx.array(slots), self._matmul(banks))
-            out = glu_by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks))
+                return glu_by_expert(x, mx.array(slots), self._matmul(banks), self.activation)
+            out = glu_by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks), self.activation)
             mx.eval(out)  # before the next pass overwrites slots this one reads
             parts.append(out[:, 0])
             served.append(picks)
@@ -91,8 +98,9 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
                             moce: MoceOptions | None = None) -> ExpertCache:
     """Serve `model`'s routed experts from the streaming layout in `path` through an ExpertCache.
 
-    Every MoE block's `switch_mlp` is replaced by a `StreamedSwitchGLU` (which has no
-    parameters, so the dense checkpoint loads as usual) and `model.expert_cache` is set.
+    Every MoE block's routed experts (`switch_mlp`, GPT-OSS's `experts`) are replaced by a
+    `StreamedSwitchGLU` (which has no parameters, so the dense checkpoint loads as usual) and
+    `model.expert_cache` is set.
 
     Args:
         model: the freshly built model (its MoE blocks still hold empty SwitchGLUs).
@@ -123,7 +131,8 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         store.close()
         raise
     for p, moe in blocks:
-        moe.switch_mlp = StreamedSwitchGLU(cache, p)
+        glu = moe[moe.experts_attribute]
+        setattr(moe, moe.experts_attribute, StreamedSwitchGLU(cache, p, activation=getattr(glu, "activation", swiglu)))
     model.expert_cache = cache
     return cache
 
@@ -139,14 +148,17 @@ def _check_layout(store: ExpertStore, blocks: list[tuple[str, SparseMoeBlock]]) 
             + (f"; the layout lacks {lacking[0]}" if lacking else "")
         )
     for p, moe in blocks:
-        layout, glu = store.blocks[p], moe.switch_mlp
-        if store.num_experts != glu.gate_proj.shape[0]:
-            raise ExpertStoreError(f"{where}: {store.num_experts} experts per block, the model has {glu.gate_proj.shape[0]}")
+        layout, glu = store.blocks[p], moe[moe.experts_attribute]
+        # SwitchGLU holds bare (E, out, in) stacks; biased experts a module with `weight` and `bias`
+        weights = {proj: glu[proj] if isinstance(glu[proj], mx.array) else glu[proj].weight for proj in GLU}
+        if store.num_experts != weights["gate_proj"].shape[0]:
+            raise ExpertStoreError(f"{where}: {store.num_experts} experts per block, the model has "
+                                   f"{weights['gate_proj'].shape[0]}")
         specs = {t.name: t for t in layout.tensors}
         for proj in GLU:
-            out_dim, in_dim = glu[proj].shape[1:]
+            out_dim, in_dim = weights[proj].shape[1:]
             q = layout.quantization.get(proj)
-            name = f"{proj}.weight" if q else proj
+            name = f"{proj}.weight" if q or not isinstance(glu[proj], mx.array) else proj
             spec = specs.get(name)
             packed = in_dim * q["bits"] // 32 if q else in_dim
             if spec is None or spec.shape != (out_dim, packed):

@@ -78,8 +78,13 @@ class ClampedSwitchGLU(nn.Module):
         self.down_proj = ExpertLinear(expert_size, hidden_size, num_experts)
         self.alpha, self.limit = alpha, limit
 
+    @property
+    def activation(self):
+        """(gate, up) -> the clamped SwiGLU with this model's alpha and limit (streamed experts
+        take it from here, so they compute what these do)."""
+        return partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
+
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        activation = partial(clamped_swiglu, alpha=self.alpha, limit=self.limit)
         return glu_by_expert(x, inds, lambda name, xs, experts, is_sorted: self[name](xs, experts, is_sorted),
-                             activation)
+                             self.activation)

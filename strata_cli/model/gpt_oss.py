@@ -96,7 +96,14 @@ Config = GptOssConfig
 
 
 class GptOssMoe(nn.Module):
-    """Router (linear with a bias), softmax over each token's top-k logits, biased clamped experts."""
+    """Router (linear with a bias), softmax over each token's top-k logits, biased clamped experts.
+
+    `experts` is any module with the `(x (N, H), inds (N, k)) -> (N, k, H)` contract: experts/switch.py
+    swaps in a `StreamedSwitchGLU` that serves them from disk. There is no routing-policy hook:
+    cache-aware routing is refused for this block (experts/moce.py).
+    """
+
+    experts_attribute = "experts"
 
     def __init__(self, config: GptOssConfig):
         super().__init__()
@@ -104,6 +111,17 @@ class GptOssMoe(nn.Module):
         self.router = RowLinear(config.hidden_size, config.num_local_experts, bias=True)
         self.experts = ClampedSwitchGLU(config.hidden_size, config.intermediate_size, config.num_local_experts,
                                         alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+
+    @property
+    def gate(self) -> nn.Module:
+        """The router, under the name the expert cache's prefetch reads routers by."""
+        return self.router
+
+    @property
+    def compilable(self) -> bool:
+        """Whether a decode window may run this block inside an `mx.compile` trace: not when the
+        experts stream (their cache's contents would freeze in the trace)."""
+        return isinstance(self.experts, ClampedSwitchGLU)
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k)."""

@@ -218,6 +218,7 @@ class SparseMoeBlock(nn.Module):
     """
 
     routing_policy = None
+    experts_attribute = "switch_mlp"  # where the routed experts sit (experts/ streams them from there)
 
     def __init__(
         self,

@@ -108,7 +108,7 @@ class SinkAttention(GatedAttention):
             mask = None
         else:
             keys, values, mask = state.update_and_fetch(k, v)
-        sinks = self.sinks.astype(q.dtype)
+        sinks = self.sinks if self.sinks.dtype == q.dtype else self.sinks.astype(q.dtype)
         if T >= PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
             out = causal_attention_cpu(q, keys, values, self.scale, sinks=sinks, window=self.window)
         elif T <= WINDOW_ROWS and RowSplit.applies(T):
