@@ -14,6 +14,10 @@ then load the same files. Measured side by side (medians, warm-up apart):
 
     python -m scripts.bench.compare_mlx_lm --out compare.json    # the H200 run
     python -m scripts.bench.compare_mlx_lm --tiny                # seconds, CPU: checks the script
+
+`--family gpt_oss` runs the same comparison on a GPT-OSS-20B-shaped checkpoint instead
+(`build_gpt_oss_checkpoint`: mlx-lm's gpt_oss class, bfloat16, experts MXFP4 as published, the
+dense layers affine `--bits` on top when nonzero, routers 8-bit by mlx-lm's predicate).
 """
 
 from __future__ import annotations
@@ -69,6 +73,47 @@ def build_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, seed: in
     return path
 
 
+# GPT-OSS-20B's shapes (its config.json); `--layers` of its 24 layers, sliding and full alternating
+GPT_OSS_20B = dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, head_dim=64,
+                   num_attention_heads=64, num_key_value_heads=8, num_local_experts=32, num_experts_per_tok=4,
+                   sliding_window=128, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+                   tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "original_max_position_embeddings": 4096, "truncate": False})
+GPT_OSS_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=8, sliding_window=8, max_position_embeddings=4096)
+
+
+def build_gpt_oss_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, seed: int) -> Path:
+    """An mlx-lm GPT-OSS with random weights in bfloat16, its experts MXFP4 (MLX's mxfp4 mode, as
+    mlx-lm loads the published checkpoints), the dense layers affine `bits`-bit when nonzero;
+    saved by mlx-lm with a tiny tokenizer (mlx-lm's load wants one)."""
+    import mlx.nn as nn
+    from mlx_lm.models import gpt_oss
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from scripts.train.build_tokenizer import train_tokenizer
+
+    config = {**GPT_OSS_20B, **(GPT_OSS_TINY if tiny else {}), "num_hidden_layers": layers,
+              "layer_types": ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)}
+    mx.random.seed(seed)
+    model = gpt_oss.Model(gpt_oss.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4, mode="mxfp4",
+                class_predicate=lambda p, m: ".experts." in p and hasattr(m, "to_quantized"))
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    mx.eval(model.parameters())
+    if bits:  # per-layer entries for the dense layers: the block already names the experts' mode
+        model, config = quantize_model(model, config, group_size=64, bits=bits)
+    config["quantization_config"] = config["quantization"]
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    # the prompts are random ids: the tokenizer (trained on this file, small) only has to load
+    train_tokenizer([Path(__file__)], vocab_size=512, out_dir=path)
+    save_config(config, path / "config.json")
+    return path
+
+
 def _median_time(fn, repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -120,10 +165,12 @@ def identity(path: Path, dtype: str, prompt: list[int], tokens: int) -> dict:
 
 
 def run(args) -> dict:
-    path = args.dir / ("tiny" if args.tiny else f"q{args.bits}-{args.layers}L")
+    family = "" if args.family == "qwen3_next" else f"{args.family}-"
+    path = args.dir / (family + ("tiny" if args.tiny else f"q{args.bits}-{args.layers}L"))
     if not (path / "config.json").is_file():
         print(f"building {path} with mlx-lm", flush=True)
-        build_checkpoint(path, layers=args.layers, tiny=args.tiny, bits=args.bits, seed=args.seed)
+        build = build_gpt_oss_checkpoint if args.family == "gpt_oss" else build_checkpoint
+        build(path, layers=args.layers, tiny=args.tiny, bits=args.bits, seed=args.seed)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, vocab, args.context).tolist()
@@ -158,7 +205,7 @@ def run(args) -> dict:
         print(f"identity {row['dtype']}: 3 drafts {row['3']}, auto {row['auto']}", flush=True)
     demo = selftest(max_tokens=args.tokens, with_window_costs=False)
     return {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
-            "commit": git_commit(), "layers": args.layers, "bits": args.bits, "tiny": args.tiny,
+            "commit": git_commit(), "family": args.family, "layers": args.layers, "bits": args.bits, "tiny": args.tiny,
             "context": args.context, "tokens": args.tokens, "serial": serial, "window_cost": windows,
             "identity_80b_shape": same, "identity_demo": demo, "kernels": kernels.status(),
             "gdn_kernels": gdn_window.status(), "attention_kernel": attention_window.status()}
@@ -167,6 +214,8 @@ def run(args) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a quick CPU check of the script")
+    parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "gpt_oss"],
+                        help="the checkpoint's shapes: Qwen3-Next-80B-A3B or GPT-OSS-20B (MXFP4 experts)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bits", type=int, default=4, choices=[0, 4, 8])
     parser.add_argument("--context", type=int, default=512)
