@@ -201,7 +201,7 @@ def _once(path: Path, build) -> Path:
     return path
 
 
-def strata_model(window: int, *, seed: int = SEED, num_hidden_layers: int = 2):
+def strata_model(window: int, *, seed: int = SEED, num_hidden_layers: int = 2, **overrides):
     """strata's own GPT-OSS module with random weights, no checkpoint: what the sliding-state
     tests run on (a small window, so that cheap sequences wrap the ring many times)."""
     import mlx.core as mx
@@ -212,7 +212,7 @@ def strata_model(window: int, *, seed: int = SEED, num_hidden_layers: int = 2):
     params = dict(SHAPES, model_type="gpt_oss", sliding_window=window, num_hidden_layers=num_hidden_layers,
                   layer_types=["sliding_attention", "full_attention"] * (num_hidden_layers // 2),
                   rope_theta=10000.0, rope_scaling=YARN)
-    model = Model(Config.from_dict(params))
+    model = Model(Config.from_dict({**params, **overrides}))
     flat = tree_flatten(model.parameters())
     keys = mx.random.split(mx.random.key(seed), len(flat))
     drawn = {}

@@ -208,7 +208,8 @@ def run(args) -> dict:
             "commit": git_commit(), "family": args.family, "layers": args.layers, "bits": args.bits, "tiny": args.tiny,
             "context": args.context, "tokens": args.tokens, "serial": serial, "window_cost": windows,
             "identity_80b_shape": same, "identity_demo": demo, "kernels": kernels.status(),
-            "gdn_kernels": gdn_window.status(), "attention_kernel": attention_window.status()}
+            "gdn_kernels": gdn_window.status(), "attention_kernel": attention_window.status(),
+            "sink_attention_kernel": attention_window.sinks_status()}
 
 
 def main(argv=None) -> dict:

@@ -5,11 +5,12 @@ share of the weight and leaves the rest to the keys. A sliding-window layer keep
 `SlidingKVState` (engine/sliding_state.py), which hands back the cells and a mask of the cells
 each row sees; a full layer keeps `KVState`'s positional cache.
 
-Decode windows on GPU backends attend row by row (each row serial decoding's own sdpa call):
-the row-invariant kernel of metal_shaders/attention_window.py has no sinks or window mask.
-On the CPU a window's rows share one sdpa call (row-invariant there, tests/test_gpt_oss.py
-checks every row against its serial logits bit for bit); prompt chunks take the blocked CPU
-attention with the sinks and the window (`attention.causal_attention_cpu`).
+Decode windows (and serial steps) on GPU backends attend through the row-invariant sink kernel
+of metal_shaders/attention_window.py (`sink_attention_window`: the sinks, and the ring's window
+rule computed from each row's position), or, where its probe fails, row by row (each row serial
+decoding's own sdpa call). On the CPU a window's rows share one sdpa call (row-invariant there:
+tests/test_gpt_oss.py checks every row against its serial logits bit for bit); prompt chunks take
+the blocked CPU attention with the sinks and the window (`attention.causal_attention_cpu`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 
 import mlx.core as mx
 import numpy as np
+
+from metal_shaders import attention_window
 
 from .attention import GatedAttention, causal_attention_cpu
 from .config import ConfigError
@@ -91,7 +94,10 @@ class SinkAttention(GatedAttention):
         self.scale = head_dim**-0.5 * factor * factor
 
     def takes_kernel(self, rows: int) -> bool:
-        return False  # the kernel has no sinks: windows attend row by row on GPU backends
+        """Whether a window of `rows` rows attends through the sink kernel (a GPU where it passed
+        its probe; serial steps too, so they share its arithmetic)."""
+        return (RowSplit.kernel_may_take(rows) and attention_window.supports(self.head_dim)
+                and attention_window.sinks_usable())
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         if self._periods is None:
@@ -109,22 +115,17 @@ class SinkAttention(GatedAttention):
         else:
             keys, values, mask = state.update_and_fetch(k, v)
         sinks = self.sinks if self.sinks.dtype == q.dtype else self.sinks.astype(q.dtype)
-        if T >= PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
-            out = causal_attention_cpu(q, keys, values, self.scale, sinks=sinks, window=self.window)
+        if T <= WINDOW_ROWS and self.takes_kernel(T):  # a ring's whole buffer (sliding) or cells 0..end
+            out = attention_window.sink_attention_window(q, keys, values, self.scale, sinks, pos0=state.offset,
+                                                         window=self.window or 0)
         elif T <= WINDOW_ROWS and RowSplit.applies(T):
-            out = mx.concatenate([self._attend(q[:, :, t : t + 1], keys, values, mask, sinks, t, T)
-                                  for t in range(T)], axis=2)
+            # Each query row alone over the cells it sees: serial decoding's call.
+            out = attention_window.reference_sink_attention_window(q, keys, values, self.scale, sinks, mask=mask)
+        elif T >= PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
+            out = causal_attention_cpu(q, keys, values, self.scale, sinks=sinks, window=self.window).transpose(0, 2, 1, 3)
         else:
-            out = self._attend(q, keys, values, mask, sinks, None, T)
-        return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-
-    def _attend(self, q, keys, values, mask, sinks, row: int | None, T: int) -> mx.array:
-        """sdpa of query rows `q` (row `row` of a T-row window alone, or all T rows) -> (B, H, rows, D)."""
-        if mask is not None:  # the state's mask: the ring's cells, or a prompt chunk's band
-            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, sinks=sinks,
-                                                        mask=mask if row is None else mask[row : row + 1])
-        if row is not None:  # row `row` sees cells 0..L-T+row, as serial decoding does
-            seen = keys.shape[2] - T + row + 1
-            keys, values = keys[:, :, :seen], values[:, :, :seen]
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, sinks=sinks,
-                                                    mask="causal" if q.shape[2] > 1 else None)
+            # the state's mask (the ring's cells, or a long run's band), else causal from the last key
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, sinks=sinks,
+                                                       mask=mask if mask is not None else "causal" if T > 1 else None)
+            out = out.transpose(0, 2, 1, 3)
+        return out.reshape(B, T, -1)
