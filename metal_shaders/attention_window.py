@@ -257,7 +257,7 @@ _SINK_EDITS = (
 )
 
 
-def _with_sinks(source: str) -> str:
+def with_sinks(source: str) -> str:
     for old, new in _SINK_EDITS:
         if source.count(old) != 1:
             raise AssertionError(f"attention_window.SOURCE changed: {old.strip()!r} is no longer there once")
@@ -265,7 +265,7 @@ def _with_sinks(source: str) -> str:
     return source
 
 
-SINK_SOURCE = _with_sinks(SOURCE)
+SINK_SOURCE = with_sinks(SOURCE)
 _zero_sinks: dict[tuple[int, mx.Dtype], mx.array] = {}
 
 

@@ -242,7 +242,7 @@ def test_the_sink_kernel_is_the_plain_kernel_plus_its_edits():
     assert attention_window.SINK_SOURCE != attention_window.SOURCE
     assert "sinks[h]" in attention_window.SINK_SOURCE and "sinks" not in attention_window.SOURCE
     with pytest.raises(AssertionError, match="SOURCE changed"):
-        attention_window._with_sinks(attention_window.SOURCE.replace("    const int n = L - T + t + 1;\n", ""))
+        attention_window.with_sinks(attention_window.SOURCE.replace("    const int n = L - T + t + 1;\n", ""))
 
 
 def test_sink_reference_is_serial_sdpa_and_ring_mask_is_the_states():
