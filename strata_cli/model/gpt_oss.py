@@ -202,24 +202,26 @@ class Model(DecoderStack):
         return overrides
 
 
+GATE_UP = ("gate_proj", "up_proj")  # the even and the odd rows of transformers' fused gate_up
+
+
 def split_fused_experts(weights: dict[str, mx.array], prefix: str) -> None:
     """transformers' fused experts of one block -> `ClampedSwitchGLU`'s stacks, in place.
 
     gate_up (E, H, 2I) holds gate and up interleaved along its last axis (gate in the even
-    columns); stored MXFP4 it is `gate_up_proj_blocks` (E, 2I, H/32, 16) and `_scales`
-    (E, 2I, H/32), rows interleaved the same way. Absent tensors (mlx-lm's layout) are left alone.
+    columns), its bias (E, 2I) likewise; down (E, I, H). Stored MXFP4, the matrices are
+    `<proj>_blocks` (E, out, in/32, 16) and `<proj>_scales` (E, out, in/32), gate_up's rows
+    interleaved the same way. Absent tensors (mlx-lm's layout) are left alone.
     """
-    for part, names in (("", ("gate_proj", "up_proj")), ("_bias", ("gate_proj", "up_proj"))):
-        fused = weights.pop(f"{prefix}.gate_up_proj{part}", None)
-        if fused is None:
-            continue
-        if part == "_bias":
-            for j, name in enumerate(names):
-                weights[f"{prefix}.{name}.bias"] = mx.contiguous(fused[..., j::2])
-            continue
+    fused = weights.pop(f"{prefix}.gate_up_proj", None)
+    if fused is not None:
         _check_rank(fused, 3, f"{prefix}.gate_up_proj")
-        for j, name in enumerate(names):
+        for j, name in enumerate(GATE_UP):
             weights[f"{prefix}.{name}.weight"] = mx.contiguous(fused[..., j::2].swapaxes(1, 2))
+    bias = weights.pop(f"{prefix}.gate_up_proj_bias", None)
+    if bias is not None:
+        for j, name in enumerate(GATE_UP):
+            weights[f"{prefix}.{name}.bias"] = mx.contiguous(bias[..., j::2])
     down = weights.pop(f"{prefix}.down_proj", None)
     if down is not None:
         _check_rank(down, 3, f"{prefix}.down_proj")
@@ -228,26 +230,33 @@ def split_fused_experts(weights: dict[str, mx.array], prefix: str) -> None:
     if bias is not None:
         weights[f"{prefix}.down_proj.bias"] = bias
     for proj in ("gate_up_proj", "down_proj"):
-        blocks = weights.pop(f"{prefix}.{proj}_blocks", None)
-        scales = weights.pop(f"{prefix}.{proj}_scales", None)
-        if blocks is None and scales is None:
+        packed = _mxfp4_words(weights, f"{prefix}.{proj}")
+        if packed is None:
             continue
-        if blocks is None or scales is None:
-            missing = f"{prefix}.{proj}_{'blocks' if blocks is None else 'scales'}"
-            raise LayoutError(f"missing tensor {missing} (MXFP4 experts need blocks and scales)", tensor=missing)
-        _check_rank(blocks, 4, f"{prefix}.{proj}_blocks")
-        if blocks.dtype != mx.uint8 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
-            name = f"{prefix}.{proj}_blocks"
-            raise LayoutError(f"tensor {name} ({blocks.dtype}, {tuple(blocks.shape)}) and its scales "
-                              f"{tuple(scales.shape)} are not MXFP4 blocks (uint8 (E, out, in/32, 16), scales "
-                              "(E, out, in/32))", tensor=name)
-        packed = blocks.view(mx.uint32).reshape(*blocks.shape[:2], -1)  # (E, out, in/8): MLX's mxfp4 words
+        words, scales = packed
         if proj == "down_proj":
-            weights[f"{prefix}.down_proj.weight"], weights[f"{prefix}.down_proj.scales"] = packed, scales
+            weights[f"{prefix}.down_proj.weight"], weights[f"{prefix}.down_proj.scales"] = words, scales
             continue
-        for j, name in enumerate(("gate_proj", "up_proj")):
-            weights[f"{prefix}.{name}.weight"] = mx.contiguous(packed[:, j::2])
+        for j, name in enumerate(GATE_UP):
+            weights[f"{prefix}.{name}.weight"] = mx.contiguous(words[:, j::2])
             weights[f"{prefix}.{name}.scales"] = mx.contiguous(scales[:, j::2])
+
+
+def _mxfp4_words(weights: dict[str, mx.array], base: str) -> tuple[mx.array, mx.array] | None:
+    """`base`_blocks and `base`_scales, popped, as MLX's mxfp4 weight (E, out, in/8) uint32 words
+    (the same bytes) and scales; None when neither is there."""
+    blocks, scales = weights.pop(f"{base}_blocks", None), weights.pop(f"{base}_scales", None)
+    if blocks is None and scales is None:
+        return None
+    if blocks is None or scales is None:
+        missing = f"{base}_{'blocks' if blocks is None else 'scales'}"
+        raise LayoutError(f"missing tensor {missing} (MXFP4 experts need blocks and scales)", tensor=missing)
+    _check_rank(blocks, 4, f"{base}_blocks")
+    if blocks.dtype != mx.uint8 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise LayoutError(f"tensor {base}_blocks ({blocks.dtype}, {tuple(blocks.shape)}) and its scales "
+                          f"{tuple(scales.shape)} are not MXFP4 blocks (uint8 (E, out, in/32, 16), scales "
+                          "(E, out, in/32))", tensor=f"{base}_blocks")
+    return blocks.view(mx.uint32).reshape(*blocks.shape[:2], -1), scales
 
 
 def _check_rank(value: mx.array, ndim: int, name: str) -> None:
