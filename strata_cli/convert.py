@@ -140,8 +140,8 @@ def convert(
     dtype = options.dtype or stored_dtype_name(src)
     model = read_source(src, dtype=dtype)
     if options.stream and not expert_blocks(model):  # Nemotron-H's relu² experts, a dense model
-        raise ConvertError(f"--stream: {src} ({params.get('model_type')}) has no experts strata can stream "
-                           "(only SparseMoeBlock experts stream); convert it without --stream")
+        raise ConvertError(f"--stream: {src} ({params.get('model_type')}) has no experts strata can stream (only "
+                           "gated experts, with gate, up and down projections, stream); convert it without --stream")
     # A source quantized outside MLX's block (GPT-OSS's published mxfp4 experts) is described
     # from its loaded layers, so the output's block names them.
     quantization = (_quantize(model, options) if options.bits is not None

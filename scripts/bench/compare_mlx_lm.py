@@ -94,8 +94,8 @@ def build_gpt_oss_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, 
 
     from scripts.train.build_tokenizer import train_tokenizer
 
-    config = {**GPT_OSS_20B, **(GPT_OSS_TINY if tiny else {}), "num_hidden_layers": layers,
-              "layer_types": ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)}
+    kinds = ["sliding_attention", "full_attention"] * layers
+    config = {**GPT_OSS_20B, **(GPT_OSS_TINY if tiny else {}), "num_hidden_layers": layers, "layer_types": kinds[:layers]}
     mx.random.seed(seed)
     model = gpt_oss.Model(gpt_oss.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)

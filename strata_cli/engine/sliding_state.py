@@ -154,7 +154,8 @@ class SlidingKVState:
             return f"length slot is {slot_kind(n)}, the checkpoint holds {length} positions"
         problem = check_array("keys", keys, like[0]) or check_array("values", values, like[1])
         if problem is None and values.shape != keys.shape:
-            problem = f"values have shape {format_shape(values.shape)}, keys {format_shape(keys.shape)}: they must match"
+            problem = (f"values have shape {format_shape(values.shape)}, keys {format_shape(keys.shape)}: "
+                       "they must match")
         return problem
 
     def tensors(self) -> dict[str, mx.array]:

@@ -188,7 +188,8 @@ class KVState:
         problem = check_array("keys", keys, like[0], shape_text=text, fits=fits)
         problem = problem or check_array("values", values, like[1], shape_text=text, fits=fits)
         if problem is None and values.shape != keys.shape:
-            problem = f"values have shape {format_shape(values.shape)}, keys {format_shape(keys.shape)}: they must match"
+            problem = (f"values have shape {format_shape(values.shape)}, keys {format_shape(keys.shape)}: "
+                       "they must match")
         return problem
 
     def tensors(self) -> dict[str, mx.array]:

@@ -122,7 +122,8 @@ class SinkAttention(GatedAttention):
             # Each query row alone over the cells it sees: serial decoding's call.
             out = attention_window.reference_sink_attention_window(q, keys, values, self.scale, sinks, mask=mask)
         elif T >= PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
-            out = causal_attention_cpu(q, keys, values, self.scale, sinks=sinks, window=self.window).transpose(0, 2, 1, 3)
+            out = causal_attention_cpu(q, keys, values, self.scale, sinks=sinks, window=self.window)
+            out = out.transpose(0, 2, 1, 3)
         else:
             # the state's mask (the ring's cells, or a long run's band), else causal from the last key
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, sinks=sinks,
