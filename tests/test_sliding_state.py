@@ -193,3 +193,17 @@ def test_prefix_checkpoint_and_session_round_trip(model, serial, tmp_path):
         fresh = WindowEngine(model)
         fresh.restore(snapshot)
         assert mx.array_equal(fresh.run([seq[24]], 24).logits, expected).item()
+
+
+def test_partial_mode_commits_the_root_inside_the_run(model, serial):
+    """In partial mode the root row is committed state before commit, for short windows (the
+    ring) and long runs (written at commit otherwise) alike."""
+    seq, _, serial_states = serial
+    for T in (3, 17):
+        engine = WindowEngine(model, EngineOptions(partial=True))
+        engine.prefill(seq[:10])
+        engine.run(seq[10 : 10 + T], 10)
+        assert engine.length == 11
+        assert max_state_diff([s.tensors() for s in engine.states], serial_states[10]) <= TOL  # before commit
+        engine.commit(1)
+        assert max_state_diff(engine.state_tensors(), serial_states[10]) <= TOL

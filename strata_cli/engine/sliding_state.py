@@ -112,7 +112,8 @@ class SlidingKVState:
         row_pos = np.arange(pos0, pos0 + T)[:, None]
         mask = mx.array((key_pos <= row_pos) & (key_pos > row_pos - self.window))
         self._pending = (keys, values)
-        if mode is Mode.PARTIAL:
+        if mode is Mode.PARTIAL:  # the root row is committed state now; commit rewrites it with the rest
+            self.keys, self.values = self._written(pos0, keys[:, :, :1], values[:, :, :1])
             self.length = pos0 + 1
         elif mode is Mode.COMMIT_ALL:
             self.length = pos0 + T
