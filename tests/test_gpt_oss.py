@@ -227,3 +227,18 @@ def test_sinks_change_the_output(model, prompt_ids):
     finally:
         layer.sinks = saved
     assert np.abs(moved - base).max() > 1e-2
+
+
+def test_quantization_blocks_name_mxfp4_and_refuse_other_modes(mxfp4_model):
+    from strata_cli.model.quant import Quantization, recorded_quantization
+
+    block = {"group_size": 32, "bits": 4, "mode": "mxfp4", "model.layers.0.mlp.router": {"group_size": 64, "bits": 8}}
+    q = Quantization.from_config(block)
+    assert q.settings("model.layers.0.mlp.experts.up_proj") == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    assert q.settings("model.layers.0.mlp.router") == {"group_size": 64, "bits": 8, "mode": "affine"}
+    assert q.to_config() == block
+    with pytest.raises(ConfigError, match="mode 'mxfp4' needs group_size 32 and bits 4, got 64 and 4"):
+        Quantization.from_config({"group_size": 64, "bits": 4, "mode": "mxfp4"})
+    with pytest.raises(ConfigError, match="mode 'nvfp4' is not supported"):
+        Quantization.from_config({"group_size": 16, "bits": 4, "mode": "nvfp4"})
+    assert recorded_quantization(mxfp4_model) == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
