@@ -271,8 +271,10 @@ _zero_sinks: dict[tuple[int, mx.Dtype], mx.array] = {}
 
 def ring_position(pos0: int, L: int, window: int) -> int:
     """pos0 as the kernel needs it: exact below L, else L + pos0 mod L (the same cells and the
-    same full window), so the shapes-as-data cache stays bounded."""
-    return pos0 if not window or pos0 < L else L + pos0 % L
+    same full window), so the shapes-as-data cache stays bounded; 0 without a window (unread)."""
+    if not window:
+        return 0
+    return pos0 if pos0 < L else L + pos0 % L
 
 
 def sink_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float, sinks: mx.array, *,
