@@ -242,3 +242,30 @@ def test_quantization_blocks_name_mxfp4_and_refuse_other_modes(mxfp4_model):
     with pytest.raises(ConfigError, match="mode 'nvfp4' is not supported"):
         Quantization.from_config({"group_size": 16, "bits": 4, "mode": "nvfp4"})
     assert recorded_quantization(mxfp4_model) == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """mx.default_device() says GPU (the ops still run on the CPU; no kernel passes its probe
+    here, so their MLX fallbacks run); numpy's BLAS off."""
+    from strata_cli.model.host_blas import HostBlas
+
+    monkeypatch.setattr(HostBlas, "mode", "mlx")
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["float32", "mxfp4"])
+def test_gpu_prompt_and_window_forms_match_transformers(root, prompt_ids, mxfp4, on_gpu, monkeypatch):
+    """The GPU backends' forms, run on the CPU: prompt chunks with the masked sdpa (band for the
+    sliding layers) and padded expert batches, decode windows split by row (each row its own
+    sdpa call over the ring); logits within the parity tolerance of transformers."""
+    from strata_cli.model import moe
+
+    monkeypatch.setattr(moe, "PADDED_MAX_ROWS_PER_PICK", 100)  # every prompt batch padded
+    model = load_model(hf_mxfp4_checkpoint(root) if mxfp4 else hf_checkpoint(root))
+    reference = hf_logits(hf_model(mxfp4=mxfp4), prompt_ids)
+    check_logits(strata_logits(model, prompt_ids), reference, "GPU prompt form")
+    engine = WindowEngine(model)
+    engine.prefill(prompt_ids[:100])
+    rows = engine.run(prompt_ids[100:108], 100).logits
+    check_logits(np.array(rows), reference[100:108], "GPU window form")
