@@ -122,8 +122,8 @@ class ExpertCache:
 
     Args:
         store: the opened streaming layout.
-        blocks: (path, SparseMoeBlock) of every streamed block, in layer order (the routers drive
-            prefetch).
+        blocks: (path, MoE block) of every streamed block, in layer order: `SparseMoeBlock`s or
+            GPT-OSS's blocks (their routers, `gate` and `top_k`, drive prefetch).
         num_slots: S, resident experts per block (1..E).
         dtype: compute dtype of the floating tensors (quantized weights keep theirs).
         options: prefetch mode, root-only prefetch and I/O threads.
