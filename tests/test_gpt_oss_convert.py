@@ -123,6 +123,7 @@ def test_streamed_experts_are_bit_identical(root, prompt_ids, tmp_path, source, 
     index = json.loads((streamed_path / "experts" / "index.json").read_text())
     names = [t["name"] for t in index["blocks"][0]["tensors"]]
     assert "gate_proj.bias" in names and "down_proj.bias" in names
+    assert index["version"] == 2 and {b["kind"] for b in index["blocks"]} == {"glu"}
     streamed = load_checkpoint(streamed_path, stream=StreamOptions(resident_experts=3))
     try:
         assert streamed.expert_cache.num_slots == 3  # below top-k · rows: windows served in several passes
@@ -140,3 +141,19 @@ def test_cache_aware_routing_is_refused_in_one_line(root, tmp_path):
     path = convert(SOURCES["float"](root), tmp_path / "stream", options=ConvertOptions(stream=True)).path
     with pytest.raises(ConfigError, match="cache-aware routing .* is not supported for GptOssMoe blocks"):
         load_checkpoint(path, moce=MoceOptions(protect=1))
+
+
+def test_a_layout_without_the_models_bias_rows_is_refused(root, tmp_path):
+    """Records whose index lists no bias rows for experts that have them would drop the biases:
+    the load refuses it in one line, naming the tensor."""
+    from strata_cli.model.loader import ModelLoadError
+
+    path = convert(SOURCES["float"](root), tmp_path / "stream", options=ConvertOptions(stream=True)).path
+    index_path = path / "experts" / "index.json"
+    index = json.loads(index_path.read_text())
+    block = index["blocks"][0]
+    block["tensors"] = [t for t in block["tensors"] if t["name"] != "down_proj.bias"]
+    index_path.write_text(json.dumps(index))
+    (path / "checksums.json").unlink()  # only the layout checks stand between the index and the model
+    with pytest.raises(ModelLoadError, match=r"\.down_proj\.bias is nothing, the model needs \(\d+,\)"):
+        load_checkpoint(path, stream=StreamOptions(resident_experts=3))

@@ -62,6 +62,14 @@ def test_forced_rejection_eager_and_early(model, serial, pos0):
     assert check_forced_rejections(model, EngineOptions(fold="eager"), serial, pos0, TOL) == sum(range(2, 9))
 
 
+@pytest.mark.parametrize("pos0", [2 * W, 2 * W + 5, 2 * W + CAPACITY - 1])
+def test_padded_windows_match_serial(model, serial, pos0):
+    """Windows padded to their row bucket (GPU backends): the padded rows write ring cells too,
+    never kept, and never cells a later row can see (a bucket holds at most 8 rows)."""
+    options = EngineOptions(fold="lazy", pad_windows=True)
+    assert check_forced_rejections(model, options, serial, pos0, TOL) == sum(range(2, 9))
+
+
 def test_wrong_rows_would_be_detected(model, serial):
     """The comparison is sharp: a committed row whose input was wrong shows in the ring's cells."""
     seq, _, serial_states = serial
