@@ -216,3 +216,163 @@ def check(cases=PROBE_CASES) -> str | None:
         if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
             return f"attention_window and reference disagree (D={D}, {dtype})"
     return None
+
+
+# -- the same kernel with attention sinks and a sliding window kept as a ring (GPT-OSS) ----------
+#
+# Built from SOURCE by a few exact replacements, so the plain kernel above stays byte for byte
+# what its probe has passed. dims gains pos0 and W: with W > 0 the cache view is a ring of L
+# cells (engine/sliding_state.py) and row t, at position pos = pos0 + t, sees the cells whose
+# position is among its last min(W, pos + 1): cell j holds the position pos - ((pos - j) mod L).
+# Every row then walks all L cells in the plain kernel's order, the cells it does not see
+# scored NEG_BIG and weighted exactly 0, so its arithmetic depends on its position and the ring
+# alone (serial decoding makes the same call). With W = 0 row t sees cells 0..L-T+t as above.
+# A sink (sinks[h], a raw logit) joins each row's softmax in the warps' combine, and its weight
+# is dropped. dims: B, Hq, Hkv, T, L, pos0, W (pos0 only matters modulo L once it is >= L).
+_SINK_EDITS = (
+    ("const int Hq = dims[1], Hkv = dims[2], T = dims[3], L = dims[4];",
+     "const int Hq = dims[1], Hkv = dims[2], T = dims[3], L = dims[4], W = dims[6];"),
+    ("    const int n = L - T + t + 1;\n",
+     "    const int pos = dims[5] + t;\n"
+     "    const bool is_ring = W > 0;\n"
+     "    const int n = is_ring ? L : L - T + t + 1;\n"
+     "    const int seen = W < pos + 1 ? W : pos + 1;\n"),
+    ("        float s = NEG_BIG;\n        if (j0 + lane < n) {\n",
+     "        float s = NEG_BIG;\n"
+     "        bool valid = j0 + lane < n;\n"
+     "        if (valid && is_ring) {\n"
+     "            int back = (pos - (j0 + lane)) % L;\n"
+     "            valid = (back < 0 ? back + L : back) < seen;\n"
+     "        }\n"
+     "        if (valid) {\n"),
+    ("        p_s[warp][lane] = expf(s - m_new);\n",
+     "        p_s[warp][lane] = valid ? expf(s - m_new) : 0.0f;\n"),
+    ("    for (int w = 1; w < WARPS; ++w) M = fmaxf(M, m_s[w]);\n",
+     "    for (int w = 1; w < WARPS; ++w) M = fmaxf(M, m_s[w]);\n"
+     "    const float sink = static_cast<float>(sinks[h]);\n"
+     "    M = fmaxf(M, sink);\n"),
+    ("        out[((static_cast<size_t>(b) * T + t) * Hq + h) * DH + d] = static_cast<TQ>(o / total);\n",
+     "        total += expf(sink - M);\n"
+     "        out[((static_cast<size_t>(b) * T + t) * Hq + h) * DH + d] = static_cast<TQ>(o / total);\n"),
+)
+
+
+def with_sinks(source: str) -> str:
+    for old, new in _SINK_EDITS:
+        if source.count(old) != 1:
+            raise AssertionError(f"attention_window.SOURCE changed: {old.strip()!r} is no longer there once")
+        source = source.replace(old, new)
+    return source
+
+
+SINK_SOURCE = with_sinks(SOURCE)
+_zero_sinks: dict[tuple[int, mx.Dtype], mx.array] = {}
+
+
+def ring_position(pos0: int, L: int, window: int) -> int:
+    """pos0 as the kernel needs it: exact below L, else L + pos0 mod L (the same cells and the
+    same full window), so the shapes-as-data cache stays bounded; 0 without a window (unread)."""
+    if not window:
+        return 0
+    return pos0 if pos0 < L else L + pos0 % L
+
+
+def sink_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float, sinks: mx.array, *,
+                          pos0: int = 0, window: int = 0) -> mx.array:
+    """`attention_window` with a sink logit per query head, and (window > 0) a ring window.
+
+    Args:
+        q: (B, Hq, T, D), rows at positions pos0..pos0+T-1.
+        keys, values: (B, Hkv, L, D): the cache cells up to the window's end, or (window > 0)
+            the whole ring of L cells (position q in cell q % L).
+        scale: the score scale.
+        sinks: (Hq,) raw logits.
+        pos0: the first row's position (read only with a window).
+        window: W, the positions a row sees counting itself; 0 for full attention.
+
+    Returns:
+        (B, T, Hq, D) in q's dtype.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    kernel = gpu_kernel("strata_attention_window_sinks_v1", ["dims", "scale", "q", "keys", "values", "sinks"], ["out"],
+                        SINK_SOURCE, HEADER, ensure_row_contiguous=False)
+    template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
+    (out,) = kernel(inputs=[dims(B, Hq, Hkv, T, L, ring_position(pos0, L, window), window), _scale(scale), q, keys,
+                            values, sinks], template=template, output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype],
+                    **launch(B, Hq, T))
+    return out
+
+
+def ring_mask(pos0: int, T: int, L: int, window: int) -> mx.array:
+    """(T, L) bool: the ring cells each row sees (engine/sliding_state.py's rule)."""
+    import numpy as np
+
+    p = np.arange(pos0, pos0 + T)[:, None]
+    back = (p - np.arange(L)[None, :]) % L
+    return mx.array(back < np.minimum(window, p + 1))
+
+
+def reference_sink_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float, sinks: mx.array, *,
+                                    mask: mx.array | None = None) -> mx.array:
+    """What `sink_attention_window` computes, in plain MLX: each row alone, serial decoding's sdpa
+    call with the sinks; `mask` (T, L) the ring cells each row sees (None: row t sees cells
+    0..L-T+t). (B, T, Hq, D)."""
+    T = q.shape[2]
+    rows = []
+    for t in range(T):
+        if mask is None:
+            seen = keys.shape[2] - T + t + 1
+            k, v, m = keys[:, :, :seen], values[:, :, :seen], None
+        else:
+            k, v, m = keys, values, mask[t : t + 1]
+        rows.append(mx.fast.scaled_dot_product_attention(q[:, :, t : t + 1], k, v, scale=scale, sinks=sinks, mask=m))
+    out = rows[0] if T == 1 else mx.concatenate(rows, axis=2)
+    return out.transpose(0, 2, 1, 3)
+
+
+_sink_probe = Probe("attention window kernel with sinks", "GPT-OSS decode windows attend row by row with MLX's sdpa")
+
+
+def sinks_usable() -> bool:
+    """True on a GPU once the sink kernel matched its reference and was row-invariant on a probe
+    (full attention and a wrapped ring, checked once per process)."""
+    return _sink_probe.usable(check_sinks)
+
+
+def sinks_status() -> dict:
+    return _sink_probe.status()
+
+
+SINK_PROBE_CASES = ((64, mx.float32, 8, 300, 0), (64, mx.bfloat16, 8, 135, 128), (64, mx.float32, 4, 15, 8))
+
+
+def check_sinks(cases=SINK_PROBE_CASES) -> str | None:
+    """None when the sink kernel passes here, else what failed: for T = 8 and 3, each row equals
+    its 1-row call bit for bit (over the same ring, at every row's position), and the reference
+    within tolerance; (D, dtype, Hq, L, W): W > 0 a ring of L cells at a position that wraps it."""
+    for D, dtype, Hq, L, W in cases:
+        q, keys, values = probe_inputs(1, Hq, 2, D, L, dtype=dtype)
+        sinks = mx.random.normal((Hq,), key=mx.random.key(5)).astype(dtype)
+        scale = D**-0.5
+        pos0 = 3 * L + 5 if W else L - 8
+        if W:
+            alone = [sink_attention_window(q[:, :, t : t + 1], keys, values, scale, sinks, pos0=pos0 + t, window=W)
+                     for t in range(8)]
+            three = sink_attention_window(q[:, :, 5:], keys, values, scale, sinks, pos0=pos0 + 5, window=W)
+            mask = ring_mask(pos0, 8, L, W)
+        else:
+            alone = [sink_attention_window(q[:, :, t : t + 1], keys[:, :, : L - 8 + t + 1],
+                                           values[:, :, : L - 8 + t + 1], scale, sinks) for t in range(8)]
+            three = sink_attention_window(q[:, :, 5:], keys, values, scale, sinks)
+            mask = None
+        together = sink_attention_window(q, keys, values, scale, sinks, pos0=pos0, window=W)
+        expected = reference_sink_attention_window(q, keys, values, scale, sinks, mask=mask)
+        mx.eval(alone, together, three, expected)
+        alone = mx.concatenate(alone, axis=1)
+        if not (mx.array_equal(together, alone).item() and mx.array_equal(three, alone[:, 5:]).item()):
+            return f"sink_attention_window rows differ with the row count (D={D}, {dtype}, W={W})"
+        tol = 1e-5 if dtype == mx.float32 else 2e-2
+        if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
+            return f"sink_attention_window and reference disagree (D={D}, {dtype}, W={W})"
+    return None

@@ -65,7 +65,7 @@ from .model.loader import (
     read_header,
     weight_files,
 )
-from .model.quant import Quantization, quantize
+from .model.quant import Quantization, quantize, recorded_quantization
 from .options import ConvertOptions
 from .tokenizer import Tokenizer
 
@@ -142,7 +142,10 @@ def convert(
     if options.stream and not expert_blocks(model):  # a dense model
         raise ConvertError(f"--stream: {src} ({params.get('model_type')}) has no MoE experts to stream; "
                            "convert it without --stream")
-    quantization = _quantize(model, options) if options.bits is not None else params.get("quantization")
+    # A source quantized outside MLX's block (GPT-OSS's published mxfp4 experts) is described
+    # from its loaded layers, so the output's block names them.
+    quantization = (_quantize(model, options) if options.bits is not None
+                    else params.get("quantization") or recorded_quantization(model))
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     repair_parent(dst.parent)

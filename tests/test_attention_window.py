@@ -218,3 +218,87 @@ def test_the_start_up_probe_passes_a_row_invariant_kernel_and_refuses_others(mon
 
     monkeypatch.setattr(attention_window, "attention_window", drifting)
     assert attention_window.check(cases).startswith("attention_window rows differ with the row count")
+
+
+# -- the sink kernel (GPT-OSS): sinks, and a sliding window kept as a ring -----------------------
+
+
+@pytest.fixture(scope="module")
+def sink_emulator(emulate, tmp_path_factory):
+    return emulate.SinkAttentionEmulator(tmp_path_factory.mktemp("sink-attention-emulate"))
+
+
+@pytest.mark.parametrize("cells, window, pos0", [(11, 4, 37), (11, 4, 2), (40, 0, 0)],
+                         ids=["ring-wrapped", "ring-filling", "full"])
+def test_emulated_sink_kernel_is_row_invariant_and_matches_the_reference(emulate, sink_emulator, cells, window, pos0):
+    """Each row of a T-row call equals its 1-row call (serial decoding's step: the ring at that
+    row's position) bit for bit, and the reference (serial's sdpa with sinks and the ring mask)
+    within 1e-5; a ring wrapped many times, one still filling, and full attention with sinks."""
+    assert emulate.check_sink_attention(sink_emulator, 2, 4, 2, 32, cells, window, pos0=pos0, rows=(1, 3, 8))
+
+
+def test_the_sink_kernel_is_the_plain_kernel_plus_its_edits():
+    """The plain kernel's text is untouched (its probe passed on the H200); each edit applies once."""
+    assert attention_window.SINK_SOURCE != attention_window.SOURCE
+    assert "sinks[h]" in attention_window.SINK_SOURCE and "sinks" not in attention_window.SOURCE
+    with pytest.raises(AssertionError, match="SOURCE changed"):
+        attention_window.with_sinks(attention_window.SOURCE.replace("    const int n = L - T + t + 1;\n", ""))
+
+
+def test_sink_reference_is_serial_sdpa_and_ring_mask_is_the_states():
+    from strata_cli.engine.sliding_state import SlidingKVState
+
+    state = SlidingKVState(4)
+    for pos0 in (0, 2, 3, 10, 37):
+        assert mx.array_equal(attention_window.ring_mask(pos0, 8, 11, 4), state.visible(pos0, 8)).item()
+    q, keys, values = attention_window.probe_inputs(1, 4, 2, 32, 11, seed=3)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0])
+    mask = attention_window.ring_mask(20, 8, 11, 4)
+    got = attention_window.reference_sink_attention_window(q, keys, values, 32**-0.5, sinks, mask=mask)
+    whole = mx.fast.scaled_dot_product_attention(q, keys, values, scale=32**-0.5, sinks=sinks, mask=mask)
+    assert mx.allclose(got, whole.transpose(0, 2, 1, 3), rtol=1e-5, atol=1e-6).item()
+
+
+def test_the_sink_emulator_notices_a_wrong_ring_rule(emulate, tmp_path):
+    wrong = emulate.SinkAttentionEmulator(tmp_path)
+    wrong.source = attention_window.SINK_SOURCE.replace("< seen;", "<= seen;")
+    assert wrong.source != attention_window.SINK_SOURCE
+    assert not emulate.check_sink_attention(wrong, 1, 2, 1, 32, 11, 4, pos0=30, rows=(2,))
+
+
+def test_emulated_sink_kernel_on_metal(emulate, tmp_path):
+    from metal_shaders import backends
+
+    metal = emulate.SinkAttentionEmulator(tmp_path, backends.METAL)
+    assert emulate.check_sink_attention(metal, 1, 4, 2, 32, 11, 4, pos0=29, rows=(1, 3))
+
+
+def test_gpt_oss_decodes_identically_through_the_emulated_sink_kernel(emulate, sink_emulator, monkeypatch):
+    """GPT-OSS (window 4, ring of 11) decoding with the sink kernel (emulated) in every attention
+    layer: greedy tokens with 3 drafts equal serial ones, and both equal the CPU attention's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpt_oss_checkpoints import strata_model
+    from hybrid_parity import strata_tokens
+
+    from strata_cli.options import SpecOptions
+
+    model = strata_model(4, num_hidden_layers=2, head_dim=32)  # the kernel takes multiples of 32
+    calls = []
+
+    def emulated(q, keys, values, scale, sinks, *, pos0=0, window=0):
+        calls.append(q.shape[2])
+        q_rows = np.array(q.transpose(0, 2, 1, 3))
+        return mx.array(sink_emulator.run_sinks(q_rows, np.array(keys), np.array(values), keys.shape[2], scale,
+                                                np.array(sinks.astype(mx.float32)), pos0, window))
+
+    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+    reference = strata_tokens(model, prompt, SpecOptions())[0]
+    monkeypatch.setattr(attention_window, "sinks_usable", lambda: True)
+    monkeypatch.setattr(attention_window, "sink_attention_window", emulated)
+    serial = strata_tokens(model, prompt, SpecOptions())[0]
+    drafted = strata_tokens(model, prompt, SpecOptions(max_drafts=3))[0]
+    assert calls and max(calls) > 1  # windows of several rows went through the kernel
+    assert serial == drafted == reference

@@ -7,6 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from scripts.bench import compare_mlx_lm as compare
+from strata_cli.model.gpt_oss import GptOssConfig
 from strata_cli.model.nemotron_h import NemotronHConfig
 from strata_cli.model.qwen3_5 import Config as Qwen3_5Config
 
@@ -18,7 +19,7 @@ def test_nemotron_pattern_is_the_published_mix_and_8_layers_keep_it():
     assert config["hybrid_override_pattern"] == "MEMEM*EM"  # 4 Mamba-2, 3 MoE, 1 attention
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "nemotron_h", "gpt_oss"])
 @pytest.mark.parametrize("tiny", [False, True], ids=["real", "tiny"])
 def test_both_engines_read_the_family_config(family, tiny):
     config = compare.family_config(family, layers=8 if not tiny else compare.TINY_LAYERS[family], tiny=tiny)
@@ -35,6 +36,14 @@ def test_both_engines_read_the_family_config(family, tiny):
             assert args.moe_shared_expert_intermediate_size == 3712
             assert shapes["backbone.layers.1.mixer.switch_mlp.fc1.weight"] == (128, 1856, 2688)
             assert shapes["backbone.layers.0.mixer.in_proj.weight"] == (4096 + 6144 + 64, 2688)
+    elif family == "gpt_oss":
+        ours = GptOssConfig.from_dict(config)
+        assert ours.layer_types == tuple(["sliding_attention", "full_attention"] * 4)[: config["num_hidden_layers"]]
+        if not tiny:
+            assert (ours.hidden_size, ours.num_local_experts, ours.num_experts_per_tok, ours.sliding_window,
+                    ours.vocab_size) == (2880, 32, 4, 128, 201088)
+            assert shapes["model.layers.0.mlp.experts.gate_proj.weight"] == (32, 2880, 2880)
+            assert shapes["model.layers.0.self_attn.sinks"] == (64,)
     else:
         ours = Qwen3_5Config.from_dict(config)
         assert ours.num_hidden_layers == config["text_config"]["num_hidden_layers"]

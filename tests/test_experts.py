@@ -168,3 +168,30 @@ def test_version_1_index_without_record_kinds_still_reads(tmp_path):
     path.write_text(json.dumps({**index, "version": 1}))
     with pytest.raises(ExpertStoreError, match="not a record kind of version 1"):
         read_index(tmp_path)
+
+
+def test_glu_records_may_carry_bias_rows_under_module_names(tmp_path):
+    """A "glu" record holds its plain projections bare (SwitchGLU) or as `<proj>.weight` (biased
+    experts' modules), with `<proj>.bias` rows or without; both spellings of one projection, or a
+    bias of a projection the kind lacks, are refused."""
+    from strata_cli.experts.store import ExpertStoreError
+
+    E, rng = 3, np.random.default_rng(2)
+
+    def layout(names):
+        directory = tmp_path / str(len(list(tmp_path.iterdir())))
+        writer = ExpertLayoutWriter(directory, num_experts=E)
+        writer.add_block("model.layers.1.mlp.experts",
+                         {n: mx.array(rng.normal(size=(E, 4) if n.endswith(".bias") else (E, 4, 4)).astype(np.float32))
+                          for n in names})
+        writer.finish()
+        return read_index(directory)[1][0]
+
+    projections = ("gate_proj", "up_proj", "down_proj")
+    biased = layout([f"{p}.{part}" for p in projections for part in ("weight", "bias")])
+    assert [biased.plain_name(p) for p in projections] == [f"{p}.weight" for p in projections]
+    assert layout(list(projections)).plain_name("gate_proj") == "gate_proj"
+    with pytest.raises(ExpertStoreError, match="up_proj.weight is not one"):
+        layout([*projections, "up_proj.weight"])
+    with pytest.raises(ExpertStoreError, match="fc1.bias is not one"):
+        layout([*projections, "fc1.bias"])

@@ -12,6 +12,9 @@ and saves it with mlx-lm; both engines then load the same files. `--family` pick
 - `nemotron_h`: Nemotron-3-Nano-30B-A3B (NEMOTRON_3_NANO_30B_A3B below, its published
   config.json), the first `--layers` blocks of its pattern (at 8: `MEMEM*EM`, 4 Mamba-2, 3 MoE,
   1 attention: the full pattern's 23:23:6 mix, rounded).
+- `gpt_oss`: GPT-OSS-20B (GPT_OSS_20B below, its config.json), sliding and full attention layers
+  alternating (`build_gpt_oss_checkpoint`: bfloat16, experts MXFP4 as published, the dense layers
+  affine `--bits` on top when nonzero, routers 8-bit by mlx-lm's predicate).
 
 Measured side by side (medians, warm-up apart):
 
@@ -31,6 +34,7 @@ identity) and the seconds each phase took.
 
     python -m scripts.bench.compare_mlx_lm --out compare.json                                # the 80B-A3B H200 run
     python -m scripts.bench.compare_mlx_lm --family qwen3_5_moe,nemotron_h --out compare_hybrids.json  # H200
+    python -m scripts.bench.compare_mlx_lm --family gpt_oss --out compare_gpt_oss.json                  # H200
     python -m scripts.bench.compare_mlx_lm --tiny --family nemotron_h   # tiny dims, CPU: checks the script
 """
 
@@ -64,8 +68,8 @@ TINY = dict(hidden_size=64, vocab_size=256, num_attention_heads=2, num_key_value
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
             num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
             intermediate_size=128, max_position_embeddings=4096)
-FAMILIES = ("qwen3_next", "qwen3_5_moe", "nemotron_h")
-TINY_LAYERS = {"qwen3_next": 4, "qwen3_5_moe": 4, "nemotron_h": 6}  # each with an attention layer
+FAMILIES = ("qwen3_next", "qwen3_5_moe", "nemotron_h", "gpt_oss")
+TINY_LAYERS = {"qwen3_next": 4, "qwen3_5_moe": 4, "nemotron_h": 6, "gpt_oss": 4}  # each with an attention layer
 # Qwen3.5-35B-A3B's text model, as its published config.json's text_config gives it (mlx-lm's
 # qwen3_5.TextModelArgs fields): 40 layers of 3 GDN + 1 gated attention, 256 experts top-8 of
 # 512 plus a shared expert of 512, GDN heads 16 (q, k) / 32 (v) of 128, attention 16 / 2 heads of
@@ -117,9 +121,20 @@ def build_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, seed: in
     return path
 
 
+# GPT-OSS-20B's shapes (its config.json); `--layers` of its 24 layers, sliding and full alternating
+GPT_OSS_20B = dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, head_dim=64,
+                   num_attention_heads=64, num_key_value_heads=8, num_local_experts=32, num_experts_per_tok=4,
+                   sliding_window=128, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+                   tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "original_max_position_embeddings": 4096, "truncate": False})
+GPT_OSS_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=8, sliding_window=8, max_position_embeddings=4096)
+
+
 def family_config(family: str, *, layers: int, tiny: bool) -> dict:
     """The config.json mlx-lm builds `family` from: the real model's shapes (or the family's tiny
-    test dims, scripts/bench/family_speed.py) at `layers` layers."""
+    test dims: scripts/bench/family_speed.py's, GPT_OSS_TINY for gpt_oss) at `layers` layers."""
     from scripts.bench.family_speed import TINY as TINY_FAMILIES
 
     if family == "qwen3_5_moe":
@@ -129,7 +144,37 @@ def family_config(family: str, *, layers: int, tiny: bool) -> dict:
         config = {**NEMOTRON_3_NANO_30B_A3B, **(TINY_FAMILIES[family] if tiny else {})}
         config["hybrid_override_pattern"] = NEMOTRON_3_NANO_PATTERN[:layers]
         return config
+    if family == "gpt_oss":
+        kinds = ["sliding_attention", "full_attention"] * layers
+        return {**GPT_OSS_20B, **(GPT_OSS_TINY if tiny else {}), "num_hidden_layers": layers,
+                "layer_types": kinds[:layers]}
     raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
+
+
+def build_gpt_oss_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, seed: int) -> Path:
+    """An mlx-lm GPT-OSS with random weights in bfloat16, its experts MXFP4 (MLX's mxfp4 mode, as
+    mlx-lm loads the published checkpoints), the dense layers affine `bits`-bit when nonzero;
+    saved by mlx-lm with a tiny tokenizer (mlx-lm's load wants one)."""
+    import mlx.nn as nn
+    from mlx_lm.models import gpt_oss
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    config = family_config("gpt_oss", layers=layers, tiny=tiny)
+    mx.random.seed(seed)
+    model = gpt_oss.Model(gpt_oss.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4, mode="mxfp4",
+                class_predicate=lambda p, m: ".experts." in p and hasattr(m, "to_quantized"))
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    mx.eval(model.parameters())
+    if bits:  # per-layer entries for the dense layers: the block already names the experts' mode
+        model, config = quantize_model(model, config, group_size=64, bits=bits)
+    config["quantization_config"] = config["quantization"]
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    tiny_tokenizer(path, vocab_size=config["vocab_size"])
+    save_config(config, path / "config.json")
+    return path
 
 
 def build_mlx_lm_checkpoint(path: Path, config: dict, *, bits: int, seed: int, dtype: mx.Dtype | None = None,
@@ -244,8 +289,9 @@ def prepare_checkpoint(args, family: str) -> Path:
     path = args.dir / (name if family == "qwen3_next" else f"{family}-{name}")
     if not (path / "config.json").is_file():
         print(f"building {path} with mlx-lm", flush=True)
-        if family == "qwen3_next":
-            build_checkpoint(path, layers=layers, tiny=args.tiny, bits=args.bits, seed=args.seed)
+        if family in ("qwen3_next", "gpt_oss"):
+            build = build_checkpoint if family == "qwen3_next" else build_gpt_oss_checkpoint
+            build(path, layers=layers, tiny=args.tiny, bits=args.bits, seed=args.seed)
         else:
             build_mlx_lm_checkpoint(path, family_config(family, layers=layers, tiny=args.tiny), bits=args.bits,
                                     seed=args.seed, dtype=mx.bfloat16, tokenizer=family == "nemotron_h")
@@ -353,7 +399,7 @@ def _record(families: dict) -> dict:
     common = {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
               "commit": git_commit(), "kernels": kernels.status(), "gdn_kernels": gdn_window.status(),
               "mamba2_kernels": {**mamba2_window.status(), "switched_on": mamba2.WINDOW_KERNELS},
-              "attention_kernel": attention_window.status()}
+              "attention_kernel": attention_window.status(), "sink_attention_kernel": attention_window.sinks_status()}
     if list(families) == ["qwen3_next"]:  # the record this script always wrote for the 80B shape
         only = families["qwen3_next"]
         return {**common, **{k: v for k, v in only.items() if k != "identity"}, "identity_80b_shape": only["identity"]}
@@ -373,8 +419,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--window-repeats", type=int, default=20)
     parser.add_argument("--prefill-tokens", type=int, default=None,
-                        help="prefill length timed against mlx-lm (default 4,096 for qwen3_5_moe and nemotron_h "
-                             "runs, none for qwen3_next alone; 0: skip)")
+                        help="prefill length timed against mlx-lm (default 4,096, none for qwen3_next alone; "
+                             "0: skip)")
     parser.add_argument("--prefill-repeats", type=int, default=2)
     parser.add_argument("--identity-tokens", type=int, default=None, help="tokens per identity decode (--tokens)")
     parser.add_argument("--identity-dtypes", default="float32,bfloat16")

@@ -12,6 +12,7 @@ is the ratio of the medians.
     python -m scripts.bench.family_speed --family nemotron_h --repeats 7 --tokens 128
     python -m scripts.bench.family_speed --family granitemoehybrid --repeats 7 --tokens 128
     python -m scripts.bench.family_speed --family glm4_moe --repeats 9 --tokens 256
+    python -m scripts.bench.family_speed --family gpt_oss --repeats 7 --tokens 128
 
 Families: the TINY table below (add a family with its mlx-lm model_type and a tiny config).
 """
@@ -80,6 +81,15 @@ TINY = {
                  "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5,
                  "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False,
                  "num_nextn_predict_layers": 0},
+    # tests/gpt_oss_checkpoints.py's shapes: sliding window 8 and full layers alternating, sinks,
+    # YaRN (truncated: mlx-lm's reading), 4 biased experts top-2; vocabulary 512 as above
+    "gpt_oss": {"model_type": "gpt_oss", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "intermediate_size": 64, "sliding_window": 8,
+                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "layer_types": ["sliding_attention", "full_attention"] * 2, "tie_word_embeddings": False,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "original_max_position_embeddings": 128, "truncate": True}},
 }
 
 

@@ -475,6 +475,8 @@ ATTENTION_PARAMS = ["const int32_t* dims", "const float* scale", "const float* q
 class AttentionEmulator:
     """attention_window's kernel on the CPU (float32), a block at a time, through strides as MLX passes views."""
 
+    params = ATTENTION_PARAMS
+
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         self.dir, self.backend = workdir, backend
         self.built: dict[int, Path] = {}
@@ -483,10 +485,10 @@ class AttentionEmulator:
     def _binary(self, D: int) -> Path:
         if D not in self.built:
             consts = f"using TQ = float; using TK = float; using TV = float; constexpr int DH = {D};"
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(ATTENTION_PARAMS)] + ["out.data()"]
-            source = (program(SHIM_BLOCK, self.backend, attention_window.HEADER, [*ATTENTION_PARAMS, "float* out"],
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(self.params)] + ["out.data()"]
+            source = (program(SHIM_BLOCK, self.backend, attention_window.HEADER, [*self.params, "float* out"],
                               consts, self.source)
-                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(ATTENTION_PARAMS)))
+                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(self.params)))
                       .replace("CALL", f"kernel({', '.join(args)})"))
             path = self.dir / f"attention_{D}_{len(self.built)}"
             compile_program(path, source)
@@ -496,15 +498,18 @@ class AttentionEmulator:
     def run(self, q_rows: np.ndarray, keys: np.ndarray, values: np.ndarray, L: int, scale: float) -> np.ndarray:
         """q_rows (B, T, Hq, D), read as the (B, Hq, T, D) view the layer passes; keys, values
         (B, Hkv, capacity, D) buffers of which the kernel sees cells 0..L-1. Returns (B, T, Hq, D)."""
+        return self._launch(q_rows, keys, values, [q_rows.shape[0], q_rows.shape[2], keys.shape[1], q_rows.shape[1], L],
+                            scale, [])
+
+    def _launch(self, q_rows, keys, values, shape: list[int], scale: float, more: list[np.ndarray]) -> np.ndarray:
         B, T, Hq, D = q_rows.shape
-        Hkv = keys.shape[1]
         q_rows, keys, values = (np.ascontiguousarray(a, np.float32) for a in (q_rows, keys, values))
 
         def strides(a, order=(0, 1, 2, 3)):
             return np.array([a.strides[i] // a.itemsize for i in order], np.int64)
 
-        inputs = [np.array([B, Hq, Hkv, T, L], np.int32), np.array([scale], np.float32), q_rows,
-                  strides(q_rows, (0, 2, 1, 3)), keys, strides(keys), values, strides(values)]
+        inputs = [np.array(shape, np.int32), np.array([scale], np.float32), q_rows,
+                  strides(q_rows, (0, 2, 1, 3)), keys, strides(keys), values, strides(values), *more]
         names = []
         for i, a in enumerate(inputs):
             names.append(str(self.dir / f"ain{i}"))
@@ -515,6 +520,55 @@ class AttentionEmulator:
         subprocess.run([str(self._binary(D)), *names, str(config["grid"][0] // threads), str(threads),
                         str(B * T * Hq * D), str(out)], check=True)
         return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
+
+
+class SinkAttentionEmulator(AttentionEmulator):
+    """attention_window's sink kernel (`SINK_SOURCE`: sinks, and a ring window) on the CPU."""
+
+    params = [*ATTENTION_PARAMS, "const float* sinks"]
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        super().__init__(workdir, backend)
+        self.source = attention_window.SINK_SOURCE
+
+    def run_sinks(self, q_rows, keys, values, L: int, scale: float, sinks: np.ndarray, pos0: int, window: int):
+        """As `run`, with (Hq,) sinks; with `window` the view is a ring of L cells and the first
+        row sits at position pos0. Returns (B, T, Hq, D)."""
+        shape = [q_rows.shape[0], q_rows.shape[2], keys.shape[1], q_rows.shape[1], L,
+                 attention_window.ring_position(pos0, L, window), window]
+        return self._launch(q_rows, keys, values, shape, scale, [np.ascontiguousarray(sinks, np.float32)])
+
+
+def check_sink_attention(emu: SinkAttentionEmulator, B: int, Hq: int, Hkv: int, D: int, cells: int, window: int, *,
+                         pos0: int, rows=range(1, 9), tol=1e-5, seed: int = 0) -> bool:
+    """With `window`, a ring of `cells` cells whose first row sits at `pos0` (all rows see the
+    whole ring buffer, masked by position); without, row t sees `cells` + t cells. For each T
+    in `rows`: the T-row call equals each row's 1-row call bit for bit (serial decoding's step)
+    and stays within `tol` of `reference_sink_attention_window`."""
+    T_max = max(rows)
+    keys_ = mx.random.split(mx.random.key(seed), 4)
+    L_full = cells if window else cells - 1 + T_max
+    q = mx.random.normal((B, T_max, Hq, D), key=keys_[0])
+    k, v = (mx.random.normal((B, Hkv, L_full + 5, D), key=key) for key in keys_[1:3])
+    sinks = mx.random.normal((Hq,), key=keys_[3]) * 2
+    q_np, k_np, v_np, s_np = _f32(q), _f32(k), _f32(v), _f32(sinks)
+    scale = D**-0.5
+
+    def call(t0: int, T: int) -> np.ndarray:
+        L = cells if window else cells - 1 + t0 + T
+        return emu.run_sinks(q_np[:, t0 : t0 + T], k_np, v_np, L, scale, s_np, pos0 + t0, window)
+
+    alone = np.concatenate([call(t, 1) for t in range(T_max)], axis=1)
+    ok = True
+    for T in rows:
+        got = call(0, T)
+        L = cells if window else cells - 1 + T
+        mask = attention_window.ring_mask(pos0, T, L, window) if window else None
+        expected = attention_window.reference_sink_attention_window(q[:, :T].transpose(0, 2, 1, 3), k[:, :, :L],
+                                                                    v[:, :, :L], scale, sinks, mask=mask)
+        same = np.array_equal(got, alone[:, :T])
+        ok &= _report(f"sinks B={B} Hq={Hq} D={D} L={cells} W={window}", T, same, _relative(got, _f32(expected)), tol)
+    return ok
 
 
 def check_attention(emu: AttentionEmulator, B: int, Hq: int, Hkv: int, D: int, cells: int, *, rows=range(1, 9),
@@ -699,6 +753,10 @@ def main() -> int:
                                  (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000),
                                  (2, 4, 1, 64, 40)):
         results.append(check_attention(attention, B, Hq, Hkv, D, cells))
+    sinks = SinkAttentionEmulator(emu.dir, args.backend)
+    for B, Hq, Hkv, D, cells, window, pos0 in ((1, 64, 8, 64, 135, 128, 3000), (1, 64, 8, 64, 135, 128, 4),
+                                               (1, 8, 2, 64, 300, 0, 0), (2, 4, 2, 64, 11, 4, 37)):
+        results.append(check_sink_attention(sinks, B, Hq, Hkv, D, cells, window, pos0=pos0))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
+from .sliding_state import SlidingKVState
 from .state import ArraySpec, GDNState, KVState, Mamba2State, Mode
 
 # Prompt rows per chunk on a GPU: on the H200 (80B-A3B shape, 4,096 tokens) 2,048-row chunks
@@ -102,6 +103,8 @@ def make_state(kind: str, params: dict, options: EngineOptions):
         return Mamba2State(params["conv_kernel"], lazy=options.fold == "lazy")
     if kind == "ranks":  # the later pipeline stages' layers, whose states the other ranks hold (distributed.py)
         return params["make"]()
+    if kind == "sliding_kv":
+        return SlidingKVState(params["window"])
     raise ValueError(f"unknown layer state kind {kind!r}")
 
 

@@ -117,14 +117,22 @@ class _Block:
         self.inflight: dict[int, Future] = {}  # prefetches, expert -> future
 
 
+def picks_by_own_rule(moe) -> bool:
+    """Whether MoE block `moe`'s router picks by a rule of its own (`gate.select`, Nemotron-H's
+    sigmoid groups) rather than by the top-k of its gate's logits (`SparseMoeBlock`, GPT-OSS's
+    linear router with a bias): read-ahead then predicts its picks, not probabilities."""
+    return not isinstance(moe, SparseMoeBlock) and hasattr(moe.gate, "select")
+
+
 class ExpertCache:
     """Resident expert slots for every streamed MoE block, with reads, prefetch and telemetry.
 
     Args:
         store: the opened streaming layout.
-        blocks: (path, MoE block) of every streamed block, in layer order (the routers drive
-            prefetch): a `SparseMoeBlock`, or a block with its own router (`gate(x)` -> (ids,
-            weights)) and `top_k`, whose prefetch predicts its picks (Nemotron-H's).
+        blocks: (path, MoE block) of every streamed block, in layer order (their routers, `gate`
+            and `top_k`, drive prefetch): `SparseMoeBlock`s and GPT-OSS's blocks, predicted from
+            their gate's logits, or blocks whose router picks by its own rule
+            (`picks_by_own_rule`: `gate.select(x)` -> (ids, weights)), predicted by its picks.
         num_slots: S, resident experts per block (1..E).
         dtype: compute dtype of the floating tensors (quantized weights keep theirs).
         options: prefetch mode, root-only prefetch and I/O threads.
@@ -384,7 +392,7 @@ class ExpertCache:
         gate = moe.gate
         rows = x.reshape(-1, x.shape[-1])
         rows = rows[:1] if self.options.root_prefetch else rows
-        if not isinstance(moe, SparseMoeBlock):  # a router with its own rule (Nemotron-H's groups): its picks
+        if picks_by_own_rule(moe):
             return gate.select(rows)[0]
         if self._prefetch_rules[i + 1] is not None or self.options.readahead_min_prob:
             return mx.softmax(gate(rows).astype(mx.float32), axis=-1)  # (N', E), as the block routes

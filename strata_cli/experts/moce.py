@@ -117,14 +117,18 @@ def attach_moce(cache: ExpertCache, blocks, options: MoceOptions) -> None:
     """Give every streamed block in `blocks` ((path, SparseMoeBlock) pairs) a `MoceRouter`.
 
     Raises:
-        ConfigError: a protect count above the model's experts per token, or a block whose router
-            has no softmax probabilities to rank (`SparseMoeBlock.takes_routing_policy`).
+        ConfigError: a protect count above the model's experts per token, a block with no
+            routing-policy hook (GPT-OSS's), or one whose router has no softmax probabilities to
+            rank (`SparseMoeBlock.takes_routing_policy`).
     """
     if not options.is_enabled:
         return
     for path, moe in blocks:
+        if not hasattr(moe, "routing_policy"):  # GPT-OSS's block routes by its own rule, with no hook
+            raise ConfigError(f"cache-aware routing (--moce-protect) is not supported for {type(moe).__name__} "
+                              f"blocks ({path})")
         if not moe.takes_routing_policy:
-            block = path.removesuffix(".switch_mlp")
+            block = path.rsplit(".", 1)[0]
             raise ConfigError(f"cache-aware routing (--moce) needs a softmax router; {block} routes by sigmoid "
                               "scores with a correction bias (run without --moce)")
         for name, J in (("--moce-protect", options.protect), ("--draft-moce-protect", options.draft_j)):

@@ -7,7 +7,8 @@ blocks keep their routed experts in `experts/` instead:
     experts/layer_003.bin      block 3's experts: record e at offset e * stride
 
 Every record holds one expert's tensors back to back, as the model stores them (plain float, or
-affine-quantized `weight` + `scales` + `biases`), each at a 64-byte-aligned offset inside the record;
+quantized `weight` + `scales` (+ `biases` in affine mode; mxfp4 has none), and a `bias` row per
+projection where the experts have one), each at a 64-byte-aligned offset inside the record;
 records start on `alignment`-byte boundaries (4096 by default) and are padded to a whole `stride`,
 so a record is one O_DIRECT read. index.json:
 
@@ -23,10 +24,12 @@ so a record is one O_DIRECT read. index.json:
 `crc32` covers a record's `length` payload bytes (not its padding).
 
 `kind` names the experts' form, and so the projections a record holds (`KINDS`): "glu"
-(SwiGLU: `gate_proj`, `up_proj`, `down_proj`, a plain projection named bare) or "relu2"
+(SwiGLU or GPT-OSS's clamped form: `gate_proj`, `up_proj`, `down_proj`, a plain projection named
+bare, `SwitchGLU`'s stacks, or `<proj>.weight`, biased experts' modules) or "relu2"
 (down(relu²(up(x))): `fc1`, `fc2`, a plain projection named `<proj>.weight`, mlx-lm's
-`SwitchMLP` names); a quantized projection is `<proj>.weight`/`.scales`/`.biases` in both.
-Version 1 indexes have no `kind`: every block is "glu".
+`SwitchMLP` names); a quantized projection is `<proj>.weight`/`.scales`/`.biases` in both, and
+any projection may add its bias rows as `<proj>.bias`. Version 1 indexes have no `kind`: every
+block is "glu".
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ TENSOR_ALIGN = 64  # tensors inside a record start on a cache line
 IO_MODES = ("auto", "direct", "buffered")
 GLU = ("gate_proj", "up_proj", "down_proj")
 RELU2 = ("fc1", "fc2")
-# record kind -> (its projections, how a plain (unquantized) projection's tensor is named)
-KINDS = {"glu": (GLU, "{}"), "relu2": (RELU2, "{}.weight")}
+# record kind -> (its projections, the names a plain (unquantized) projection's tensor may take)
+KINDS = {"glu": (GLU, ("{}", "{}.weight")), "relu2": (RELU2, ("{}.weight",))}
 
 # dtype name -> (numpy dtype of the same width for the raw bytes, MLX dtype)
 DTYPES = {
@@ -117,8 +120,10 @@ class BlockLayout:
         return KINDS[self.kind][0]
 
     def plain_name(self, proj: str) -> str:
-        """The record tensor of unquantized projection `proj` ("gate_proj", "fc1.weight")."""
-        return KINDS[self.kind][1].format(proj)
+        """The record tensor of unquantized projection `proj`: the name its kind allows that the
+        record holds ("gate_proj", biased experts' "gate_proj.weight", "fc1.weight")."""
+        names = [form.format(proj) for form in KINDS[self.kind][1]]
+        return next((n for n in names if any(t.name == n for t in self.tensors)), names[0])
 
 
 def _round_up(n: int, align: int) -> int:
@@ -242,16 +247,17 @@ class ExpertLayoutWriter:
 
 def expert_kind(module) -> str | None:
     """The record kind of a resident expert stack (its class's `expert_kind`: "glu" for
-    `SwitchGLU`, "relu2" for Nemotron-H's `SwitchMLP`), None for anything else."""
+    `SwitchGLU` and GPT-OSS's biased experts, "relu2" for Nemotron-H's `SwitchMLP`), None for
+    anything else."""
     kind = getattr(type(module), "expert_kind", None)
     return kind if kind in KINDS else None
 
 
 def expert_blocks(model) -> list[tuple[str, object]]:
-    """(path, expert stack) for every MoE block's routed experts (a `switch_mlp` of a kind the
-    layout stores), in layer order."""
-    found = [(f"{name}.switch_mlp", m["switch_mlp"]) for name, m in model.named_modules()
-             if "switch_mlp" in m and expert_kind(m["switch_mlp"]) is not None]
+    """(path, expert stack) for every MoE block's routed experts, in layer order: the blocks say
+    where theirs sit (`experts_attribute`), the stack is of a kind the layout stores."""
+    found = [(f"{name}.{m.experts_attribute}", m[m.experts_attribute]) for name, m in model.named_modules()
+             if getattr(type(m), "experts_attribute", None) and expert_kind(m[m.experts_attribute]) is not None]
     return sorted(found, key=lambda item: layer_of(item[0]))
 
 
@@ -265,14 +271,15 @@ def write_streamed_experts(model, directory: str | Path, *, alignment: int = DEF
     """Write every MoE block's routed experts of a loaded model into `directory/experts/`, and
     take them out of the model, so that its remaining parameters are the dense checkpoint.
 
-    Experts are written as the model holds them: plain float, or affine-quantized
-    (`QuantizedSwitchGLU`, or `SwitchMLP` of `QuantizedExperts`: packed weight, scales and biases
-    per projection), each block under its stack's record kind. The caller saves
+    Experts are written as the model holds them: plain float, or quantized (`QuantizedSwitchGLU`,
+    or `SwitchMLP` of `QuantizedExperts`: packed weight, scales and biases per projection;
+    GPT-OSS's mxfp4 experts: weight and scales), with their bias rows where they have them, each
+    block under its stack's record kind. The caller saves
     `model.parameters()` afterwards, in strata's format (config.json marked `strata_format`).
 
     Args:
-        model: a loaded strata model (after sanitize and quantization); its `switch_mlp`
-            modules are replaced by empty ones.
+        model: a loaded strata model (after sanitize and quantization); its expert stacks
+            are replaced by empty modules.
         directory: the output checkpoint directory.
         alignment: record alignment in bytes (default 4096).
 
@@ -300,7 +307,8 @@ def write_streamed_experts(model, directory: str | Path, *, alignment: int = DEF
         writer.add_block(path, tensors, quantization=quantization, kind=kind)
     modules = dict(model.named_modules())
     for path, _ in blocks:
-        modules[path.rsplit(".", 1)[0]].switch_mlp = nn.Module()  # the experts now live on disk
+        block, name = path.rsplit(".", 1)
+        setattr(modules[block], name, nn.Module())  # the experts now live on disk
     return writer.finish()
 
 
@@ -440,13 +448,13 @@ def check_layout_sanity(index_path: Path, index: dict, blocks: list[BlockLayout]
 
 def check_record_tensors(block: BlockLayout, bad) -> None:
     """The record holds exactly its kind's projections: each plain, or quantized (weight and
-    scales, biases where the mode has them), as `quantization` says; `bad(where, message)`
-    builds the error."""
+    scales, biases where the mode has them), as `quantization` says, with or without its bias
+    rows; `bad(where, message)` builds the error."""
     want, may = set(), set()
     for proj in block.projections:
         q = block.quantization.get(proj)
         want |= {f"{proj}.weight", f"{proj}.scales"} if q else {block.plain_name(proj)}
-        may |= {f"{proj}.biases"} if q else set()
+        may |= {f"{proj}.biases", f"{proj}.bias"} if q else {f"{proj}.bias"}
     unknown = sorted(set(block.quantization) - set(block.projections))
     if unknown:
         raise bad(f"{block.path}.quantization", f"{unknown[0]} is not a projection of a {block.kind} record")
@@ -501,6 +509,8 @@ def _expected_dtype(tensor: str, quantization: dict, stored_dtype: str | None) -
     proj, _, part = tensor.partition(".")
     if proj in quantization and part == "weight":
         return "uint32"
+    if proj in quantization and part == "scales" and quantization[proj].get("mode") == "mxfp4":
+        return "uint8"  # a power-of-two exponent per group
     return stored_dtype
 
 

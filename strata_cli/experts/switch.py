@@ -1,71 +1,82 @@
 """Streamed experts inside the model: the switch layer that serves them, and attaching it.
 
-`attach_streamed_experts` replaces every MoE block's `switch_mlp` with a `StreamedSwitchGLU`
+`attach_streamed_experts` replaces every MoE block's routed experts with a `StreamedSwitchGLU`
 that computes exactly what the resident layer computes (the resident stacks' own public helpers:
-model/moe.py's for SwiGLU experts, model/nemotron_h.py's for relu² ones), over slot banks that
-the `ExpertCache` (experts/cache.py) fills from disk.
+model/moe.py's for SwiGLU experts, with GPT-OSS's activation and bias rows where they have them,
+model/nemotron_h.py's for relu² ones), over slot banks that the `ExpertCache` (experts/cache.py)
+fills from disk.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..model.moe import SparseMoeBlock, gather_matmul, gather_qmatmul, glu_by_expert
+from ..model.biased_experts import add_bias
+from ..model.moe import gather_matmul, gather_qmatmul, glu_by_expert
 from ..model.nemotron_h import expert_matmul, relu2_by_expert
 from ..options import ConfigError, MoceOptions, StreamOptions
 from ..telemetry import format_bytes
-from .cache import ExpertCache
+from .cache import ExpertCache, picks_by_own_rule
 from .moce import attach_moce
 from .store import DTYPES, ExpertStore, ExpertStoreError, expert_blocks
 
 
 class StreamedSwitchGLU(nn.Module):
-    """Takes a MoE block's `switch_mlp` place: the same `(x, inds) -> (N, k, H)` contract, with
-    the experts served from an `ExpertCache` instead of resident stacked weights.
+    """Takes the place of a MoE block's routed experts (`switch_mlp`, GPT-OSS's `experts`): the
+    same `(x, inds) -> (N, k, H)` contract, with the experts served from an `ExpertCache` instead
+    of resident stacked weights.
 
     It computes with the resident layers' own code, indexing slot banks with slot ids, so its
-    output is the resident layer's, bit for bit: SwiGLU records ("glu") through
-    `moe.glu_by_expert` over `moe.gather_matmul` or `moe.gather_qmatmul`; relu² records
+    output is the resident layer's, bit for bit: SwiGLU records ("glu", GPT-OSS's clamped form
+    too) through `moe.glu_by_expert` over `moe.gather_matmul` or `moe.gather_qmatmul`, each
+    projection plus its bias rows where the record has them; relu² records
     ("relu2", Nemotron-H) through `nemotron_h.relu2_by_expert` over `nemotron_h.expert_matmul`
     or `moe.gather_qmatmul`.
 
     Args:
         cache: the expert cache.
         path: this block's module path (its records in the layout).
-        resident: the class of the resident stack it replaces: unquantized SwiGLU records take
-            its `by_expert` form where it has one (Granite's GPU prompt form), quantized ones
-            `QuantizedSwitchGLU`'s (`glu_by_expert`).
+        resident: the resident stack it replaces: SwiGLU records take its `activation` where it
+            has one (GPT-OSS's clamped form), unquantized ones its `by_expert` form where it has
+            one (Granite's GPU prompt form), the others `glu_by_expert`.
     """
 
-    def __init__(self, cache: ExpertCache, path: str, resident: type | None = None):
+    def __init__(self, cache: ExpertCache, path: str, resident: nn.Module | None = None):
         super().__init__()
         self.cache, self.path = cache, path
         layout = cache.store.blocks[path]
         self.kind, self.quantization = layout.kind, layout.quantization
         self.plain = {proj: layout.plain_name(proj) for proj in layout.projections}
+        own = None if self.quantization else getattr(resident, "by_expert", None)
+        activation = getattr(resident, "activation", None)
         if self.kind == "relu2":
             self.by_expert = relu2_by_expert
-        elif self.quantization:
-            self.by_expert = glu_by_expert
+        elif own is not None:
+            self.by_expert = own
+        elif activation is not None:
+            self.by_expert = partial(glu_by_expert, activation=activation)
         else:
-            self.by_expert = getattr(resident, "by_expert", glu_by_expert)
+            self.by_expert = glu_by_expert
 
     def _matmul(self, banks: dict[str, mx.array]):
         def matmul(name: str, xs: mx.array, slots: mx.array, is_sorted: bool) -> mx.array:
             q = self.quantization.get(name)
             if q is not None:
-                return gather_qmatmul(xs, banks[f"{name}.weight"], banks[f"{name}.scales"],
-                                      banks.get(f"{name}.biases"), slots, **q, is_sorted=is_sorted)
-            w = banks[self.plain[name]]
-            if self.kind == "relu2":
-                return expert_matmul(xs, w, slots, is_sorted=is_sorted,
-                                     wt_of=lambda: mx.contiguous(w.swapaxes(-1, -2)))
-            return gather_matmul(xs, w, slots, is_sorted=is_sorted)
+                y = gather_qmatmul(xs, banks[f"{name}.weight"], banks[f"{name}.scales"],
+                                   banks.get(f"{name}.biases"), slots, **q, is_sorted=is_sorted)
+            elif self.kind == "relu2":
+                w = banks[self.plain[name]]
+                y = expert_matmul(xs, w, slots, is_sorted=is_sorted, wt_of=lambda: mx.contiguous(w.swapaxes(-1, -2)))
+            else:
+                y = gather_matmul(xs, banks[self.plain[name]], slots, is_sorted=is_sorted)
+            bias = banks.get(f"{name}.bias")  # biased experts' rows (GPT-OSS)
+            return y if bias is None else add_bias(y, bias, slots)
 
         return matmul
 
@@ -110,8 +121,9 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
                             moce: MoceOptions | None = None) -> ExpertCache:
     """Serve `model`'s routed experts from the streaming layout in `path` through an ExpertCache.
 
-    Every MoE block's `switch_mlp` is replaced by a `StreamedSwitchGLU` (which has no
-    parameters, so the dense checkpoint loads as usual) and `model.expert_cache` is set.
+    Every MoE block's routed experts (`switch_mlp`, GPT-OSS's `experts`) are replaced by a
+    `StreamedSwitchGLU` (which has no parameters, so the dense checkpoint loads as usual) and
+    `model.expert_cache` is set.
 
     Args:
         model: the freshly built model (its MoE blocks still hold empty SwitchGLUs).
@@ -143,7 +155,7 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         store.close()
         raise
     for p, moe in blocks:
-        moe.switch_mlp = StreamedSwitchGLU(cache, p, type(moe.switch_mlp))
+        setattr(moe, moe.experts_attribute, StreamedSwitchGLU(cache, p, moe[moe.experts_attribute]))
     model.expert_cache = cache
     return cache
 
@@ -152,7 +164,7 @@ def _check_routing_options(blocks: list[tuple[str, nn.Module]], options: StreamO
     """Refuse the options that read softmax router probabilities or the router's input where a
     block routes otherwise (Nemotron-H: sigmoid scores in groups; experts in a latent space)."""
     for path, moe in blocks:
-        if isinstance(moe, SparseMoeBlock):
+        if not picks_by_own_rule(moe):
             continue
         if moe.gate.weight.shape[-1] != moe.switch_mlp.fc1.weight.shape[-1] and options.prefetch == "router":
             raise ConfigError(f"--expert-prefetch router: {path}'s experts take a latent projection of the "
@@ -176,10 +188,11 @@ def _check_layout(store: ExpertStore, blocks: list[tuple[str, nn.Module]]) -> No
             + (f"; the layout lacks {lacking[0]}" if lacking else "")
         )
     for p, moe in blocks:
-        layout, glu = store.blocks[p], moe.switch_mlp
+        layout, glu = store.blocks[p], moe[moe.experts_attribute]
         kind = type(glu).expert_kind
         if layout.kind != kind:
             raise ExpertStoreError(f"{layout.file}: {p} holds {layout.kind} records, the model's experts are {kind}")
+        # SwitchGLU holds bare (E, out, in) stacks; the other stacks modules with a `weight` (and a `bias`)
         shapes = {proj: (glu[proj].weight if isinstance(glu[proj], nn.Module) else glu[proj]).shape
                   for proj in layout.projections}
         num_experts = shapes[layout.projections[0]][0]
@@ -189,7 +202,7 @@ def _check_layout(store: ExpertStore, blocks: list[tuple[str, nn.Module]]) -> No
         for proj in layout.projections:
             out_dim, in_dim = shapes[proj][1:]
             q = layout.quantization.get(proj)
-            name = f"{proj}.weight" if q else layout.plain_name(proj)
+            name = f"{proj}.weight" if q or isinstance(glu[proj], nn.Module) else proj
             spec = specs.get(name)
             packed = in_dim * q["bits"] // 32 if q else in_dim
             if spec is None or spec.shape != (out_dim, packed):
@@ -198,3 +211,8 @@ def _check_layout(store: ExpertStore, blocks: list[tuple[str, nn.Module]]) -> No
                     f"{layout.file}: {p}.{name} is {got}, the model needs {(out_dim, packed)}"
                     + (f" ({q['bits']}-bit)" if q else "")
                 )
+            bias = specs.get(f"{proj}.bias")
+            want = (out_dim,) if isinstance(glu[proj], nn.Module) and "bias" in glu[proj] else None
+            if (bias.shape if bias else None) != want:
+                raise ExpertStoreError(f"{layout.file}: {p}.{proj}.bias is {bias.shape if bias else 'nothing'}, "
+                                       f"the model needs {want or 'none'}")

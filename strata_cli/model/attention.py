@@ -28,7 +28,8 @@ QUERY_BLOCK = 128  # prompt rows per attention block on the CPU (64 ties it, 512
 
 
 def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-                         block: int = QUERY_BLOCK) -> mx.array:
+                         block: int = QUERY_BLOCK, *, sinks: mx.array | None = None,
+                         window: int | None = None) -> mx.array:
     """Causal attention of a prompt chunk as plain matmuls, for MLX's CPU backend.
 
     q (B, Hq, T, D); keys, values (B, Hkv, L, D), the T query rows at the last T cells. The same
@@ -39,24 +40,39 @@ def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: f
     can see, so the chunk's masked upper triangle is mostly never computed (nor exponentiated).
     The blocks take turns on the CPU prompt streams (`layers.prompt_streams`: a core each), or
     the whole runs in numpy where its BLAS takes float32 prompts (`host_blas`).
+
+    `sinks` (Hq,): one more logit per query head in every row's softmax, its weight dropped
+    (GPT-OSS). `window`: row i sees only the last `window` cells up to its own (a sliding
+    window), and a block multiplies only the cells its rows can see.
     """
     if host_blas.HostBlas.takes(q, keys, values):
-        return host_blas.causal_attention(q, keys, values, scale, block)
+        return host_blas.causal_attention(q, keys, values, scale, block, sinks=sinks, window=window)
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     r, P = Hq // Hkv, L - T
     kt = mx.contiguous(keys.swapaxes(-1, -2))  # (B, Hkv, D, L)
     q = (q * scale).reshape(B, Hkv, r, T, D)
     outs, streams = [], prompt_streams()
+    sink_logits = None if sinks is None else sinks.astype(mx.float32).reshape(1, Hkv, r, 1, 1)
     for i, s in enumerate(range(0, T, block)):
         e = min(T, s + block)
         n, seen = e - s, P + e  # rows of this block; keys the block's last row sees
+        first = 0 if window is None else max(0, P + s - window + 1)  # the oldest cell its first row sees
         with mx.stream(streams[i % len(streams)]):
-            scores = (q[:, :, :, s:e].reshape(B, Hkv, r * n, D) @ kt[..., :seen]).reshape(B, Hkv, r, n, seen)
-            visible = mx.arange(seen) <= (P + s + mx.arange(n))[:, None]  # row P+s+i sees cells 0..P+s+i
+            scores = (q[:, :, :, s:e].reshape(B, Hkv, r * n, D) @ kt[..., first:seen]).reshape(B, Hkv, r, n, -1)
+            cells, rows = mx.arange(first, seen), (P + s + mx.arange(n))[:, None]
+            visible = cells <= rows  # row P+s+i sees cells 0..P+s+i
+            if window is not None:
+                visible = visible & (cells > rows - window)
             scores = mx.where(visible, scores, -mx.inf)
-            weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, r * n, seen)
-            outs.append((weights @ values[:, :, :seen]).reshape(B, Hkv, r, n, D))
+            if sink_logits is not None:
+                sink = mx.broadcast_to(sink_logits, (*scores.shape[:-1], 1)).astype(scores.dtype)
+                scores = mx.concatenate([scores, sink], axis=-1)
+            weights = mx.softmax(scores, axis=-1, precise=True)
+            if sink_logits is not None:
+                weights = weights[..., :-1]
+            weights = weights.reshape(B, Hkv, r * n, seen - first)
+            outs.append((weights @ values[:, :, first:seen]).reshape(B, Hkv, r, n, D))
     return mx.concatenate(outs, axis=3).reshape(B, Hq, T, D)
 
 

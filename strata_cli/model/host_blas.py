@@ -65,8 +65,10 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     return mx.array(y).reshape(*x.shape[:-1], N)
 
 
-def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, block: int) -> mx.array:
-    """`attention.causal_attention_cpu`'s blocked causal attention, in numpy (same contract).
+def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, block: int, *,
+                     sinks: mx.array | None = None, window: int | None = None) -> mx.array:
+    """`attention.causal_attention_cpu`'s blocked causal attention, in numpy (same contract,
+    sinks and sliding window included).
 
     q (B, Hq, T, D); keys, values (B, Hkv, L, D), the T query rows at the last T cells. The
     query heads of a KV head are stacked as rows, and each block of `block` query rows multiplies
@@ -78,14 +80,26 @@ def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
     r, P = Hq // Hkv, L - T
     qs = (np.asarray(q) * np.float32(scale)).reshape(B, Hkv, r, T, D)
     kt, v = np.asarray(keys).swapaxes(-1, -2), np.asarray(values)  # (B, Hkv, D, L), (B, Hkv, L, D)
+    sink = None if sinks is None else np.asarray(sinks.astype(mx.float32)).reshape(1, Hkv, r, 1, 1)
     out = np.empty((B, Hkv, r, T, D), dtype=np.float32)
     for s in range(0, T, block):
         e = min(T, s + block)
         n, seen = e - s, P + e  # rows of this block; keys its last row sees
-        scores = (qs[:, :, :, s:e].reshape(B, Hkv, r * n, D) @ kt[..., :seen]).reshape(B, Hkv, r, n, seen)
-        scores[..., P + s:][..., np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf  # row P+s+i sees 0..P+s+i
-        scores -= scores.max(axis=-1, keepdims=True)
+        first = 0 if window is None else max(0, P + s - window + 1)  # the oldest cell its first row sees
+        scores = (qs[:, :, :, s:e].reshape(B, Hkv, r * n, D) @ kt[..., first:seen]).reshape(B, Hkv, r, n, -1)
+        cells, rows = np.arange(first, seen), (P + s + np.arange(n))[:, None]
+        hidden = cells > rows  # row P+s+i sees 0..P+s+i
+        if window is not None:
+            hidden |= cells <= rows - window
+        scores[..., hidden] = -np.inf
+        top = scores.max(axis=-1, keepdims=True)
+        if sink is not None:
+            top = np.maximum(top, sink)
+        scores -= top
         np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out[:, :, :, s:e] = (scores.reshape(B, Hkv, r * n, seen) @ v[:, :, :seen]).reshape(B, Hkv, r, n, D)
+        total = scores.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            total += np.exp(sink - top)
+        scores /= total
+        out[:, :, :, s:e] = (scores.reshape(B, Hkv, r * n, seen - first) @ v[:, :, first:seen]).reshape(B, Hkv, r, n, D)
     return mx.array(out.reshape(B, Hq, T, D))

@@ -27,6 +27,18 @@ class AttentionState(Protocol):
         """Write the window's (B, H_kv, T, D) keys and values; return every cell up to its end."""
 
 
+class SlidingAttentionState(Protocol):
+    """Keys and values of a sliding-window attention layer (engine/sliding_state.py)."""
+
+    @property
+    def offset(self) -> int:
+        """Absolute position of the window's first row (its rotary offset)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Write the window's (B, H_kv, T, D) keys and values; return the cells its rows attend
+        over (B, H_kv, L, D) and a (T, L) bool mask of the cells each row sees."""
+
+
 @dataclass(frozen=True)
 class GDNRows:
     """Per-row inputs of the gated-delta recurrence, after the causal conv.

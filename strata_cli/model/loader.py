@@ -30,7 +30,8 @@ from .quant import (
 
 # model_type -> module in strata_cli.model
 ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
-                 "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid", "glm4_moe": "glm4_moe"}
+                 "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid", "glm4_moe": "glm4_moe",
+                 "gpt_oss": "gpt_oss"}
 # Qwen3.5 / 3.6, dense and MoE: the multimodal checkpoints' model_type and transformers' text-only ones.
 ARCHITECTURES.update(dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "qwen3_5"))
 # config.json key that marks strata's own layout (already sanitized), and its version:
@@ -254,7 +255,10 @@ def load_model(
     try:
         config = arch.Config.from_dict(params)
         model = arch.Model(config)
-        quantization = read_quantization(params)
+        # A family whose published checkpoints quantize outside MLX's block (GPT-OSS's mxfp4
+        # experts) says what that block means; any other is refused.
+        foreign = getattr(model, "foreign_quantization", None)
+        quantization = (foreign and foreign(params)) or read_quantization(params)
         if quantization is not None and hasattr(model, "sanitize_quantization"):
             quantization = model.sanitize_quantization(quantization)  # per-layer paths, as sanitize renames them
         version = strata_format(params)

@@ -113,7 +113,7 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
         # A prompt chunk on the CPU: MLX's CPU quantized gather runs slower than dequantizing the
         # bank once per chunk and multiplying by its contiguous transpose (docs/benchmarks.md).
         # Streamed slot banks take this very call too, so they stay bit-identical to resident ones.
-        dense = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
+        dense = mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits, mode=mode, dtype=x.dtype)
         return gather_matmul(x, dense, experts, wt=mx.contiguous(dense.swapaxes(-1, -2)))
     return mx.gather_qmm(
         x, weight, scales, biases, rhs_indices=experts, transpose=True,
@@ -147,9 +147,9 @@ class QuantizedSwitchGLU(nn.Module):
         return glu_by_expert(x, inds, lambda name, xs, experts, is_sorted: self[name](xs, experts, is_sorted=is_sorted))
 
 
-def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
+def glu_by_expert(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array:
     """SwiGLU over each token's picked experts; `matmul(name, xs, experts, is_sorted)` does one
-    projection.
+    projection, `activation(gate, up)` joins the two (elementwise; GPT-OSS clamps it).
 
     Also the compute of streamed experts (experts/switch.py), with slot ids for `inds`: keeping
     one code path is what makes them bit-identical to resident ones.
@@ -161,22 +161,22 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
         # row's arithmetic is what it is alone (docs/design.md, "Row invariance").
         H = x.shape[-1]
         xs = mx.broadcast_to(x[:, None, None, :], (N, k, 1, H)).reshape(N * k, 1, H)  # mx.repeat's rows in 3 ops, not 4
-        h = swiglu(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
+        h = activation(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
         return matmul("down_proj", h, flat, False).reshape(N, k, -1)
     if GPU_PROMPT_EXPERTS == "padded" and mx.default_device() != mx.cpu:
-        out = glu_padded(x, inds, matmul)
+        out = glu_padded(x, inds, matmul, activation)
         if out is not None:
             return out
     # Sorting by expert keeps each expert's rows together, so each is read once, in order.
     order = mx.argsort(flat)
     experts = flat[order]
     xs = x[order // k][:, None, :]  # (N·k, 1, H)
-    h = swiglu(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
+    h = activation(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
     out = matmul("down_proj", h, experts, True)  # (N·k, 1, H)
     return out[mx.argsort(order)].reshape(N, k, -1)
 
 
-def glu_padded(x: mx.array, inds: mx.array, matmul) -> mx.array | None:
+def glu_padded(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array | None:
     """`glu_by_expert` for GPU prompt chunks: each used expert's picks gathered into one row of
     a zero-padded (E, C, H) batch, C the most picks of any expert, so that each projection is one
     batched matmul of E problems of C rows (MLX's CUDA gather_qmm otherwise runs every pick as a
@@ -199,7 +199,7 @@ def glu_padded(x: mx.array, inds: mx.array, matmul) -> mx.array | None:
     x = mx.concatenate([x, mx.zeros((1, x.shape[-1]), dtype=x.dtype)])
     xs = x[mx.array(rows)].reshape(E, C, -1)
     experts = mx.arange(E, dtype=mx.uint32)
-    h = swiglu(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
+    h = activation(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
     out = matmul("down_proj", h, experts, True).reshape(E * C, -1)
     where = np.empty(P, dtype=np.uint32)
     where[order] = slot  # the padded row of each pick, in (token, k) order
@@ -279,6 +279,7 @@ class SparseMoeBlock(nn.Module):
 
     routing_policy = None
     takes_routing_policy = True  # False where `route` has no softmax probabilities to hand a policy
+    experts_attribute = "switch_mlp"  # where the routed experts sit (experts/ streams them from there)
 
     def __init__(
         self,

@@ -189,6 +189,8 @@ def relu2_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
 class NemotronMoE(nn.Module):
     """Routed relu² experts (optionally in a latent space) plus the shared experts."""
 
+    experts_attribute = "switch_mlp"  # where the routed experts sit (experts/ streams them from there)
+
     def __init__(self, config: NemotronHConfig):
         super().__init__()
         dims = config.moe_latent_size or config.hidden_size

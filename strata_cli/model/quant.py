@@ -8,6 +8,10 @@ config.json carries a `quantization` block, as mlx-lm writes it:
 The top-level `group_size` / `bits` apply to every quantized layer; a module path maps to its own
 settings (or to false: not quantized). Which layers are quantized is read from the checkpoint:
 a layer is quantized when its `.scales` tensor is present, exactly as mlx-lm decides.
+
+Besides affine, the block (or one layer's entry) may say `"mode": "mxfp4"`: MX 4-bit floats in
+groups of 32 with a power-of-two scale and no bias, the form GPT-OSS publishes its experts in. A
+layer's own entry without a mode is affine, as mlx-lm reads it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from .layers import RowLinear
 from .moe import SwitchGLU
 
 MODE = "affine"
+MXFP4 = "mxfp4"
+MXFP4_GROUP_SIZE, MXFP4_BITS = 32, 4  # the only shape of mxfp4 MLX has
 # Below this many bytes of dense (non-expert) weights in float32, the CPU runs a quantized model's
 # dense layers dequantized (`dequantize_dense`): the embedded demo model is 8-bit to fit the package.
 DEQUANTIZE_DENSE_MAX_BYTES = 256 * 2**20
@@ -40,16 +46,14 @@ class Quantization:
     group_size: int
     bits: int
     layers: dict[str, dict | bool] = field(default_factory=dict)
+    mode: str = MODE
 
     def __post_init__(self):
-        _check(self.group_size, self.bits, where="quantization")
+        _check(self.group_size, self.bits, where="quantization", mode=self.mode)
         for path, params in self.layers.items():
             if isinstance(params, dict):
-                _check(params.get("group_size"), params.get("bits"), where=f"quantization[{path!r}]")
-                if params.get("mode", MODE) != MODE:
-                    raise ConfigError(
-                        f"quantization[{path!r}]: mode {params['mode']!r} is not supported (only {MODE!r})"
-                    )
+                _check(params.get("group_size"), params.get("bits"), where=f"quantization[{path!r}]",
+                       mode=params.get("mode", MODE))
             elif params is not False and params is not True:
                 raise ConfigError(f"quantization[{path!r}] must be an object or a boolean, got {params!r}")
 
@@ -57,24 +61,29 @@ class Quantization:
     def from_config(cls, block: Any) -> "Quantization":
         if not isinstance(block, dict):
             raise ConfigError(f"quantization must be an object, got {block!r}")
-        mode = block.get("mode", MODE)
-        if mode != MODE:
-            raise ConfigError(f"quantization mode {mode!r} is not supported (only {MODE!r})")
         layers = {k: v for k, v in block.items() if k not in ("group_size", "bits", "mode")}
-        return cls(group_size=block.get("group_size"), bits=block.get("bits"), layers=layers)
+        return cls(group_size=block.get("group_size"), bits=block.get("bits"), layers=layers,
+                   mode=block.get("mode", MODE))
 
     def to_config(self) -> dict:
-        return {"group_size": self.group_size, "bits": self.bits, "mode": MODE, **self.layers}
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode, **self.layers}
 
     def settings(self, path: str) -> dict | bool:
         """What `nn.quantize` should do with the layer at `path` if the checkpoint quantized it."""
         params = self.layers.get(path, True)
         if isinstance(params, dict):
-            return {"group_size": params["group_size"], "bits": params["bits"], "mode": MODE}
-        return {"group_size": self.group_size, "bits": self.bits, "mode": MODE} if params else False
+            return {"group_size": params["group_size"], "bits": params["bits"], "mode": params.get("mode", MODE)}
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode} if params else False
 
 
-def _check(group_size: Any, bits: Any, *, where: str) -> None:
+def _check(group_size: Any, bits: Any, *, where: str, mode: Any = MODE) -> None:
+    if mode == MXFP4:
+        if (group_size, bits) != (MXFP4_GROUP_SIZE, MXFP4_BITS):
+            raise ConfigError(f"{where}: mode {MXFP4!r} needs group_size {MXFP4_GROUP_SIZE} and bits "
+                              f"{MXFP4_BITS}, got {group_size!r} and {bits!r}")
+        return
+    if mode != MODE:
+        raise ConfigError(f"{where}: mode {mode!r} is not supported (only {MODE!r} and {MXFP4!r})")
     if group_size not in GROUP_SIZES:
         raise ConfigError(f"{where}: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
     if bits not in BITS:
@@ -118,7 +127,7 @@ def quantize(model: nn.Module, *, group_size: int, bits: int, overrides: Overrid
     A layer is quantized when it can be (a Linear, Embedding or expert stack) and every input
     dimension is a multiple of `group_size`; `overrides(path)` may give a layer its own settings.
     """
-    recorded: dict[str, dict | bool] = {}
+    recorded: dict[str, dict | bool] = already_quantized(model)
 
     def predicate(path: str, module: nn.Module) -> dict | bool:
         if not hasattr(module, "to_quantized") or not _fits(module, group_size):
@@ -131,6 +140,29 @@ def quantize(model: nn.Module, *, group_size: int, bits: int, overrides: Overrid
 
     nn.quantize(model, group_size, bits, mode=MODE, class_predicate=predicate)
     return Quantization(group_size=group_size, bits=bits, layers=recorded)
+
+
+def already_quantized(model: nn.Module) -> dict[str, dict]:
+    """Module path -> settings of every layer the model holds quantized already (GPT-OSS's mxfp4
+    experts as published), so that a record of a further quantization names them too."""
+    found = {}
+    for path, module in model.named_modules():
+        if "scales" in module and hasattr(module, "bits") and hasattr(module, "group_size"):
+            found[path] = {"group_size": module.group_size, "bits": module.bits,
+                           "mode": getattr(module, "mode", MODE)}
+    return found
+
+
+def recorded_quantization(model: nn.Module) -> dict | None:
+    """The `quantization` block that describes a loaded model's quantized layers as they are,
+    or None when none is: the most common setting at the top, the others per layer."""
+    found = already_quantized(model)
+    if not found:
+        return None
+    settings = [tuple(v.items()) for v in found.values()]
+    top = dict(max(set(settings), key=settings.count))
+    layers = {p: v for p, v in found.items() if v != top}
+    return Quantization(group_size=top["group_size"], bits=top["bits"], layers=layers, mode=top["mode"]).to_config()
 
 
 def _fits(module: nn.Module, group_size: int) -> bool:
