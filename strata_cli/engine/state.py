@@ -67,17 +67,17 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _shape(shape) -> str:
+def format_shape(shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
 
 
-def _slot_kind(value) -> str:
+def slot_kind(value) -> str:
     if isinstance(value, mx.array):
-        return f"an array {_shape(value.shape)}"
+        return f"an array {format_shape(value.shape)}"
     return "empty" if value is None else f"{type(value).__name__} {value!r}"
 
 
-def _check_array(name: str, value, like: ArraySpec, *, shape_text: str | None = None, fits=None) -> str | None:
+def check_array(name: str, value, like: ArraySpec, *, shape_text: str | None = None, fits=None) -> str | None:
     """Why `value` is not an array like `like` (shape and dtype), or None.
 
     Args:
@@ -88,10 +88,10 @@ def _check_array(name: str, value, like: ArraySpec, *, shape_text: str | None = 
         fits: a test of the shape (default: equal to `like.shape`).
     """
     if not isinstance(value, mx.array):
-        return f"{name} is {_slot_kind(value)}, not an array"
+        return f"{name} is {slot_kind(value)}, not an array"
     ok = fits(tuple(value.shape)) if fits else tuple(value.shape) == like.shape
     if not ok:
-        return f"{name} has shape {_shape(value.shape)}, this model's is {shape_text or _shape(like.shape)}"
+        return f"{name} has shape {format_shape(value.shape)}, this model's is {shape_text or format_shape(like.shape)}"
     if value.dtype != like.dtype:
         return f"{name} is {_dtype_name(value.dtype)}, this model's is {_dtype_name(like.dtype)}"
     return None
@@ -178,17 +178,17 @@ class KVState:
         if length == 0 and keys is None and values is None and n == 0:
             return None
         if type(n) is not int or n != length:
-            return f"length slot is {_slot_kind(n)}, the checkpoint holds {length} positions"
+            return f"length slot is {slot_kind(n)}, the checkpoint holds {length} positions"
         B, H, _, D = like[0].shape
         text = f"({B}, {H}, N, {D}) with N >= {length}"
 
         def fits(shape: tuple[int, ...]) -> bool:  # any capacity that holds the committed cells
             return len(shape) == 4 and (shape[0], shape[1], shape[3]) == (B, H, D) and shape[2] >= length
 
-        problem = _check_array("keys", keys, like[0], shape_text=text, fits=fits)
-        problem = problem or _check_array("values", values, like[1], shape_text=text, fits=fits)
+        problem = check_array("keys", keys, like[0], shape_text=text, fits=fits)
+        problem = problem or check_array("values", values, like[1], shape_text=text, fits=fits)
         if problem is None and values.shape != keys.shape:
-            problem = f"values have shape {_shape(values.shape)}, keys {_shape(keys.shape)}: they must match"
+            problem = f"values have shape {format_shape(values.shape)}, keys {format_shape(keys.shape)}: they must match"
         return problem
 
     def tensors(self) -> dict[str, mx.array]:
@@ -318,8 +318,8 @@ class GDNState:
             return f"{len(snap)} slots, a {cls.KIND} state has 2 ({cls.STATE_NAME}, conv history)"
         if length == 0 and snap[0] is None and snap[1] is None:
             return None
-        return (_check_array(cls.STATE_NAME, snap[0], like[0])
-                or _check_array("conv history", snap[1], like[1]))
+        return (check_array(cls.STATE_NAME, snap[0], like[0])
+                or check_array("conv history", snap[1], like[1]))
 
     def tensors(self) -> dict[str, mx.array]:
         self.flush()
