@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..model.layer_state import Pool
-from .state import KVState, Mode, check_array, format_shape, slot_kind
+from .state import ArraySpec, KVState, Mode, check_array, slot_kind
 
 ENTRY_STEP = 64  # entry buffers grow in steps of this many entries
 
@@ -53,8 +53,9 @@ class CompressorTail:
     """What both tails share: the entry buffer (positional, append-only), the window bookkeeping,
     tensors and the snapshot checks. Subclasses keep the raw rows their own way."""
 
-    def __init__(self, rate: int, *, overlap: bool):
-        self.rate, self.overlap = rate, overlap
+    def __init__(self, rate: int, dims: int, *, overlap: bool):
+        self.rate, self.dims, self.overlap = rate, dims, overlap
+        self.width = dims * (2 if overlap else 1)  # raw row width: two series with overlap
         self.entries: mx.array | None = None  # (B, capacity, D): entries 0..count-1 committed
         self.count = 0
         self.length = 0
@@ -91,12 +92,10 @@ class CompressorTail:
     def flush(self) -> None:
         pass
 
-    @classmethod
-    def check_snapshot(cls, snap: tuple, like: tuple, length: int, *, rate: int, overlap: bool,
-                       name: str) -> str | None:
-        """Why `snap` cannot be this tail after `length` positions (`like`: `ArraySpec`s of one
-        this model made), or None: the raw rows (B, n, W) with n = length - tail_start(length),
-        the entry buffer (B, >= length // rate, D), the count and length slots."""
+    def check_snapshot(self, snap: tuple, length: int, *, batch: int, dtype: mx.Dtype, name: str) -> str | None:
+        """Why `snap` cannot be this tail after `length` positions, or None: the raw rows
+        (batch, n, width) with n = length - tail_start(length), the entry buffer
+        (batch, >= length // rate, dims), the count and length slots, arrays in `dtype`."""
         if len(snap) != 5:
             return f"{name}: {len(snap)} slots, a compressor tail has 5 (raw kv, raw gate, entries, count, length)"
         kv, gate, entries, count, n = snap
@@ -104,22 +103,16 @@ class CompressorTail:
             return None
         if type(n) is not int or n != length:
             return f"{name}: length slot is {slot_kind(n)}, the checkpoint holds {length} positions"
-        closed = length // rate
+        closed = length // self.rate
         if type(count) is not int or count != closed:
             return f"{name}: entry count is {slot_kind(count)}, {length} positions close {closed} entries"
-        rows = length - tail_start(length, rate, overlap)
-        B, _, W = like[0].shape
-        raw_shape = (B, rows, W)
-        problem = (check_array(f"{name} raw kv", kv, like[0], shape_text=format_shape(raw_shape),
-                                fits=lambda s: s == raw_shape)
-                   or check_array(f"{name} raw gate", gate, like[1], shape_text=format_shape(raw_shape),
-                                   fits=lambda s: s == raw_shape))
+        raw = ArraySpec((batch, length - tail_start(length, self.rate, self.overlap), self.width), dtype)
+        problem = check_array(f"{name} raw kv", kv, raw) or check_array(f"{name} raw gate", gate, raw)
         if problem or closed == 0 and entries is None:
             return problem
-        D = like[2].shape[2]
-        text = f"({B}, N, {D}) with N >= {closed}"
-        return check_array(f"{name} entries", entries, like[2], shape_text=text,
-                            fits=lambda s: len(s) == 3 and s[0] == B and s[2] == D and s[1] >= closed)
+        text = f"({batch}, N, {self.dims}) with N >= {closed}"
+        return check_array(f"{name} entries", entries, ArraySpec((batch, closed, self.dims), dtype), shape_text=text,
+                           fits=lambda s: len(s) == 3 and s[0] == batch and s[2] == self.dims and s[1] >= closed)
 
 
 class ReplayTail(CompressorTail):
@@ -127,8 +120,8 @@ class ReplayTail(CompressorTail):
     the new tail from them and the kept rows (the joined rows the window kept), so any window
     size is safe."""
 
-    def __init__(self, rate: int, *, overlap: bool):
-        super().__init__(rate, overlap=overlap)
+    def __init__(self, rate: int, dims: int, *, overlap: bool):
+        super().__init__(rate, dims, overlap=overlap)
         self.kv: mx.array | None = None  # (B, n, W) raw rows of tail_start(length)..length-1
         self.gate: mx.array | None = None
         self._joined: tuple[mx.array, mx.array] | None = None
@@ -179,8 +172,8 @@ class RingTail(CompressorTail):
     (`T <= rate - pos0 % rate`): a row that crosses into the next block overwrites the slot of a
     committed row a later entry still needs (tests/test_tail_structure.py)."""
 
-    def __init__(self, rate: int, *, overlap: bool):
-        super().__init__(rate, overlap=overlap)
+    def __init__(self, rate: int, dims: int, *, overlap: bool):
+        super().__init__(rate, dims, overlap=overlap)
         self.slots = rate * (2 if overlap else 1)
         self.ring_kv: mx.array | None = None  # (B, slots, W)
         self.ring_gate: mx.array | None = None
@@ -248,13 +241,12 @@ class CompressedAttentionState:
     Its snapshot is the parts' slots in that order, flat (3 + 5 + 5): sessions store flat slots.
     """
 
-    def __init__(self, *, compress_rate: int, has_indexer: bool, rollback: str):
+    def __init__(self, *, compress_rate: int, head_dim: int, index_head_dim: int | None, rollback: str):
         tail = TAILS[rollback]
         self.window = KVState()
-        self.compress_rate = compress_rate
-        self.has_indexer = has_indexer
-        self.compressor = tail(compress_rate, overlap=has_indexer) if compress_rate else None
-        self.indexer = tail(compress_rate, overlap=True) if has_indexer else None
+        has_indexer = index_head_dim is not None
+        self.compressor = tail(compress_rate, head_dim, overlap=has_indexer) if compress_rate else None
+        self.indexer = tail(compress_rate, index_head_dim, overlap=True) if has_indexer else None
 
     @property
     def parts(self) -> list:
@@ -299,13 +291,14 @@ class CompressedAttentionState:
         return out
 
     def check_snapshot(self, snap: tuple, like: tuple, length: int) -> str | None:
-        """Why `snap` cannot be this layer's state after `length` positions, or None."""
+        """Why `snap` cannot be this layer's state after `length` positions (`like`: the
+        `ArraySpec`s of one this model made; the window keys give the batch and dtype), or None."""
         slots = 3 + 5 * (len(self.parts) - 1)
         if len(snap) != slots:
             return f"{len(snap)} slots, this compressed-attention layer has {slots}"
         problem = KVState.check_snapshot(snap[:3], like[:3], length)
+        batch, dtype = like[0].shape[0], like[0].dtype
         for i, name in enumerate(n for n in ("compressor", "indexer") if getattr(self, n) is not None):
-            part = slice(3 + 5 * i, 8 + 5 * i)
-            problem = problem or CompressorTail.check_snapshot(
-                snap[part], like[part], length, rate=self.compress_rate, overlap=self.has_indexer, name=name)
+            problem = problem or getattr(self, name).check_snapshot(snap[3 + 5 * i : 8 + 5 * i], length, batch=batch,
+                                                                    dtype=dtype, name=name)
         return problem

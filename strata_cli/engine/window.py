@@ -80,8 +80,8 @@ def make_state(kind: str, params: dict, options: EngineOptions):
     if kind == "mamba2":
         return Mamba2State(params["conv_kernel"], lazy=options.fold == "lazy")
     if kind == "compressed_attention":
-        return CompressedAttentionState(compress_rate=params["compress_rate"], has_indexer=params["has_indexer"],
-                                        rollback=options.compressed_rollback)
+        return CompressedAttentionState(compress_rate=params["compress_rate"], head_dim=params["head_dim"],
+                                        index_head_dim=params["index_head_dim"], rollback=options.compressed_rollback)
     raise ValueError(f"unknown layer state kind {kind!r}")
 
 

@@ -515,9 +515,10 @@ class Model(nn.Module):
 
     @property
     def state_kinds(self) -> list[tuple[str, dict]]:
-        return [("compressed_attention", {"compress_rate": self.config.rate(t),
-                                          "has_indexer": t == "compressed_sparse_attention"})
-                for t in self.config.layer_types]
+        c = self.config
+        return [("compressed_attention", {"compress_rate": c.rate(t), "head_dim": c.head_dim,
+                                          "index_head_dim": c.index_head_dim if t == "compressed_sparse_attention" else None})
+                for t in c.layer_types]
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""

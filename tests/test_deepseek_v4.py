@@ -1,0 +1,230 @@
+"""DeepSeek-V4 (`deepseek_v4`) against transformers on a tiny random checkpoint
+(tests/dsv4_checkpoints.py: sliding, CSA and HCA layers, sparse selection from 16 positions), and
+its compressed-attention state rolled back exactly (engine/compressed_state.py).
+
+- parity: every row's logits within 1e-4 of transformers' over a prompt that crosses many
+  compressor blocks and the sparse-selection length; greedy continuations equal to transformers'
+  `generate` serially, with 3 drafts, `auto` (up to 7) and scripted drafts (T up to 8, rows kept
+  and rejected everywhere); seeded sampling the same with 0, 3 and auto drafts;
+- forced rejection (tests/state_checks.py) at every pos0 % 4 and % 8 (the HCA rate), below and
+  above the sparse-selection length, in window and partial modes: logits, the sliding-window keys,
+  both compressor tails and their entries, the next row;
+- the capped ring (`compressed_rollback="cap"`): exact for capped windows, and a window that
+  crosses a block boundary breaks it (the defect the cap contains);
+- snapshots: checkpoints and session files restore every part of the state; forged ones refused.
+"""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from dsv4_checkpoints import hf_checkpoint, hf_model, hf_ties
+from hybrid_parity import check_greedy, check_logits, check_seeded_sampling, hf_greedy, strata_logits
+from state_checks import check_forced_rejections, max_state_diff, serial_decode
+
+from strata_cli.decode import plan_windows
+from strata_cli.engine.window import SnapshotError, WindowEngine
+from strata_cli.model import load_model
+from strata_cli.model.config import ConfigError
+from strata_cli.model.deepseek_v4 import Config, sparse_selection_length, top_k_mask
+from strata_cli.options import EngineOptions, SpecOptions
+from strata_cli.serve.checkpoints import Checkpoint
+from strata_cli.serve.session import SessionError, load_session, save_session
+
+pytestmark = pytest.mark.parity
+TOL = 1e-5  # window rows and commits against serial decoding (bitwise equal on the CPU so far)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(hf_checkpoint(tmp_path_factory.getbasetemp() / "dsv4"))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    """Random ids whose tail repeats their start, so the suffix drafter proposes."""
+    rng = random.Random(5)
+    head = [rng.randrange(hf_model().config.vocab_size) for _ in range(48)]
+    return head + head[:14]
+
+
+@pytest.fixture(scope="module")
+def serial(model):
+    return serial_decode(model, 34)
+
+
+def test_selection_matters_in_these_prompts(model, prompt_ids):
+    assert sparse_selection_length(model.config) == 16 < len(prompt_ids)
+    assert hf_ties(hf_model(), prompt_ids) == 0  # transformers' top-k picks are not arbitrary here
+
+
+def test_logits_match_transformers(model, prompt_ids):
+    with torch.no_grad():
+        reference = hf_model()(torch.tensor([prompt_ids])).logits[0].float().numpy()
+    check_logits(strata_logits(model, prompt_ids), reference, "deepseek_v4")
+
+
+def test_greedy_matches_transformers_generate(model, prompt_ids):
+    check_greedy(model, prompt_ids, hf_greedy(hf_model(), prompt_ids))
+
+
+def test_seeded_sampling_is_the_same_with_drafts(model, prompt_ids):
+    check_seeded_sampling(model, prompt_ids)
+
+
+def test_serial_steps_equal_one_window(model, serial):
+    seq, logits, _ = serial
+    whole = WindowEngine(model).run(seq, 0).logits
+    assert float(mx.abs(whole - mx.stack(logits)).max()) <= 1e-4
+
+
+@pytest.mark.parametrize("pos0", range(16, 24))  # every pos0 % 4 and % 8, sparse selection on
+def test_forced_rejection_above_selection_length(model, serial, pos0):
+    assert check_forced_rejections(model, EngineOptions(), serial, pos0, TOL) == 35
+
+
+@pytest.mark.parametrize("pos0", [5, 6, 7, 8])  # fewer closed entries than the indexer keeps
+def test_forced_rejection_below_selection_length(model, serial, pos0):
+    assert check_forced_rejections(model, EngineOptions(), serial, pos0, TOL) == 35
+
+
+@pytest.mark.parametrize("pos0", [18, 23])
+def test_forced_rejection_partial_mode(model, serial, pos0):
+    assert check_forced_rejections(model, EngineOptions(partial=True), serial, pos0, TOL) == 35
+
+
+def capped_rejections(model, serial, pos0: int, *, capped: bool) -> float:
+    """The largest state or next-logit difference from serial over every keep of the windows
+    T <= 4 - pos0 % 4 (capped) or T = 5..8 (crossing a block), in the ring mode."""
+    seq, serial_logits, serial_states = serial
+    engine = WindowEngine(model, EngineOptions(compressed_rollback="cap"))
+    engine.prefill(seq[:pos0])
+    start = engine.snapshot()
+    sizes = range(1, 4 - pos0 % 4 + 1) if capped else range(5, 9)
+    worst = 0.0
+    for T in sizes:
+        for keep in range(1, T + 1):
+            engine.restore(start)
+            wrong = [(t + 1) % model.config.vocab_size for t in seq[pos0 + keep : pos0 + T]]
+            engine.run(seq[pos0 : pos0 + keep] + wrong, pos0)
+            engine.commit(keep)
+            worst = max(worst, max_state_diff(engine.state_tensors(), serial_states[pos0 + keep - 1]))
+            for p in range(pos0 + keep, pos0 + 9):  # on serially past the next block boundary
+                out = engine.run([seq[p]], p)
+                engine.commit(1)
+                worst = max(worst, float(mx.abs(out.logits[0] - serial_logits[p]).max()))
+            worst = max(worst, max_state_diff(engine.state_tensors(), serial_states[pos0 + 8]))
+    return worst
+
+
+@pytest.mark.parametrize("pos0", [16, 17, 18, 19])
+def test_ring_is_exact_under_the_block_cap(model, serial, pos0):
+    assert capped_rejections(model, serial, pos0, capped=True) <= TOL
+
+
+def test_ring_breaks_when_a_window_crosses_a_block(model, serial):
+    assert capped_rejections(model, serial, 17, capped=False) > 1e-2
+
+
+def test_replay_allows_eight_row_windows_and_the_ring_asks_for_the_cap(model):
+    replay = WindowEngine(model)
+    assert not replay.needs_block_cap and replay.block == 4
+    planner = plan_windows(replay, [1, 2, 3], SpecOptions(max_drafts=7), None, None)
+    assert not planner.block_cap
+    ring = WindowEngine(model, EngineOptions(compressed_rollback="cap"))
+    planner = plan_windows(ring, [1, 2, 3], SpecOptions(max_drafts=7), None, None)
+    assert planner.block_cap and planner.block == 4
+
+
+def test_snapshot_restores_every_part(model, serial):
+    seq, logits, states = serial
+    engine = WindowEngine(model)
+    engine.prefill(seq[:21])
+    saved = engine.snapshot()
+    engine.run(seq[21:29], 21)
+    engine.commit(8)
+    engine.restore(saved)
+    assert max_state_diff(engine.state_tensors(), states[20]) <= TOL
+    out = engine.run([seq[21]], 21)
+    assert float(mx.abs(out.logits[0] - logits[21]).max()) <= TOL
+    engine.commit(1)
+    engine.check_snapshot(engine.snapshot())
+    engine.check_snapshot(saved)
+
+
+def test_session_file_round_trip(model, serial, tmp_path):
+    seq, logits, states = serial
+    engine = WindowEngine(model)
+    engine.prefill(seq[:23])
+    layout = [type(s).__name__ for s in engine.states]
+    file = tmp_path / "session.safetensors"
+    save_session(file, [Checkpoint(tuple(seq[:23]), engine.snapshot())], identity="m", dtype="float32", layout=layout)
+    (checkpoint,) = load_session(file, identity="m", dtype="float32", layout=layout, max_context=engine.max_context,
+                                 vocab_size=model.config.vocab_size, check=engine.check_snapshot)
+    fresh = WindowEngine(model)
+    fresh.restore(checkpoint.snapshot)
+    assert max_state_diff(fresh.state_tensors(), engine.state_tensors()) == 0.0  # every part, bit for bit
+    assert max_state_diff(fresh.state_tensors(), states[22]) <= TOL
+    out = fresh.run([seq[23]], 23)
+    assert float(mx.abs(out.logits[0] - logits[23]).max()) <= TOL
+
+
+def forged(snapshot, layer: int, slot: int, value):
+    states = [list(s) for s in snapshot.states]
+    states[layer][slot] = value
+    return type(snapshot)(snapshot.length, tuple(tuple(s) for s in states))
+
+
+@pytest.mark.parametrize("case", ["count", "raw rows", "entries", "indexer length"])
+def test_forged_snapshots_are_refused(model, serial, case):
+    seq = serial[0]
+    engine = WindowEngine(model)
+    engine.prefill(seq[:22])
+    snap = engine.snapshot()
+    csa = 1  # layer 1 is CSA: window (3 slots), compressor (5), indexer (5)
+    kv = snap.states[csa][3]
+    if case == "count":
+        bad = forged(snap, csa, 6, 4)  # 22 positions close 5 entries
+    elif case == "raw rows":
+        bad = forged(snap, csa, 3, kv[:, 1:])
+    elif case == "entries":
+        bad = forged(snap, csa, 5, snap.states[csa][5][:, :2])
+    else:
+        bad = forged(snap, csa, 12, 21)
+    with pytest.raises(SnapshotError, match="layer 1"):
+        engine.check_snapshot(bad)
+
+
+def test_forged_session_is_refused(model, serial, tmp_path):
+    seq = serial[0]
+    engine = WindowEngine(model)
+    engine.prefill(seq[:22])
+    layout = [type(s).__name__ for s in engine.states]
+    bad = forged(engine.snapshot(), 3, 6, 3)
+    file = tmp_path / "forged.safetensors"
+    save_session(file, [Checkpoint(tuple(seq[:22]), bad)], identity="m", dtype="float32", layout=layout)
+    with pytest.raises(SessionError, match="entry count"):
+        load_session(file, identity="m", dtype="float32", layout=layout, max_context=engine.max_context,
+                     vocab_size=model.config.vocab_size, check=engine.check_snapshot)
+
+
+def test_top_k_ties_go_to_the_lower_index():
+    scores = mx.array([[0.0, 2.0, 0.0, 1.0, 0.0]])
+    assert top_k_mask(scores, 3).tolist() == [[True, True, False, True, False]]
+    assert top_k_mask(scores, 4).tolist() == [[True, True, True, True, False]]
+
+
+def test_config_refuses_what_it_does_not_run():
+    base = hf_model().config.to_dict()
+    with pytest.raises(ConfigError, match="rope scaling 'yarn'"):
+        Config.from_dict({**base, "rope_parameters": {"main": {"rope_type": "default"},
+                                                      "compress": {"rope_type": "yarn", "factor": 16}}})
+    with pytest.raises(ConfigError, match="layer_types"):
+        Config.from_dict({**base, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
+    legacy = {k: v for k, v in base.items() if k not in ("layer_types", "compress_rates", "partial_rotary_factor")}
+    legacy.update(compress_ratios=[0, 4, 128, 4], qk_rope_head_dim=16)
+    config = Config.from_dict(legacy)
+    assert config.layer_types[1] == "compressed_sparse_attention" and config.qk_rope_head_dim == 16
+    assert np.isclose(config.compress_rates["heavily_compressed_attention"], 128)
