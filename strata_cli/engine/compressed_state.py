@@ -86,8 +86,8 @@ class CompressorTail:
         rows = self.rows()
         if rows is None:
             return {}
-        return {"raw_kv": rows[0], "raw_gate": rows[1], "entries": self.entries[:, : self.count]
-                if self.entries is not None else mx.zeros((0,))}
+        entries = self.entries[:, : self.count] if self.count else mx.zeros((rows[0].shape[0], 0, self.dims))
+        return {"raw_kv": rows[0], "raw_gate": rows[1], "entries": entries}
 
     def flush(self) -> None:
         pass
