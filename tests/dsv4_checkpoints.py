@@ -15,9 +15,10 @@ Built once per test session and reused.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
-VOCAB = 384
+VOCAB = 512  # the tests' shared tokenizer's (hf_checkpoints.tokenizer_dir)
 SEED = 3
 _built: dict[tuple, object] = {}
 
@@ -63,7 +64,7 @@ def hf_model(**overrides):
                 p.copy_(0.5 * torch.randn(p.shape, generator=generator))
             else:
                 fan_in = p.shape[-1]
-                gain = 2.0 if name == "lm_head.weight" else 1.0
+                gain = 3.0 if name == "lm_head.weight" else 1.0
                 p.copy_(gain * torch.randn(p.shape, generator=generator) / math.sqrt(fan_in))
         for name, b in model.named_buffers():
             if name.endswith("tid2eid"):
@@ -76,12 +77,16 @@ def hf_model(**overrides):
     return model
 
 
-def hf_checkpoint(root: Path, **overrides) -> Path:
-    """The model saved by `save_pretrained` (safetensors, sharded)."""
+def hf_checkpoint(root: Path, *, tokenizer: Path | None = None, **overrides) -> Path:
+    """The model saved by `save_pretrained` (safetensors, sharded; DeepSeek's own tensor names),
+    with `tokenizer`'s files when given."""
     name = "deepseek_v4" + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
     out = Path(root) / name
     if not (out / "config.json").exists():
         hf_model(**overrides).save_pretrained(out, max_shard_size="200KB")
+        if tokenizer is not None:
+            for f in Path(tokenizer).iterdir():
+                shutil.copy(f, out / f.name)
     return out
 
 

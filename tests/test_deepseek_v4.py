@@ -20,14 +20,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from dsv4_checkpoints import hf_checkpoint, hf_model, hf_ties
-from hybrid_parity import check_greedy, check_logits, check_seeded_sampling, hf_greedy, strata_logits
+from hf_checkpoints import checkpoint_root, tokenizer_dir
+from hybrid_parity import check_greedy, check_logits, check_seeded_sampling, hf_greedy, strata_logits, strata_tokens
 from state_checks import check_forced_rejections, max_state_diff, serial_decode
 
+from strata_cli.cli import cli
 from strata_cli.decode import plan_windows
 from strata_cli.engine.window import SnapshotError, WindowEngine
 from strata_cli.model import load_model
 from strata_cli.model.config import ConfigError
+from strata_cli.model.moe import QuantizedSwitchGLU
 from strata_cli.model.deepseek_v4 import Config, sparse_selection_length, top_k_mask
 from strata_cli.options import EngineOptions, SpecOptions
 from strata_cli.serve.checkpoints import Checkpoint
@@ -38,8 +42,14 @@ TOL = 1e-5  # window rows and commits against serial decoding (bitwise equal on 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_model(hf_checkpoint(tmp_path_factory.getbasetemp() / "dsv4"))
+def checkpoint(tmp_path_factory):
+    root = checkpoint_root(tmp_path_factory)
+    return hf_checkpoint(root, tokenizer=tokenizer_dir(root))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +238,26 @@ def test_config_refuses_what_it_does_not_run():
     config = Config.from_dict(legacy)
     assert config.layer_types[1] == "compressed_sparse_attention" and config.qk_rope_head_dim == 16
     assert np.isclose(config.compress_rates["heavily_compressed_attention"], 128)
+
+
+def test_convert_is_the_source_model(checkpoint, model, prompt_ids, tmp_path):
+    result = CliRunner().invoke(cli, ["convert", str(checkpoint), str(tmp_path / "plain")])
+    assert result.exit_code == 0, result.output
+    converted = strata_logits(load_model(tmp_path / "plain"), prompt_ids)
+    assert np.array_equal(converted, strata_logits(model, prompt_ids))
+
+
+def test_q4_convert_quantizes_the_experts_and_decodes_identically_with_drafts(checkpoint, prompt_ids, tmp_path):
+    out = tmp_path / "q4"
+    result = CliRunner().invoke(cli, ["convert", str(checkpoint), str(out), "--bits", "4", "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    q4 = load_model(out, dequantize=False)
+    assert isinstance(q4.layers[1].mlp.experts, QuantizedSwitchGLU)
+    reference, _ = strata_tokens(q4, prompt_ids, SpecOptions())
+    check_greedy(q4, prompt_ids, reference)
+
+
+def test_stream_convert_is_refused_in_one_line(checkpoint, tmp_path):
+    result = CliRunner().invoke(cli, ["convert", str(checkpoint), str(tmp_path / "s"), "--stream"])
+    assert result.exit_code != 0
+    assert "no experts strata can stream" in result.output and len(result.output.strip().splitlines()) == 1

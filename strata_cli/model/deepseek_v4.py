@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -30,7 +31,7 @@ import mlx.nn as nn
 from .config import ConfigError, ModelConfig
 from .layer_state import CompressedAttentionState
 from .layers import RMSNorm, RowLinear, by_row
-from .moe import gather_matmul
+from .moe import SwitchGLU
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_LAYER_TYPES = ("hash_moe", "moe")
@@ -407,25 +408,10 @@ class SharedExpert(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class Experts(nn.Module):
-    """E stacked experts with clamped SwiGLU; `gate_proj`/`up_proj` (E, I, H), `down_proj` (E, H, I).
-    Each pick is its own product, so a row never depends on another row's picks."""
-
-    def __init__(self, hidden: int, inner: int, num_experts: int, limit: float):
-        super().__init__()
-        self.limit = limit
-        self.gate_proj = mx.zeros((num_experts, inner, hidden))
-        self.up_proj = mx.zeros((num_experts, inner, hidden))
-        self.down_proj = mx.zeros((num_experts, hidden, inner))
-
-    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
-        """x (M, H), inds (M, k) -> per-pick outputs (M, k, H)."""
-        M, k = inds.shape
-        rows = mx.repeat(x[:, None, None, :], k, axis=1).reshape(M * k, 1, -1)
-        flat = inds.reshape(-1)
-        h = clamped_swiglu(gather_matmul(rows, self.gate_proj, flat, is_sorted=False),
-                           gather_matmul(rows, self.up_proj, flat, is_sorted=False), self.limit)
-        return gather_matmul(h, self.down_proj, flat, is_sorted=False).reshape(M, k, -1)
+def experts(config: DeepseekV4Config) -> SwitchGLU:
+    """E stacked experts with clamped SwiGLU (`SwitchGLU`, so they quantize as every family's do)."""
+    return SwitchGLU(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
+                     partial(clamped_swiglu, limit=config.swiglu_limit))
 
 
 class Router(nn.Module):
@@ -463,7 +449,7 @@ class MoE(nn.Module):
         super().__init__()
         limit = config.swiglu_limit
         self.gate = Router(config, hashed=hashed)
-        self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts, limit)
+        self.experts = experts(config)
         self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, limit)
 
     def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:

@@ -45,10 +45,12 @@ def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: boo
 
 
 class SwitchGLU(nn.Module):
-    """E stacked SwiGLU experts; `gate_proj`/`up_proj` are (E, I, H), `down_proj` (E, H, I)."""
+    """E stacked SwiGLU experts; `gate_proj`/`up_proj` are (E, I, H), `down_proj` (E, H, I).
+    `activation(gate, up)`: silu(gate) * up unless a family clamps it (DeepSeek-V4)."""
 
-    def __init__(self, hidden_size: int, expert_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, expert_size: int, num_experts: int, activation=swiglu):
         super().__init__()
+        self.activation = activation
         self.gate_proj = mx.zeros((num_experts, expert_size, hidden_size))
         self.up_proj = mx.zeros((num_experts, expert_size, hidden_size))
         self.down_proj = mx.zeros((num_experts, hidden_size, expert_size))
@@ -62,7 +64,7 @@ class SwitchGLU(nn.Module):
             wt = transposed(self, name) if cached else None
             return gather_matmul(xs, self[name], experts, is_sorted=is_sorted, wt=wt)
 
-        return glu_by_expert(x, inds, matmul)
+        return glu_by_expert(x, inds, matmul, self.activation)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchGLU":
         """The same experts, affine-quantized (what `nn.quantize` calls)."""
@@ -126,17 +128,19 @@ class QuantizedSwitchGLU(nn.Module):
 
     def __init__(self, glu: SwitchGLU, *, group_size: int, bits: int, mode: str = "affine"):
         super().__init__()
+        self.activation = glu.activation
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(self, name, QuantizedExperts(glu[name], group_size=group_size, bits=bits, mode=mode))
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        return glu_by_expert(x, inds, lambda name, xs, experts, is_sorted: self[name](xs, experts, is_sorted=is_sorted))
+        return glu_by_expert(x, inds, lambda name, xs, experts, is_sorted: self[name](xs, experts, is_sorted=is_sorted),
+                             self.activation)
 
 
-def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
-    """SwiGLU over each token's picked experts; `matmul(name, xs, experts, is_sorted)` does one
-    projection.
+def glu_by_expert(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array:
+    """SwiGLU (or `activation(gate, up)`) over each token's picked experts;
+    `matmul(name, xs, experts, is_sorted)` does one projection.
 
     Also the compute of streamed experts (experts/switch.py), with slot ids for `inds`: keeping
     one code path is what makes them bit-identical to resident ones.
@@ -148,22 +152,22 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
         # row's arithmetic is what it is alone (docs/design.md, "Row invariance").
         H = x.shape[-1]
         xs = mx.broadcast_to(x[:, None, None, :], (N, k, 1, H)).reshape(N * k, 1, H)  # mx.repeat's rows in 3 ops, not 4
-        h = swiglu(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
+        h = activation(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
         return matmul("down_proj", h, flat, False).reshape(N, k, -1)
     if GPU_PROMPT_EXPERTS == "padded" and mx.default_device() != mx.cpu:
-        out = glu_padded(x, inds, matmul)
+        out = glu_padded(x, inds, matmul, activation)
         if out is not None:
             return out
     # Sorting by expert keeps each expert's rows together, so each is read once, in order.
     order = mx.argsort(flat)
     experts = flat[order]
     xs = x[order // k][:, None, :]  # (N·k, 1, H)
-    h = swiglu(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
+    h = activation(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
     out = matmul("down_proj", h, experts, True)  # (N·k, 1, H)
     return out[mx.argsort(order)].reshape(N, k, -1)
 
 
-def glu_padded(x: mx.array, inds: mx.array, matmul) -> mx.array | None:
+def glu_padded(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array | None:
     """`glu_by_expert` for GPU prompt chunks: each used expert's picks gathered into one row of
     a zero-padded (E, C, H) batch, C the most picks of any expert, so that each projection is one
     batched matmul of E problems of C rows (MLX's CUDA gather_qmm otherwise runs every pick as a
@@ -186,7 +190,7 @@ def glu_padded(x: mx.array, inds: mx.array, matmul) -> mx.array | None:
     x = mx.concatenate([x, mx.zeros((1, x.shape[-1]), dtype=x.dtype)])
     xs = x[mx.array(rows)].reshape(E, C, -1)
     experts = mx.arange(E, dtype=mx.uint32)
-    h = swiglu(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
+    h = activation(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
     out = matmul("down_proj", h, experts, True).reshape(E * C, -1)
     where = np.empty(P, dtype=np.uint32)
     where[order] = slot  # the padded row of each pick, in (token, k) order
