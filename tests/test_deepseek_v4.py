@@ -261,3 +261,15 @@ def test_stream_convert_is_refused_in_one_line(checkpoint, tmp_path):
     result = CliRunner().invoke(cli, ["convert", str(checkpoint), str(tmp_path / "s"), "--stream"])
     assert result.exit_code != 0
     assert "no experts strata can stream" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_output_is_the_same_with_either_rollback_and_any_drafts(checkpoint):
+    prompt = "def f(x):\n    return x\n\ndef f(x):"
+    outputs = set()
+    for rollback in ("replay", "cap"):
+        for drafts in ("0", "3", "auto"):
+            result = CliRunner().invoke(cli, ["generate", "--model", str(checkpoint), "--max-tokens", "24",
+                                              "--suffix-draft", drafts, "--compressed-rollback", rollback, prompt])
+            assert result.exit_code == 0, result.output
+            outputs.add(result.output)
+    assert len(outputs) == 1
