@@ -14,6 +14,7 @@ Built once per test session and reused.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import shutil
 from pathlib import Path
@@ -46,7 +47,7 @@ def hf_config(**overrides):
 
 def hf_model(**overrides):
     """The transformers model, with every parameter drawn at random (fixed seed)."""
-    key = tuple(sorted(overrides.items()))
+    key = repr(sorted(overrides.items()))
     if ("model", key) in _built:
         return _built[("model", key)]
     import torch
@@ -80,7 +81,7 @@ def hf_model(**overrides):
 def hf_checkpoint(root: Path, *, tokenizer: Path | None = None, **overrides) -> Path:
     """The model saved by `save_pretrained` (safetensors, sharded; DeepSeek's own tensor names),
     with `tokenizer`'s files when given."""
-    name = "deepseek_v4" + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+    name = "deepseek_v4" + (f"-{hashlib.sha1(repr(sorted(overrides.items())).encode()).hexdigest()[:8]}" if overrides else "")
     out = Path(root) / name
     if not (out / "config.json").exists():
         hf_model(**overrides).save_pretrained(out, max_shard_size="200KB")

@@ -228,9 +228,11 @@ def test_top_k_ties_go_to_the_lower_index():
 
 def test_config_refuses_what_it_does_not_run():
     base = hf_model().config.to_dict()
-    with pytest.raises(ConfigError, match="rope scaling 'yarn'"):
+    with pytest.raises(ConfigError, match="rope scaling 'linear'"):
         Config.from_dict({**base, "rope_parameters": {"main": {"rope_type": "default"},
-                                                      "compress": {"rope_type": "yarn", "factor": 16}}})
+                                                      "compress": {"rope_type": "linear", "factor": 16}}})
+    with pytest.raises(ConfigError, match="sliding-window layers"):
+        Config.from_dict({**base, "rope_parameters": {"main": {"rope_type": "yarn"}, "compress": {}}})
     with pytest.raises(ConfigError, match="layer_types"):
         Config.from_dict({**base, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
     legacy = {k: v for k, v in base.items() if k not in ("layer_types", "compress_rates", "partial_rotary_factor")}
@@ -273,3 +275,18 @@ def test_cli_output_is_the_same_with_either_rollback_and_any_drafts(checkpoint):
             assert result.exit_code == 0, result.output
             outputs.add(result.output)
     assert len(outputs) == 1
+
+
+YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
+
+
+def test_yarn_compressed_rotary_matches_transformers(tmp_path_factory, prompt_ids):
+    """V4-Flash's compressed layers use YaRN (the sliding ones plain rotary)."""
+    path = hf_checkpoint(checkpoint_root(tmp_path_factory), rope_parameters=YARN)
+    config = load_model(path).config
+    assert config.compress_rope["factor"] == 16.0 and config.compress_rope["attention_factor"] == 1.0
+    with torch.no_grad():
+        reference = hf_model(rope_parameters=YARN)(torch.tensor([prompt_ids])).logits[0].float().numpy()
+    check_logits(strata_logits(load_model(path), prompt_ids), reference, "deepseek_v4 yarn")
+    plain = strata_logits(load_model(hf_checkpoint(checkpoint_root(tmp_path_factory))), prompt_ids)
+    assert np.abs(plain - reference).max() > 1e-2  # YaRN changes the output: the test can fail

@@ -20,6 +20,7 @@ Legend: B batch, T window rows, N hc streams, H heads, D head dim, n compressed 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -68,6 +69,7 @@ class DeepseekV4Config(ModelConfig):
     index_topk: int = 512
     num_key_value_heads: int = 1
     tie_word_embeddings: bool = False
+    compress_rope: dict | None = None  # YaRN settings of the compressed layers' rotary, or None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "DeepseekV4Config":
@@ -110,7 +112,7 @@ class DeepseekV4Config(ModelConfig):
             bad = [t for t in types if t not in allowed]
             if bad or len(types) < n:
                 raise ConfigError(f"{name} {list(types)}: need {n} entries from {allowed}")
-        check_rope(params)
+        params.update(compress_rope=compress_rope(params))
         params.update(layer_types=tuple(layer_types[:n]), mlp_layer_types=tuple(mlp_types[:n]),
                       compress_rates=rates, qk_rope_head_dim=rope_dim)
         config = super().from_dict(params)
@@ -128,12 +130,39 @@ class DeepseekV4Config(ModelConfig):
         return 0 if layer_type == "sliding_attention" else int(self.compress_rates[layer_type])
 
 
-def check_rope(params: dict) -> None:
-    """Refuse rotary scaling (V4-Flash ships YaRN on its compressed layers): one line."""
-    for source in (params.get("rope_scaling"), *(dict(params.get("rope_parameters") or {}).values())):
-        if isinstance(source, dict) and source.get("rope_type", source.get("type", "default")) != "default":
-            raise ConfigError(f"rope scaling {source.get('rope_type', source.get('type'))!r} is not supported "
-                              "for deepseek_v4 (only plain rotary embeddings)")
+def compress_rope(params: dict) -> dict | None:
+    """The compressed layers' YaRN settings (None: plain rotary), from `rope_parameters`
+    ("main"/"compress", as transformers nests them) or a flat `rope_scaling`; the thetas move
+    into `rope_theta` / `compress_rope_theta`.
+
+    Raises:
+        ConfigError: rotary scaling other than YaRN on the compressed layers, or any on the
+            sliding ones (transformers applies YaRN to compressed layers only).
+    """
+    nested = params.get("rope_parameters") or {}
+    if isinstance(nested.get("main"), dict) and isinstance(nested.get("compress"), dict):
+        main, compress = nested["main"], nested["compress"]
+    else:
+        main, compress = {}, {**(params.get("rope_scaling") or {}), **{k: v for k, v in nested.items()
+                                                                       if not isinstance(v, dict)}}
+    for key, found in (("rope_theta", main.get("rope_theta")), ("compress_rope_theta", compress.get("rope_theta"))):
+        if found is not None:
+            params[key] = found
+    kind = main.get("rope_type", main.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(f"rope scaling {kind!r} on sliding-window layers is not supported for deepseek_v4")
+    kind = compress.get("rope_type", compress.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"rope scaling {kind!r} is not supported for deepseek_v4 (plain or YaRN only)")
+    try:
+        return {"factor": float(compress["factor"]),
+                "original_max_position_embeddings": int(compress["original_max_position_embeddings"]),
+                "beta_fast": float(compress.get("beta_fast") or 32), "beta_slow": float(compress.get("beta_slow") or 1),
+                "attention_factor": float(compress.get("attention_factor", 1.0))}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"YaRN rope parameters {compress}: {type(e).__name__} {e}") from None
 
 
 Config = DeepseekV4Config
@@ -141,22 +170,49 @@ Config = DeepseekV4Config
 
 # -- rotary, norms ------------------------------------------------------------------------------
 
-def inv_freq(dims: int, base: float) -> mx.array:
-    return 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
+def inv_freq(dims: int, base: float, yarn: dict | None = None) -> mx.array:
+    """Rotary inverse frequencies (dims/2), YaRN-blended when `yarn` is given (transformers'
+    `_compute_yarn_parameters`, with its truncated correction range)."""
+    pos_freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    if yarn is None:
+        return 1.0 / pos_freqs
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(yarn["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(yarn["beta_fast"])), 0)
+    high = min(math.ceil(correction_dim(yarn["beta_slow"])), dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (yarn["factor"] * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def rope(x: mx.array, positions: mx.array, freqs: mx.array, *, inverse: bool = False) -> mx.array:
+def rope(x: mx.array, positions: mx.array, freqs: mx.array, *, inverse: bool = False, scale: float = 1.0) -> mx.array:
     """Interleaved rotary on x's trailing 2·len(freqs) channels; positions broadcast against
-    x's row axis (x (..., T, C), positions (T,))."""
+    x's row axis (x (..., T, C), positions (T,)); cos and sin times `scale` (YaRN's attention
+    factor)."""
     rd = 2 * freqs.shape[0]
     angles = positions.astype(mx.float32)[:, None] * freqs  # (T, rd/2)
-    cos, sin = mx.cos(angles), mx.sin(angles)
+    cos, sin = mx.cos(angles) * scale, mx.sin(angles) * scale
     if inverse:
         sin = -sin
     head, tail = x[..., :-rd], x[..., -rd:]
     even, odd = tail[..., 0::2].astype(mx.float32), tail[..., 1::2].astype(mx.float32)
     rotated = mx.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(tail.shape)
     return mx.concatenate([head, rotated.astype(x.dtype)], axis=-1)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """One layer's rotary: its inverse frequencies and YaRN's attention factor."""
+
+    freqs: mx.array
+    scale: float = 1.0
+
+    def __call__(self, x: mx.array, positions: mx.array, *, inverse: bool = False) -> mx.array:
+        return rope(x, positions, self.freqs, inverse=inverse, scale=self.scale)
 
 
 def unit_rms(x: mx.array, eps: float) -> mx.array:
@@ -171,10 +227,10 @@ class Compressor(nn.Module):
     positional bias, RMS-normed, rotary at the window's first position). With `overlap` the
     projections give two series (first D channels: the next entry's; last D: this one's)."""
 
-    def __init__(self, hidden: int, dims: int, rate: int, *, overlap: bool, eps: float, freqs: mx.array):
+    def __init__(self, hidden: int, dims: int, rate: int, *, overlap: bool, eps: float, rotary: Rotary):
         super().__init__()
         width = dims * (2 if overlap else 1)
-        self.dims, self.rate, self.overlap, self._freqs = dims, rate, overlap, freqs
+        self.dims, self.rate, self.overlap, self._rotary = dims, rate, overlap, rotary
         self.kv_proj = RowLinear(hidden, width, bias=False)
         self.gate_proj = RowLinear(hidden, width, bias=False)
         self.position_bias = mx.zeros((rate, width))
@@ -199,7 +255,7 @@ class Compressor(nn.Module):
         weights = mx.softmax(gate, axis=2, precise=True).astype(kv.dtype)
         pooled = self.kv_norm((kv * weights).sum(axis=2))
         positions = (mx.arange(pooled.shape[1]) + first) * r
-        return rope(pooled, positions, self._freqs)
+        return self._rotary(pooled, positions)
 
     def __call__(self, x: mx.array, tail) -> mx.array | None:
         return tail.compress(self.kv_proj(x), self.gate_proj(x), self.pool)
@@ -215,9 +271,9 @@ class Indexer(Compressor):
     """The lightning indexer: its own overlapping compressor at `index_head_dim`, and per query
     the score Σ_h w_h · ReLU(q_h · k) of each closed entry; the top `index_topk` are kept."""
 
-    def __init__(self, config: DeepseekV4Config, rate: int, freqs: mx.array):
+    def __init__(self, config: DeepseekV4Config, rate: int, rotary: Rotary):
         super().__init__(config.hidden_size, config.index_head_dim, rate, overlap=True, eps=config.rms_norm_eps,
-                         freqs=freqs)
+                         rotary=rotary)
         self.heads, self.topk = config.index_n_heads, config.index_topk
         self.q_b_proj = RowLinear(config.q_lora_rank, self.heads * self.dims, bias=False)
         self.scorer = IndexerScorer(config.hidden_size, self.heads)
@@ -229,7 +285,7 @@ class Indexer(Compressor):
             return None
         B, T, _ = x.shape
         q = self.q_b_proj(q_residual).reshape(B, T, self.heads, self.dims)
-        q = rope(q.swapaxes(1, 2), positions, self._freqs).swapaxes(1, 2)  # (B, T, Hi, Di)
+        q = self._rotary(q.swapaxes(1, 2), positions).swapaxes(1, 2)  # (B, T, Hi, Di)
         scores = mx.maximum(q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2), 0)
         scores = scores * self.dims**-0.5  # (B, T, Hi, n)
         w = self.scorer.weights_proj(x).astype(mx.float32) * self.heads**-0.5
@@ -276,7 +332,8 @@ class Attention(nn.Module):
         self.eps, self.o_groups = config.rms_norm_eps, config.o_groups
         self.rate = config.rate(layer_type)
         theta = config.rope_theta if layer_type == "sliding_attention" else config.compress_rope_theta
-        self._freqs = inv_freq(config.qk_rope_head_dim, theta)
+        yarn = None if layer_type == "sliding_attention" else config.compress_rope
+        self._rotary = Rotary(inv_freq(config.qk_rope_head_dim, theta, yarn), yarn["attention_factor"] if yarn else 1.0)
         self.q_a_proj = RowLinear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = RowLinear(config.q_lora_rank, H * D, bias=False)
@@ -287,11 +344,11 @@ class Attention(nn.Module):
         self.sinks = mx.zeros((H,))
         if layer_type == "compressed_sparse_attention":
             self.compressor = Compressor(config.hidden_size, D, self.rate, overlap=True, eps=config.rms_norm_eps,
-                                         freqs=self._freqs)
-            self.compressor.indexer = Indexer(config, self.rate, self._freqs)
+                                         rotary=self._rotary)
+            self.compressor.indexer = Indexer(config, self.rate, self._rotary)
         elif layer_type == "heavily_compressed_attention":
             self.compressor = Compressor(config.hidden_size, D, self.rate, overlap=False, eps=config.rms_norm_eps,
-                                         freqs=self._freqs)
+                                         rotary=self._rotary)
 
     def __call__(self, x: mx.array, state: CompressedAttentionState) -> mx.array:
         B, T, _ = x.shape
@@ -300,8 +357,8 @@ class Attention(nn.Module):
         positions = mx.arange(pos0, pos0 + T)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unit_rms(self.q_b_proj(q_residual).reshape(B, T, H, D), self.eps).swapaxes(1, 2)
-        q = rope(q, positions, self._freqs)  # (B, H, T, D)
-        kv = rope(self.kv_norm(self.kv_proj(x))[:, None], positions, self._freqs)  # (B, 1, T, D)
+        q = self._rotary(q, positions)  # (B, H, T, D)
+        kv = self._rotary(self.kv_norm(self.kv_proj(x))[:, None], positions)  # (B, 1, T, D)
         cells, _ = state.update_and_fetch(kv, kv)
         lo = max(0, pos0 - self.window + 1)  # the earliest cell any row of the window sees
         keys = cells[:, :, lo:]
@@ -320,7 +377,7 @@ class Attention(nn.Module):
                 keys = mx.concatenate([keys, entries[:, None].astype(keys.dtype)], axis=2)
                 mask = mx.concatenate([mask, mx.broadcast_to(visible, (B, T, visible.shape[-1]))], axis=-1)
         out = attend_with_sinks(q, keys, mask[:, None], self.sinks, D**-0.5)
-        out = rope(out, positions, self._freqs, inverse=True).swapaxes(1, 2)  # (B, T, H, D)
+        out = self._rotary(out, positions, inverse=True).swapaxes(1, 2)  # (B, T, H, D)
         grouped = self.o_a_proj(out.reshape(B, T, self.o_groups, -1)).reshape(B, T, -1)
         return self.o_b_proj(grouped)
 
