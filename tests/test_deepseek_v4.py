@@ -23,17 +23,19 @@ import torch
 from click.testing import CliRunner
 from dsv4_checkpoints import hf_checkpoint, hf_model, hf_ties
 from hf_checkpoints import checkpoint_root, tokenizer_dir
-from hybrid_parity import check_greedy, check_logits, check_seeded_sampling, hf_greedy, strata_logits, strata_tokens
+from hybrid_parity import NUM_TOKENS, check_greedy, check_logits, check_seeded_sampling, hf_greedy, strata_logits, strata_tokens
 from state_checks import check_forced_rejections, max_state_diff, serial_decode
 
 from strata_cli.cli import cli
-from strata_cli.decode import plan_windows
+from strata_cli.decode import generate, plan_windows
 from strata_cli.engine.window import SnapshotError, WindowEngine
 from strata_cli.model import load_model
 from strata_cli.model.config import ConfigError
 from strata_cli.model.moe import QuantizedSwitchGLU
 from strata_cli.model.deepseek_v4 import Config, sparse_selection_length, top_k_mask
-from strata_cli.options import EngineOptions, SpecOptions
+from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
+from strata_cli.speculative.suffix_drafter import Proposal
+from strata_cli.telemetry import DecodeStats
 from strata_cli.serve.checkpoints import Checkpoint
 from strata_cli.serve.session import SessionError, load_session, save_session
 
@@ -290,3 +292,37 @@ def test_yarn_compressed_rotary_matches_transformers(tmp_path_factory, prompt_id
     check_logits(strata_logits(load_model(path), prompt_ids), reference, "deepseek_v4 yarn")
     plain = strata_logits(load_model(hf_checkpoint(checkpoint_root(tmp_path_factory))), prompt_ids)
     assert np.abs(plain - reference).max() > 1e-2  # YaRN changes the output: the test can fail
+
+
+class FullDrafter:
+    """Always 7 drafts: the reference continuation with its 3rd and 6th tokens wrong."""
+
+    def __init__(self, prompt_ids, reference, vocab_size):
+        self.start = self.done = len(prompt_ids)
+        self.reference, self.vocab_size = reference, vocab_size
+
+    def propose(self, max_drafts):
+        at = self.done - self.start
+        right = list(self.reference[at : at + max_drafts]) + [0] * max_drafts
+        tokens = tuple(t if i not in (2, 5) else (t + 1) % self.vocab_size for i, t in enumerate(right[:max_drafts]))
+        return Proposal(tokens, match_length=4, position=0)
+
+    def extend(self, tokens):
+        self.done += len(list(tokens))
+
+
+@pytest.mark.parametrize("rollback", ["replay", "cap"])
+def test_eight_row_windows_run_uncapped_only_with_replay(model, prompt_ids, rollback):
+    """Greedy output equals serial with windows of 8 rows crossing compressor blocks (replay);
+    the ring's cap keeps every window within its block."""
+    reference, _ = strata_tokens(model, prompt_ids, SpecOptions())
+    stats = DecodeStats()
+    engine = WindowEngine(model, EngineOptions(compressed_rollback=rollback))
+    steps = generate(engine, prompt_ids, options=GenerateOptions(max_tokens=NUM_TOKENS), spec=SpecOptions(max_drafts=7),
+                     eos_ids=frozenset(), stats=stats, drafter=FullDrafter(prompt_ids, reference, model.config.vocab_size))
+    assert [t for step in steps for t in step.tokens] == reference
+    sizes = [int(t) for t in stats.summary()["window_T_histogram"]]
+    if rollback == "replay":
+        assert max(sizes) == 8
+    else:
+        assert max(sizes) <= 4
