@@ -326,3 +326,11 @@ def test_eight_row_windows_run_uncapped_only_with_replay(model, prompt_ids, roll
         assert max(sizes) == 8
     else:
         assert max(sizes) <= 4
+
+
+def test_mtp_tensors_are_left_out_with_a_note(model):
+    weights = {"mtp.0.attn.wq_a.weight": mx.zeros((2, 2)), "model.norm.weight": mx.ones((64,))}
+    fresh = type(model)(model.config)
+    assert set(fresh.sanitize(weights)) == {"model.norm.weight"}
+    assert fresh.load_notes == ["MTP: 1 tensors (mtp.*) left out: strata does not run DeepSeek-V4's MTP layers"]
+    assert model.load_notes == []

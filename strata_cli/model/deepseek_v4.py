@@ -551,6 +551,14 @@ class Model(nn.Module):
         self.model.hc_head = HyperHead(config)
         if not config.tie_word_embeddings:
             self.lm_head = RowLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.__dict__["skipped_mtp"] = 0  # MTP tensors sanitize left out, for `load_notes`
+
+    @property
+    def load_notes(self) -> list[str]:
+        """What the load left out of a published checkpoint (the CLI prints it with --stats)."""
+        if not self.skipped_mtp:
+            return []
+        return [f"MTP: {self.skipped_mtp} tensors (mtp.*) left out: strata does not run DeepSeek-V4's MTP layers"]
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -580,11 +588,12 @@ class Model(nn.Module):
         """DeepSeek's own names (what transformers' `save_pretrained` writes back, and the
         released checkpoints use) or transformers' in-memory ones -> this module's: per-expert
         w1/w3/w2 stacked as gate/up/down, a fused `gate_up_proj` split, the hash table as int32;
-        MTP weights (`mtp.*`) are left aside."""
+        MTP weights (`mtp.*`) are left out and counted (`load_notes`)."""
         renamed = {}
         for key, value in weights.items():
             name = key.removeprefix("model.")
             if name.startswith("mtp."):
+                self.__dict__["skipped_mtp"] += 1
                 continue
             for pattern, target in RENAMES:
                 name = re.sub(pattern, target, name)
