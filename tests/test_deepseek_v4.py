@@ -27,13 +27,15 @@ from hybrid_parity import NUM_TOKENS, check_greedy, check_logits, check_seeded_s
 from state_checks import check_forced_rejections, max_state_diff, serial_decode
 
 from strata_cli.cli import cli
+from strata_cli.convert import convert
 from strata_cli.decode import generate, plan_windows
 from strata_cli.engine.window import SnapshotError, WindowEngine
 from strata_cli.model import load_model
 from strata_cli.model.config import ConfigError
 from strata_cli.model.moe import QuantizedSwitchGLU
 from strata_cli.model.deepseek_v4 import Config, sparse_selection_length, top_k_mask
-from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
+from strata_cli.options import ConvertOptions, EngineOptions, MoceOptions, GenerateOptions, SpecOptions, StreamOptions
+from strata_cli.runtime import load_checkpoint
 from strata_cli.speculative.suffix_drafter import Proposal
 from strata_cli.telemetry import DecodeStats
 from strata_cli.serve.checkpoints import Checkpoint
@@ -256,15 +258,32 @@ def test_q4_convert_quantizes_the_experts_and_decodes_identically_with_drafts(ch
     result = CliRunner().invoke(cli, ["convert", str(checkpoint), str(out), "--bits", "4", "--group-size", "32"])
     assert result.exit_code == 0, result.output
     q4 = load_model(out, dequantize=False)
-    assert isinstance(q4.layers[1].mlp.experts, QuantizedSwitchGLU)
+    assert isinstance(q4.layers[1].mlp.switch_mlp, QuantizedSwitchGLU)
     reference, _ = strata_tokens(q4, prompt_ids, SpecOptions())
     check_greedy(q4, prompt_ids, reference)
 
 
-def test_stream_convert_is_refused_in_one_line(checkpoint, tmp_path):
-    result = CliRunner().invoke(cli, ["convert", str(checkpoint), str(tmp_path / "s"), "--stream"])
-    assert result.exit_code != 0
-    assert "no experts strata can stream" in result.output and len(result.output.strip().splitlines()) == 1
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "q4"])
+def test_streamed_experts_are_the_resident_ones_bit_for_bit(checkpoint, prompt_ids, tmp_path, bits):
+    options = dict(bits=bits, group_size=32) if bits else {}
+    resident = load_model(convert(checkpoint, tmp_path / "r", options=ConvertOptions(**options)).path)
+    path = convert(checkpoint, tmp_path / "s", options=ConvertOptions(stream=True, **options)).path
+    streamed = load_checkpoint(path, stream=StreamOptions(resident_experts=3))
+    try:
+        assert streamed.expert_cache.num_slots == 3  # below top-k · rows: windows served in several passes
+        ids = prompt_ids[:40]
+        assert mx.array_equal(WindowEngine(streamed).run(ids, 0).logits, WindowEngine(resident).run(ids, 0).logits)
+        for spec in (SpecOptions(), SpecOptions(max_drafts=3)):
+            assert strata_tokens(streamed, prompt_ids, spec)[0] == strata_tokens(resident, prompt_ids, spec)[0]
+    finally:
+        streamed.expert_cache.close()
+    if bits is None:
+        approximate = load_checkpoint(path, moce=MoceOptions(protect=1))
+        try:
+            with pytest.raises(ConfigError, match="not supported for deepseek_v4"):
+                WindowEngine(approximate).run(prompt_ids[:4], 0)
+        finally:
+            approximate.expert_cache.close()
 
 
 def test_cli_output_is_the_same_with_either_rollback_and_any_drafts(checkpoint):

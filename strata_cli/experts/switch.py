@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..model.layers import swiglu
 from ..model.moe import SparseMoeBlock, gather_matmul, gather_qmatmul, glu_by_expert
 from ..options import ConfigError, MoceOptions, StreamOptions
 from ..telemetry import format_bytes
@@ -35,9 +36,9 @@ class StreamedSwitchGLU(nn.Module):
         path: this block's module path (its records in the layout).
     """
 
-    def __init__(self, cache: ExpertCache, path: str):
+    def __init__(self, cache: ExpertCache, path: str, activation=swiglu):
         super().__init__()
-        self.cache, self.path = cache, path
+        self.cache, self.path, self.activation = cache, path, activation
         self.quantization = cache.store.blocks[path].quantization
 
     def _matmul(self, banks: dict[str, mx.array]):
@@ -56,8 +57,9 @@ class StreamedSwitchGLU(nn.Module):
         parts, served = [], []
         for picks, slots, banks in self.cache.serve(self.path, x, inds):
             if picks is None:
-                return glu_by_expert(x, mx.array(slots), self._matmul(banks))
-            out = glu_by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks))
+                return glu_by_expert(x, mx.array(slots), self._matmul(banks), self.activation)
+            out = glu_by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks),
+                                self.activation)
             mx.eval(out)  # before the next pass overwrites slots this one reads
             parts.append(out[:, 0])
             served.append(picks)
@@ -123,7 +125,7 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         store.close()
         raise
     for p, moe in blocks:
-        moe.switch_mlp = StreamedSwitchGLU(cache, p)
+        moe.switch_mlp = StreamedSwitchGLU(cache, p, moe.switch_mlp.activation)
     model.expert_cache = cache
     return cache
 

@@ -32,7 +32,7 @@ import mlx.nn as nn
 from .config import ConfigError, ModelConfig
 from .layer_state import CompressedAttentionState
 from .layers import RMSNorm, RowLinear, by_row
-from .moe import SwitchGLU
+from .moe import SparseMoeBlock, SwitchGLU, weighted_sum
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_LAYER_TYPES = ("hash_moe", "moe")
@@ -465,13 +465,11 @@ class SharedExpert(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-def experts(config: DeepseekV4Config) -> SwitchGLU:
-    """E stacked experts with clamped SwiGLU (`SwitchGLU`, so they quantize as every family's do)."""
-    return SwitchGLU(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
-                     partial(clamped_swiglu, limit=config.swiglu_limit))
-
-
 class Router(nn.Module):
+    """Scores `score_fn(x @ Wᵀ)`; picks by score + correction bias, or by a frozen token-id ->
+    experts table (`tid2eid`, hash-routed layers). Called alone it gives the logits, as the
+    expert cache's router prefetch reads them (a guess only: hash layers pick by token)."""
+
     def __init__(self, config: DeepseekV4Config, *, hashed: bool):
         super().__init__()
         E = config.n_routed_experts
@@ -482,9 +480,12 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = mx.zeros((E,))
 
-    def __call__(self, x: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
-        """x (M, H), tokens (M,) -> weights (M, k), expert ids (M, k)."""
-        logits = (x @ self.weight.T).astype(mx.float32)
+    def __call__(self, x: mx.array) -> mx.array:
+        return x @ self.weight.T
+
+    def route(self, x: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """x (M, H), tokens (M,) -> expert ids (M, k), weights (M, k)."""
+        logits = self(x).astype(mx.float32)
         if self.scoring == "sqrtsoftplus":
             scores = mx.sqrt(nn.softplus(logits))
         elif self.scoring == "sigmoid":
@@ -498,23 +499,30 @@ class Router(nn.Module):
             inds = mx.argpartition(-biased, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
         weights = mx.take_along_axis(scores, inds, axis=-1)
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return weights * self.scale, inds
+        return inds, weights * self.scale
 
 
-class MoE(nn.Module):
+class MoE(SparseMoeBlock):
+    """Routed experts (`switch_mlp`: a `SwitchGLU` with clamped SwiGLU, so it quantizes and
+    streams as every family's does) and a shared expert; its own router (above)."""
+
     def __init__(self, config: DeepseekV4Config, *, hashed: bool):
-        super().__init__()
+        nn.Module.__init__(self)
         limit = config.swiglu_limit
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, True
         self.gate = Router(config, hashed=hashed)
-        self.experts = experts(config)
+        self.switch_mlp = SwitchGLU(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
+                                    partial(clamped_swiglu, limit=limit))
         self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size, limit)
 
     def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
+        if self.routing_policy is not None:
+            raise ConfigError("cache-aware routing (--moce-protect) is not supported for deepseek_v4 "
+                              "(its router scores are not a softmax)")
         B, T, C = x.shape
         flat = x.reshape(-1, C)
-        weights, inds = self.gate(flat, tokens.reshape(-1))
-        picks = self.experts(flat, inds)  # (M, k, C)
-        routed = (picks * weights[..., None].astype(picks.dtype)).sum(axis=1)
+        inds, weights = self.gate.route(flat, tokens.reshape(-1))
+        routed = weighted_sum(self.switch_mlp(flat, inds), weights)
         return routed.reshape(B, T, C) + self.shared_experts(x)
 
 
@@ -587,7 +595,7 @@ class Model(nn.Module):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """DeepSeek's own names (what transformers' `save_pretrained` writes back, and the
         released checkpoints use) or transformers' in-memory ones -> this module's: per-expert
-        w1/w3/w2 stacked as gate/up/down, a fused `gate_up_proj` split, the hash table as int32;
+        w1/w3/w2 stacked as `switch_mlp`'s gate/up/down, a fused `gate_up_proj` split, the hash table as int32;
         MTP weights (`mtp.*`) are left out and counted (`load_notes`)."""
         renamed = {}
         for key, value in weights.items():
@@ -606,12 +614,15 @@ class Model(nn.Module):
             fused = renamed.pop(f"{prefix}.experts.gate_up_proj", None)
             if fused is not None:
                 inner = fused.shape[1] // 2
-                renamed[f"{prefix}.experts.gate_proj"] = fused[:, :inner]
-                renamed[f"{prefix}.experts.up_proj"] = fused[:, inner:]
+                renamed[f"{prefix}.switch_mlp.gate_proj"] = fused[:, :inner]
+                renamed[f"{prefix}.switch_mlp.up_proj"] = fused[:, inner:]
+            down = renamed.pop(f"{prefix}.experts.down_proj", None)
+            if down is not None:
+                renamed[f"{prefix}.switch_mlp.down_proj"] = down
             for source, name in EXPERT_NAMES.items():
                 per = [f"{prefix}.experts.{e}.{source}.weight" for e in range(E)]
                 if all(k in renamed for k in per):
-                    renamed[f"{prefix}.experts.{name}"] = mx.stack([renamed.pop(k) for k in per])
+                    renamed[f"{prefix}.switch_mlp.{name}"] = mx.stack([renamed.pop(k) for k in per])
             table = f"{prefix}.gate.tid2eid"
             if table in renamed:
                 renamed[table] = renamed[table].astype(mx.int32)
