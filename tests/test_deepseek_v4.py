@@ -32,6 +32,7 @@ from strata_cli.decode import generate, plan_windows
 from strata_cli.engine.window import SnapshotError, WindowEngine
 from strata_cli.model import load_model
 from strata_cli.model.config import ConfigError
+from strata_cli.model.layers import RowSplit
 from strata_cli.model.moe import QuantizedSwitchGLU
 from strata_cli.model.deepseek_v4 import Config, sparse_selection_length, top_k_mask
 from strata_cli.options import ConvertOptions, EngineOptions, MoceOptions, GenerateOptions, SpecOptions, StreamOptions
@@ -353,3 +354,16 @@ def test_mtp_tensors_are_left_out_with_a_note(model):
     assert set(fresh.sanitize(weights)) == {"model.norm.weight"}
     assert fresh.load_notes == ["MTP: 1 tensors (mtp.*) left out: strata does not run DeepSeek-V4's MTP layers"]
     assert model.load_notes == []
+
+
+def test_split_rows_compute_what_whole_windows_do(model, serial, monkeypatch):
+    """GPU backends run a decode window's attention, indexer scores, pooling and stream mixing
+    one row at a time (`RowSplit`); "always" runs that path here: same rows, same rollback."""
+    seq, logits, _ = serial
+    monkeypatch.setattr(RowSplit, "mode", "always")
+    engine = WindowEngine(model)
+    engine.prefill(seq[:17])
+    out = engine.run(seq[17:25], 17)
+    assert float(mx.abs(out.logits - mx.stack(logits[17:25])).max()) <= TOL
+    engine.commit(8)
+    assert check_forced_rejections(model, EngineOptions(), serial, 19, TOL) == 35

@@ -31,7 +31,7 @@ import mlx.nn as nn
 
 from .config import ConfigError, ModelConfig
 from .layer_state import CompressedAttentionState
-from .layers import RMSNorm, RowLinear, by_row
+from .layers import RMSNorm, RowLinear, RowSplit, by_row
 from .moe import SparseMoeBlock, SwitchGLU, weighted_sum
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -204,6 +204,19 @@ def rope(x: mx.array, positions: mx.array, freqs: mx.array, *, inverse: bool = F
     return mx.concatenate([head, rotated.astype(x.dtype)], axis=-1)
 
 
+def per_row(fn, *arrays: mx.array, axis: int = 1) -> mx.array:
+    """`fn(*arrays)`, or, where `RowSplit` applies (a decode window on a GPU backend), `fn` of
+    each row along `axis` of every array, concatenated: a row's products never depend on how
+    many rows share the call (docs/design.md, "Row invariance")."""
+    T = arrays[0].shape[axis]
+    if not RowSplit.applies(T):
+        return fn(*arrays)
+    def row(a: mx.array, i: int) -> mx.array:
+        return a[(slice(None),) * (axis % a.ndim) + (slice(i, i + 1),)]
+
+    return mx.concatenate([fn(*(row(a, i) for a in arrays)) for i in range(T)], axis=axis)
+
+
 @dataclass(frozen=True)
 class Rotary:
     """One layer's rotary: its inverse frequencies and YaRN's attention factor."""
@@ -252,8 +265,8 @@ class Compressor(nn.Module):
                 prev_gate = mx.concatenate([none, prev_gate[:, : m - 1]], axis=1)
             kv = mx.concatenate([prev_kv, own_kv], axis=2)
             gate = mx.concatenate([prev_gate, own_gate], axis=2)
-        weights = mx.softmax(gate, axis=2, precise=True).astype(kv.dtype)
-        pooled = self.kv_norm((kv * weights).sum(axis=2))
+        pooled = per_row(lambda k, g: self.kv_norm((k * mx.softmax(g, axis=2, precise=True).astype(k.dtype)).sum(axis=2)),
+                         kv, gate)
         positions = (mx.arange(pooled.shape[1]) + first) * r
         return self._rotary(pooled, positions)
 
@@ -286,10 +299,14 @@ class Indexer(Compressor):
         B, T, _ = x.shape
         q = self.q_b_proj(q_residual).reshape(B, T, self.heads, self.dims)
         q = self._rotary(q.swapaxes(1, 2), positions).swapaxes(1, 2)  # (B, T, Hi, Di)
-        scores = mx.maximum(q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2), 0)
-        scores = scores * self.dims**-0.5  # (B, T, Hi, n)
         w = self.scorer.weights_proj(x).astype(mx.float32) * self.heads**-0.5
-        scores = (scores * w[..., None]).sum(axis=2)  # (B, T, n)
+        kt = keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # (B, 1, Di, n)
+
+        def score(q, w):  # Σ_h w_h · ReLU(q_h · k) / sqrt(Di): (B, t, n)
+            relu = mx.maximum(q.astype(mx.float32) @ kt, 0) * self.dims**-0.5  # (B, t, Hi, n)
+            return (relu * w[..., None]).sum(axis=2)
+
+        scores = per_row(score, q, w)
         causal = mx.arange(keys.shape[1]) < ((positions + 1) // self.rate)[:, None]  # (T, n)
         scores = mx.where(causal, scores, -mx.inf)
         return causal & top_k_mask(scores, min(self.topk, keys.shape[1]))
@@ -321,7 +338,7 @@ class GroupedLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         """x (..., G, I) -> (..., G, O/G)."""
         w = self.weight.reshape(self.groups, -1, x.shape[-1]).swapaxes(-1, -2)  # (G, I, O/G)
-        return (x[..., None, :] @ w)[..., 0, :]
+        return per_row(lambda rows: (rows[..., None, :] @ w)[..., 0, :], x)
 
 
 class Attention(nn.Module):
@@ -376,7 +393,7 @@ class Attention(nn.Module):
                     visible = visible & chosen
                 keys = mx.concatenate([keys, entries[:, None].astype(keys.dtype)], axis=2)
                 mask = mx.concatenate([mask, mx.broadcast_to(visible, (B, T, visible.shape[-1]))], axis=-1)
-        out = attend_with_sinks(q, keys, mask[:, None], self.sinks, D**-0.5)
+        out = per_row(lambda qr, mr: attend_with_sinks(qr, keys, mr, self.sinks, D**-0.5), q, mask[:, None], axis=2)
         out = self._rotary(out, positions, inverse=True).swapaxes(1, 2)  # (B, T, H, D)
         grouped = self.o_a_proj(out.reshape(B, T, self.o_groups, -1)).reshape(B, T, -1)
         return self.o_b_proj(grouped)
@@ -411,7 +428,8 @@ class HyperConnection(nn.Module):
         """streams (B, T, N, C) -> post (B, T, N), comb (B, T, N, N), collapsed (B, T, C)."""
         B, T, N, C = streams.shape
         flat = unit_rms(streams.reshape(B, T, N * C).astype(mx.float32), self.eps)
-        mixes = flat @ self.fn.astype(mx.float32).T
+        fn = self.fn.astype(mx.float32).T
+        mixes = per_row(lambda rows: rows @ fn, flat)
         pre_b, post_b, comb_b = self.base[:N], self.base[N : 2 * N], self.base[2 * N :].reshape(N, N)
         pre = mx.sigmoid(mixes[..., :N] * self.scale[0] + pre_b) + self.hc_eps
         post = 2 * mx.sigmoid(mixes[..., N : 2 * N] * self.scale[1] + post_b)
@@ -428,7 +446,8 @@ class HyperConnection(nn.Module):
 def spread(post: mx.array, comb: mx.array, out: mx.array, streams: mx.array) -> mx.array:
     """post·out on every stream plus combᵀ @ streams."""
     dtype = streams.dtype
-    return post.astype(dtype)[..., None] * out[..., None, :] + comb.astype(dtype).swapaxes(-1, -2) @ streams
+    mixed = per_row(lambda c, x: c.astype(dtype).swapaxes(-1, -2) @ x, comb, streams)
+    return post.astype(dtype)[..., None] * out[..., None, :] + mixed
 
 
 class HyperHead(nn.Module):
@@ -443,7 +462,8 @@ class HyperHead(nn.Module):
     def __call__(self, streams: mx.array) -> mx.array:
         B, T, N, C = streams.shape
         flat = unit_rms(streams.reshape(B, T, N * C).astype(mx.float32), self.eps)
-        pre = mx.sigmoid((flat @ self.hc_fn.astype(mx.float32).T) * self.hc_scale + self.hc_base) + self.hc_eps
+        fn = self.hc_fn.astype(mx.float32).T
+        pre = mx.sigmoid(per_row(lambda rows: rows @ fn, flat) * self.hc_scale + self.hc_base) + self.hc_eps
         return (pre[..., None] * streams).sum(axis=2).astype(streams.dtype)
 
 
@@ -481,7 +501,7 @@ class Router(nn.Module):
             self.e_score_correction_bias = mx.zeros((E,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x @ self.weight.T
+        return by_row(lambda rows: rows @ self.weight.T, x)
 
     def route(self, x: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """x (M, H), tokens (M,) -> expert ids (M, k), weights (M, k)."""
