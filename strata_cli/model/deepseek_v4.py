@@ -377,26 +377,51 @@ class Attention(nn.Module):
         q = self._rotary(q, positions)  # (B, H, T, D)
         kv = self._rotary(self.kv_norm(self.kv_proj(x))[:, None], positions)  # (B, 1, T, D)
         cells, _ = state.update_and_fetch(kv, kv)
+        entries = chosen = None
+        if "compressor" in self:
+            entries = self.compressor(x, state.compressor)
+            if "indexer" in self.compressor:  # every tail sees every row, entries or not
+                chosen = self.compressor.indexer.select(x, q_residual, state.indexer, positions)
+        if RowSplit.applies(T):
+            out = mx.concatenate([self.attend_row(q[:, :, i : i + 1], cells, entries, chosen, pos0, i)
+                                  for i in range(T)], axis=2)
+        else:
+            out = self.attend_window(q, cells, entries, chosen, pos0)
+        out = self._rotary(out, positions, inverse=True).swapaxes(1, 2)  # (B, T, H, D)
+        grouped = self.o_a_proj(out.reshape(B, T, self.o_groups, -1)).reshape(B, T, -1)
+        return self.o_b_proj(grouped)
+
+    def attend_window(self, q: mx.array, cells: mx.array, entries: mx.array | None, chosen: mx.array | None,
+                      pos0: int) -> mx.array:
+        """Every row at once: the cells any row sees, each row's own masked."""
+        B, _, T, D = q.shape
+        positions = mx.arange(pos0, pos0 + T)
         lo = max(0, pos0 - self.window + 1)  # the earliest cell any row of the window sees
         keys = cells[:, :, lo:]
         seen = mx.arange(lo, pos0 + T)
         mask = (seen <= positions[:, None]) & (seen > positions[:, None] - self.window)  # (T, L)
         mask = mx.broadcast_to(mask, (B, T, mask.shape[1]))
-        if "compressor" in self:
-            entries = self.compressor(x, state.compressor)
-            chosen = None  # every tail sees every row, entries or not
-            if "indexer" in self.compressor:
-                chosen = self.compressor.indexer.select(x, q_residual, state.indexer, positions)
-            if entries is not None:
-                visible = mx.arange(entries.shape[1]) < ((positions + 1) // self.rate)[:, None]
-                if chosen is not None:
-                    visible = visible & chosen
-                keys = mx.concatenate([keys, entries[:, None].astype(keys.dtype)], axis=2)
-                mask = mx.concatenate([mask, mx.broadcast_to(visible, (B, T, visible.shape[-1]))], axis=-1)
-        out = per_row(lambda qr, mr: attend_with_sinks(qr, keys, mr, self.sinks, D**-0.5), q, mask[:, None], axis=2)
-        out = self._rotary(out, positions, inverse=True).swapaxes(1, 2)  # (B, T, H, D)
-        grouped = self.o_a_proj(out.reshape(B, T, self.o_groups, -1)).reshape(B, T, -1)
-        return self.o_b_proj(grouped)
+        if entries is not None:
+            visible = mx.arange(entries.shape[1]) < ((positions + 1) // self.rate)[:, None]
+            if chosen is not None:
+                visible = visible & chosen
+            keys = mx.concatenate([keys, entries[:, None].astype(keys.dtype)], axis=2)
+            mask = mx.concatenate([mask, mx.broadcast_to(visible, (B, T, visible.shape[-1]))], axis=-1)
+        return attend_with_sinks(q, keys, mask[:, None], self.sinks, D**-0.5)
+
+    def attend_row(self, q: mx.array, cells: mx.array, entries: mx.array | None, chosen: mx.array | None,
+                   pos0: int, i: int) -> mx.array:
+        """Row i alone, over exactly the cells and entries a one-row step at its position reads
+        (GPU backends: its sums then never depend on the window's other rows)."""
+        p = pos0 + i
+        keys = cells[:, :, max(0, p - self.window + 1) : p + 1]
+        mask = mx.ones((q.shape[0], 1, 1, keys.shape[2]), dtype=mx.bool_)
+        closed = (p + 1) // self.rate if entries is not None else 0
+        if closed:
+            keys = mx.concatenate([keys, entries[:, None, :closed].astype(keys.dtype)], axis=2)
+            picked = chosen[:, None, i : i + 1, :closed] if chosen is not None else mx.ones((q.shape[0], 1, 1, closed), dtype=mx.bool_)
+            mask = mx.concatenate([mask, picked], axis=-1)
+        return attend_with_sinks(q, keys, mask, self.sinks, q.shape[-1] ** -0.5)
 
 
 def attend_with_sinks(q: mx.array, kv: mx.array, mask: mx.array, sinks: mx.array, scale: float) -> mx.array:
