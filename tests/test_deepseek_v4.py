@@ -34,7 +34,8 @@ from strata_cli.model import load_model
 from strata_cli.model.config import ConfigError
 from strata_cli.model.layers import RowSplit
 from strata_cli.model.moe import QuantizedSwitchGLU
-from strata_cli.model.deepseek_v4 import Config, sparse_selection_length, top_k_mask
+from strata_cli.model.compressed_attention import top_k_mask
+from strata_cli.model.deepseek_v4 import Config, sparse_selection_length
 from strata_cli.options import ConvertOptions, EngineOptions, MoceOptions, GenerateOptions, SpecOptions, StreamOptions
 from strata_cli.runtime import load_checkpoint
 from strata_cli.speculative.suffix_drafter import Proposal

@@ -133,7 +133,6 @@ class ReplayTail(CompressorTail):
         """Add the window's raw rows (B, T, W); return every entry its rows close or were closed
         before (B, n, D). The committed tail is read, never changed."""
         pos0, T, _ = self._window
-        start = tail_start(pos0, self.rate, self.overlap)
         if self.kv is not None:
             kv = mx.concatenate([self.kv, kv], axis=1)
             gate = mx.concatenate([self.gate, gate], axis=1)
