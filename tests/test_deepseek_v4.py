@@ -401,3 +401,15 @@ def test_prefix_checkpoints_are_serial_and_reuse_gives_the_cold_output(model, ro
         restored.restore(c.snapshot)
         serial.prefill(list(c.tokens))
         assert max_state_diff(restored.state_tensors(), serial.state_tensors()) <= 1e-4, c.length
+
+
+def test_sliding_keys_are_one_buffer(model):
+    """The layer reads its keys as values: the positional KV keeps one buffer, not two."""
+    rng = random.Random(9)
+    ids = [rng.randrange(model.config.vocab_size) for _ in range(300)]  # past one KV_STEP of 256 cells
+    engine = WindowEngine(model)
+    engine.prefill(ids[:-4])
+    engine.run(ids[-4:], len(ids) - 4)
+    engine.commit(2)
+    assert all(state.window.values is state.window.keys for state in engine.states)
+    assert engine.states[0].window.keys.shape[2] == 512
