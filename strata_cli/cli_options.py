@@ -32,6 +32,7 @@ from .options import (
     MAX_SUFFIX_DRAFT,
     EXPERT_IO_MODES,
     EXPERT_PREFETCH_MODES,
+    COMPRESSED_ROLLBACK_MODES,
     FOLD_MODES,
     PREFILL_CHUNK,
     ConfigError,
@@ -410,11 +411,15 @@ def engine_options(command):
                     "or at commit (eager). Both are exact."),
         option("--partial/--no-partial", default=False, envvar="STRATA_PARTIAL", show_default=True,
                panel=EXPERIMENTAL, help="Experiment: commit each window's root row inside the run (exact)."),
+        option("--compressed-rollback", type=click.Choice(COMPRESSED_ROLLBACK_MODES), default="replay",
+               envvar="STRATA_COMPRESSED_ROLLBACK", show_default=True, panel=EXPERIMENTAL,
+               help="How compressed-attention tails (DeepSeek-V4) roll back: replay the kept rows "
+                    "(any window size) or keep rings and cap windows at the compressor block. Both are exact."),
     ]
 
-    def build(max_context, warm_shapes, pad_windows, fold, partial):
+    def build(max_context, warm_shapes, pad_windows, fold, partial, compressed_rollback):
         return EngineOptions(fold=fold, partial=partial, max_context=max_context, warm_shapes=warm_shapes,
-                             pad_windows=pad_windows)
+                             pad_windows=pad_windows, compressed_rollback=compressed_rollback)
 
     return options_object("engine", build, options)(command)
 

@@ -31,6 +31,7 @@ from .speculative.acceptance import expected_keep_probs, greedy_keep, stop_at_eo
 from .speculative.controller import DraftController
 from .speculative.drafters import Drafter, request_drafter
 from .speculative.planner import WindowPlanner
+from .speculative.safe_window import QSA_BLOCK
 from .telemetry import DecodeStats, WindowRecord
 
 FINISH_STOP = "stop"  # an end-of-sequence token
@@ -180,6 +181,7 @@ def plan_windows(engine: WindowEngine, prompt_ids: list[int], spec: SpecOptions,
         controller = DraftController(spec.max_drafts, cost_prior=spec.cost_prior)
     return WindowPlanner(drafter, max_drafts=spec.max_drafts, controller=controller,
                          context_left=engine.context_left, block_cap=engine.needs_block_cap,
+                         block=engine.block or QSA_BLOCK,
                          read_cost=getattr(engine, "draft_read_cost", None))  # streamed experts' reads
 
 

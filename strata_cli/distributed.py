@@ -40,7 +40,7 @@ import mlx.nn as nn
 from .engine.state import Mode
 from .engine.window import make_state
 from .model.loader import read_header, weight_files
-from .options import ConfigError, EngineOptions, PipelineOptions
+from .options import ConfigError, EngineOptions
 
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 NOT_LOADED = ("visual.", "model.visual.", "vision_tower.")  # vision towers: never loaded

@@ -59,6 +59,9 @@ class ConvertOptions:
             raise ConfigError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
 
 
+COMPRESSED_ROLLBACK_MODES = ("replay", "cap")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How the window engine keeps and rolls back state.
@@ -68,6 +71,10 @@ class EngineOptions:
             next window, where it joins that window's graph; "eager" folds at commit.
         partial: commit the root row inside `run` (it is always kept), so commit folds keep-1 rows.
         max_context: positions the engine may hold (prompt + generated); None = the model's maximum.
+        compressed_rollback: how compressed-attention tails (DeepSeek-V4 CSA/HCA) roll back:
+            "replay" (default: a window never changes the committed tail, commit rebuilds it from
+            the kept rows, any window size is safe) or "cap" (rings written in place, windows
+            capped at the compressor block, `T <= rate - pos0 % rate`).
         warm_shapes: True runs every window shape (the row buckets of T = 1..MAX_SUFFIX_DRAFT+1)
             once at load (`WindowEngine.warm_up`); None (default) warms each shape on first use
             instead, before the window that needs it and outside its timing, on GPU backends
@@ -84,10 +91,14 @@ class EngineOptions:
     max_context: int | None = None
     warm_shapes: bool | None = None
     pad_windows: bool | None = None
+    compressed_rollback: str = "replay"
 
     def __post_init__(self):
         if self.fold not in FOLD_MODES:
             raise ConfigError(f"fold must be one of {FOLD_MODES}, got {self.fold!r}")
+        if self.compressed_rollback not in COMPRESSED_ROLLBACK_MODES:
+            raise ConfigError(f"compressed_rollback must be one of {COMPRESSED_ROLLBACK_MODES}, "
+                              f"got {self.compressed_rollback!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ConfigError(f"max_context must be at least 2, got {self.max_context}")
 

@@ -128,7 +128,8 @@ class KVState:
         self._reserve(end, keys)
         start = mx.array([pos0])
         self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        # One buffer when the layer reads its keys as values too (DeepSeek-V4's shared KV).
+        self.values = self.keys if values is keys else mx.slice_update(self.values, values, start, axes=(2,))
         if mode is Mode.PARTIAL:
             self.length = pos0 + 1
         elif mode is Mode.COMMIT_ALL:
@@ -145,8 +146,9 @@ class KVState:
         if self.keys is None:
             self.keys, self.values = fresh, fresh
         else:
+            shared = self.values is self.keys
             self.keys = mx.concatenate([self.keys, fresh], axis=2)
-            self.values = mx.concatenate([self.values, fresh], axis=2)
+            self.values = self.keys if shared else mx.concatenate([self.values, fresh], axis=2)
 
     def commit(self, keep: int) -> None:
         pos0, T, mode = self._window

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
+from .compressed_state import CompressedAttentionState
 from .state import ArraySpec, GDNState, KVState, Mamba2State, Mode
 
 # Prompt rows per chunk on a GPU: on the H200 (80B-A3B shape, 4,096 tokens) 2,048-row chunks
@@ -105,7 +106,27 @@ def make_state(kind: str, params: dict, options: EngineOptions):
         return params["make"]()
     if kind == "sliding_kv":
         return SlidingKVState(params["window"])
+    if kind == "compressed_attention":
+        return CompressedAttentionState(compress_rate=params["compress_rate"], head_dim=params["head_dim"],
+                                        index_head_dim=params["index_head_dim"], rollback=options.compressed_rollback)
     raise ValueError(f"unknown layer state kind {kind!r}")
+
+
+def compressed_block(state_kinds) -> int | None:
+    """The block every compressed layer's windows close on (the smallest compress rate), or None
+    without compressed layers. The cap `block - pos0 % block` is each layer's own cap or smaller
+    when every rate is a multiple of it.
+
+    Raises:
+        ConfigError: a rate that is not a multiple of the smallest.
+    """
+    rates = sorted({p["compress_rate"] for kind, p in state_kinds if kind == "compressed_attention" and p["compress_rate"]})
+    if not rates:
+        return None
+    bad = [r for r in rates if r % rates[0]]
+    if bad:
+        raise ConfigError(f"compress rates {rates}: {bad} not multiples of {rates[0]}, so one block cap cannot cover them")
+    return rates[0]
 
 
 class WindowEngine:
@@ -119,8 +140,6 @@ class WindowEngine:
         ConfigError: `options.max_context` above the model's `max_position_embeddings`.
     """
 
-    # This model family has no sparse-attention indexer tail, so windows need no 4-cell cap.
-    needs_block_cap = False
 
     def __init__(self, model, options: EngineOptions | None = None):
         self.model = model
@@ -145,6 +164,10 @@ class WindowEngine:
         # Warm each window shape before first use, off the window's clock (EngineOptions.warm_shapes).
         self.warms_on_first_use = self.options.warm_shapes is None and on_gpu()
         self.warm_rows: set[int] = set()  # window row counts this process has run
+        self.block = compressed_block(model.state_kinds)
+        # Compressor tails kept in rings (`--compressed-rollback cap`) are exact only for windows
+        # that stay within one compressor block (speculative/safe_window.py's block cap).
+        self.needs_block_cap = self.block is not None and self.options.compressed_rollback == "cap"
 
     # -- the window contract -------------------------------------------------------------------
 
@@ -365,7 +388,7 @@ class WindowEngine:
         if len(snap.states) != len(self.states):
             raise SnapshotError(f"{len(snap.states)} layers, this model has {len(self.states)}")
         for i, (state, saved, spec) in enumerate(zip(self.states, snap.states, like.states)):
-            problem = type(state).check_snapshot(tuple(saved), spec, snap.length)
+            problem = state.check_snapshot(tuple(saved), spec, snap.length)
             if problem:
                 raise SnapshotError(f"layer {i} ({type(state).__name__}): {problem}")
 

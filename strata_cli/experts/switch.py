@@ -18,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..model.biased_experts import add_bias
+from ..model.layers import swiglu
 from ..model.moe import gather_matmul, gather_qmatmul, glu_by_expert
 from ..model.nemotron_h import expert_matmul, relu2_by_expert
 from ..options import ConfigError, MoceOptions, StreamOptions
@@ -59,7 +60,7 @@ class StreamedSwitchGLU(nn.Module):
             self.by_expert = relu2_by_expert
         elif own is not None:
             self.by_expert = own
-        elif activation is not None:
+        elif activation not in (None, swiglu):  # a clamped form (GPT-OSS, DeepSeek-V4)
             self.by_expert = partial(glu_by_expert, activation=activation)
         else:
             self.by_expert = glu_by_expert

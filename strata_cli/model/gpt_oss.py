@@ -12,7 +12,7 @@ quantized experts, whose bit layout is the same) and mlx-lm's (`experts.{gate,up
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx

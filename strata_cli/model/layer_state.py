@@ -106,3 +106,25 @@ class SSMState(Protocol):
 
     def recur(self, rows: SSMRows, scan: SSMScan) -> mx.array:
         """Run `scan` over the window's rows from committed state; return the outputs."""
+
+
+# pool(kv, gate, has_prev, first) -> entries (B, m, D): kv, gate (B, (m + has_prev) * rate, W) are
+# the raw rows of m closed compressor windows, preceded by the window before them when has_prev;
+# `first` is the index of the first entry made (its window starts at position first * rate).
+Pool = Callable[[mx.array, mx.array, bool, int], mx.array]
+
+
+class CompressorState(Protocol):
+    """A compressor's tail (DeepSeek-V4 CSA/HCA, and the lightning indexer's own compressor)."""
+
+    def compress(self, kv: mx.array, gate: mx.array, pool: Pool) -> mx.array | None:
+        """Add the window's raw rows (B, T, W); return every compressed entry closed so far,
+        those the window's rows close included (B, n, D), or None while there is none."""
+
+
+class CompressedAttentionState(AttentionState, Protocol):
+    """A DeepSeek-V4 attention layer: positional sliding-window keys (`update_and_fetch`), and
+    on compressed layers `compressor` (and on CSA layers `indexer`) tails."""
+
+    compressor: CompressorState | None
+    indexer: CompressorState | None

@@ -49,12 +49,14 @@ def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: boo
 
 
 class SwitchGLU(nn.Module):
-    """E stacked SwiGLU experts; `gate_proj`/`up_proj` are (E, I, H), `down_proj` (E, H, I)."""
+    """E stacked SwiGLU experts; `gate_proj`/`up_proj` are (E, I, H), `down_proj` (E, H, I).
+    `activation(gate, up)`: silu(gate) * up unless a family clamps it (DeepSeek-V4)."""
 
     expert_kind = "glu"  # its record kind when streamed (experts/store.py)
 
-    def __init__(self, hidden_size: int, expert_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, expert_size: int, num_experts: int, activation=swiglu):
         super().__init__()
+        self.activation = activation
         self.gate_proj = mx.zeros((num_experts, expert_size, hidden_size))
         self.up_proj = mx.zeros((num_experts, expert_size, hidden_size))
         self.down_proj = mx.zeros((num_experts, hidden_size, expert_size))
@@ -68,7 +70,7 @@ class SwitchGLU(nn.Module):
             wt = transposed(self, name) if cached else None
             return gather_matmul(xs, self[name], experts, is_sorted=is_sorted, wt=wt)
 
-        return glu_by_expert(x, inds, matmul)
+        return glu_by_expert(x, inds, matmul, self.activation)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
                      projections: dict[str, dict] | None = None) -> "QuantizedSwitchGLU":
@@ -137,6 +139,7 @@ class QuantizedSwitchGLU(nn.Module):
     def __init__(self, glu: SwitchGLU, *, group_size: int, bits: int, mode: str = "affine",
                  projections: dict[str, dict] | None = None):
         super().__init__()
+        self.activation = glu.activation
         for name in ("gate_proj", "up_proj", "down_proj"):
             own = (projections or {}).get(name, {})
             setattr(self, name, QuantizedExperts(glu[name], group_size=own.get("group_size", group_size),
@@ -144,7 +147,8 @@ class QuantizedSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         """x (N, H), inds (N, k) -> per-pick outputs (N, k, H)."""
-        return glu_by_expert(x, inds, lambda name, xs, experts, is_sorted: self[name](xs, experts, is_sorted=is_sorted))
+        return glu_by_expert(x, inds, lambda name, xs, experts, is_sorted: self[name](xs, experts, is_sorted=is_sorted),
+                             self.activation)
 
 
 def glu_by_expert(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .controller import DraftController
 from .drafters import SHARED_CACHE, Drafter
-from .safe_window import safe_window
+from .safe_window import QSA_BLOCK, safe_window
 from .suffix_drafter import EMPTY_PROPOSAL, Proposal
 
 
@@ -57,6 +57,7 @@ class WindowPlanner:
         controller: the draft-length controller (`auto`), or None to verify every proposed draft.
         context_left: positions free at and after a root position (the engine's).
         block_cap: whether the engine needs the QSA block cap (safe_window.py).
+        block: cells per block of that cap.
         read_cost: `read_cost(T)`, predicted seconds of expert reads a window of T rows costs
             beyond the controller's curve (streamed experts), or None.
     """
@@ -69,6 +70,7 @@ class WindowPlanner:
         controller: DraftController | None,
         context_left: Callable[[int], int],
         block_cap: bool = False,
+        block: int = QSA_BLOCK,
         read_cost: Callable[[int], float] | None = None,
     ):
         self.drafter = drafter if max_drafts else None
@@ -76,6 +78,7 @@ class WindowPlanner:
         self.controller = controller if self.drafter is not None else None
         self.context_left = context_left
         self.block_cap = block_cap
+        self.block = block
         self.read_cost = read_cost
         self.pending: WindowPlan | None = None  # planned after a one-token step (`after_step`)
         # (drafts proposed, match length) of the plan the next one-token step runs without:
@@ -92,7 +95,8 @@ class WindowPlanner:
     def _plan(self, pos0: int, remaining: int, extra_cost: Callable[[int], float] | None) -> WindowPlan:
         proposal = self.drafter.propose(self.max_drafts) if self.drafter is not None else EMPTY_PROPOSAL
         T = safe_window(num_drafts=len(proposal.tokens), remaining_tokens=remaining,
-                        context_left=self.context_left(pos0), pos0=pos0, block_cap=self.block_cap)
+                        context_left=self.context_left(pos0), pos0=pos0, block_cap=self.block_cap,
+                        block=self.block)
         proposed = T - 1
         if self.controller is not None and proposed:
             T = 1 + self.controller.choose(proposal.match_length, proposed, extra_cost=extra_cost)

@@ -9,7 +9,8 @@ QSA_BLOCK = 4
 
 
 def safe_window(
-    *, num_drafts: int, remaining_tokens: int, context_left: int, pos0: int, block_cap: bool
+    *, num_drafts: int, remaining_tokens: int, context_left: int, pos0: int, block_cap: bool,
+    block: int = QSA_BLOCK,
 ) -> int:
     """Largest window size ``T`` (root + drafts) that is safe to run at ``pos0``.
 
@@ -20,9 +21,10 @@ def safe_window(
       outputs plus the bonus), so it must fit the ``max_tokens`` budget.
     - ``context_left``: the window writes positions ``pos0 .. pos0+T-1``, so they
       must all fit in the context.
-    - ``QSA_BLOCK - pos0 % QSA_BLOCK``, only when ``block_cap``: the QSA indexer
+    - ``block - pos0 % block``, only when ``block_cap``: the QSA indexer
       tail holds the raw keys of the incomplete 4-cell block and is not
-      positional. A window that crosses a block boundary overwrites tail slots
+      positional (and a compressor's ring, DeepSeek-V4, those of its open
+      window and the one before it: ``block`` is its compress rate). A window that crosses a block boundary overwrites tail slots
       of committed cells, and rejecting drafts cannot bring them back. Inside
       one block, rejected slots are rewritten before the block's key is pooled.
       Engines that snapshot and replay the tail do not need this cap.
@@ -34,6 +36,7 @@ def safe_window(
         pos0 (int): Absolute position of the root (``>= 0``).
         block_cap (bool): Whether the engine has a QSA indexer tail and no tail
             rollback.
+        block (int): Cells per block (default ``QSA_BLOCK``).
 
     Returns:
         int: ``T``. ``0`` when ``remaining_tokens <= 0`` or ``context_left <= 0``
@@ -47,5 +50,5 @@ def safe_window(
         return 0
     size = min(1 + num_drafts, remaining_tokens, context_left)
     if block_cap:
-        size = min(size, QSA_BLOCK - pos0 % QSA_BLOCK)
+        size = min(size, block - pos0 % block)
     return size
