@@ -68,7 +68,8 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
 def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, block: int) -> mx.array:
     """`attention.causal_attention_cpu`'s blocked causal attention, in numpy (same contract).
 
-    q (B, Hq, T, D); keys, values (B, Hkv, L, D), the T query rows at the last T cells. The
+    q (B, Hq, T, D); keys (B, Hkv, L, D), values (B, Hkv, L, Dv), the T query rows at the last T
+    cells. The
     query heads of a KV head are stacked as rows, and each block of `block` query rows multiplies
     only the keys it can see; softmax in float32 with the row maximum subtracted.
     """
@@ -77,8 +78,9 @@ def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
     Hkv, L = keys.shape[1], keys.shape[2]
     r, P = Hq // Hkv, L - T
     qs = (np.asarray(q) * np.float32(scale)).reshape(B, Hkv, r, T, D)
-    kt, v = np.asarray(keys).swapaxes(-1, -2), np.asarray(values)  # (B, Hkv, D, L), (B, Hkv, L, D)
-    out = np.empty((B, Hkv, r, T, D), dtype=np.float32)
+    kt, v = np.asarray(keys).swapaxes(-1, -2), np.asarray(values)  # (B, Hkv, D, L), (B, Hkv, L, Dv)
+    Dv = v.shape[-1]
+    out = np.empty((B, Hkv, r, T, Dv), dtype=np.float32)
     for s in range(0, T, block):
         e = min(T, s + block)
         n, seen = e - s, P + e  # rows of this block; keys its last row sees
@@ -87,5 +89,5 @@ def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        out[:, :, :, s:e] = (scores.reshape(B, Hkv, r * n, seen) @ v[:, :, :seen]).reshape(B, Hkv, r, n, D)
-    return mx.array(out.reshape(B, Hq, T, D))
+        out[:, :, :, s:e] = (scores.reshape(B, Hkv, r * n, seen) @ v[:, :, :seen]).reshape(B, Hkv, r, n, Dv)
+    return mx.array(out.reshape(B, Hq, T, Dv))

@@ -23,6 +23,7 @@ from .layers import WINDOW_ROWS, RMSNorm, RowLinear, by_row, is_cpu_prompt, tran
 from .layout import stack_experts
 from .mamba2 import Mamba2Mixer
 from .moe import QuantizedExperts, gather_matmul, weighted_sum
+from .sigmoid_routing import GroupLimitedTopK
 
 MAMBA, ATTENTION, MLP_BLOCK, MOE = "M", "*", "-", "E"
 # transformers' block names (and the legacy ones it still reads) -> the pattern's characters
@@ -169,15 +170,14 @@ class SwitchMLP(nn.Module):
 
 
 class TopkRouter(nn.Module):
-    """Sigmoid scores; the top-k of score + `e_score_correction_bias` among the `topk_group`
-    groups of experts whose two best biased scores sum highest; the picks weigh their unbiased
-    scores, renormalised (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. In
-    float32, as transformers keeps the router."""
+    """Sigmoid scores routed by `sigmoid_routing.GroupLimitedTopK` (group-limited top-k of the
+    scores plus `e_score_correction_bias`, unbiased weights renormalised and scaled), in float32,
+    as transformers keeps the router."""
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
-        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
-        self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, float(config.routed_scaling_factor)
+        self.select = GroupLimitedTopK(config.num_experts_per_tok, config.n_group, config.topk_group,
+                                       config.norm_topk_prob, float(config.routed_scaling_factor))
         self.weight = mx.zeros((config.n_routed_experts, config.hidden_size))
         self.e_score_correction_bias = mx.zeros((config.n_routed_experts,))
 
@@ -185,18 +185,7 @@ class TopkRouter(nn.Module):
         """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
         weight = self.weight.astype(mx.float32)
         scores = mx.sigmoid(by_row(lambda rows: rows.astype(mx.float32) @ weight.T, x))
-        choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        if self.n_group > 1:
-            N, E = choice.shape
-            group_scores = mx.topk(choice.reshape(N, self.n_group, -1), 2, axis=-1).sum(axis=-1)  # (N, groups)
-            threshold = mx.sort(group_scores, axis=-1)[:, self.n_group - self.topk_group, None]
-            kept = mx.repeat(group_scores >= threshold, E // self.n_group, axis=-1)
-            choice = mx.where(kept, choice, -mx.inf)
-        inds = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
-        weights = mx.take_along_axis(scores, inds, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return inds, weights * self.routed_scaling_factor
+        return self.select(scores, self.e_score_correction_bias)
 
 
 class NemotronMoE(nn.Module):
