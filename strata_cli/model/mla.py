@@ -59,7 +59,7 @@ class Rope:
         scaling = params.get("rope_scaling") or {}
         rope.update(scaling)
         base = float(params.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        kind = rope.get("rope_type") or rope.get("type") or "default"
+        kind = scaling.get("rope_type") or scaling.get("type") or rope.get("rope_type") or "default"
         if kind == "default":
             return cls(dims, base, traditional)
         if kind != "yarn":
