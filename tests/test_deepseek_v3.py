@@ -14,6 +14,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from deepseek_checkpoints import (
     YARN,
     deepseek_v3_checkpoint,
@@ -34,6 +35,7 @@ from hybrid_parity import (
 )
 from state_checks import check_forced_rejections, serial_decode
 
+from strata_cli.convert import convert
 from strata_cli.engine.state import LatentKVState
 from strata_cli.engine.window import SnapshotError, WindowEngine
 from strata_cli.model import load_model
@@ -42,7 +44,7 @@ from strata_cli.model.deepseek_v3 import Config, DeepseekMoE
 from strata_cli.model.layers import RowSplit
 from strata_cli.model.loader import ModelLoadError
 from strata_cli.model.mla import MultiLinear, QuantizedMultiLinear
-from strata_cli.options import EngineOptions
+from strata_cli.options import ConvertOptions, EngineOptions
 from strata_cli.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.parity
@@ -217,3 +219,60 @@ def test_unsupported_configs_are_refused(root):
             Config.from_dict({**params, **change})
     dense = Config.from_dict({**params, "n_routed_experts": None})
     assert not dense.is_moe_layer(2)
+
+
+# -- convert and streaming -------------------------------------------------------------------------
+
+
+def test_convert_is_the_source_model_and_keeps_mtp(root, prompt_ids, tmp_path):
+    """`strata convert` (the CLI) of the published layout: the same logits bit for bit, the MTP
+    layer written back and read again."""
+    from click.testing import CliRunner
+
+    from strata_cli.cli import cli
+
+    src, out = deepseek_v3_published_checkpoint(root), tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(src), str(out)])
+    assert result.exit_code == 0, result.output
+    source, converted = load_model(src), load_model(out)
+    np.testing.assert_array_equal(strata_logits(converted, prompt_ids), strata_logits(source, prompt_ids))
+    assert converted.config.num_nextn_predict_layers == 1
+    for (name, a), (_, b) in zip(tree_flatten(source.mtp.parameters()), tree_flatten(converted.mtp.parameters())):
+        assert mx.array_equal(a, b).item(), name
+
+
+def test_convert_q4_decodes_as_mlx_lm_q4(root, prompt_ids, tmp_path):
+    from strata_cli.bench.peers import MlxLmPeer
+
+    result = convert(deepseek_v3_checkpoint(root), tmp_path / "q4", options=ConvertOptions(bits=4, group_size=32))
+    reference_path = deepseek_v3_mlx_checkpoint(root, 4)
+    expected = json.loads((reference_path / "config.json").read_text())["quantization"]
+    assert result.quantization == expected
+    model, reference = load_model(result.path), load_model(reference_path)
+    np.testing.assert_allclose(strata_logits(model, prompt_ids), strata_logits(reference, prompt_ids), rtol=0, atol=1e-5)
+    peer = MlxLmPeer.load(result.path, dtype=mx.float32).model  # mlx-lm loads strata's output
+    ids = prompt_ids[:24]
+    np.testing.assert_allclose(strata_logits(model, ids), np.array(peer(mx.array([ids]))[0]), rtol=0, atol=1e-4)
+
+
+def test_streamed_convert_is_bit_identical(root, prompt_ids, tmp_path):
+    from hybrid_parity import strata_tokens
+
+    from strata_cli.options import SpecOptions, StreamOptions
+    from strata_cli.runtime import load_checkpoint
+
+    src = deepseek_v3_checkpoint(root)
+    options = dict(bits=4, group_size=32)
+    q4 = convert(src, tmp_path / "q4", options=ConvertOptions(**options)).path
+    streamed_path = convert(src, tmp_path / "q4-stream", options=ConvertOptions(**options, stream=True)).path
+    assert (streamed_path / "experts").is_dir()
+    resident = load_model(q4)
+    streamed = load_checkpoint(streamed_path, stream=StreamOptions(resident_experts=3))
+    try:
+        assert streamed.expert_cache.num_slots == 3  # below top-k · rows: windows served in several passes
+        ids = prompt_ids[:60]
+        assert mx.array_equal(WindowEngine(streamed).run(ids, 0).logits, WindowEngine(resident).run(ids, 0).logits)
+        for spec in (SpecOptions(), SpecOptions(max_drafts=3)):
+            assert strata_tokens(streamed, prompt_ids, spec)[0] == strata_tokens(resident, prompt_ids, spec)[0]
+    finally:
+        streamed.expert_cache.close()
