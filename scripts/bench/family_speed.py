@@ -11,6 +11,7 @@ is the ratio of the medians.
     python -m scripts.bench.family_speed --family qwen3_5_moe --model ~/models/Qwen3.5-35B-A3B-4bit
     python -m scripts.bench.family_speed --family nemotron_h --repeats 7 --tokens 128
     python -m scripts.bench.family_speed --family granitemoehybrid --repeats 7 --tokens 128
+    python -m scripts.bench.family_speed --family deepseek_v3 --repeats 7 --tokens 128
 
 Families: the TINY table below (add a family with its mlx-lm model_type and a tiny config).
 """
@@ -69,6 +70,17 @@ TINY = {
                          "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1,
                          "mamba_conv_bias": True, "position_embedding_type": "nope", "tie_word_embeddings": True,
                          "time_step_limit": [0.0, float("inf")]},
+    # tests/deepseek_checkpoints.py's shapes: 3 layers (1 dense), MLA with a q LoRA, 8 experts in 2
+    # groups top-2 plus a shared expert
+    "deepseek_v3": {"model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                    "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                    "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+                    "routed_scaling_factor": 2.5, "kv_lora_rank": 64, "q_lora_rank": 64, "qk_rope_head_dim": 32,
+                    "v_head_dim": 32, "qk_nope_head_dim": 32, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                    "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+                    "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False,
+                    "tie_word_embeddings": False},
 }
 
 

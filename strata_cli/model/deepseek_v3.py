@@ -129,11 +129,15 @@ class DeepseekMoE(SparseMoeBlock):
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
 
+    @property
+    def correction_bias(self) -> mx.array:
+        return self.gate.e_score_correction_bias
+
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k), float32. A routing policy
         (MoCE) ranks the biased, group-limited scores normalised to sum to 1."""
-        scores = mx.sigmoid(self.gate(x))
-        bias = self.gate.e_score_correction_bias
+        scores = mx.sigmoid(self.gate(x).astype(mx.float32))
+        bias = self.correction_bias
         if self.routing_policy is None:
             return self.select(scores, bias)
         choice = mx.maximum(self.select.choice(scores, bias), 0.0)  # -inf (dropped groups) -> 0
