@@ -53,8 +53,8 @@ def init_weights(model, *, seed: int = SEED) -> None:
     hidden = model.config.hidden_size
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
+            if "inv_freq" in name or name.endswith(("A_log", "dt_bias")):
+                continue  # transformers' own initialisation (Kimi's forget gate)
             if name.endswith("norm.weight"):
                 value = torch.randn(p.shape, generator=g) * 0.1 + 1.0
             elif name.endswith("e_score_correction_bias"):
@@ -153,3 +153,102 @@ def deepseek_v3_mlx_checkpoint(root: Path, bits: int | None) -> Path:
 
     name = "mlx-deepseek_v3-" + (f"q{bits}" if bits else "float32")
     return _cached(root / name, ("mlx deepseek_v3", bits), build)
+
+
+# -- Kimi-Linear: 4 layers (KDA, MLA, KDA, KDA), the first MLP dense, then DeepSeek's MoE -----------
+
+KIMI_LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+
+
+def kimi_linear_config(**overrides):
+    from transformers import KimiLinearConfig
+
+    params = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                  num_local_experts=8, routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=None,
+                  qk_rope_head_dim=32, v_head_dim=32, qk_nope_head_dim=32, n_group=2, topk_group=1,
+                  num_experts_per_tok=2, max_position_embeddings=512, linear_head_dim=32, linear_num_heads=2,
+                  linear_conv_kernel_dim=4, layer_types=KIMI_LAYERS, mlp_layer_types=["dense"] + ["sparse"] * 3,
+                  rms_norm_eps=1e-6, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+                  tie_word_embeddings=False)
+    return KimiLinearConfig(**{**params, **overrides})
+
+
+def kimi_linear_hf_model():
+    """The transformers model behind `kimi_linear_checkpoint`, float32, eval mode (cached); the forget
+    gate's A_log and dt_bias keep transformers' own initialisation (decay rates 1..16)."""
+    key = ("kimi_linear_hf_model",)
+    if key not in _built:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(kimi_linear_config(), dtype=torch.float32)
+        init_weights(model)
+        _built[key] = model.eval()
+    return _built[key]
+
+
+def kimi_linear_checkpoint(root: Path) -> Path:
+    """transformers' `save_pretrained`: the published layout (`block_sparse_moe`, `experts.E.w1`,
+    `q_conv1d`, the forget gate on the attention)."""
+
+    def build(out: Path) -> None:
+        kimi_linear_hf_model().save_pretrained(out, max_shard_size=SHARD_SIZE)
+        copy_tokenizer(tokenizer_dir(root), out)
+
+    return _cached(root / "hf-kimi_linear", ("hf kimi_linear",), build)
+
+
+def kimi_linear_fused_checkpoint(root: Path) -> Path:
+    """The model's in-memory state dict as is (fused `conv1d`, `forget_gate.*`, fused experts)."""
+
+    def build(out: Path) -> None:
+        from safetensors.torch import save_file
+
+        out.mkdir()
+        state = {k: v.contiguous() for k, v in kimi_linear_hf_model().state_dict().items()}
+        save_file(state, out / "model.safetensors")
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(kimi_linear_checkpoint(root) / name, out / name)
+
+    return _cached(root / "fused-kimi_linear", ("fused kimi_linear",), build)
+
+
+def kimi_linear_mlx_checkpoint(root: Path, bits: int | None) -> Path:
+    """mlx-lm's conversion of the published layout. mlx-lm reads the published config's spelling
+    (`linear_attn_config`, `rope_theta`, `first_k_dense_replace`) and the dense layer's MLP as
+    `mlp.*`, so its source copy says so (transformers writes `block_sparse_moe.*` for every MLP)."""
+
+    def source(out: Path) -> None:
+        import mlx.core as mx
+
+        shutil.copytree(kimi_linear_checkpoint(root), out)
+        config = json.loads((out / "config.json").read_text())
+        kinds = config["layer_types"]
+        config["linear_attn_config"] = {
+            "kda_layers": [i + 1 for i, t in enumerate(kinds) if t == "linear_attention"],
+            "full_attn_layers": [i + 1 for i, t in enumerate(kinds) if t == "full_attention"],
+            "num_heads": config["linear_num_heads"], "head_dim": config["linear_head_dim"],
+            "short_conv_kernel_size": config["linear_conv_kernel_dim"]}
+        config.update(rope_theta=10000.0, first_k_dense_replace=1)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        for shard in sorted(set(index["weight_map"].values())):
+            tensors = dict(mx.load(str(out / shard)))
+            renamed = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v for k, v in tensors.items()}
+            if renamed.keys() != tensors.keys():
+                mx.save_safetensors(str(out / shard), renamed)
+        index["weight_map"] = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v
+                               for k, v in index["weight_map"].items()}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    def build(out: Path) -> None:
+        from mlx_lm.convert import convert
+
+        quantized = dict(quantize=True, q_bits=bits, q_group_size=GROUP_SIZE) if bits else {}
+        src = _cached(root / "hf-kimi_linear-for-mlx-lm", ("hf kimi_linear for mlx-lm",), source)
+        convert(str(src), str(out), **quantized)
+
+    name = "mlx-kimi_linear-" + (f"q{bits}" if bits else "float32")
+    return _cached(root / name, ("mlx kimi_linear", bits), build)
