@@ -10,6 +10,7 @@ tests/hybrid_parity.py checks for every family, plus the KDA state:
 """
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from deepseek_checkpoints import (
     kimi_linear_checkpoint,
@@ -194,3 +195,31 @@ def test_session_round_trip(model, serial, tmp_path):
     fresh = WindowEngine(model)
     fresh.restore(restored[0].snapshot)
     assert mx.array_equal(fresh.run([seq[24]], 24).logits, expected).item()
+
+
+# -- convert and streaming -------------------------------------------------------------------------
+
+
+def test_convert_and_streamed_convert(root, prompt_ids, tmp_path):
+    """`strata convert` of the published layout gives its logits bit for bit; `--bits 4 --stream`
+    at 3 resident experts per layer is bit-identical to the resident 4-bit conversion."""
+    from hybrid_parity import strata_tokens
+
+    from strata_cli.convert import convert
+    from strata_cli.options import ConvertOptions, SpecOptions, StreamOptions
+    from strata_cli.runtime import load_checkpoint
+
+    src = kimi_linear_checkpoint(root)
+    plain = convert(src, tmp_path / "plain", options=ConvertOptions()).path
+    np.testing.assert_array_equal(strata_logits(load_model(plain), prompt_ids), strata_logits(load_model(src), prompt_ids))
+    q4 = convert(src, tmp_path / "q4", options=ConvertOptions(bits=4, group_size=32)).path
+    streamed_path = convert(src, tmp_path / "q4-stream", options=ConvertOptions(bits=4, group_size=32, stream=True)).path
+    resident = load_model(q4)
+    streamed = load_checkpoint(streamed_path, stream=StreamOptions(resident_experts=3))
+    try:
+        ids = prompt_ids[:60]
+        assert mx.array_equal(WindowEngine(streamed).run(ids, 0).logits, WindowEngine(resident).run(ids, 0).logits)
+        spec = SpecOptions(max_drafts=3)
+        assert strata_tokens(streamed, prompt_ids, spec)[0] == strata_tokens(resident, prompt_ids, spec)[0]
+    finally:
+        streamed.expert_cache.close()
