@@ -276,3 +276,10 @@ def test_streamed_convert_is_bit_identical(root, prompt_ids, tmp_path):
             assert strata_tokens(streamed, prompt_ids, spec)[0] == strata_tokens(resident, prompt_ids, spec)[0]
     finally:
         streamed.expert_cache.close()
+
+
+def test_routing_bias_stays_float32_in_bfloat16(root, prompt_ids):
+    model = load_model(deepseek_v3_checkpoint(root), dtype="bfloat16")
+    moe = model.layers[1].mlp
+    assert moe.gate.e_score_correction_bias.dtype == mx.float32 and moe.gate.weight.dtype == mx.bfloat16
+    WindowEngine(model).run(prompt_ids[:20], 0)  # runs with the float32 bias

@@ -210,6 +210,12 @@ class Model(DecoderStack):
     def state_kinds(self) -> list[tuple[str, dict]]:
         return [("latent_kv", {}) for _ in self.layers]
 
+    @staticmethod
+    def keeps_float32(name: str) -> bool:
+        """The routing correction bias stays float32 in any compute dtype (transformers' and
+        mlx-lm's choice: in bfloat16 it would round the experts' ranking)."""
+        return name.endswith("e_score_correction_bias")
+
     @property
     def load_notes(self) -> list[str]:
         if "mtp" in self:

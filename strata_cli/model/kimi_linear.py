@@ -187,6 +187,12 @@ class Model(DecoderStack):
     def __init__(self, config: KimiLinearConfig):
         super().__init__(config, [DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
 
+    @staticmethod
+    def keeps_float32(name: str) -> bool:
+        """The routing correction bias and the forget gate's A_log and dt_bias stay float32 in any
+        compute dtype, as transformers and mlx-lm keep them."""
+        return name.endswith(("e_score_correction_bias", ".A_log", ".dt_bias"))
+
     @property
     def state_kinds(self) -> list[tuple[str, dict]]:
         return [("gdn", {"conv_kernel": self.config.linear_conv_kernel_dim}) if layer.is_linear else ("latent_kv", {})

@@ -277,7 +277,11 @@ def load_model(
     if before_weights is not None:
         before_weights(model, target)
     check_weights(model, weights, sources, path)
-    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    # A family may keep some tensors in float32 whatever the compute dtype (`keeps_float32`), as
+    # transformers keeps DeepSeek's routing bias: rounded to bfloat16 it would pick other experts.
+    keeps = getattr(model, "keeps_float32", None) or (lambda name: False)
+    weights = {k: v.astype(mx.float32 if keeps(k) else target) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in weights.items()}
     model.load_weights(list(weights.items()))
     if quantization is not None and should_dequantize_dense(model, dequantize):
         dequantize_dense(model, target)
