@@ -12,6 +12,7 @@ is the ratio of the medians.
     python -m scripts.bench.family_speed --family nemotron_h --repeats 7 --tokens 128
     python -m scripts.bench.family_speed --family granitemoehybrid --repeats 7 --tokens 128
     python -m scripts.bench.family_speed --family deepseek_v3 --repeats 7 --tokens 128
+    python -m scripts.bench.family_speed --family kimi_linear --repeats 7 --tokens 128
 
 Families: the TINY table below (add a family with its mlx-lm model_type and a tiny config).
 """
@@ -81,6 +82,18 @@ TINY = {
                     "moe_layer_freq": 1, "first_k_dense_replace": 1, "max_position_embeddings": 4096,
                     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False,
                     "tie_word_embeddings": False},
+    # tests/deepseek_checkpoints.py's Kimi-Linear shapes (KDA, MLA, KDA, KDA; the first MLP dense)
+    # in the published spelling mlx-lm reads
+    "kimi_linear": {"model_type": "kimi_linear", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128, "head_dim": 32,
+                    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "model_max_length": 4096,
+                    "linear_attn_config": {"kda_layers": [1, 3, 4], "full_attn_layers": [2], "num_heads": 2,
+                                           "head_dim": 32, "short_conv_kernel_size": 4},
+                    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1,
+                    "moe_intermediate_size": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+                    "qk_rope_head_dim": 32, "v_head_dim": 32, "routed_scaling_factor": 2.5,
+                    "first_k_dense_replace": 1, "num_expert_group": 2, "topk_group": 1,
+                    "moe_router_activation_func": "sigmoid", "moe_renormalize": True, "tie_word_embeddings": False},
 }
 
 
