@@ -9,7 +9,9 @@ up-projections are absorbed into the query and the output instead (mlx-lm's `emb
     q_nope · (W_k c) = (W_kᵀ q_nope) · c        out = Σ p · (W_v c) = W_v (Σ p · c)
 
 so the cache holds only [c | k_pe] per token (engine/state.py: `LatentKVState`, positional), and
-attention is one shared key-value head of width r + d_rope against the heads' latent queries.
+a decode window's attention is one shared key-value head of width r + d_rope against the heads'
+latent queries. Prompt chunks (16+ rows, shared by serial and speculative decoding) expand the
+cached latents into per-head keys and values once per chunk instead, as transformers does.
 A window's rows never share a matmul with each other where that would change their arithmetic:
 the per-head projections run row by row where `RowSplit` applies, and the attention itself takes
 the same paths as `attention.GatedAttention` (one sdpa call per row on a GPU).
@@ -30,6 +32,14 @@ from .attention import causal_attention_cpu
 from .config import ConfigError
 from .layer_state import LatentState
 from .layers import PREFILL_MIN_ROWS, RMSNorm, RowLinear, RowSplit, by_row
+
+def expands(rows: int) -> bool:
+    """Whether a call of `rows` rows attends with expanded keys and values: prompt chunks (shared by
+    serial and speculative decoding, so any exact form will do), where expanding the cache once
+    per chunk costs less than latent-space attention (per head 576 wide against 192 for
+    DeepSeek-V3). Decode windows (at most 8 rows) and serial steps stay in the latent space."""
+    return rows >= PREFILL_MIN_ROWS
+
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers' RMSNorm default, not rms_norm_eps
 
@@ -126,6 +136,10 @@ class MultiLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return by_row(lambda rows: rows @ self.weight.swapaxes(-1, -2), x)
 
+    def untransposed(self, x: mx.array) -> mx.array:
+        """x (B, 1, L, out) @ weight -> (B, heads, L, in): the latent expanded per head."""
+        return x @ self.weight
+
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedMultiLinear":
         return QuantizedMultiLinear(self.weight, group_size=group_size, bits=bits, mode=mode)
 
@@ -142,6 +156,10 @@ class QuantizedMultiLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return by_row(lambda rows: mx.quantized_matmul(rows, self.weight, self.scales, self.biases, transpose=True,
                                                        group_size=self.group_size, bits=self.bits, mode=self.mode), x)
+
+    def untransposed(self, x: mx.array) -> mx.array:
+        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=False,
+                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
 class LatentAttention(nn.Module):
@@ -173,8 +191,9 @@ class LatentAttention(nn.Module):
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * factor
 
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
-        """x (B, T, H) -> the core's inputs: the latent queries (B, heads, T, r), the rotary
-        queries (B, heads, T, d_rope), the latent (B, 1, T, r) and the rotary key (B, 1, T, d_rope)."""
+        """x (B, T, H) -> the core's inputs: the latent queries (B, heads, T, r) (for a prompt
+        chunk the plain ones, (B, heads, T, nope): `expands`), the rotary queries (B, heads, T,
+        d_rope), the latent (B, 1, T, r) and the rotary key (B, 1, T, d_rope)."""
         B, T, _ = x.shape
         if "q_proj" in self:
             q = self.q_proj(x)
@@ -187,28 +206,44 @@ class LatentAttention(nn.Module):
         k_pe = kv[..., self.kv_lora_rank :][:, None]
         if self.rope is not None and self.rope.attention_factor != 1.0:
             q_pe, k_pe = q_pe * self.rope.attention_factor, k_pe * self.rope.attention_factor
+        if expands(T):
+            return (q_nope, q_pe, latent, k_pe), ()
         return (self.embed_q(q_nope), q_pe, latent, k_pe), ()
 
-    def core(self, q_lat: mx.array, q_pe: mx.array, latent: mx.array, k_pe: mx.array, state: LatentState) -> mx.array:
-        """Rotary at the state's offset, the window's cells written, attention -> (B, heads, T, r)."""
-        T = q_lat.shape[2]
+    def core(self, q_first: mx.array, q_pe: mx.array, latent: mx.array, k_pe: mx.array, state: LatentState) -> mx.array:
+        """Rotary at the state's offset, the window's cells written, attention -> (B, heads, T, r)
+        (the latent outputs), or for a prompt chunk (B, heads, T, v) (`expands`)."""
+        T = q_first.shape[2]
         if self.rope is not None:
             q_pe, k_pe = self.rope(q_pe, state.offset), self.rope(k_pe, state.offset)
         cells, _ = state.update_and_fetch(mx.concatenate([latent, k_pe.astype(latent.dtype)], axis=-1))
-        q = mx.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
-        values = cells[..., : self.kv_lora_rank]
+        q = mx.concatenate([q_first, q_pe.astype(q_first.dtype)], axis=-1)
+        if expands(T):  # a prompt chunk: every cell's keys and values per head, once for the chunk
+            latents, shared = cells[..., : self.kv_lora_rank], cells[..., self.kv_lora_rank :]
+            k_nope = self.embed_q.untransposed(latents)  # (B, heads, L, nope)
+            keys = mx.concatenate([k_nope, mx.broadcast_to(shared, (*k_nope.shape[:-1], shared.shape[-1]))], axis=-1)
+            values = self.unembed_out(latents)  # (B, heads, L, v)
+        else:
+            keys, values = cells, cells[..., : self.kv_lora_rank]
+        return self.attend(q, keys, values)
+
+    def attend(self, q: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        """Causal attention of the window's T rows (the last T cells) -> (B, heads, T, values' width)."""
+        T = q.shape[2]
         if RowSplit.applies(T):  # each row alone over the cells it sees: serial decoding's call
-            return attention_window.reference_attention_window(q, cells, values, self.scale).transpose(0, 2, 1, 3)
+            return attention_window.reference_attention_window(q, keys, values, self.scale).transpose(0, 2, 1, 3)
         if T >= PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
-            return causal_attention_cpu(q, cells, values, self.scale)
+            return causal_attention_cpu(q, keys, values, self.scale)
         mask = "causal" if T > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, cells, values, scale=self.scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 
     def tail(self, out: mx.array) -> mx.array:
-        """Latent attention output (B, heads, T, r) -> values per head -> (B, T, H)."""
+        """Attention output (B, heads, T, r) in the latent space (values per head for a prompt
+        chunk) -> (B, T, H)."""
         B, _, T, _ = out.shape
-        out = self.unembed_out(out).transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(out)
+        if not expands(T):
+            out = self.unembed_out(out)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
     def __call__(self, x: mx.array, state: LatentState) -> mx.array:
         core_in, tail_in = self.head(x)
