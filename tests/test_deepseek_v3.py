@@ -283,3 +283,22 @@ def test_routing_bias_stays_float32_in_bfloat16(root, prompt_ids):
     moe = model.layers[1].mlp
     assert moe.gate.e_score_correction_bias.dtype == mx.float32 and moe.gate.weight.dtype == mx.bfloat16
     WindowEngine(model).run(prompt_ids[:20], 0)  # runs with the float32 bias
+
+
+def test_a_routing_policy_of_natural_picks_is_exact_routing(model, prompt_ids):
+    """The MoCE hook (`SparseMoeBlock.routing_policy`) sees the biased, group-limited scores; a
+    policy that takes their natural top-k with full weight gives exact routing's logits."""
+    exact = strata_logits(model, prompt_ids[:40])
+
+    def natural(probs, top_k):
+        return mx.argpartition(-probs, kth=top_k - 1, axis=-1)[:, :top_k], mx.ones((probs.shape[0], top_k))
+
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, DeepseekMoE)]
+    try:
+        for block in blocks:
+            block.routing_policy = natural
+            assert not block.compilable
+        np.testing.assert_allclose(strata_logits(model, prompt_ids[:40]), exact, rtol=0, atol=1e-6)
+    finally:
+        for block in blocks:
+            block.routing_policy = None
