@@ -302,3 +302,13 @@ def test_a_routing_policy_of_natural_picks_is_exact_routing(model, prompt_ids):
     finally:
         for block in blocks:
             block.routing_policy = None
+
+
+def test_kimi_k2_is_deepseek_v3(root, prompt_ids, model, tmp_path):
+    """Kimi-K2's config.json says `kimi_k2` for DeepSeek-V3's architecture (mlx-lm remaps it too)."""
+    path = tmp_path / "k2"
+    shutil.copytree(deepseek_v3_checkpoint(root), path)
+    params = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**params, "model_type": "kimi_k2"}))
+    ids = prompt_ids[:30]
+    np.testing.assert_array_equal(strata_logits(load_model(path), ids), strata_logits(model, ids))
