@@ -17,6 +17,7 @@ forget gate's `f_a_proj`/`f_b_proj`/`A_log`/`dt_bias` on the attention), transfo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ from .kda import KimiDeltaAttention
 from .layers import MLP, DecoderStack, RMSNorm, RowLinear
 from .layout import stack_experts
 from .mla import LatentAttention, split_kv_b
+from .quant import router_overrides
 
 LINEAR, FULL = "linear_attention", "full_attention"
 DENSE, SPARSE = "dense", "sparse"
@@ -117,7 +119,7 @@ class KimiLinearConfig(ModelConfig):
 
 def _layer_types(params: dict[str, Any], linear: dict[str, Any], n: int) -> list[str]:
     """transformers' `layer_types`, else the published `kda_layers` / `full_attn_layers` (1-based),
-    else transformers' default (full attention at every 4th layer from the 5th on... as it builds it)."""
+    else transformers' default: full attention at layers i > 0 with i % 4 == 0, KDA elsewhere."""
     if params.get("layer_types"):
         return list(params["layer_types"])
     if "kda_layers" in linear and "full_attn_layers" in linear:
@@ -220,7 +222,7 @@ class Model(DecoderStack):
                     if conv is not None:
                         out[f"{attn}.{name}_conv.conv.weight"] = mx.moveaxis(conv.reshape(H * D, 1, -1), 2, 1)
                 for name, shape in (("A_log", (1, 1, H, 1)), ("dt_bias", (H * D,))):
-                    if f"{attn}.{name}" in out and out[f"{attn}.{name}"].size == _size(shape):
+                    if f"{attn}.{name}" in out and out[f"{attn}.{name}"].size == math.prod(shape):
                         out[f"{attn}.{name}"] = out[f"{attn}.{name}"].reshape(shape)
             else:
                 split_kv_b(out, attn, num_heads=config.num_attention_heads, nope_dim=config.qk_nope_head_dim,
@@ -228,18 +230,8 @@ class Model(DecoderStack):
             if config.mlp_layer_types[i] == SPARSE:
                 stack_experts(out, f"model.layers.{i}.mlp", config.n_routed_experts,
                               names={"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
-                stack_experts(out, f"model.layers.{i}.mlp", config.n_routed_experts)
         return out
 
     def quant_overrides(self, group_size: int):
         """mlx-lm's choice for this family: the routers (`mlp.gate`) at 8 bits."""
-        from .quant import router_overrides
-
         return router_overrides(group_size)
-
-
-def _size(shape: tuple[int, ...]) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
