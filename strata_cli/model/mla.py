@@ -26,12 +26,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
 from metal_shaders import attention_window
 
 from .attention import causal_attention_cpu
 from .config import ConfigError
 from .layer_state import LatentState
 from .layers import PREFILL_MIN_ROWS, RMSNorm, RowLinear, RowSplit, by_row
+
 
 def expands(rows: int) -> bool:
     """Whether a call of `rows` rows attends with expanded keys and values: prompt chunks (shared by
