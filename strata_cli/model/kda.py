@@ -25,6 +25,11 @@ from .layers import RMSNorm, RowLinear
 l2_normalize = gdn_window.reference_l2_normalize
 
 
+def f32(x: mx.array) -> mx.array:
+    """x in float32 (itself when it is already: a cast is one more op per step)."""
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
 def kda_step_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
     """The rule one row at a time, float32. rows: q, k (B, T, H, D) l2-normalised (q scaled by
     D^-0.5), v (B, T, H, D), g (B, T, H, D) log-decays, beta (B, T, H); state (B, H, D, D).
@@ -134,16 +139,22 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = raw.shape
         H, D = self.num_heads, self.head_dim
         window = state.conv_window(raw)
-        weight = mx.concatenate([self.q_conv.conv.weight, self.k_conv.conv.weight, self.v_conv.conv.weight])
-        mixed = nn.silu(gdn_window.reference_causal_conv(window, weight[..., 0]))
+        mixed = nn.silu(gdn_window.reference_causal_conv(window, self.conv_weight()))
         q, k, v = (a.reshape(B, T, H, D) for a in mx.split(mixed, 3, axis=-1))
         q = l2_normalize(q) * D**-0.5
         k = l2_normalize(k)
-        g = forget.astype(mx.float32).reshape(B, T, H, D) + self.dt_bias.astype(mx.float32).reshape(H, D)
-        g = -mx.exp(self.A_log.astype(mx.float32).reshape(H, 1)) * nn.softplus(g)
-        beta = mx.sigmoid(b.astype(mx.float32))
+        g = f32(forget).reshape(B, T, H, D) + f32(self.dt_bias).reshape(H, D)
+        g = -mx.exp(f32(self.A_log).reshape(H, 1)) * nn.softplus(g)
         scan = chunked_kda_scan if T >= MIN_CHUNKED_ROWS else kda_step_scan
-        return state.recur(GDNRows(q, k, v.astype(mx.float32), g, beta), scan)
+        return state.recur(GDNRows(q, k, f32(v), g, mx.sigmoid(f32(b))), scan)
+
+    def conv_weight(self) -> mx.array:
+        """The three convs' weights as one (3C, K), made again only when a weight array changes."""
+        parts = (self.q_conv.conv.weight, self.k_conv.conv.weight, self.v_conv.conv.weight)
+        cached = self.__dict__.get("_conv_weight")
+        if cached is None or any(a is not b for a, b in zip(cached[0], parts)):
+            cached = self.__dict__["_conv_weight"] = (parts, mx.concatenate(parts)[..., 0])
+        return cached[1]
 
     def tail(self, y: mx.array, gate: mx.array) -> mx.array:
         """Rule outputs (B, T, H, D) float32 -> the gated norm in float32 -> (B, T, hidden)."""

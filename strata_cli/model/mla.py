@@ -218,8 +218,8 @@ class LatentAttention(nn.Module):
         T = q_first.shape[2]
         if self.rope is not None:
             q_pe, k_pe = self.rope(q_pe, state.offset), self.rope(k_pe, state.offset)
-        cells, _ = state.update_and_fetch(mx.concatenate([latent, k_pe.astype(latent.dtype)], axis=-1))
-        q = mx.concatenate([q_first, q_pe.astype(q_first.dtype)], axis=-1)
+        cells, _ = state.update_and_fetch(mx.concatenate([latent, k_pe], axis=-1))
+        q = mx.concatenate([q_first, q_pe], axis=-1)
         if expands(T):  # a prompt chunk: every cell's keys and values per head, once for the chunk
             latents, shared = cells[..., : self.kv_lora_rank], cells[..., self.kv_lora_rank :]
             k_nope = self.embed_q.untransposed(latents)  # (B, heads, L, nope)
