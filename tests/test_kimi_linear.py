@@ -37,6 +37,7 @@ from strata_cli.model.gdn import l2_normalize
 from strata_cli.model.kda import chunked_kda_scan, kda_step_scan
 from strata_cli.model.kimi_linear import Config
 from strata_cli.model.layer_state import GDNRows
+from strata_cli.model.layers import RowSplit
 from strata_cli.model.mla import MultiLinear, QuantizedMultiLinear
 from strata_cli.options import EngineOptions
 from strata_cli.tokenizer import Tokenizer
@@ -173,6 +174,13 @@ def test_the_model_has_both_state_kinds(model):
 def test_forced_rejection_matches_serial(model, serial, fold, partial, pos0):
     options = EngineOptions(fold=fold, partial=partial)
     assert check_forced_rejections(model, options, serial, pos0, TOL) == sum(range(2, 9))
+
+
+@pytest.mark.parametrize("pos0", [8, 11], ids=lambda p: f"pos0%4={p % 4}")
+def test_forced_rejection_with_rows_split(model, serial, pos0, monkeypatch):
+    """Every window row's projections and attention alone, as on a GPU (`RowSplit` "always")."""
+    monkeypatch.setattr(RowSplit, "mode", "always")
+    assert check_forced_rejections(model, EngineOptions(), serial, pos0, TOL) == sum(range(2, 9))
 
 
 def test_session_round_trip(model, serial, tmp_path):
