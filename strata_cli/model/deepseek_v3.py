@@ -28,9 +28,8 @@ from .moe import SparseMoeBlock, SwitchGLU, weighted_sum
 from .qwen3_5 import MtpWeights
 from .sigmoid_routing import GroupLimitedTopK
 
-# The MTP layer's own tensors besides its decoder layer (DeepSeek-V3's `model.layers.61.*`);
-# `embed_tokens` and `shared_head.head` repeat the model's and some checkpoints leave them out.
-MTP_EXTRA = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+# An MTP layer's tensors that repeat the model's (DeepSeek-V3's `model.layers.61.*` holds them;
+# some checkpoints leave them out).
 MTP_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")
 
 
@@ -181,14 +180,12 @@ class DecoderLayer(PreNormLayer):
         return self.mlp
 
 
-def mtp_shapes(config: DeepseekV3Config, *, optional: bool = True) -> dict[str, tuple[int, ...]]:
+def mtp_shapes(config: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     """The MTP tensors under `mtp.layers.i.*` as `sanitize` names them: a MoE decoder layer (experts
-    stacked, `kv_b_proj` split) plus `MTP_EXTRA` (and `MTP_OPTIONAL` when `optional`)."""
+    stacked, `kv_b_proj` split), `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and `MTP_OPTIONAL`."""
     H, V = config.hidden_size, config.vocab_size
     extra = {"enorm.weight": (H,), "hnorm.weight": (H,), "eh_proj.weight": (H, 2 * H),
-             "shared_head.norm.weight": (H,)}
-    if optional:
-        extra.update({"embed_tokens.weight": (V, H), "shared_head.head.weight": (V, H)})
+             "shared_head.norm.weight": (H,), "embed_tokens.weight": (V, H), "shared_head.head.weight": (V, H)}
     layer = DecoderLayer(config, config.num_hidden_layers)
     shapes = {}
     for i in range(config.num_nextn_predict_layers):
