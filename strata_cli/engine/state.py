@@ -203,6 +203,57 @@ class KVState:
         }
 
 
+class LatentKVState(KVState):
+    """Multi-head latent attention's cache (DeepSeek-V3, Kimi): one array of cells, each the
+    normalised KV latent and the rotated shared key side by side (B, 1, capacity, r + d_rope).
+
+    Positional rollback, as `KVState`: a window writes its rows into the cells past the committed
+    length and commit moves the length. There are no separate values (they are the latent, read
+    back through the layer's own projections), so the values slot stays empty.
+    """
+
+    def update_and_fetch(self, cells: mx.array, values: None = None) -> tuple[mx.array, None]:
+        """Write the window's (B, 1, T, W) cells; return cells 0..pos0+T-1 (and no values)."""
+        pos0, T, mode = self._window
+        end = pos0 + T
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if end > capacity:
+            B, H, _, W = cells.shape
+            fresh = mx.zeros((B, H, -(-end // KV_STEP) * KV_STEP - capacity, W), dtype=cells.dtype)
+            self.keys = fresh if self.keys is None else mx.concatenate([self.keys, fresh], axis=2)
+        self.keys = mx.slice_update(self.keys, cells, mx.array([pos0]), axes=(2,))
+        if mode is Mode.PARTIAL:
+            self.length = pos0 + 1
+        elif mode is Mode.COMMIT_ALL:
+            self.length = end
+        return self.keys[..., :end, :], None
+
+    @staticmethod
+    def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None:
+        """Why `snap` cannot be this state after `length` positions, or None: cells
+        (B, 1, capacity >= length, W) of the model's dtype, an empty values slot, the length."""
+        if len(snap) != 3:
+            return f"{len(snap)} slots, a latent KV state has 3 (cells, empty, length)"
+        cells, values, n = snap
+        if length == 0 and cells is None and values is None and n == 0:
+            return None
+        if type(n) is not int or n != length:
+            return f"length slot is {slot_kind(n)}, the checkpoint holds {length} positions"
+        if values is not None:
+            return f"values slot is {slot_kind(values)}, a latent KV state keeps none"
+        B, H, _, W = like[0].shape
+
+        def fits(shape: tuple[int, ...]) -> bool:
+            return len(shape) == 4 and (shape[0], shape[1], shape[3]) == (B, H, W) and shape[2] >= length
+
+        return check_array("cells", cells, like[0], shape_text=f"({B}, {H}, N, {W}) with N >= {length}", fits=fits)
+
+    def tensors(self) -> dict[str, mx.array]:
+        if self.keys is None:
+            return {}
+        return {"latent": self.keys[..., : self.length, :]}
+
+
 class GDNState:
     """Gated-delta-rule recurrent state `S` and the causal conv's input history.
 

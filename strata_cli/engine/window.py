@@ -35,7 +35,7 @@ import mlx.core as mx
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
 from .compressed_state import CompressedAttentionState
-from .state import ArraySpec, GDNState, KVState, Mamba2State, Mode
+from .state import ArraySpec, GDNState, KVState, LatentKVState, Mamba2State, Mode
 
 # Prompt rows per chunk on a GPU: on the H200 (80B-A3B shape, 4,096 tokens) 2,048-row chunks
 # prefill at 7,699 tok/s against 6,736 with PREFILL_CHUNK's 512 (docs/benchmarks.md, "H200:
@@ -98,6 +98,8 @@ class Snapshot:
 def make_state(kind: str, params: dict, options: EngineOptions):
     if kind == "kv":
         return KVState()
+    if kind == "latent_kv":
+        return LatentKVState()
     if kind == "gdn":
         return GDNState(params["conv_kernel"], lazy=options.fold == "lazy")
     if kind == "mamba2":

@@ -32,7 +32,8 @@ def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: f
                          window: int | None = None) -> mx.array:
     """Causal attention of a prompt chunk as plain matmuls, for MLX's CPU backend.
 
-    q (B, Hq, T, D); keys, values (B, Hkv, L, D), the T query rows at the last T cells. The same
+    q (B, Hq, T, D); keys (B, Hkv, L, D), values (B, Hkv, L, Dv), the T query rows at the last T
+    cells. The same
     sums as `mx.fast.scaled_dot_product_attention` (bit-identical in float32 on the CPU), faster
     there for two reasons (docs/benchmarks.md, "CPU prefill pieces"): MLX's CPU matmul runs 2-3x
     slower with a transposed right operand, so scores use a contiguous Kᵀ with the query heads of
@@ -50,6 +51,7 @@ def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: f
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     r, P = Hq // Hkv, L - T
+    Dv = values.shape[-1]
     kt = mx.contiguous(keys.swapaxes(-1, -2))  # (B, Hkv, D, L)
     q = (q * scale).reshape(B, Hkv, r, T, D)
     outs, streams = [], prompt_streams()
@@ -72,8 +74,8 @@ def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: f
             if sink_logits is not None:
                 weights = weights[..., :-1]
             weights = weights.reshape(B, Hkv, r * n, seen - first)
-            outs.append((weights @ values[:, :, first:seen]).reshape(B, Hkv, r, n, D))
-    return mx.concatenate(outs, axis=3).reshape(B, Hq, T, D)
+            outs.append((weights @ values[:, :, first:seen]).reshape(B, Hkv, r, n, Dv))
+    return mx.concatenate(outs, axis=3).reshape(B, Hq, T, Dv)
 
 
 class GatedAttention(nn.Module):

@@ -70,7 +70,8 @@ def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
     """`attention.causal_attention_cpu`'s blocked causal attention, in numpy (same contract,
     sinks and sliding window included).
 
-    q (B, Hq, T, D); keys, values (B, Hkv, L, D), the T query rows at the last T cells. The
+    q (B, Hq, T, D); keys (B, Hkv, L, D), values (B, Hkv, L, Dv), the T query rows at the last T
+    cells. The
     query heads of a KV head are stacked as rows, and each block of `block` query rows multiplies
     only the keys it can see; softmax in float32 with the row maximum subtracted.
     """
@@ -79,9 +80,10 @@ def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
     Hkv, L = keys.shape[1], keys.shape[2]
     r, P = Hq // Hkv, L - T
     qs = (np.asarray(q) * np.float32(scale)).reshape(B, Hkv, r, T, D)
-    kt, v = np.asarray(keys).swapaxes(-1, -2), np.asarray(values)  # (B, Hkv, D, L), (B, Hkv, L, D)
+    kt, v = np.asarray(keys).swapaxes(-1, -2), np.asarray(values)  # (B, Hkv, D, L), (B, Hkv, L, Dv)
+    Dv = v.shape[-1]
     sink = None if sinks is None else np.asarray(sinks.astype(mx.float32)).reshape(1, Hkv, r, 1, 1)
-    out = np.empty((B, Hkv, r, T, D), dtype=np.float32)
+    out = np.empty((B, Hkv, r, T, Dv), dtype=np.float32)
     for s in range(0, T, block):
         e = min(T, s + block)
         n, seen = e - s, P + e  # rows of this block; keys its last row sees
@@ -101,5 +103,5 @@ def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
         if sink is not None:
             total += np.exp(sink - top)
         scores /= total
-        out[:, :, :, s:e] = (scores.reshape(B, Hkv, r * n, seen - first) @ v[:, :, first:seen]).reshape(B, Hkv, r, n, D)
-    return mx.array(out.reshape(B, Hq, T, D))
+        out[:, :, :, s:e] = (scores.reshape(B, Hkv, r * n, seen - first) @ v[:, :, first:seen]).reshape(B, Hkv, r, n, Dv)
+    return mx.array(out.reshape(B, Hq, T, Dv))

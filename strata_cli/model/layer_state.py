@@ -39,6 +39,17 @@ class SlidingAttentionState(Protocol):
         over (B, H_kv, L, D) and a (T, L) bool mask of the cells each row sees."""
 
 
+class LatentState(Protocol):
+    """The compressed cells of a multi-head latent attention layer (DeepSeek-V3, Kimi)."""
+
+    @property
+    def offset(self) -> int:
+        """Absolute position of the window's first row (its rotary offset)."""
+
+    def update_and_fetch(self, cells: mx.array) -> tuple[mx.array, None]:
+        """Write the window's (B, 1, T, W) cells; return every cell up to its end (and None)."""
+
+
 @dataclass(frozen=True)
 class GDNRows:
     """Per-row inputs of the gated-delta recurrence, after the causal conv.

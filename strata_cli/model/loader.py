@@ -31,7 +31,9 @@ from .quant import (
 # model_type -> module in strata_cli.model
 ARCHITECTURES = {"qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
                  "nemotron_h": "nemotron_h", "granitemoehybrid": "granitemoehybrid", "glm4_moe": "glm4_moe",
-                 "gpt_oss": "gpt_oss", "deepseek_v4": "deepseek_v4"}
+                 "gpt_oss": "gpt_oss", "deepseek_v4": "deepseek_v4", "deepseek_v3": "deepseek_v3",
+                 "kimi_linear": "kimi_linear",
+                 "kimi_k2": "deepseek_v3"}  # Kimi-K2's config.json names DeepSeek-V3's architecture so
 # Qwen3.5 / 3.6, dense and MoE: the multimodal checkpoints' model_type and transformers' text-only ones.
 ARCHITECTURES.update(dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "qwen3_5"))
 # config.json key that marks strata's own layout (already sanitized), and its version:

@@ -26,6 +26,7 @@ from .layers import (
     swiglu,
     transposed,
 )
+from .sigmoid_routing import GroupLimitedTopK
 
 
 def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool = True,
@@ -242,8 +243,8 @@ class SigmoidTopkRouter(nn.Module):
                              f"topk_group ({topk_group}) are kept")
         if top_k > topk_group * (num_experts // n_group):
             raise ValueError(f"num_experts_per_tok ({top_k}) exceeds the experts of topk_group ({topk_group}) groups")
-        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
-        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, float(routed_scaling_factor)
+        self.top_k = top_k
+        self.rule = GroupLimitedTopK(top_k, n_group, topk_group, norm_topk_prob, float(routed_scaling_factor))
         self.weight = mx.zeros((num_experts, hidden_size))
         self.e_score_correction_bias = mx.zeros((num_experts,))
 
@@ -252,21 +253,13 @@ class SigmoidTopkRouter(nn.Module):
         weight = self.weight.astype(mx.float32)
         return by_row(lambda rows: rows.astype(mx.float32) @ weight.T, x)
 
+    def scores(self, x: mx.array) -> mx.array:
+        """x (N, H) -> sigmoid scores (N, E), float32."""
+        return mx.sigmoid(self(x))
+
     def select(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
-        scores = mx.sigmoid(self(x))
-        choice = scores + self.e_score_correction_bias.astype(mx.float32)
-        if self.n_group > 1:
-            N, E = choice.shape
-            group_scores = mx.topk(choice.reshape(N, self.n_group, -1), 2, axis=-1).sum(axis=-1)  # (N, groups)
-            threshold = mx.sort(group_scores, axis=-1)[:, self.n_group - self.topk_group, None]
-            kept = mx.repeat(group_scores >= threshold, E // self.n_group, axis=-1)
-            choice = mx.where(kept, choice, -mx.inf)
-        inds = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
-        weights = mx.take_along_axis(scores, inds, axis=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return inds, weights * self.routed_scaling_factor
+        return self.rule(self.scores(x), self.e_score_correction_bias)
 
 
 class SparseMoeBlock(nn.Module):
