@@ -20,6 +20,7 @@ from .layers import (
     RMSNorm,
     RowLinear,
     RowSplit,
+    project,
     prompt_streams,
     sigmoid_gate,
 )
@@ -101,15 +102,15 @@ class GatedAttention(nn.Module):
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
         """x (B, T, H) -> the core's inputs (q, k, v (B, heads, T, D)) and the tail's (the gate)."""
         B, T, _ = x.shape
-        q = self.q_proj(x)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         gate = ()
         if self.output_gate:  # per head: [query | gate]
             q, g = mx.split(q.reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
             gate = (g.reshape(B, T, -1),)
         else:
             q = q.reshape(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         return tuple(a.transpose(0, 2, 1, 3) for a in (q, k, v)), gate  # (B, heads, T, D)

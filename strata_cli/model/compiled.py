@@ -20,7 +20,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import WINDOW_ROWS, RowSplit
+from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RowSplit, host_window
 
 
 class LayerCompile:
@@ -31,7 +31,15 @@ class LayerCompile:
 
     @classmethod
     def applies(cls, x: mx.array) -> bool:
-        return cls.mode == "always" and 0 < x.size // x.shape[-1] <= WINDOW_ROWS
+        return cls.mode == "always" and 0 < x.size // x.shape[-1] <= WINDOW_ROWS and not host_window(x)
+
+    @classmethod
+    def applies_to_state(cls, rows: int) -> bool:
+        """Whether a CPU call of `rows` rows, fewer than a prompt-sized one (decode windows, and
+        short prompt chunks, which must still equal serial steps), runs its recurrence's pure
+        steps from traces (model/gdn.py): inputs and state go in and come out as arrays, so the
+        state's rules are untouched. CPU only: GPU backends have the GDN window kernels."""
+        return cls.mode == "always" and 0 < rows < PREFILL_MIN_ROWS and mx.default_device() == mx.cpu
 
 
 def identity(module: nn.Module) -> tuple:

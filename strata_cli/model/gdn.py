@@ -21,7 +21,8 @@ from metal_shaders import gdn_window
 
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_scan_over_streams
 from .layer_state import GDNRows, RecurrentState
-from .layers import GatedRMSNorm, RowLinear, RowSplit
+from .compiled import LayerCompile
+from .layers import GatedRMSNorm, RowLinear, RowSplit, project
 
 l2_normalize = gdn_window.reference_l2_normalize
 
@@ -40,6 +41,42 @@ def gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array
         outputs (B, T, Hv, Dv) float32 and the state after the last row.
     """
     return gdn_window.reference_scan(rows.q, rows.k, rows.v, rows.g, rows.beta, state)
+
+
+@mx.compile
+def scan_row(q: mx.array, k: mx.array, v: mx.array, decay: mx.array, beta: mx.array,
+             S: mx.array) -> tuple[mx.array, mx.array]:
+    """One row of the gated delta rule (`gdn_window.reference_scan`'s loop body): q, k (B, Hv,
+    Dk), v (B, Hv, Dv), decay, beta (B, Hv), S (B, Hv, Dk, Dv) -> y (B, Hv, Dv) and the new S."""
+    k = k[..., None]
+    S = S * decay[..., None, None]
+    delta = (v - (S * k).sum(axis=-2)) * beta[..., None]
+    S = S + k * delta[:, :, None, :]
+    return (S * q[..., None]).sum(axis=-2), S
+
+
+def compiled_gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
+    """`gated_delta_scan` with each row one call of the compiled `scan_row`: a CPU decode
+    window's scan (and its commit folds) as a few fused kernels a row instead of ~25 ops.
+    A T-row window is T calls of the one-row trace serial decoding makes, so its rows and its
+    final state are the serial ones bit for bit (a trace over several rows would fuse one row's
+    update into the next row's arithmetic)."""
+    q, k = rows.q, rows.k
+    Hk, Hv = k.shape[2], rows.v.shape[2]
+    if Hv != Hk:  # each key head serves Hv/Hk consecutive value heads
+        q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
+    decay = mx.exp(rows.g)
+    outputs, S = [], state
+    for t in range(q.shape[1]):
+        y, S = scan_row(q[:, t], k[:, t], rows.v[:, t], decay[:, t], rows.beta[:, t], S)
+        outputs.append(y)
+    return mx.stack(outputs, axis=1), S
+
+
+@lru_cache
+def compiled_prepare(num_k_heads: int, head_k_dim: int):
+    """`gdn_window.reference_prepare` for these heads, compiled (traced per window size)."""
+    return mx.compile(partial(gdn_window.reference_prepare, num_k_heads=num_k_heads, head_k_dim=head_k_dim))
 
 
 def kernel_gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
@@ -120,8 +157,7 @@ class GatedDeltaNet(nn.Module):
         raw_cols, z_cols, b_cols, a_cols = projection_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim,
                                                               self.head_v_dim)
         B, T, _ = x.shape
-        qkvz = self.in_proj_qkvz(x)
-        ba = self.in_proj_ba(x)
+        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
         take = partial(mx.take_along_axis, axis=-1)  # one GatherAxis each (mx.take adds a transpose, a squeeze)
         z = take(qkvz, z_cols).reshape(B, T, self.num_v_heads, self.head_v_dim)
         return take(qkvz, raw_cols), z, take(ba, b_cols), take(ba, a_cols)
@@ -144,13 +180,20 @@ class GatedDeltaNet(nn.Module):
         T = raw.shape[1]
         window = state.conv_window(raw)
         is_kernel = self.takes_kernels(T)
-        prepare = gdn_window.gdn_prepare if is_kernel else gdn_window.reference_prepare
-        q, k, v, g, beta = prepare(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias,
-                                   num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim)
+        heads = {"num_k_heads": self.num_k_heads, "head_k_dim": self.head_k_dim}
+        if is_kernel:
+            prepare = partial(gdn_window.gdn_prepare, **heads)
+        elif LayerCompile.applies_to_state(T):
+            prepare = compiled_prepare(self.num_k_heads, self.head_k_dim)
+        else:
+            prepare = partial(gdn_window.reference_prepare, **heads)
+        q, k, v, g, beta = prepare(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias)
         # Prompt chunks take the chunked form; decode windows keep the exact per-row scan (the
         # state's commit folds reuse the same `scan`, so they repeat the window's arithmetic).
         if is_kernel:
             scan = kernel_gated_delta_scan
+        elif LayerCompile.applies_to_state(T):
+            scan = compiled_gated_delta_scan
         else:
             scan = chunked_scan_over_streams if T >= MIN_CHUNKED_ROWS else gated_delta_scan
         return state.recur(GDNRows(q, k, v, g, beta), scan)

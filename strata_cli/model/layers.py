@@ -45,6 +45,25 @@ def silu_gate_f32(normed: mx.array, weight: mx.array, gate: mx.array) -> mx.arra
     return ((weight * normed).astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(gate.dtype)
 
 
+@lru_cache
+def cpu_rms_norm(eps: float, weighted: bool) -> Callable:
+    """`mx.fast.rms_norm`'s sums for the CPU backend, compiled: there MLX runs the fast op as
+    its ~11-op decomposition, here the elementwise part after the sum is one kernel."""
+    def norm(x: mx.array, *weight: mx.array) -> mx.array:
+        x32 = x.astype(mx.float32)
+        out = (x32 * mx.rsqrt(mx.mean(mx.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+        return out * weight[0] if weighted else out
+    return mx.compile(norm, shapeless=True)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """RMS normalisation over the last axis (times `weight` where given): MLX's fast op on GPU
+    backends, `cpu_rms_norm` on the CPU."""
+    if mx.default_device() != mx.cpu:
+        return mx.fast.rms_norm(x, weight, eps)
+    return cpu_rms_norm(eps, weight is not None)(x, *(() if weight is None else (weight,)))
+
+
 class RowSplit:
     """Whether a small window's matmuls and attention run one row at a time.
 
@@ -124,6 +143,26 @@ def over_streams(fn: Callable[..., mx.array], *arrays: mx.array) -> mx.array:
     return mx.concatenate(parts)
 
 
+def host_window(x: mx.array) -> bool:
+    """Whether `x` holds fewer rows than a prompt-sized call (decode windows, and prompt chunks
+    too short for the prompt path, so that those still equal serial steps bit for bit) whose
+    float32 linears run as numpy matrix-vector products (`host_blas.rows_linears`): on the CPU
+    backend, where MLX's BLAS is the slow reference one (docs/benchmarks.md, "CPU decode
+    windows through numpy")."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    return (0 < rows < PREFILL_MIN_ROWS and x.dtype == mx.float32 and host_blas.HostBlas.windows
+            and mx.default_device() == mx.cpu and host_blas.HostBlas.takes(x))
+
+
+def project(x: mx.array, *linears: nn.Module) -> tuple[mx.array, ...]:
+    """Each of `linears` applied to `x`: on the host path (`host_window`) with one read of x for
+    them all, each product computed exactly as the linear alone computes it."""
+    if host_window(x) and all(type(linear) is RowLinear and linear.weight.dtype == mx.float32
+                              for linear in linears):
+        return tuple(host_blas.rows_linears(x, [(linear.weight, linear.get("bias")) for linear in linears]))
+    return tuple(linear(x) for linear in linears)
+
+
 class Transposed:
     """A weight with its last two axes swapped, contiguous, made once per weight array.
 
@@ -161,6 +200,8 @@ class RowLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         K = x.shape[-1]
+        if host_window(x) and self.weight.dtype == mx.float32:
+            return host_blas.rows_linears(x, [(self.weight, self.get("bias"))])[0]
         if _kernel_rows(x) and kernels.supports(K):
             y = kernels.rows_matvec(x, self.weight)
             return y + self.bias if "bias" in self else y
@@ -201,7 +242,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -214,7 +255,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return silu_gate_f32(mx.fast.rms_norm(rounded_f32(x, gate), None, self.eps), self.weight, gate)
+        return silu_gate_f32(rms_norm(rounded_f32(x, gate), None, self.eps), self.weight, gate)
 
 
 class MLP(nn.Module):
@@ -227,7 +268,7 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(*project(x, self.gate_proj, self.up_proj)))
 
 
 class DecoderStack(nn.Module):
@@ -265,5 +306,8 @@ class DecoderStack(nn.Module):
             h = h[:, -1:]
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
-            return by_row(self.model.embed_tokens.as_linear, h)
+            embed = self.model.embed_tokens
+            if host_window(h) and type(embed) is nn.Embedding and embed.weight.dtype == mx.float32:
+                return host_blas.rows_linears(h, [(embed.weight, None)])[0]
+            return by_row(embed.as_linear, h)
         return self.lm_head(h)

@@ -22,6 +22,7 @@ from .layers import (
     RowSplit,
     is_cpu_prompt,
     over_streams,
+    project,
     swiglu,
     transposed,
 )
@@ -248,7 +249,11 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        return self.route_logits(self.gate(x))
+
+    def route_logits(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The router's logits (N, E) -> expert ids (N, k) and their weights (N, k), float32."""
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         if self.routing_policy is None:
             inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
             weights = mx.take_along_axis(probs, inds, axis=-1)
@@ -262,11 +267,16 @@ class SparseMoeBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        inds, weights = self.route(x)
+        if "shared_expert" not in self:
+            inds, weights = self.route(x)
+            return weighted_sum(self.switch_mlp(x, inds), weights).reshape(shape)
+        # The router and the shared expert's input projections read x together (`project`).
+        shared = self.shared_expert
+        logits, gate, up, shared_gate = project(x, self.gate, shared.gate_proj, shared.up_proj,
+                                                self.shared_expert_gate)
+        inds, weights = self.route_logits(logits)
         y = weighted_sum(self.switch_mlp(x, inds), weights)
-        if "shared_expert" in self:
-            y = add_gated(y, self.shared_expert(x), self.shared_expert_gate(x))
-        return y.reshape(shape)
+        return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
 
 
 def weighted_sum(picks: mx.array, weights: mx.array) -> mx.array:
