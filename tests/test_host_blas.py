@@ -189,3 +189,12 @@ def test_numpy_blas_runs_on_one_thread_unless_the_user_chose(monkeypatch):
     assert calls == [{"limits": 1, "user_api": "blas"}]
     host_blas.one_thread.cache_clear()
     assert any(pool["user_api"] == "blas" for pool in threadpool_info())  # numpy's BLAS is one it can limit
+
+
+def test_a_replaced_window_weight_is_seen(numpy_blas):
+    """The numpy view of a weight is cached per module and remade when the weight is replaced."""
+    layer = RowLinear(8, 4, bias=False)
+    x = mx.random.normal((1, 2, 8), key=mx.random.key(6))
+    before = layer(x)
+    layer.weight = layer.weight * 2.0
+    assert mx.array_equal(layer(x), before * 2.0).item()

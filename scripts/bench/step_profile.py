@@ -54,7 +54,9 @@ from scripts.bench.graph_ops import count_step
 from scripts.bench.step_ops import SHAPE as SMALL_SHAPE
 from strata_cli.bench.runner import git_commit
 from strata_cli.engine.window import WindowEngine
+from strata_cli.model import host_blas
 from strata_cli.model.compiled import LayerCompile
+from strata_cli.model.host_blas import HostBlas
 from strata_cli.options import EngineOptions
 from strata_cli.runtime import embedded_model_path, load_checkpoint
 
@@ -192,19 +194,33 @@ def window_times(w: Windows, T: int, n: int, warmup: int) -> dict:
 
 
 def op_counts(w: Windows, model, T: int) -> dict:
-    """Primitives of one window as it runs (compiled) and, built eagerly, by kind."""
+    """Primitives of one window as it runs (compiled) and, built eagerly, by kind.
+
+    Where the window's linears run in numpy (the CPU's `host_blas.rows_linears`), the graph is
+    evaluated in pieces, one at each read back (`host_reads`): `ops` then sums the pieces, and
+    the eager count by kind is of the same window with its linears in MLX (`ops_by_kind`
+    includes their matmuls; `host_linears` says how many left the graph)."""
     w.reset()
     w.one(T)  # the compiled functions of this T traced
     counts = {}
+    pieces = {"ops": 0, "reads": 0, "linears": 0}
 
     def counting_eval(*args):
         counts["graph"] = count_step(arrays_in(list(args)), parts)
         real_eval(*args)
 
+    def counting_rows_linears(x, weights):
+        pieces["ops"] += count_step([x], []).total
+        pieces["reads"] += 1
+        pieces["linears"] += len(weights)
+        return real_rows_linears(x, weights)
+
     parts: list[tuple[str, mx.array]] = []
-    with mock.patch.object(mx, "eval", counting_eval):
+    real_rows_linears = host_blas.rows_linears
+    with mock.patch.object(mx, "eval", counting_eval), \
+            mock.patch.object(host_blas, "rows_linears", counting_rows_linears):
         w.one(T)
-    compiled_ops = counts["graph"].total
+    compiled_ops = counts["graph"].total + pieces["ops"]
     parts = []
 
     def recording(kind, original, self, args, kwargs):
@@ -213,13 +229,14 @@ def op_counts(w: Windows, model, T: int) -> dict:
         return out
 
     with wrapped_parts(model, recording), mock.patch.object(LayerCompile, "mode", "never"), \
-            mock.patch.object(mx, "eval", counting_eval):
+            mock.patch.object(mx, "eval", counting_eval), mock.patch.object(HostBlas, "windows", False):
         parts.clear()
         w.one(T)
     eager = counts["graph"]
     per_layer = layer_counts(model)
     by_kind = dict(sorted(eager.by_part.items()))
-    return {"ops": compiled_ops, "ops_eager": eager.total, "ops_by_kind": by_kind,
+    return {"ops": compiled_ops, "host_reads": pieces["reads"], "host_linears": pieces["linears"],
+            "ops_eager": eager.total, "ops_by_kind": by_kind,
             "ops_per_layer": {k: round(v / per_layer[k], 1) for k, v in by_kind.items() if k in per_layer},
             "primitives": dict(eager.by_primitive.most_common())}
 
@@ -297,7 +314,8 @@ def profile(args) -> dict:
             entry["windows"].append(row)
             top = sorted(row["ms_by_kind"].items(), key=lambda kv: -kv[1])[:6]
             print(f"{name} {dtype} T={T}: window {row['window_ms']:.2f} ms (build {row['build_ms']:.2f}, eval "
-                  f"{row['eval_ms']:.2f}, commit {row['commit_ms']:.2f}); ops {row['ops']} (eager "
+                  f"{row['eval_ms']:.2f}, commit {row['commit_ms']:.2f}); ops {row['ops']} ({row['host_reads']} host "
+                  f"reads of {row['host_linears']} linears; eager, linears in MLX: "
                   f"{row['ops_eager']}); by kind ms: " + ", ".join(f"{k} {v:.2f}" for k, v in top), flush=True)
             print("   ops per layer: " + ", ".join(f"{k} {v}" for k, v in row["ops_per_layer"].items()), flush=True)
         base = entry["windows"][0]["window_ms"]

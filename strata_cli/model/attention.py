@@ -8,6 +8,9 @@ matmuls) whole.
 
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -59,6 +62,31 @@ def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: f
             weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, r * n, seen)
             outs.append((weights @ values[:, :, :seen]).reshape(B, Hkv, r, n, D))
     return mx.concatenate(outs, axis=3).reshape(B, Hq, T, D)
+
+
+@lru_cache
+def cpu_rope(dims: int, base: float) -> Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array]]:
+    """Rotary embedding (not traditional, scale 1) of q and k at positions offset.., compiled:
+    for the CPU's short calls (decode windows and short prompt chunks), where MLX runs
+    `mx.fast.rope` as a ~30-op decomposition per call. A row's angles are (offset + i)·freq
+    whatever T is, and each element's arithmetic is the same in every trace, so rows stay
+    row-invariant."""
+    half = dims // 2
+    inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))  # transformers' form
+    mx.eval(inv_freq)
+
+    def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        x1, x2 = x[..., :half], x[..., half:dims]
+        rotated = [(x1 * cos - x2 * sin).astype(x.dtype), (x1 * sin + x2 * cos).astype(x.dtype)]
+        return mx.concatenate(rotated + ([x[..., dims:]] if x.shape[-1] > dims else []), axis=-1)
+
+    def rope(q: mx.array, k: mx.array, offset: mx.array) -> tuple[mx.array, mx.array]:
+        positions = (offset + mx.arange(q.shape[-2], dtype=mx.int32)).astype(mx.float32)
+        theta = positions[:, None] * inv_freq  # (T, dims/2)
+        cos, sin = mx.cos(theta), mx.sin(theta)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    return mx.compile(rope)
 
 
 class GatedAttention(nn.Module):
@@ -119,7 +147,9 @@ class GatedAttention(nn.Module):
         """Rotary at the state's offset, the window's KV written, attention -> (B, T, heads·D)."""
         B, _, T, _ = q.shape
         offset = state.offset
-        if self.rotary_dim:  # 0: no positional embedding (Nemotron-H, Granite-4.0-H's NoPE)
+        if self.rotary_dim and T < PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
+            q, k = cpu_rope(self.rotary_dim, float(self.rope_theta))(q, k, mx.array(offset, dtype=mx.int32))
+        elif self.rotary_dim:  # 0: no positional embedding (Nemotron-H, Granite-4.0-H's NoPE)
             q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
             k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         keys, values = state.update_and_fetch(k, v)

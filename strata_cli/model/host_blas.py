@@ -94,7 +94,23 @@ def causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
     return mx.array(out.reshape(B, Hq, T, D))
 
 
-def rows_linears(x: mx.array, weights: list[tuple[mx.array, mx.array | None]]) -> list[mx.array]:
+class HostView:
+    """A weight's numpy view (`np.asarray` of the evaluated MLX array: no copy), made once per
+    weight array; remade when the module's weight is replaced (loading, `set_dtype`). A plain
+    object, so `nn.Module` never takes it for a parameter."""
+
+    __slots__ = ("source", "value")
+
+    def __init__(self):
+        self.source = self.value = None
+
+    def of(self, weight: mx.array) -> np.ndarray:
+        if self.source is not weight:
+            self.source, self.value = weight, np.asarray(weight)
+        return self.value
+
+
+def rows_linears(x: mx.array, weights: list[tuple[np.ndarray | mx.array, mx.array | None]]) -> list[mx.array]:
     """x (..., K) @ weight (N, K)ᵀ (+ bias) for each (weight, bias), each row of x its own
     matrix-vector product: a decode window's linears.
 

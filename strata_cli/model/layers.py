@@ -8,6 +8,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from metal_shaders import rows_matvec as kernels
 
@@ -154,12 +155,20 @@ def host_window(x: mx.array) -> bool:
             and mx.default_device() == mx.cpu and host_blas.HostBlas.takes(x))
 
 
+def host_weight(module: nn.Module) -> np.ndarray:
+    """`module.weight` as a numpy view, cached on the module (`host_blas.HostView`)."""
+    view = module.__dict__.get("_host_view")
+    if view is None:
+        view = module.__dict__["_host_view"] = host_blas.HostView()
+    return view.of(module.weight)
+
+
 def project(x: mx.array, *linears: nn.Module) -> tuple[mx.array, ...]:
     """Each of `linears` applied to `x`: on the host path (`host_window`) with one read of x for
     them all, each product computed exactly as the linear alone computes it."""
     if host_window(x) and all(type(linear) is RowLinear and linear.weight.dtype == mx.float32
                               for linear in linears):
-        return tuple(host_blas.rows_linears(x, [(linear.weight, linear.get("bias")) for linear in linears]))
+        return tuple(host_blas.rows_linears(x, [(host_weight(linear), linear.get("bias")) for linear in linears]))
     return tuple(linear(x) for linear in linears)
 
 
@@ -201,7 +210,7 @@ class RowLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         K = x.shape[-1]
         if host_window(x) and self.weight.dtype == mx.float32:
-            return host_blas.rows_linears(x, [(self.weight, self.get("bias"))])[0]
+            return host_blas.rows_linears(x, [(host_weight(self), self.get("bias"))])[0]
         if _kernel_rows(x) and kernels.supports(K):
             y = kernels.rows_matvec(x, self.weight)
             return y + self.bias if "bias" in self else y
@@ -308,6 +317,6 @@ class DecoderStack(nn.Module):
         if self.config.tie_word_embeddings:
             embed = self.model.embed_tokens
             if host_window(h) and type(embed) is nn.Embedding and embed.weight.dtype == mx.float32:
-                return host_blas.rows_linears(h, [(embed.weight, None)])[0]
+                return host_blas.rows_linears(h, [(host_weight(embed), None)])[0]
             return by_row(embed.as_linear, h)
         return self.lm_head(h)

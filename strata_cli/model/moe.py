@@ -15,11 +15,13 @@ import numpy as np
 
 from metal_shaders import rows_matvec as kernels
 
+from .compiled import Compiled, LayerCompile
 from .layers import (
     MLP,
     WINDOW_ROWS,
     RowLinear,
     RowSplit,
+    host_window,
     is_cpu_prompt,
     over_streams,
     project,
@@ -274,9 +276,19 @@ class SparseMoeBlock(nn.Module):
         shared = self.shared_expert
         logits, gate, up, shared_gate = project(x, self.gate, shared.gate_proj, shared.up_proj,
                                                 self.shared_expert_gate)
-        inds, weights = self.route_logits(logits)
-        y = weighted_sum(self.switch_mlp(x, inds), weights)
+        routed = self.routed
+        if host_window(x) and self.compilable and LayerCompile.mode == "always":  # ends run eagerly there
+            compiled = self.__dict__.get("_compiled")
+            if compiled is None:
+                compiled = self.__dict__["_compiled"] = Compiled(self, self.routed)
+            routed = compiled.functions()[0]
+        y = routed(x, logits)
         return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
+
+    def routed(self, x: mx.array, logits: mx.array) -> mx.array:
+        """x (N, H) and the router's logits -> the routed experts' weighted sum (N, H)."""
+        inds, weights = self.route_logits(logits)
+        return weighted_sum(self.switch_mlp(x, inds), weights)
 
 
 def weighted_sum(picks: mx.array, weights: mx.array) -> mx.array:
