@@ -169,9 +169,15 @@ class GatedAttention(nn.Module):
 
     def tail(self, out: mx.array, gate: mx.array | None = None) -> mx.array:
         """Attention output (B, T, heads·D), gated where the model gates it -> (B, T, H)."""
-        if gate is not None:
-            out = sigmoid_gate(out, gate)
-        return self.o_proj(out)
+        return self.o_proj(self.tail_input(out, gate))
+
+    def tail_input(self, out: mx.array, gate: mx.array | None = None) -> mx.array:
+        """The tail less its output projection (`out_projection`): the gate, where there is one."""
+        return out if gate is None else sigmoid_gate(out, gate)
+
+    @property
+    def out_projection(self) -> nn.Module:
+        return self.o_proj
 
     def __call__(self, x: mx.array, state: AttentionState) -> mx.array:
         core_in, tail_in = self.head(x)

@@ -13,6 +13,7 @@ row-invariant kernels instead (`gdn_prepare`, `gdn_scan`): ~37 tiny ops become t
 from __future__ import annotations
 
 from functools import lru_cache, partial
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,24 +44,26 @@ def gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array
     return gdn_window.reference_scan(rows.q, rows.k, rows.v, rows.g, rows.beta, state)
 
 
-@mx.compile
-def scan_row(q: mx.array, k: mx.array, v: mx.array, decay: mx.array, beta: mx.array,
-             S: mx.array) -> tuple[mx.array, mx.array]:
-    """One row of the gated delta rule (`gdn_window.reference_scan`'s loop body): q, k (B, Hv,
-    Dk), v (B, Hv, Dv), decay, beta (B, Hv), S (B, Hv, Dk, Dv) -> y (B, Hv, Dv) and the new S."""
-    k = k[..., None]
-    S = S * decay[..., None, None]
-    delta = (v - (S * k).sum(axis=-2)) * beta[..., None]
-    S = S + k * delta[:, :, None, :]
-    return (S * q[..., None]).sum(axis=-2), S
+@lru_cache
+def scan_row(t: int) -> Callable:
+    """Row t of the gated delta rule (`gdn_window.reference_scan`'s loop body), compiled:
+    (q, k (B, T, Hv, Dk), v (B, T, Hv, Dv), decay, beta (B, T, Hv), S (B, Hv, Dk, Dv)) -> row t's
+    y (B, Hv, Dv) and the new S. The row is taken inside the trace (no view ops outside it)."""
+    def step(q, k, v, decay, beta, S):
+        k_t = k[:, t, :, :, None]
+        S = S * decay[:, t, :, None, None]
+        delta = (v[:, t] - (S * k_t).sum(axis=-2)) * beta[:, t, :, None]
+        S = S + k_t * delta[:, :, None, :]
+        return (S * q[:, t, :, :, None]).sum(axis=-2), S
+    return mx.compile(step)
 
 
 def compiled_gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
-    """`gated_delta_scan` with each row one call of the compiled `scan_row`: a CPU decode
-    window's scan (and its commit folds) as a few fused kernels a row instead of ~25 ops.
-    A T-row window is T calls of the one-row trace serial decoding makes, so its rows and its
-    final state are the serial ones bit for bit (a trace over several rows would fuse one row's
-    update into the next row's arithmetic)."""
+    """`gated_delta_scan` with each row one call of a compiled `scan_row`: a CPU decode window's
+    scan (and its commit folds) as a few fused kernels a row instead of ~25 ops. Each call
+    computes one row with the arithmetic of serial decoding's one-row call, so a window's rows
+    and final state are the serial ones bit for bit (one trace over several rows would fuse a
+    row's update into the next row's arithmetic)."""
     q, k = rows.q, rows.k
     Hk, Hv = k.shape[2], rows.v.shape[2]
     if Hv != Hk:  # each key head serves Hv/Hk consecutive value heads
@@ -68,7 +71,7 @@ def compiled_gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array,
     decay = mx.exp(rows.g)
     outputs, S = [], state
     for t in range(q.shape[1]):
-        y, S = scan_row(q[:, t], k[:, t], rows.v[:, t], decay[:, t], rows.beta[:, t], S)
+        y, S = scan_row(t)(q, k, rows.v, decay, rows.beta, S)
         outputs.append(y)
     return mx.stack(outputs, axis=1), S
 
@@ -200,9 +203,16 @@ class GatedDeltaNet(nn.Module):
 
     def tail(self, y: mx.array, z: mx.array) -> mx.array:
         """Recurrence outputs (B, T, Hv, Dv) float32 -> (B, T, H)."""
+        return self.out_proj(self.tail_input(y, z))
+
+    def tail_input(self, y: mx.array, z: mx.array) -> mx.array:
+        """The tail less its output projection (`out_projection`): the gated norm, (B, T, Hv·Dv)."""
         B, T = y.shape[:2]
-        y = self.norm(y, z)  # float32 rows, rounded to the model dtype inside (z's)
-        return self.out_proj(y.reshape(B, T, -1))
+        return self.norm(y, z).reshape(B, T, -1)  # float32 rows, rounded to the model dtype inside (z's)
+
+    @property
+    def out_projection(self) -> nn.Module:
+        return self.out_proj
 
     def __call__(self, x: mx.array, state: RecurrentState) -> mx.array:
         core_in, tail_in = self.head(x)

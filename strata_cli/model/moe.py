@@ -276,14 +276,18 @@ class SparseMoeBlock(nn.Module):
         shared = self.shared_expert
         logits, gate, up, shared_gate = project(x, self.gate, shared.gate_proj, shared.up_proj,
                                                 self.shared_expert_gate)
-        routed = self.routed
-        if host_window(x) and self.compilable and LayerCompile.mode == "always":  # ends run eagerly there
+        y = self.routed_rows(x, logits)
+        return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
+
+    def routed_rows(self, x: mx.array, logits: mx.array) -> mx.array:
+        """`routed`, traced where the layer ends run eagerly (the CPU's host path) and nothing
+        in it consults the expert cache."""
+        if host_window(x) and self.compilable and LayerCompile.mode == "always":
             compiled = self.__dict__.get("_compiled")
             if compiled is None:
                 compiled = self.__dict__["_compiled"] = Compiled(self, self.routed)
-            routed = compiled.functions()[0]
-        y = routed(x, logits)
-        return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
+            return compiled.functions()[0](x, logits)
+        return self.routed(x, logits)
 
     def routed(self, x: mx.array, logits: mx.array) -> mx.array:
         """x (N, H) and the router's logits -> the routed experts' weighted sum (N, H)."""
