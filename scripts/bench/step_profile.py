@@ -21,7 +21,9 @@ Kinds: embed, norm (input/post/final RMSNorm), gdn.head (projections and their s
 (conv, gating, the recurrence, the state), gdn.tail (gated norm, out projection), attn.head,
 attn.core (rope, KV write, attention), attn.tail, router (the router linear), moe.glue (softmax,
 top-k, weights, the weighted sum, the shared-expert gate), experts (routed experts), shared (the
-shared expert's MLP and gate linear), residual (the layer's adds), lm_head, rest (argmax, casts).
+shared expert's MLP and gate linear), residual (the layer's adds), lm_head, rest (argmax, casts);
+host_tail: on the CPU's host path (model/host_tail.py) the layer's tail after its mixer, less
+the routed experts (its time only: its ops are counted in the eager pass, by their kinds).
 
 Models: the demo model (`--model demo`, its own dtype on a GPU, float32 on the CPU) and the
 8-layer Qwen3-Next-80B-A3B-shaped 4-bit checkpoint that scripts/bench/compare_mlx_lm.py builds
@@ -54,13 +56,14 @@ from scripts.bench.graph_ops import count_step
 from scripts.bench.step_ops import SHAPE as SMALL_SHAPE
 from strata_cli.bench.runner import git_commit
 from strata_cli.engine.window import WindowEngine
-from strata_cli.model import host_blas
+from strata_cli.model import host_blas, host_tail
 from strata_cli.model.compiled import LayerCompile
 from strata_cli.model.host_blas import HostBlas
 from strata_cli.options import EngineOptions
 from strata_cli.runtime import embedded_model_path, load_checkpoint
 
 real_eval = mx.eval
+clock = time.perf_counter  # --clock cpu: time.process_time (both of MLX's CPU threads), steadier on a shared CPU
 
 
 def arrays_in(value) -> list[mx.array]:
@@ -164,26 +167,26 @@ def window_times(w: Windows, T: int, n: int, warmup: int) -> dict:
     w.reset()
     plain = []
     for i in range(warmup + n):
-        start = time.perf_counter()
+        start = clock()
         w.one(T)
-        plain.append(time.perf_counter() - start)
+        plain.append(clock() - start)
     w.reset()
     build, evals, commits = [], [], []
     marks = {}
 
     def timed_eval(*args):
-        marks["build"] = time.perf_counter()
+        marks["build"] = clock()
         real_eval(*args)
-        marks["eval"] = time.perf_counter()
+        marks["eval"] = clock()
 
     with mock.patch.object(mx, "eval", timed_eval):
         for i in range(warmup + n):
             tokens = w.rng.integers(0, w.vocab, T).tolist()
-            start = time.perf_counter()
+            start = clock()
             w.engine.run(tokens, w.engine.length)
-            ran = time.perf_counter()
+            ran = clock()
             w.engine.commit(T)
-            done = time.perf_counter()
+            done = clock()
             if i >= warmup:
                 build.append(marks["build"] - start)
                 evals.append(marks["eval"] - marks["build"])
@@ -207,6 +210,8 @@ def op_counts(w: Windows, model, T: int) -> dict:
 
     def counting_eval(*args):
         counts["graph"] = count_step(arrays_in(list(args)), parts)
+        pieces["ops"] += counts["graph"].total
+        pieces["reads"] += 1
         real_eval(*args)
 
     def counting_rows_linears(x, weights):
@@ -220,7 +225,8 @@ def op_counts(w: Windows, model, T: int) -> dict:
     with mock.patch.object(mx, "eval", counting_eval), \
             mock.patch.object(host_blas, "rows_linears", counting_rows_linears):
         w.one(T)
-    compiled_ops = counts["graph"].total + pieces["ops"]
+    compiled_ops = pieces["ops"]
+    reads = pieces["reads"] - 1  # the window's own evaluation is not a read back
     parts = []
 
     def recording(kind, original, self, args, kwargs):
@@ -235,7 +241,7 @@ def op_counts(w: Windows, model, T: int) -> dict:
     eager = counts["graph"]
     per_layer = layer_counts(model)
     by_kind = dict(sorted(eager.by_part.items()))
-    return {"ops": compiled_ops, "host_reads": pieces["reads"], "host_linears": pieces["linears"],
+    return {"ops": compiled_ops, "host_reads": reads, "host_linears": pieces["linears"],
             "ops_eager": eager.total, "ops_by_kind": by_kind,
             "ops_per_layer": {k: round(v / per_layer[k], 1) for k, v in by_kind.items() if k in per_layer},
             "primitives": dict(eager.by_primitive.most_common())}
@@ -253,11 +259,11 @@ def kind_times(w: Windows, model, T: int, n: int, warmup: int) -> dict:
     def timing(kind, original, self, args, kwargs):
         real_eval(arrays_in((args, kwargs)))
         stack.append([0.0])
-        start = time.perf_counter()
+        start = clock()
         out = original(self, *args, **kwargs)
-        built = time.perf_counter()
+        built = clock()
         real_eval(arrays_in(out))
-        end = time.perf_counter()
+        end = clock()
         children = stack.pop()[0]
         window[kind] += end - start - children
         window_eval[kind] += end - built
@@ -265,13 +271,15 @@ def kind_times(w: Windows, model, T: int, n: int, warmup: int) -> dict:
             stack[-1][0] += end - start
         return out
 
-    with wrapped_parts(model, timing), mock.patch.object(LayerCompile, "mode", "never"):
+    real_tail = host_tail.tail
+    with wrapped_parts(model, timing), mock.patch.object(LayerCompile, "mode", "never"), \
+            mock.patch.object(host_tail, "tail", lambda layer, *a: timing("host_tail", real_tail, layer, a, {})):
         for i in range(warmup + n):
             window.clear()
             window_eval.clear()
-            start = time.perf_counter()
+            start = clock()
             w.one(T)
-            whole = time.perf_counter() - start
+            whole = clock() - start
             if i >= warmup:
                 window["rest"] += whole - sum(window.values())
                 for kind, seconds in window.items():
@@ -301,7 +309,7 @@ def models(args) -> list[tuple[str, Path, str]]:
 
 
 def profile(args) -> dict:
-    report = {"commit": git_commit(), "machine": platform.platform(), "node": platform.node(),
+    report = {"commit": git_commit(), "machine": platform.platform(), "node": platform.node(), "clock": args.clock,
               "device": str(mx.default_device()), "mlx": mx.__version__, "tiny": args.tiny, "models": []}
     for name, path, dtype in models(args):
         model = load_checkpoint(path, dtype=dtype)
@@ -339,15 +347,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-step-profile")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, which other processes' load moves less (CPU backend only)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     args.models = set(args.models.split(","))
     args.windows = [int(t) for t in args.windows.split(",")]
     args.context = args.context or (64 if args.tiny else 512)
     args.repeats = args.repeats or (9 if args.tiny else 30)
-    start = time.perf_counter()
+    start = clock()
     report = profile(args)
-    report["seconds"] = round(time.perf_counter() - start, 1)
+    report["seconds"] = round(clock() - start, 1)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out} ({report['seconds']} s)")
