@@ -17,6 +17,7 @@ import mlx.nn as nn
 from metal_shaders import attention_window
 
 from . import host_blas
+from .compiled import traced_on_host
 from .layer_state import AttentionState
 from .layers import (
     PREFILL_MIN_ROWS,
@@ -129,8 +130,12 @@ class GatedAttention(nn.Module):
     # compiles head and tail for decode windows.
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
         """x (B, T, H) -> the core's inputs (q, k, v (B, heads, T, D)) and the tail's (the gate)."""
-        B, T, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        return traced_on_host(self, "_head_rest", self.head_rest, x.size // x.shape[-1], x.dtype)(q, k, v)
+
+    def head_rest(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[tuple, tuple]:
+        """The head after its projections: heads split, gate taken, q/k normed, heads first."""
+        B, T, _ = q.shape
         gate = ()
         if self.output_gate:  # per head: [query | gate]
             q, g = mx.split(q.reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)

@@ -20,7 +20,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RowSplit, host_window
+from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RowSplit, host_rows, host_window
 
 
 class LayerCompile:
@@ -75,3 +75,16 @@ class Compiled:
         if self.compiled is None:
             self.compiled = tuple(mx.compile(fn) for fn in self.fns)
         return self.compiled
+
+
+def traced_on_host(owner: nn.Module, name: str, fn: Callable, rows: int, dtype: mx.Dtype) -> Callable:
+    """`fn` (pure MLX, over `owner`'s weights) from a `Compiled` kept on `owner` as `name`, for a
+    call of `rows` rows in `dtype` on the CPU's host path (`layers.host_rows`), where the layer
+    ends run eagerly around numpy's linears and only their MLX pieces can be traced; `fn`
+    itself elsewhere, or with LayerCompile "never"."""
+    if LayerCompile.mode != "always" or not host_rows(rows, dtype):
+        return fn
+    compiled = owner.__dict__.get(name)
+    if compiled is None:
+        compiled = owner.__dict__[name] = Compiled(owner, fn)
+    return compiled.functions()[0]

@@ -22,7 +22,7 @@ from metal_shaders import gdn_window
 
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_scan_over_streams
 from .layer_state import GDNRows, RecurrentState
-from .compiled import LayerCompile
+from .compiled import LayerCompile, traced_on_host
 from .layers import GatedRMSNorm, RowLinear, RowSplit, project
 
 l2_normalize = gdn_window.reference_l2_normalize
@@ -157,10 +157,14 @@ class GatedDeltaNet(nn.Module):
         splitting per head and concatenating, in 5-9 ops instead of 13 (on the H200 each op costs
         ~10 µs of host dispatch, docs/benchmarks.md, "Ops per decode step").
         """
+        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
+        return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
+
+    def split(self, qkvz: mx.array, ba: mx.array) -> tuple[mx.array, ...]:
+        """The fused projections' outputs -> conv inputs, z, b, a (see `project`)."""
         raw_cols, z_cols, b_cols, a_cols = projection_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim,
                                                               self.head_v_dim)
-        B, T, _ = x.shape
-        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
+        B, T, _ = qkvz.shape
         take = partial(mx.take_along_axis, axis=-1)  # one GatherAxis each (mx.take adds a transpose, a squeeze)
         z = take(qkvz, z_cols).reshape(B, T, self.num_v_heads, self.head_v_dim)
         return take(qkvz, raw_cols), z, take(ba, b_cols), take(ba, a_cols)
@@ -207,6 +211,9 @@ class GatedDeltaNet(nn.Module):
 
     def tail_input(self, y: mx.array, z: mx.array) -> mx.array:
         """The tail less its output projection (`out_projection`): the gated norm, (B, T, Hv·Dv)."""
+        return traced_on_host(self, "_gated_norm", self.gated_norm, y.shape[0] * y.shape[1], z.dtype)(y, z)
+
+    def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
         B, T = y.shape[:2]
         return self.norm(y, z).reshape(B, T, -1)  # float32 rows, rounded to the model dtype inside (z's)
 

@@ -44,9 +44,14 @@ class HostBlas:
     @classmethod
     def takes(cls, *arrays: mx.array) -> bool:
         """Whether a CPU prompt matmul over `arrays` (inputs and weights) runs in numpy."""
+        return all(cls.takes_dtype(a.dtype) for a in arrays)
+
+    @classmethod
+    def takes_dtype(cls, dtype: mx.Dtype) -> bool:
+        """Whether a CPU matmul in `dtype` runs in numpy."""
         if cls.mode not in MODES:
             raise ValueError(f"STRATA_PROMPT_BLAS must be one of {', '.join(MODES)}, got {cls.mode!r}")
-        if cls.mode == "mlx" or any(a.dtype != mx.float32 for a in arrays):
+        if cls.mode == "mlx" or dtype != mx.float32:
             return False
         return cls.mode == "numpy" or sys.platform != "darwin"
 

@@ -154,9 +154,13 @@ def host_window(x: mx.array) -> bool:
     float32 linears run as numpy matrix-vector products (`host_blas.rows_linears`): on the CPU
     backend, where MLX's BLAS is the slow reference one (docs/benchmarks.md, "CPU decode
     windows through numpy")."""
-    rows = x.size // x.shape[-1] if x.ndim else 0
-    return (0 < rows < PREFILL_MIN_ROWS and x.dtype == mx.float32 and host_blas.HostBlas.windows
-            and mx.default_device() == mx.cpu and host_blas.HostBlas.takes(x))
+    return host_rows(x.size // x.shape[-1] if x.ndim else 0, x.dtype)
+
+
+def host_rows(rows: int, dtype: mx.Dtype) -> bool:
+    """`host_window` for a call of `rows` rows in `dtype`."""
+    return (0 < rows < PREFILL_MIN_ROWS and host_blas.HostBlas.windows and mx.default_device() == mx.cpu
+            and host_blas.HostBlas.takes_dtype(dtype))
 
 
 def host_weight(module: nn.Module) -> np.ndarray:

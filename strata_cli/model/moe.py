@@ -15,13 +15,12 @@ import numpy as np
 
 from metal_shaders import rows_matvec as kernels
 
-from .compiled import Compiled, LayerCompile
+from .compiled import traced_on_host
 from .layers import (
     MLP,
     WINDOW_ROWS,
     RowLinear,
     RowSplit,
-    host_window,
     is_cpu_prompt,
     over_streams,
     project,
@@ -282,11 +281,8 @@ class SparseMoeBlock(nn.Module):
     def routed_rows(self, x: mx.array, logits: mx.array) -> mx.array:
         """`routed`, traced where the layer ends run eagerly (the CPU's host path) and nothing
         in it consults the expert cache."""
-        if host_window(x) and self.compilable and LayerCompile.mode == "always":
-            compiled = self.__dict__.get("_compiled")
-            if compiled is None:
-                compiled = self.__dict__["_compiled"] = Compiled(self, self.routed)
-            return compiled.functions()[0](x, logits)
+        if self.compilable:
+            return traced_on_host(self, "_routed", self.routed, x.shape[0], x.dtype)(x, logits)
         return self.routed(x, logits)
 
     def routed(self, x: mx.array, logits: mx.array) -> mx.array:
