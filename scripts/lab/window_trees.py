@@ -1,4 +1,4 @@
-"""Two source trees' window cost by T and serial decoding on the demo model, alternating in fresh
+"""Source trees' window cost by T and serial decoding on the demo model, alternating in fresh
 processes: what a change to the decode step buys on this machine.
 
 Each round runs one process per tree (PYTHONPATH set to it), the trees taking turns: serial
@@ -74,7 +74,7 @@ def run_tree(tree: Path, tokens: int) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trees", nargs=2, type=Path, help="two source trees (the first is the baseline)")
+    parser.add_argument("trees", nargs="+", type=Path, help="two or more source trees (the first is the baseline)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--out", type=Path)
