@@ -43,7 +43,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter, defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -56,7 +56,12 @@ from scripts.bench.graph_ops import count_step
 from scripts.bench.step_ops import SHAPE as SMALL_SHAPE
 from strata_cli.bench.runner import git_commit
 from strata_cli.engine.window import WindowEngine
-from strata_cli.model import host_blas, host_tail
+from strata_cli.model import host_blas
+
+try:  # trees before the CPU host path have no host tail (the script also profiles those)
+    from strata_cli.model import host_tail
+except ImportError:
+    host_tail = None
 from strata_cli.model.compiled import LayerCompile
 from strata_cli.model.host_blas import HostBlas
 from strata_cli.options import EngineOptions
@@ -221,9 +226,9 @@ def op_counts(w: Windows, model, T: int) -> dict:
         return real_rows_linears(x, weights)
 
     parts: list[tuple[str, mx.array]] = []
-    real_rows_linears = host_blas.rows_linears
+    real_rows_linears = getattr(host_blas, "rows_linears", None)
     with mock.patch.object(mx, "eval", counting_eval), \
-            mock.patch.object(host_blas, "rows_linears", counting_rows_linears):
+            mock.patch.object(host_blas, "rows_linears", counting_rows_linears, create=True):
         w.one(T)
     compiled_ops = pieces["ops"]
     reads = pieces["reads"] - 1  # the window's own evaluation is not a read back
@@ -235,7 +240,7 @@ def op_counts(w: Windows, model, T: int) -> dict:
         return out
 
     with wrapped_parts(model, recording), mock.patch.object(LayerCompile, "mode", "never"), \
-            mock.patch.object(mx, "eval", counting_eval), mock.patch.object(HostBlas, "windows", False):
+            mock.patch.object(mx, "eval", counting_eval), mock.patch.object(HostBlas, "windows", False, create=True):
         parts.clear()
         w.one(T)
     eager = counts["graph"]
@@ -271,9 +276,10 @@ def kind_times(w: Windows, model, T: int, n: int, warmup: int) -> dict:
             stack[-1][0] += end - start
         return out
 
-    real_tail = host_tail.tail
-    with wrapped_parts(model, timing), mock.patch.object(LayerCompile, "mode", "never"), \
-            mock.patch.object(host_tail, "tail", lambda layer, *a: timing("host_tail", real_tail, layer, a, {})):
+    real_tail = host_tail.tail if host_tail else None
+    tail_timed = (mock.patch.object(host_tail, "tail", lambda layer, *a: timing("host_tail", real_tail, layer, a, {}))
+                  if host_tail else nullcontext())
+    with wrapped_parts(model, timing), mock.patch.object(LayerCompile, "mode", "never"), tail_timed:
         for i in range(warmup + n):
             window.clear()
             window_eval.clear()
