@@ -21,6 +21,7 @@ from .compiled import traced_on_host
 from .layer_state import AttentionState
 from .layers import (
     PREFILL_MIN_ROWS,
+    CpuShortCalls,
     RMSNorm,
     RowLinear,
     RowSplit,
@@ -152,7 +153,7 @@ class GatedAttention(nn.Module):
         """Rotary at the state's offset, the window's KV written, attention -> (B, T, heads·D)."""
         B, _, T, _ = q.shape
         offset = state.offset
-        if self.rotary_dim and T < PREFILL_MIN_ROWS and mx.default_device() == mx.cpu:
+        if self.rotary_dim and CpuShortCalls.applies(T):
             q, k = cpu_rope(self.rotary_dim, float(self.rope_theta))(q, k, mx.array(offset, dtype=mx.int32))
         elif self.rotary_dim:  # 0: no positional embedding (Nemotron-H, Granite-4.0-H's NoPE)
             q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)

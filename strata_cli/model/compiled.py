@@ -20,7 +20,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RowSplit, host_rows, host_window
+from .layers import WINDOW_ROWS, CpuShortCalls, RowSplit, host_rows, host_window
 
 
 class LayerCompile:
@@ -39,7 +39,7 @@ class LayerCompile:
         short prompt chunks, which must still equal serial steps), runs its recurrence's pure
         steps from traces (model/gdn.py): inputs and state go in and come out as arrays, so the
         state's rules are untouched. CPU only: GPU backends have the GDN window kernels."""
-        return cls.mode == "always" and 0 < rows < PREFILL_MIN_ROWS and mx.default_device() == mx.cpu
+        return cls.mode == "always" and CpuShortCalls.applies(rows)
 
 
 def identity(module: nn.Module) -> tuple:

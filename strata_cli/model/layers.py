@@ -46,6 +46,19 @@ def silu_gate_f32(normed: mx.array, weight: mx.array, gate: mx.array) -> mx.arra
     return ((weight * normed).astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(gate.dtype)
 
 
+class CpuShortCalls:
+    """Whether calls of fewer than PREFILL_MIN_ROWS rows (decode windows, serial steps, short
+    prompt chunks) take their CPU forms on the CPU backend: numpy's linears (`host_window`) and
+    the traced rms_norm, rope and GDN steps. "auto" (the default) or "never": the MLX forms, as
+    a GPU backend runs them (scripts/bench/step_ops.py counts GPU-shaped steps on the CPU)."""
+
+    mode = "auto"
+
+    @classmethod
+    def applies(cls, rows: int) -> bool:
+        return cls.mode == "auto" and 0 < rows < PREFILL_MIN_ROWS and mx.default_device() == mx.cpu
+
+
 @lru_cache
 def cpu_rms_norm(eps: float, weighted: bool) -> Callable:
     """`mx.fast.rms_norm`'s sums for the CPU backend, compiled: there MLX runs the fast op as
@@ -64,7 +77,7 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     faster than the compiled form over a 512-row prompt chunk). The two give the same bits on
     the CPU; a window's rows and serial steps take the same one either way."""
     rows = x.shape[1] if x.ndim >= 3 else x.shape[0] if x.ndim == 2 else 1
-    if mx.default_device() != mx.cpu or rows >= PREFILL_MIN_ROWS:
+    if not CpuShortCalls.applies(rows):
         return mx.fast.rms_norm(x, weight, eps)
     return cpu_rms_norm(eps, weight is not None)(x, *(() if weight is None else (weight,)))
 
@@ -159,8 +172,7 @@ def host_window(x: mx.array) -> bool:
 
 def host_rows(rows: int, dtype: mx.Dtype) -> bool:
     """`host_window` for a call of `rows` rows in `dtype`."""
-    return (0 < rows < PREFILL_MIN_ROWS and host_blas.HostBlas.windows and mx.default_device() == mx.cpu
-            and host_blas.HostBlas.takes_dtype(dtype))
+    return CpuShortCalls.applies(rows) and host_blas.HostBlas.windows and host_blas.HostBlas.takes_dtype(dtype)
 
 
 def host_weight(module: nn.Module) -> np.ndarray:
