@@ -1,6 +1,10 @@
 """Compiled layer ends (model/compiled.py): decode windows run each layer's pure parts from an
 `mx.compile` trace. They must compute the eager bits, follow weight changes, and never freeze
-anything that consults the expert cache."""
+anything that consults the expert cache.
+
+These tests run the windows' linears in MLX (`HostBlas.windows` off), as GPU backends do: with
+numpy's matrix-vector products (the CPU's default) the layer ends cannot be traced and run
+eagerly, and only the GDN recurrence's pure steps are compiled (the last tests here)."""
 
 import random
 
@@ -10,10 +14,18 @@ import pytest
 
 from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
+from strata_cli.model import gdn
 from strata_cli.model.compiled import Compiled, LayerCompile
-from strata_cli.model.layers import WINDOW_ROWS, RowSplit
+from strata_cli.model.host_blas import HostBlas
+from strata_cli.model.layers import WINDOW_ROWS, RowSplit, host_window
 
 PREFIX = 9
+
+
+@pytest.fixture(autouse=True)
+def mlx_window_linears(request, monkeypatch):
+    if "host_path" not in request.node.name:
+        monkeypatch.setattr(HostBlas, "windows", False)
 
 
 def windows(model, tokens, sizes):
@@ -100,3 +112,43 @@ def test_routing_that_consults_the_cache_is_never_traced(monkeypatch):
     windows(model, list(range(5, 5 + PREFIX + 6)), [1, 1, 2, 2])
     window_calls = [s for s in calls if s[0] <= 2]
     assert len(window_calls) == 4 * len(model.layers)  # every window called the policy: nothing frozen
+
+
+@pytest.mark.parametrize("fold", ["lazy", "eager"])
+def test_host_path_compiled_recurrence_computes_the_eager_bits(next_model, fold, monkeypatch):
+    """CPU windows with numpy linears: the GDN recurrence's compiled steps (one `scan_row` call
+    a row, folds included) give the eager ops' bits, window by window and in the state."""
+    from strata_cli.options import EngineOptions
+
+    model = next_model
+    assert host_window(mx.zeros((1, 1, 4)))
+    rng = random.Random(3)
+    tokens = [rng.randrange(model.config.vocab_size) for _ in range(PREFIX + 40)]
+
+    def run(mode):
+        monkeypatch.setattr(LayerCompile, "mode", mode)
+        engine = WindowEngine(model, EngineOptions(fold=fold))
+        engine.prefill(tokens[:PREFIX])
+        pos, out = PREFIX, []
+        for T, keep in [(1, 1), (3, 2), (8, 8), (5, 1), (2, 2), (8, 3), (1, 1)]:
+            out.append(np.array(engine.run(tokens[pos:pos + T], pos).logits))
+            engine.commit(keep)
+            pos += keep
+        return out, [np.array(a) for state in engine.state_tensors() for a in state.values()]
+
+    calls = []
+    real = gdn.scan_row
+    monkeypatch.setattr(gdn, "scan_row", lambda t: calls.append(t) or real(t))
+    eager, eager_state = run("never")
+    assert not calls
+    compiled, compiled_state = run("always")
+    assert calls
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        np.testing.assert_array_equal(a, b, err_msg=f"window {i}")
+    for a, b in zip(eager_state, compiled_state):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_host_path_layer_ends_run_eagerly():
+    x = mx.zeros((1, 4, 8))
+    assert host_window(x) and not LayerCompile.applies(x) and LayerCompile.applies_to_state(4)

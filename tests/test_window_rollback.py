@@ -63,11 +63,12 @@ def test_chains_of_windows_match_serial(tiny_model, serial, fold):
     assert max_state_diff(engine.state_tensors(), serial_states[pos - 1]) <= TOL
 
 
-# A 40-row window is a prompt chunk: with MLX's BLAS its linears are serial decoding's very sums;
-# numpy's BLAS (model/host_blas.py) rounds them differently, and this random model amplifies a
-# 1e-7 difference to 4.4e-4 by row 29 (no routing changes; on the trained demo model both BLAS
-# stay within 1.7e-6 relative of serial decoding: test_host_blas.py).
-@pytest.mark.parametrize("blas,atol", [("mlx", 1e-4), ("numpy", 1e-3)])
+# A 40-row window is a prompt chunk: its linears run as one MLX or numpy matrix product, while
+# serial decoding's run as numpy matrix-vector products (model/host_blas.py: rows_linears); each
+# rounds differently, and this random model amplifies a 1e-7 difference to 4.4e-4 by row 29 (no
+# routing changes; on the trained demo model prompts stay within 1.7e-6 relative of serial
+# decoding: test_host_blas.py).
+@pytest.mark.parametrize("blas,atol", [("mlx", 1e-3), ("numpy", 1e-3)])
 def test_prefill_matches_one_uncached_forward(tiny_model, serial, blas, atol, monkeypatch):
     """Cached serial decoding equals a single window over the whole sequence."""
     monkeypatch.setattr(HostBlas, "mode", blas)

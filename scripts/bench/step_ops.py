@@ -48,7 +48,7 @@ from strata_cli.bench.runner import git_commit
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.compiled import LayerCompile
-from strata_cli.model.layers import RowSplit
+from strata_cli.model.layers import CpuShortCalls, RowSplit
 from strata_cli.options import GenerateOptions, SpecOptions
 from strata_cli.runtime import load_checkpoint
 
@@ -110,8 +110,9 @@ def result_type(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
 @contextmanager
 def gpu_shaped(stand_ins: StandIns):
     """Build steps as a CUDA device with strata's kernels would (see the module docstring)."""
-    mode, compiled = RowSplit.mode, LayerCompile.mode
+    mode, compiled, short = RowSplit.mode, LayerCompile.mode, CpuShortCalls.mode
     RowSplit.mode = LayerCompile.mode = "always"
+    CpuShortCalls.mode = "never"  # the MLX forms a GPU runs, not the CPU's numpy linears
     try:
         with mock.patch.object(rows_matvec, "kernels_usable", lambda: True), \
                 mock.patch.object(rows_matvec, "gpu_kernel", stand_ins.kernel), \
@@ -124,7 +125,7 @@ def gpu_shaped(stand_ins: StandIns):
                 mock.patch.object(WindowEngine, "can_overlap", property(lambda self: True)):
             yield
     finally:
-        RowSplit.mode, LayerCompile.mode = mode, compiled
+        RowSplit.mode, LayerCompile.mode, CpuShortCalls.mode = mode, compiled, short
 
 
 # -- recording steps ----------------------------------------------------------------------------

@@ -8,18 +8,24 @@ matmuls) whole.
 
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from metal_shaders import attention_window
 
 from . import host_blas
+from .compiled import traced_on_host
 from .layer_state import AttentionState
 from .layers import (
     PREFILL_MIN_ROWS,
+    CpuShortCalls,
     RMSNorm,
     RowLinear,
     RowSplit,
+    project,
     prompt_streams,
     sigmoid_gate,
 )
@@ -78,6 +84,31 @@ def causal_attention_cpu(q: mx.array, keys: mx.array, values: mx.array, scale: f
     return mx.concatenate(outs, axis=3).reshape(B, Hq, T, Dv)
 
 
+@lru_cache
+def cpu_rope(dims: int, base: float) -> Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array]]:
+    """Rotary embedding (not traditional, scale 1) of q and k at positions offset.., compiled:
+    for the CPU's short calls (decode windows and short prompt chunks), where MLX runs
+    `mx.fast.rope` as a ~30-op decomposition per call. A row's angles are (offset + i)·freq
+    whatever T is, and each element's arithmetic is the same in every trace, so rows stay
+    row-invariant."""
+    half = dims // 2
+    inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))  # transformers' form
+    mx.eval(inv_freq)
+
+    def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        x1, x2 = x[..., :half], x[..., half:dims]
+        rotated = [(x1 * cos - x2 * sin).astype(x.dtype), (x1 * sin + x2 * cos).astype(x.dtype)]
+        return mx.concatenate(rotated + ([x[..., dims:]] if x.shape[-1] > dims else []), axis=-1)
+
+    def rope(q: mx.array, k: mx.array, offset: mx.array) -> tuple[mx.array, mx.array]:
+        positions = (offset + mx.arange(q.shape[-2], dtype=mx.int32)).astype(mx.float32)
+        theta = positions[:, None] * inv_freq  # (T, dims/2)
+        cos, sin = mx.cos(theta), mx.sin(theta)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    return mx.compile(rope)
+
+
 class GatedAttention(nn.Module):
     def __init__(
         self,
@@ -121,16 +152,20 @@ class GatedAttention(nn.Module):
     # compiles head and tail for decode windows.
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
         """x (B, T, H) -> the core's inputs (q, k, v (B, heads, T, D)) and the tail's (the gate)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        return traced_on_host(self, "_head_rest", self.head_rest, x.size // x.shape[-1], x.dtype)(q, k, v)
+
+    def head_rest(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[tuple, tuple]:
+        """The head after its projections: heads split, gate taken, q/k normed, heads first."""
+        B, T, _ = q.shape
         gate = ()
         if self.output_gate:  # per head: [query | gate]
             q, g = mx.split(q.reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
             gate = (g.reshape(B, T, -1),)
         else:
             q = q.reshape(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         return tuple(a.transpose(0, 2, 1, 3) for a in (q, k, v)), gate  # (B, heads, T, D)
@@ -139,7 +174,9 @@ class GatedAttention(nn.Module):
         """Rotary at the state's offset, the window's KV written, attention -> (B, T, heads·D)."""
         B, _, T, _ = q.shape
         offset = state.offset
-        if self.rotary_dim:  # 0: no positional embedding (Nemotron-H, Granite-4.0-H's NoPE)
+        if self.rotary_dim and CpuShortCalls.applies(T):
+            q, k = cpu_rope(self.rotary_dim, float(self.rope_theta))(q, k, mx.array(offset, dtype=mx.int32))
+        elif self.rotary_dim:  # 0: no positional embedding (Nemotron-H, Granite-4.0-H's NoPE)
             q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
             k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         keys, values = state.update_and_fetch(k, v)
@@ -159,9 +196,15 @@ class GatedAttention(nn.Module):
 
     def tail(self, out: mx.array, gate: mx.array | None = None) -> mx.array:
         """Attention output (B, T, heads·D), gated where the model gates it -> (B, T, H)."""
-        if gate is not None:
-            out = sigmoid_gate(out, gate)
-        return self.o_proj(out)
+        return self.o_proj(self.tail_input(out, gate))
+
+    def tail_input(self, out: mx.array, gate: mx.array | None = None) -> mx.array:
+        """The tail less its output projection (`out_projection`): the gate, where there is one."""
+        return out if gate is None else sigmoid_gate(out, gate)
+
+    @property
+    def out_projection(self) -> nn.Module:
+        return self.o_proj
 
     def __call__(self, x: mx.array, state: AttentionState) -> mx.array:
         core_in, tail_in = self.head(x)

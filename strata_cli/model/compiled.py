@@ -20,7 +20,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import WINDOW_ROWS, RowSplit
+from .layers import WINDOW_ROWS, CpuShortCalls, RowSplit, host_rows, host_window
 
 
 class LayerCompile:
@@ -31,7 +31,15 @@ class LayerCompile:
 
     @classmethod
     def applies(cls, x: mx.array) -> bool:
-        return cls.mode == "always" and 0 < x.size // x.shape[-1] <= WINDOW_ROWS
+        return cls.mode == "always" and 0 < x.size // x.shape[-1] <= WINDOW_ROWS and not host_window(x)
+
+    @classmethod
+    def applies_to_state(cls, rows: int) -> bool:
+        """Whether a CPU call of `rows` rows, fewer than a prompt-sized one (decode windows, and
+        short prompt chunks, which must still equal serial steps), runs its recurrence's pure
+        steps from traces (model/gdn.py): inputs and state go in and come out as arrays, so the
+        state's rules are untouched. CPU only: GPU backends have the GDN window kernels."""
+        return cls.mode == "always" and CpuShortCalls.applies(rows)
 
 
 def identity(module: nn.Module) -> tuple:
@@ -67,3 +75,16 @@ class Compiled:
         if self.compiled is None:
             self.compiled = tuple(mx.compile(fn) for fn in self.fns)
         return self.compiled
+
+
+def traced_on_host(owner: nn.Module, name: str, fn: Callable, rows: int, dtype: mx.Dtype) -> Callable:
+    """`fn` (pure MLX, over `owner`'s weights) from a `Compiled` kept on `owner` as `name`, for a
+    call of `rows` rows in `dtype` on the CPU's host path (`layers.host_rows`), where the layer
+    ends run eagerly around numpy's linears and only their MLX pieces can be traced; `fn`
+    itself elsewhere, or with LayerCompile "never"."""
+    if LayerCompile.mode != "always" or not host_rows(rows, dtype):
+        return fn
+    compiled = owner.__dict__.get(name)
+    if compiled is None:
+        compiled = owner.__dict__[name] = Compiled(owner, fn)
+    return compiled.functions()[0]

@@ -3,15 +3,20 @@
 The mixer (attention or GDN) splits its call into `head` (projections: pure), `core` (what
 touches the layer's state) and `tail` (output projection: pure). Decode windows run the layer's
 pure ends compiled (compiled.py): the input norm and the mixer's head in one trace; the mixer's
-tail, the residual adds, the post norm and the feed-forward block in another.
+tail, the residual adds, the post norm and the feed-forward block in another. On the CPU, where
+short calls' linears run in numpy, the tail runs on the host instead (host_tail.py).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import host_tail
 from .compiled import Compiled, LayerCompile
+from .layers import host_window
 
 
 class PreNormLayer(nn.Module):
@@ -35,7 +40,9 @@ class PreNormLayer(nn.Module):
 
     def __call__(self, x: mx.array, state) -> mx.array:
         head, tail = self.head, self.tail
-        if LayerCompile.applies(x) and getattr(self.ffn, "compilable", True):
+        if host_window(x) and type(self).tail is PreNormLayer.tail and host_tail.applies(self, x):
+            tail = partial(host_tail.tail, self)
+        elif LayerCompile.applies(x) and getattr(self.ffn, "compilable", True):
             compiled = self.__dict__.get("_compiled")
             if compiled is None:
                 compiled = self.__dict__["_compiled"] = Compiled(self, self.head, self.tail)

@@ -13,6 +13,7 @@ row-invariant kernels instead (`gdn_prepare`, `gdn_scan`): ~37 tiny ops become t
 from __future__ import annotations
 
 from functools import lru_cache, partial
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,7 +22,8 @@ from metal_shaders import gdn_window
 
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_scan_over_streams
 from .layer_state import GDNRows, RecurrentState
-from .layers import GatedRMSNorm, RowLinear, RowSplit
+from .compiled import LayerCompile, traced_on_host
+from .layers import GatedRMSNorm, RowLinear, RowSplit, project
 
 l2_normalize = gdn_window.reference_l2_normalize
 
@@ -40,6 +42,44 @@ def gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array
         outputs (B, T, Hv, Dv) float32 and the state after the last row.
     """
     return gdn_window.reference_scan(rows.q, rows.k, rows.v, rows.g, rows.beta, state)
+
+
+@lru_cache
+def scan_row(t: int) -> Callable:
+    """Row t of the gated delta rule (`gdn_window.reference_scan`'s loop body), compiled:
+    (q, k (B, T, Hv, Dk), v (B, T, Hv, Dv), decay, beta (B, T, Hv), S (B, Hv, Dk, Dv)) -> row t's
+    y (B, Hv, Dv) and the new S. The row is taken inside the trace (no view ops outside it)."""
+    def step(q, k, v, decay, beta, S):
+        k_t = k[:, t, :, :, None]
+        S = S * decay[:, t, :, None, None]
+        delta = (v[:, t] - (S * k_t).sum(axis=-2)) * beta[:, t, :, None]
+        S = S + k_t * delta[:, :, None, :]
+        return (S * q[:, t, :, :, None]).sum(axis=-2), S
+    return mx.compile(step)
+
+
+def compiled_gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
+    """`gated_delta_scan` with each row one call of a compiled `scan_row`: a CPU decode window's
+    scan (and its commit folds) as a few fused kernels a row instead of ~25 ops. Each call
+    computes one row with the arithmetic of serial decoding's one-row call, so a window's rows
+    and final state are the serial ones bit for bit (one trace over several rows would fuse a
+    row's update into the next row's arithmetic)."""
+    q, k = rows.q, rows.k
+    Hk, Hv = k.shape[2], rows.v.shape[2]
+    if Hv != Hk:  # each key head serves Hv/Hk consecutive value heads
+        q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
+    decay = mx.exp(rows.g)
+    outputs, S = [], state
+    for t in range(q.shape[1]):
+        y, S = scan_row(t)(q, k, rows.v, decay, rows.beta, S)
+        outputs.append(y)
+    return mx.stack(outputs, axis=1), S
+
+
+@lru_cache
+def compiled_prepare(num_k_heads: int, head_k_dim: int):
+    """`gdn_window.reference_prepare` for these heads, compiled (traced per window size)."""
+    return mx.compile(partial(gdn_window.reference_prepare, num_k_heads=num_k_heads, head_k_dim=head_k_dim))
 
 
 def kernel_gated_delta_scan(rows: GDNRows, state: mx.array) -> tuple[mx.array, mx.array]:
@@ -117,11 +157,14 @@ class GatedDeltaNet(nn.Module):
         splitting per head and concatenating, in 5-9 ops instead of 13 (on the H200 each op costs
         ~10 µs of host dispatch, docs/benchmarks.md, "Ops per decode step").
         """
+        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
+        return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
+
+    def split(self, qkvz: mx.array, ba: mx.array) -> tuple[mx.array, ...]:
+        """The fused projections' outputs -> conv inputs, z, b, a (see `project`)."""
         raw_cols, z_cols, b_cols, a_cols = projection_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim,
                                                               self.head_v_dim)
-        B, T, _ = x.shape
-        qkvz = self.in_proj_qkvz(x)
-        ba = self.in_proj_ba(x)
+        B, T, _ = qkvz.shape
         take = partial(mx.take_along_axis, axis=-1)  # one GatherAxis each (mx.take adds a transpose, a squeeze)
         z = take(qkvz, z_cols).reshape(B, T, self.num_v_heads, self.head_v_dim)
         return take(qkvz, raw_cols), z, take(ba, b_cols), take(ba, a_cols)
@@ -144,22 +187,39 @@ class GatedDeltaNet(nn.Module):
         T = raw.shape[1]
         window = state.conv_window(raw)
         is_kernel = self.takes_kernels(T)
-        prepare = gdn_window.gdn_prepare if is_kernel else gdn_window.reference_prepare
-        q, k, v, g, beta = prepare(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias,
-                                   num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim)
+        heads = {"num_k_heads": self.num_k_heads, "head_k_dim": self.head_k_dim}
+        if is_kernel:
+            prepare = partial(gdn_window.gdn_prepare, **heads)
+        elif LayerCompile.applies_to_state(T):
+            prepare = compiled_prepare(self.num_k_heads, self.head_k_dim)
+        else:
+            prepare = partial(gdn_window.reference_prepare, **heads)
+        q, k, v, g, beta = prepare(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias)
         # Prompt chunks take the chunked form; decode windows keep the exact per-row scan (the
         # state's commit folds reuse the same `scan`, so they repeat the window's arithmetic).
         if is_kernel:
             scan = kernel_gated_delta_scan
+        elif LayerCompile.applies_to_state(T):
+            scan = compiled_gated_delta_scan
         else:
             scan = chunked_scan_over_streams if T >= MIN_CHUNKED_ROWS else gated_delta_scan
         return state.recur(GDNRows(q, k, v, g, beta), scan)
 
     def tail(self, y: mx.array, z: mx.array) -> mx.array:
         """Recurrence outputs (B, T, Hv, Dv) float32 -> (B, T, H)."""
+        return self.out_proj(self.tail_input(y, z))
+
+    def tail_input(self, y: mx.array, z: mx.array) -> mx.array:
+        """The tail less its output projection (`out_projection`): the gated norm, (B, T, Hv·Dv)."""
+        return traced_on_host(self, "_gated_norm", self.gated_norm, y.shape[0] * y.shape[1], z.dtype)(y, z)
+
+    def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
         B, T = y.shape[:2]
-        y = self.norm(y, z)  # float32 rows, rounded to the model dtype inside (z's)
-        return self.out_proj(y.reshape(B, T, -1))
+        return self.norm(y, z).reshape(B, T, -1)  # float32 rows, rounded to the model dtype inside (z's)
+
+    @property
+    def out_projection(self) -> nn.Module:
+        return self.out_proj
 
     def __call__(self, x: mx.array, state: RecurrentState) -> mx.array:
         core_in, tail_in = self.head(x)

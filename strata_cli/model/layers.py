@@ -8,6 +8,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_unflatten
 
 from metal_shaders import rows_matvec as kernels
@@ -44,6 +45,42 @@ def silu_gate_f32(normed: mx.array, weight: mx.array, gate: mx.array) -> mx.arra
     float32, back in gate's dtype."""
     normed = normed.astype(gate.dtype)
     return ((weight * normed).astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(gate.dtype)
+
+
+class CpuShortCalls:
+    """Whether calls of fewer than PREFILL_MIN_ROWS rows (decode windows, serial steps, short
+    prompt chunks) take their CPU forms on the CPU backend: numpy's linears (`host_window`) and
+    the traced rms_norm, rope and GDN steps. "auto" (the default) or "never": the MLX forms, as
+    a GPU backend runs them (scripts/bench/step_ops.py counts GPU-shaped steps on the CPU)."""
+
+    mode = "auto"
+
+    @classmethod
+    def applies(cls, rows: int) -> bool:
+        return cls.mode == "auto" and 0 < rows < PREFILL_MIN_ROWS and mx.default_device() == mx.cpu
+
+
+@lru_cache
+def cpu_rms_norm(eps: float, weighted: bool) -> Callable:
+    """`mx.fast.rms_norm`'s sums for the CPU backend, compiled: there MLX runs the fast op as
+    its ~11-op decomposition, here the elementwise part after the sum is one kernel."""
+    def norm(x: mx.array, *weight: mx.array) -> mx.array:
+        x32 = x.astype(mx.float32)
+        out = (x32 * mx.rsqrt(mx.mean(mx.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+        return out * weight[0] if weighted else out
+    return mx.compile(norm, shapeless=True)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """RMS normalisation over the last axis (times `weight` where given): `cpu_rms_norm` for the
+    CPU's short calls (fewer than PREFILL_MIN_ROWS rows on axis 1 of a (B, T, ...) input, or on
+    axis 0 of an (N, H) one), MLX's fast op elsewhere (on the CPU its decomposition runs 3x
+    faster than the compiled form over a 512-row prompt chunk). The two give the same bits on
+    the CPU; a window's rows and serial steps take the same one either way."""
+    rows = x.shape[1] if x.ndim >= 3 else x.shape[0] if x.ndim == 2 else 1
+    if not CpuShortCalls.applies(rows):
+        return mx.fast.rms_norm(x, weight, eps)
+    return cpu_rms_norm(eps, weight is not None)(x, *(() if weight is None else (weight,)))
 
 
 class RowSplit:
@@ -125,6 +162,37 @@ def over_streams(fn: Callable[..., mx.array], *arrays: mx.array) -> mx.array:
     return mx.concatenate(parts)
 
 
+def host_window(x: mx.array) -> bool:
+    """Whether `x` holds fewer rows than a prompt-sized call (decode windows, and prompt chunks
+    too short for the prompt path, so that those still equal serial steps bit for bit) whose
+    float32 linears run as numpy matrix-vector products (`host_blas.rows_linears`): on the CPU
+    backend, where MLX's BLAS is the slow reference one (docs/benchmarks.md, "CPU decode
+    windows through numpy")."""
+    return host_rows(x.size // x.shape[-1] if x.ndim else 0, x.dtype)
+
+
+def host_rows(rows: int, dtype: mx.Dtype) -> bool:
+    """`host_window` for a call of `rows` rows in `dtype`."""
+    return CpuShortCalls.applies(rows) and host_blas.HostBlas.windows and host_blas.HostBlas.takes_dtype(dtype)
+
+
+def host_weight(module: nn.Module) -> np.ndarray:
+    """`module.weight` as a numpy view, cached on the module (`host_blas.HostView`)."""
+    view = module.__dict__.get("_host_view")
+    if view is None:
+        view = module.__dict__["_host_view"] = host_blas.HostView()
+    return view.of(module.weight)
+
+
+def project(x: mx.array, *linears: nn.Module) -> tuple[mx.array, ...]:
+    """Each of `linears` applied to `x`: on the host path (`host_window`) with one read of x for
+    them all, each product computed exactly as the linear alone computes it."""
+    if host_window(x) and all(type(linear) is RowLinear and linear.weight.dtype == mx.float32
+                              for linear in linears):
+        return tuple(host_blas.rows_linears(x, [(host_weight(linear), linear.get("bias")) for linear in linears]))
+    return tuple(linear(x) for linear in linears)
+
+
 class Transposed:
     """A weight with its last two axes swapped, contiguous, made once per weight array.
 
@@ -162,6 +230,8 @@ class RowLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         K = x.shape[-1]
+        if host_window(x) and self.weight.dtype == mx.float32:
+            return host_blas.rows_linears(x, [(host_weight(self), self.get("bias"))])[0]
         if _kernel_rows(x) and kernels.supports(K):
             y = kernels.rows_matvec(x, self.weight)
             return y + self.bias if "bias" in self else y
@@ -202,7 +272,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -215,7 +285,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return silu_gate_f32(mx.fast.rms_norm(rounded_f32(x, gate), None, self.eps), self.weight, gate)
+        return silu_gate_f32(rms_norm(rounded_f32(x, gate), None, self.eps), self.weight, gate)
 
 
 class MLP(nn.Module):
@@ -228,7 +298,7 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(*project(x, self.gate_proj, self.up_proj)))
 
 
 class DecoderStack(nn.Module):
@@ -277,7 +347,10 @@ class DecoderStack(nn.Module):
             h = h[:, -1:]
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
-            return by_row(self.model.embed_tokens.as_linear, h)
+            embed = self.model.embed_tokens
+            if host_window(h) and type(embed) is nn.Embedding and embed.weight.dtype == mx.float32:
+                return host_blas.rows_linears(h, [(host_weight(embed), None)])[0]
+            return by_row(embed.as_linear, h)
         return self.lm_head(h)
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:

@@ -15,6 +15,7 @@ import numpy as np
 
 from metal_shaders import rows_matvec as kernels
 
+from .compiled import traced_on_host
 from .layers import (
     MLP,
     WINDOW_ROWS,
@@ -23,6 +24,7 @@ from .layers import (
     by_row,
     is_cpu_prompt,
     over_streams,
+    project,
     swiglu,
     transposed,
 )
@@ -307,7 +309,11 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k), float32."""
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        return self.route_logits(self.gate(x))
+
+    def route_logits(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The router's logits (N, E) -> expert ids (N, k) and their weights (N, k), float32."""
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         if self.routing_policy is None:
             inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
             weights = mx.take_along_axis(probs, inds, axis=-1)
@@ -321,11 +327,27 @@ class SparseMoeBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        inds, weights = self.route(x)
-        y = weighted_sum(self.switch_mlp(x, inds), weights)
-        if "shared_expert" in self:
-            y = add_gated(y, self.shared_expert(x), self.shared_expert_gate(x))
-        return y.reshape(shape)
+        if "shared_expert" not in self:
+            inds, weights = self.route(x)
+            return weighted_sum(self.switch_mlp(x, inds), weights).reshape(shape)
+        # The router and the shared expert's input projections read x together (`project`).
+        shared = self.shared_expert
+        logits, gate, up, shared_gate = project(x, self.gate, shared.gate_proj, shared.up_proj,
+                                                self.shared_expert_gate)
+        y = self.routed_rows(x, logits)
+        return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
+
+    def routed_rows(self, x: mx.array, logits: mx.array) -> mx.array:
+        """`routed`, traced where the layer ends run eagerly (the CPU's host path) and nothing
+        in it consults the expert cache."""
+        if self.compilable:
+            return traced_on_host(self, "_routed", self.routed, x.shape[0], x.dtype)(x, logits)
+        return self.routed(x, logits)
+
+    def routed(self, x: mx.array, logits: mx.array) -> mx.array:
+        """x (N, H) and the router's logits -> the routed experts' weighted sum (N, H)."""
+        inds, weights = self.route_logits(logits)
+        return weighted_sum(self.switch_mlp(x, inds), weights)
 
 
 def weighted_sum(picks: mx.array, weights: mx.array) -> mx.array:

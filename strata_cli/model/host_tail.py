@@ -1,0 +1,79 @@
+"""A CPU decode window's layer tail on the host: from the mixer's output to the MoE's input and
+its shared expert, in numpy, with one read of the window's rows back from MLX.
+
+On the CPU backend a short call's linears run as numpy matrix-vector products (layers.py:
+`host_window`), and every read of an MLX array into numpy is a hand-off to MLX's CPU stream
+thread and back. The layer's tail — output projection, residual add, post norm, the router's
+and the shared expert's projections, the shared expert's SwiGLU and down projection — has no
+state and nothing but rows, so it all runs here after one read: the routed experts (and the
+sums that join them) stay in MLX, where streamed experts are served bit-identical to resident
+ones. Every step is per row (matrix-vector products, row-wise norms, elementwise), so a row
+computes what it computes alone (row invariance, docs/design.md).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import host_blas
+from .layers import RMSNorm, RowLinear, host_weight
+from .moe import SparseMoeBlock, add_gated
+
+
+def applies(layer, x: mx.array) -> bool:
+    """Whether `layer` (a `PreNormLayer`) may run its tail here for rows `x`: a plain float32
+    tail — the mixer's `tail_input` and `out_projection`, a plain `RMSNorm` post norm, a
+    `SparseMoeBlock` with a shared expert — on the host path."""
+    mixer, ffn = layer.mixer, layer.ffn
+    if type(ffn) is not SparseMoeBlock or "shared_expert" not in ffn or not hasattr(mixer, "tail_input"):
+        return False
+    shared = ffn.shared_expert
+    linears = (mixer.out_projection, ffn.gate, shared.gate_proj, shared.up_proj, shared.down_proj,
+               ffn.shared_expert_gate)
+    return (type(layer.post_attention_layernorm) is RMSNorm
+            and all(type(linear) is RowLinear and "bias" not in linear and linear.weight.dtype == mx.float32
+                    for linear in linears))
+
+
+def matvecs(rows: np.ndarray, weights: list[np.ndarray]) -> list[np.ndarray]:
+    """rows (N, K) @ weight (M, K)ᵀ for each weight, one matrix-vector product a row."""
+    outs = []
+    for w in weights:
+        y = np.empty((rows.shape[0], w.shape[0]), dtype=np.float32)
+        for i, row in enumerate(rows):
+            np.dot(w, row, out=y[i])
+        outs.append(y)
+    return outs
+
+
+def rms_norm(rows: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Row-wise RMS norm in float32 (numpy reduces each row alone along its contiguous axis)."""
+    scale = 1.0 / np.sqrt(np.mean(rows * rows, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+    return (rows * scale).astype(np.float32) * weight
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) · up, elementwise (exp overflows to inf for very negative gates: silu -> -0)."""
+    with np.errstate(over="ignore"):
+        return gate / (np.float32(1.0) + np.exp(-gate)) * up
+
+
+def tail(layer, x: mx.array, mixed: mx.array, *tail_in: mx.array) -> mx.array:
+    """`PreNormLayer.tail(x, mixed, *tail_in)` with its stateless rows in numpy (see above)."""
+    mixer, ffn = layer.mixer, layer.ffn
+    shared = ffn.shared_expert
+    pre = mixer.tail_input(mixed, *tail_in)
+    mx.eval(pre, x)
+    host_blas.one_thread()
+    shape = x.shape
+    rows_x = np.asarray(x).reshape(-1, shape[-1])
+    [out] = matvecs(np.asarray(pre).reshape(rows_x.shape[0], -1), [host_weight(mixer.out_projection)])
+    h = rows_x + out
+    norm = layer.post_attention_layernorm
+    normed = rms_norm(h, host_weight(norm), norm.eps)
+    logits, gate, up, shared_gate = matvecs(normed, [host_weight(ffn.gate), host_weight(shared.gate_proj),
+                                                     host_weight(shared.up_proj), host_weight(ffn.shared_expert_gate)])
+    [shared_out] = matvecs(silu_mul(gate, up), [host_weight(shared.down_proj)])
+    y = ffn.routed_rows(mx.array(normed), mx.array(logits))
+    return (mx.array(h) + add_gated(y, mx.array(shared_out), mx.array(shared_gate))).reshape(shape)
