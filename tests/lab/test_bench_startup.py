@@ -15,11 +15,11 @@ def test_startup_tiny_writes_every_field(tmp_path):
     assert data["tree"] and data["model"] and data["skipped"] == []
     for mode in ("serial", "auto"):
         figures = data[mode]
-        for key in ("first_run_ttft_s", "later_run_ttft_s", "steady_tokens_per_s",
-                    "max_window_ms_after_first_token", "median_window_ms"):
+        for key in ("later_run_ttft_s", "steady_tokens_per_s", "max_window_ms_after_first_token", "median_window_ms"):
             assert figures[key] > 0, (mode, key)
-    assert {(r["phase"], r["mode"]) for r in data["runs"]} == {
-        (p, m) for p in ("cold", "later") for m in ("serial", "auto")}
+    # one cache directory, as on a user's machine: only the first process (serial) finds it empty
+    assert data["serial"]["first_run_ttft_s"] > 0 and data["auto"]["first_run_ttft_s"] is None
+    assert [(r["phase"], r["mode"]) for r in data["runs"]] == [("cold", "serial"), ("later", "serial"), ("later", "auto")]
     assert all(0 < r["ttft_s"] < r["process_s"] for r in data["runs"])
     assert not any(r["announced_compile"] for r in data["runs"])  # the CPU compiles nothing per machine
     assert data["identical"]
