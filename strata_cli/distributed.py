@@ -39,7 +39,8 @@ import mlx.nn as nn
 
 from .engine.state import Mode
 from .engine.window import make_state
-from .model.loader import read_header, weight_files
+from .experts.store import ExpertStoreError, is_streamed, read_index
+from .model.loader import ModelLoadError, read_header, weight_files
 from .options import ConfigError, EngineOptions
 
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -101,9 +102,18 @@ def launched_ranks() -> int:
 
 
 def checkpoint_layer_bytes(path: Path, num_layers: int) -> tuple[list[int], int]:
-    """Bytes of each decoder layer's tensors in the checkpoint's safetensors headers, and of the
-    rest (embeddings, final norm, output head), which rank 0 holds."""
+    """Bytes of each decoder layer's tensors in the checkpoint's safetensors headers and, for a
+    streamed checkpoint, of its streamed experts' records; and of the rest (embeddings, final
+    norm, output head), which rank 0 holds."""
     layers, rest = [0] * num_layers, 0
+    if is_streamed(path):
+        try:
+            _, blocks = read_index(path)
+        except ExpertStoreError as e:
+            raise ModelLoadError(str(e)) from None
+        for block in blocks:
+            if 0 <= block.layer < num_layers:
+                layers[block.layer] += block.record_bytes * block.num_experts
     for f in weight_files(path):
         for name, entry in read_header(f).items():
             if name == "__metadata__":
@@ -160,6 +170,7 @@ class Stage:
         path: the checkpoint directory (its safetensors headers give the bytes to balance).
         bounds: every rank's layers, in rank order (set by `select` while loading).
         kinds: this rank's layers' state kinds (set by `select`).
+        layer_prefix: the decoder layers' module path with its dot, "model.layers." (set by `select`).
     """
 
     rank: int
@@ -168,6 +179,7 @@ class Stage:
     path: Path | None = None
     bounds: list[range] = field(default_factory=list)
     kinds: list[tuple[str, dict]] = field(default_factory=list)
+    layer_prefix: str = ""
 
     @property
     def layers(self) -> range:
@@ -220,19 +232,21 @@ class Stage:
         self.kinds = list(model.state_kinds[span])
         layers_path = next(path for path, module in model.named_modules() if module is model.layers[0])
         layer_prefix = layers_path.rsplit(".", 1)[0] + "."
-        mine = tuple(f"{layer_prefix}{i}." for i in self.layers)
-
-        def keep(name: str) -> bool:
-            if name.startswith(layer_prefix):
-                return name.startswith(mine)
-            return self.is_first
-
+        self.layer_prefix = layer_prefix
         for i in range(num_layers):
             if i not in self.layers:
                 model.layers[i] = nn.Module()
         if not self.is_first:
             prune(model, "", layer_prefix)
-        return keep
+        return self.holds
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds the tensor or module `name` (a path inside a layer, or outside
+        the layers): its own layers', and on rank 0 everything outside the layers. Set by `select`."""
+        if name.startswith(self.layer_prefix):
+            layer = name[len(self.layer_prefix):].split(".", 1)[0]
+            return layer.isdigit() and int(layer) in self.layers
+        return self.is_first
 
 
 def prune(module: nn.Module, prefix: str, keep_prefix: str) -> None:
@@ -433,6 +447,7 @@ class PipelineModel:
         self.state_kinds = [*stage.kinds, ("ranks", {"make": lambda: RemoteStages(link)})]
         self.pipeline_summary = stage.summary()
         self.verification = getattr(model, "verification", None)
+        self.expert_cache = getattr(model, "expert_cache", None)  # rank 0's layers' streamed experts
         self.load_notes = getattr(model, "load_notes", ())
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
@@ -453,6 +468,7 @@ class StageFollower:
         self.modes: dict[int, Mode] = {}
         self.saved: dict[int, list] = {}
         self.watchdog = Watchdog(stage.rank)
+        self.expert_cache = getattr(model, "expert_cache", None)  # this rank's layers' streamed experts
         self.source = stage.rank - 1
         self.target = (stage.rank + 1) % stage.ranks
 
@@ -516,8 +532,12 @@ class StageFollower:
                                     group=self.group)
             for state in states:
                 state.begin(pos0, T, mode)
-            layers = self.stage.layers
+            layers, cache = self.stage.layers, self.expert_cache
+            if cache is not None:  # as WindowEngine does: experts are read while the graph is built
+                cache.begin_window(kind="prefill" if mode is Mode.COMMIT_ALL else "decode")
             h = self.model.run_layers(h, states, layers.start, layers.stop)
+            if cache is not None:
+                cache.end_window()
             if self.stage.is_last and last_only:
                 h = h[:, -1:]
             mx.eval(mx.distributed.send(h, self.target, group=self.group))
