@@ -98,17 +98,6 @@ def test_ranks_that_no_backend_joined_are_refused(monkeypatch):
         find_group()
 
 
-def test_a_session_is_refused_across_ranks(tmp_path):
-    from types import SimpleNamespace
-
-    from strata_cli.serve.server import restore_session
-    from strata_cli.serve.session import SessionError
-
-    runtime = SimpleNamespace(stage=Stage(0, 2), engine=None)
-    with pytest.raises(SessionError, match="sessions are not saved across ranks"):
-        restore_session(runtime, tmp_path / "s.session", command="serve-stdio")
-
-
 def test_a_later_rank_never_reads_the_other_ranks_tensors():
     """Tensors load lazily and the dropped ones are never evaluated: rank 1 of 2's peak memory
     while loading is about its own half, not the whole model plus a copy."""

@@ -4,7 +4,7 @@ process's — and the resident checkpoint's, bit for bit — serial and with dra
 
 import pytest
 from click.testing import CliRunner
-from test_pipeline_ranks import CODE, generate_record
+from test_pipeline_ranks import generate_record
 
 from strata_cli.cli import cli
 from strata_cli.experts.store import ExpertStore, layer_of, read_index
