@@ -585,6 +585,9 @@ class StageFollower:
                     self.run(*values[1:7])
                 if kind in (GATHER, SCATTER):
                     self.exchange(kind)
+        except PipelineError as e:  # rank 0 asked for something this rank does not hold
+            sys.stderr.write(f"strata: {e}\n")
+            return EXIT_CODE
         except RuntimeError as e:
             sys.stderr.write(f"strata: {lost_peer(rank, e)}\n")
             return EXIT_CODE

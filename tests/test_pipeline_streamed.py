@@ -25,6 +25,21 @@ def test_a_store_opens_only_the_blocks_a_stage_holds(streamed_demo):
         assert {layer_of(p) for p in store.blocks} == {3, 4, 5}
 
 
+def test_each_stage_streams_its_own_layers_experts(streamed_demo):
+    from pathlib import Path
+
+    from strata_cli.distributed import Stage
+    from strata_cli.runtime import load_checkpoint
+
+    for rank in (0, 1):
+        stage = Stage(rank, 2, split=(2, 4), path=Path(streamed_demo))
+        model = load_checkpoint(streamed_demo, stage=stage)
+        cache = model.expert_cache
+        assert {layer_of(p) for p in cache.store.blocks} == set(stage.layers)
+        assert {layer_of(p) for p in cache.paths} == set(stage.layers)
+        cache.close()
+
+
 def test_streamed_experts_on_two_ranks_equal_one_resident_process(streamed_demo):
     resident = generate_record([], 1)["token_ids"]
     # Four resident experts of 48 per block: both ranks read experts from disk all along.
