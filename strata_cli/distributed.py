@@ -37,10 +37,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .engine.state import Mode
-from .engine.window import make_state
-from .model.loader import read_header, weight_files
+from .engine.state import ArraySpec, Mode
+from .engine.window import Snapshot, SnapshotError, make_state
+from .experts.store import ExpertStoreError, is_streamed, read_index
+from .model.loader import ModelLoadError, compute_dtype, read_header, weight_files
 from .options import ConfigError, EngineOptions
+from .stage_transfer import decode_states, encode_states, recv_message, send_message
 
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 NOT_LOADED = ("visual.", "model.visual.", "vision_tower.")  # vision towers: never loaded
@@ -49,7 +51,7 @@ EXIT_CODE = 70  # a rank that ends because the pipeline broke
 
 # Header: kind, state set, pos0, T, mode, last_only, dtype, number of calls, then the calls as
 # (call, a, b) triples.
-RUN, CALLS, EXIT = 1, 2, 3
+RUN, CALLS, EXIT, GATHER, SCATTER = 1, 2, 3, 4, 5
 COMMIT, ABANDON, SNAPSHOT, RESTORE, DROP_STATES, DROP_SNAPSHOT = 1, 2, 3, 4, 5, 6
 MAX_CALLS = 32
 HEADER_INTS = 8 + 3 * MAX_CALLS
@@ -101,9 +103,18 @@ def launched_ranks() -> int:
 
 
 def checkpoint_layer_bytes(path: Path, num_layers: int) -> tuple[list[int], int]:
-    """Bytes of each decoder layer's tensors in the checkpoint's safetensors headers, and of the
-    rest (embeddings, final norm, output head), which rank 0 holds."""
+    """Bytes of each decoder layer's tensors in the checkpoint's safetensors headers and, for a
+    streamed checkpoint, of its streamed experts' records; and of the rest (embeddings, final
+    norm, output head), which rank 0 holds."""
     layers, rest = [0] * num_layers, 0
+    if is_streamed(path):
+        try:
+            _, blocks = read_index(path)
+        except ExpertStoreError as e:
+            raise ModelLoadError(str(e)) from None
+        for block in blocks:
+            if 0 <= block.layer < num_layers:
+                layers[block.layer] += block.record_bytes * block.num_experts
     for f in weight_files(path):
         for name, entry in read_header(f).items():
             if name == "__metadata__":
@@ -160,6 +171,9 @@ class Stage:
         path: the checkpoint directory (its safetensors headers give the bytes to balance).
         bounds: every rank's layers, in rank order (set by `select` while loading).
         kinds: this rank's layers' state kinds (set by `select`).
+        layer_prefix: the decoder layers' module path with its dot, "model.layers." (set by `select`).
+        whole_kinds: every layer's state kinds, the whole model's (set by `select`).
+        state_counts: how many of them each rank holds, in rank order (set by `select`).
     """
 
     rank: int
@@ -168,10 +182,18 @@ class Stage:
     path: Path | None = None
     bounds: list[range] = field(default_factory=list)
     kinds: list[tuple[str, dict]] = field(default_factory=list)
+    layer_prefix: str = ""
+    whole_kinds: list[tuple[str, dict]] = field(default_factory=list)
+    state_counts: list[int] = field(default_factory=list)
 
     @property
     def layers(self) -> range:
         return self.bounds[self.rank]
+
+    @property
+    def state_offset(self) -> int:
+        """The index of this rank's first layer state among the whole model's."""
+        return sum(self.state_counts[: self.rank])
 
     @property
     def is_first(self) -> bool:
@@ -218,21 +240,25 @@ class Stage:
         self.bounds = self.plan(num_layers)
         span = model.state_span(self.layers.start, self.layers.stop)
         self.kinds = list(model.state_kinds[span])
+        self.whole_kinds = list(model.state_kinds)
+        self.state_counts = [len(self.whole_kinds[model.state_span(b.start, b.stop)]) for b in self.bounds]
         layers_path = next(path for path, module in model.named_modules() if module is model.layers[0])
         layer_prefix = layers_path.rsplit(".", 1)[0] + "."
-        mine = tuple(f"{layer_prefix}{i}." for i in self.layers)
-
-        def keep(name: str) -> bool:
-            if name.startswith(layer_prefix):
-                return name.startswith(mine)
-            return self.is_first
-
+        self.layer_prefix = layer_prefix
         for i in range(num_layers):
             if i not in self.layers:
                 model.layers[i] = nn.Module()
         if not self.is_first:
             prune(model, "", layer_prefix)
-        return keep
+        return self.holds
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds the tensor or module `name` (a path inside a layer, or outside
+        the layers): its own layers', and on rank 0 everything outside the layers. Set by `select`."""
+        if name.startswith(self.layer_prefix):
+            layer = name[len(self.layer_prefix):].split(".", 1)[0]
+            return layer.isdigit() and int(layer) in self.layers
+        return self.is_first
 
 
 def prune(module: nn.Module, prefix: str, keep_prefix: str) -> None:
@@ -354,6 +380,44 @@ class Link:
             raise
         return back
 
+    def gather(self, ids: Sequence[int]) -> list[list[tuple]]:
+        """The other ranks' layer states of each of their snapshots `ids`: per snapshot, every
+        later layer's state in layer order (arrays shared between snapshots arrive once)."""
+        description, arrays = self.exchange(GATHER, {"ids": list(ids), "parts": []}, [])
+        states = [[] for _ in ids]
+        for part in description["parts"]:  # rank 1's, then rank 2's, ...
+            for c, encoded in enumerate(part):
+                states[c].extend(decode_states(encoded, arrays))
+        return states
+
+    def scatter(self, ids: Sequence[int], lengths: Sequence[int], parts: Sequence[Sequence[Sequence[tuple]]],
+                dtype: mx.Dtype) -> tuple[int, str] | None:
+        """Give ranks 1..N-1 their layer states (`parts[r - 1]`: per snapshot, its layers' states),
+        each checked there against its own layers and kept as snapshot `ids[c]` when all fit.
+        Returns the first (snapshot index, problem) a rank found, or None."""
+        arrays, index = [], {}
+        encoded = [[encode_states(states, arrays, index) for states in part] for part in parts]
+        description, _ = self.exchange(SCATTER, {"ids": list(ids), "lengths": list(lengths), "parts": encoded,
+                                                 "dtype": DTYPES.index(dtype), "problems": []}, arrays)
+        return next((tuple(problem) for problem in description["problems"] if problem), None)
+
+    def exchange(self, kind: int, description: dict, arrays: list) -> tuple[dict, list]:
+        """Send a message round the ranks (1, 2, ..., N-1, back to 0), each rank adding to it."""
+        if not (self.is_open and self.in_sync):
+            raise PipelineError("rank 0: the pipeline is closed (a rank went away or a window was interrupted)")
+        self.send_calls()
+        try:
+            with self.watchdog.armed(self.timeout, "passing saved states between the ranks"):
+                mx.eval(mx.distributed.send(self.header(kind), 1, group=self.group))
+                send_message(description, arrays, 1, self.group)
+                return recv_message(self.stage.ranks - 1, self.group)
+        except RuntimeError as e:
+            self.is_open = False
+            raise lost_peer(0, e) from None
+        except BaseException:
+            self.in_sync = False
+            raise
+
     def close(self) -> None:
         """Tell the other ranks to end (at exit; after a failure there is no one to tell)."""
         if self.is_open:
@@ -420,6 +484,8 @@ class RemoteStages:
 
     @staticmethod
     def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None:
+        if len(snap) == 1 and isinstance(snap[0], RemoteSnapshot):  # placed there (PipelineModel.place)
+            return None
         return "saved state of other ranks' layers cannot be restored from outside"
 
 
@@ -433,7 +499,46 @@ class PipelineModel:
         self.state_kinds = [*stage.kinds, ("ranks", {"make": lambda: RemoteStages(link)})]
         self.pipeline_summary = stage.summary()
         self.verification = getattr(model, "verification", None)
+        self.expert_cache = getattr(model, "expert_cache", None)  # rank 0's layers' streamed experts
         self.load_notes = getattr(model, "load_notes", ())
+
+    def whole_layout(self, options: EngineOptions) -> list[str]:
+        """The whole model's per-layer state type names, as one process's engine has them."""
+        return [type(make_state(kind, params, options)).__name__ for kind, params in self.stage.whole_kinds]
+
+    def gather(self, snapshots: Sequence[Snapshot]) -> list[Snapshot]:
+        """Rank 0's engine snapshots as one process's: every layer's state, the later ranks' sent here."""
+        ids = []
+        for snap in snapshots:
+            (remote,) = snap.states[-1]
+            ids.append(remote.id)
+        later = self.link.gather(ids)
+        return [Snapshot(snap.length, tuple(snap.states[:-1]) + tuple(states)) for snap, states in zip(snapshots, later)]
+
+    def place(self, snapshots: Sequence[Snapshot]) -> list[Snapshot]:
+        """One process's snapshots (every layer's state) as rank 0's engine holds them: the later
+        ranks' layers' states sent to those ranks, checked and kept there.
+
+        Raises:
+            SnapshotError: a snapshot with another number of layer states, or one a rank's layers
+                cannot have made (naming the checkpoint and the layer).
+        """
+        counts = self.stage.state_counts
+        for c, snap in enumerate(snapshots):
+            if len(snap.states) != sum(counts):
+                raise SnapshotError(f"checkpoint {c}: {len(snap.states)} layers, this model has {sum(counts)}")
+        remotes = [RemoteSnapshot(self.link) for _ in snapshots]
+        parts, start = [], counts[0]
+        for count in counts[1:]:
+            parts.append([snap.states[start:start + count] for snap in snapshots])
+            start += count
+        problem = self.link.scatter([r.id for r in remotes], [snap.length for snap in snapshots], parts,
+                                    compute_dtype(self.model))
+        if problem is not None:
+            c, text = problem
+            raise SnapshotError(f"checkpoint {c} ({snapshots[c].length} positions): {text}")
+        return [Snapshot(snap.length, tuple(snap.states[:counts[0]]) + ((remote,),))
+                for snap, remote in zip(snapshots, remotes)]
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
         h = self.model.run_layers(self.model.embed(tokens), states[:-1], 0, self.stage.layers.stop)
@@ -453,6 +558,8 @@ class StageFollower:
         self.modes: dict[int, Mode] = {}
         self.saved: dict[int, list] = {}
         self.watchdog = Watchdog(stage.rank)
+        self.expert_cache = getattr(model, "expert_cache", None)  # this rank's layers' streamed experts
+        self.like: list[tuple] | None = None  # what this rank's layers' snapshots hold (`check`)
         self.source = stage.rank - 1
         self.target = (stage.rank + 1) % stage.ranks
 
@@ -476,6 +583,11 @@ class StageFollower:
                     return 0
                 if kind == RUN:
                     self.run(*values[1:7])
+                if kind in (GATHER, SCATTER):
+                    self.exchange(kind)
+        except PipelineError as e:  # rank 0 asked for something this rank does not hold
+            sys.stderr.write(f"strata: {e}\n")
+            return EXIT_CODE
         except RuntimeError as e:
             sys.stderr.write(f"strata: {lost_peer(rank, e)}\n")
             return EXIT_CODE
@@ -514,10 +626,61 @@ class StageFollower:
         with self.watchdog.armed(self.timeout, f"a window of {T} rows at position {pos0}"):
             h = mx.distributed.recv((1, T, self.model.config.hidden_size), DTYPES[dtype], self.source,
                                     group=self.group)
-            for state in states:
-                state.begin(pos0, T, mode)
-            layers = self.stage.layers
-            h = self.model.run_layers(h, states, layers.start, layers.stop)
+            h = self.forward(h, states, pos0, mode)
             if self.stage.is_last and last_only:
                 h = h[:, -1:]
             mx.eval(mx.distributed.send(h, self.target, group=self.group))
+
+    def forward(self, h: mx.array, states: list, pos0: int, mode: Mode) -> mx.array:
+        """This rank's layers over a window's rows, its states opened for the window."""
+        for state in states:
+            state.begin(pos0, h.shape[1], mode)
+        layers, cache = self.stage.layers, self.expert_cache
+        if cache is not None:  # as WindowEngine does: experts are read while the graph is built
+            cache.begin_window(kind="prefill" if mode is Mode.COMMIT_ALL else "decode")
+        h = self.model.run_layers(h, states, layers.start, layers.stop)
+        if cache is not None:
+            cache.end_window()
+        return h
+
+    def exchange(self, kind: int) -> None:
+        """Add this rank's states of the snapshots rank 0 names to the message going round
+        (GATHER), or take and check its own from it (SCATTER), and pass it on."""
+        with self.watchdog.armed(self.timeout, "passing saved states between the ranks"):
+            description, arrays = recv_message(self.source, self.group)
+        if kind == GATHER:
+            missing = [i for i in description["ids"] if i not in self.saved]
+            if missing:
+                raise PipelineError(f"rank {self.stage.rank}: rank 0 asked for snapshot {missing[0]}, not held here")
+            index = {id(a): k for k, a in enumerate(arrays)}
+            description["parts"].append([encode_states(self.saved[i], arrays, index) for i in description["ids"]])
+        else:
+            mine, *later = description["parts"]
+            snapshots = [decode_states(encoded, arrays) for encoded in mine]
+            problem = self.check(snapshots, description["lengths"], DTYPES[description["dtype"]])
+            if problem is None:
+                for i, states in zip(description["ids"], snapshots):
+                    self.saved[i] = states
+            description["problems"].append(problem)
+            received, arrays, index = arrays, [], {}  # pass on only what the later ranks take
+            description["parts"] = [[encode_states(decode_states(encoded, received), arrays, index)
+                                     for encoded in part] for part in later]
+        with self.watchdog.armed(self.timeout, "passing saved states between the ranks"):
+            send_message(description, arrays, self.target, self.group)
+
+    def check(self, snapshots: list[list[tuple]], lengths: list[int], dtype: mx.Dtype) -> tuple[int, str] | None:
+        """The first (snapshot index, problem) with states this rank's layers cannot have made
+        after that snapshot's length (`LayerState.check_snapshot`), or None."""
+        states = [make_state(kind, params, self.options) for kind, params in self.stage.kinds]
+        if self.like is None:  # as WindowEngine.snapshot_like: a one-row window on scratch state, never evaluated
+            scratch = [make_state(kind, params, self.options) for kind, params in self.stage.kinds]
+            self.forward(mx.zeros((1, 1, self.model.config.hidden_size), dtype), scratch, 0, Mode.WINDOW)
+            self.like = [tuple(ArraySpec.of(v) for v in state.snapshot()) for state in scratch]
+        for c, (saved, length) in enumerate(zip(snapshots, lengths)):
+            if len(saved) != len(states):
+                return c, f"{len(saved)} layer states for rank {self.stage.rank}, whose layers have {len(states)}"
+            for i, (state, slots, spec) in enumerate(zip(states, saved, self.like)):
+                problem = state.check_snapshot(tuple(slots), spec, length)
+                if problem:
+                    return c, f"layer {self.stage.state_offset + i} ({type(state).__name__}): {problem}"
+        return None

@@ -86,7 +86,8 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: Strea
         stream: expert cache options (default `StreamOptions()`); non-default ones need a
             streamed checkpoint.
         moce: cache-aware routing (default off); on, it needs a streamed checkpoint.
-        stage: load only this pipeline stage's layers (distributed.py); None = the whole model.
+        stage: load only this pipeline stage's layers (distributed.py), and stream only their
+            experts; None = the whole model.
 
     Raises:
         ModelLoadError: missing or corrupt files, an unusable expert layout.
@@ -100,7 +101,8 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: Strea
     if path.is_dir() and is_streamed(path):
         def attach(model, compute: mx.Dtype) -> None:
             try:
-                attach_streamed_experts(model, path, dtype=compute, options=stream, moce=moce)
+                attach_streamed_experts(model, path, dtype=compute, options=stream, moce=moce,
+                                        holds=None if stage is None else stage.holds)
             except ExpertStoreError as e:
                 raise ModelLoadError(str(e)) from None
     elif path.is_dir() and not stream.is_default:
@@ -113,9 +115,6 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None, stream: Strea
             f"cache-aware routing (--moce-protect) applies to a streamed checkpoint (strata convert --stream); "
             f"{path} keeps its experts in safetensors"
         )
-    if stage is not None and attach is not None:
-        raise ConfigError(f"{path}: streamed experts (strata convert --stream) are not served across ranks yet; "
-                          "convert without --stream for mlx.launch")
     return load_model(path, dtype=dtype, before_weights=attach, select=stage.select if stage else None)
 
 

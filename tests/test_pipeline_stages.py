@@ -98,17 +98,6 @@ def test_ranks_that_no_backend_joined_are_refused(monkeypatch):
         find_group()
 
 
-def test_a_session_is_refused_across_ranks(tmp_path):
-    from types import SimpleNamespace
-
-    from strata_cli.serve.server import restore_session
-    from strata_cli.serve.session import SessionError
-
-    runtime = SimpleNamespace(stage=Stage(0, 2), engine=None)
-    with pytest.raises(SessionError, match="sessions are not saved across ranks"):
-        restore_session(runtime, tmp_path / "s.session", command="serve-stdio")
-
-
 def test_a_later_rank_never_reads_the_other_ranks_tensors():
     """Tensors load lazily and the dropped ones are never evaluated: rank 1 of 2's peak memory
     while loading is about its own half, not the whole model plus a copy."""
@@ -136,3 +125,25 @@ def test_generate_refuses_stdin_prompts_under_a_launcher(monkeypatch):
     monkeypatch.setenv("MLX_WORLD_SIZE", "2")
     result = CliRunner().invoke(cli, ["generate", "--each-line"], input="def f(x):\n")
     assert result.exit_code != 0 and "pass the prompt as an argument" in result.output
+
+
+def test_layer_states_travel_as_encoded_with_shared_arrays_once():
+    """stage_transfer.py's form: arrays by index (one shared by two snapshots is sent once),
+    ints and empty slots as they are, empty arrays made again from their shape."""
+    from strata_cli.stage_transfer import decode_states, encode_states
+
+    shared, empty = mx.arange(12, dtype=mx.float32).reshape(1, 2, 3, 2), mx.zeros((1, 0, 4), dtype=mx.bfloat16)
+    first = [(shared, shared, 5), (None, empty)]
+    second = [(shared, mx.ones((2,)), 7), (None, None)]
+    arrays, index = [], {}
+    encoded = [encode_states(states, arrays, index) for states in (first, second)]
+    assert len(arrays) == 3 and encoded[0][0] == [{"a": 0}, {"a": 0}, {"i": 5}]
+    for states, form in zip((first, second), encoded):
+        back = decode_states(form, arrays)
+        assert len(back) == len(states)
+        for layer, saved in zip(back, states):
+            assert len(layer) == len(saved)
+            for a, b in zip(layer, saved):
+                assert a is b  # the very arrays: rank 0 keeps sharing what the ranks shared
+    with pytest.raises(TypeError, match="layer 0 slot 0"):
+        encode_states([(True,)], [], {})

@@ -44,7 +44,7 @@ import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -541,17 +541,22 @@ class ExpertStore:
         io: "auto" (default: O_DIRECT where the file system allows it, else the page cache),
             "direct" (O_DIRECT or an error) or "buffered" (the page cache).
         verify: check each record's crc32 after reading it (default True).
+        holds: which blocks (by module path) to open and serve; default None: every block. A
+            pipeline stage (distributed.py) opens only the blocks of its own layers.
 
     Raises:
         ExpertStoreError: a malformed index, a missing or truncated record file, or O_DIRECT
             refused with io="direct".
     """
 
-    def __init__(self, directory: str | Path, *, io: str = "auto", verify: bool = True):
+    def __init__(self, directory: str | Path, *, io: str = "auto", verify: bool = True,
+                 holds: Callable[[str], bool] | None = None):
         if io not in IO_MODES:
             raise ExpertStoreError(f"io must be one of {IO_MODES}, got {io!r}")
         self.root = Path(directory) / STREAM_DIR
         self.index, blocks = read_index(directory)
+        if holds is not None:
+            blocks = [b for b in blocks if holds(b.path)]
         self.alignment = int(self.index["alignment"])
         self.num_experts = int(self.index["num_experts"])
         self.blocks = {b.path: b for b in blocks}

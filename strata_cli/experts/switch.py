@@ -10,6 +10,7 @@ fills from disk.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -119,7 +120,8 @@ def resolve_slots(options: StreamOptions, *, num_experts: int, bytes_per_expert:
 
 
 def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options: StreamOptions | None = None,
-                            moce: MoceOptions | None = None) -> ExpertCache:
+                            moce: MoceOptions | None = None,
+                            holds: Callable[[str], bool] | None = None) -> ExpertCache | None:
     """Serve `model`'s routed experts from the streaming layout in `path` through an ExpertCache.
 
     Every MoE block's routed experts (`switch_mlp`, GPT-OSS's `experts`) are replaced by a
@@ -132,17 +134,26 @@ def attach_streamed_experts(model, path: str | Path, *, dtype: mx.Dtype, options
         dtype: compute dtype for the floating expert tensors.
         options: budget, prefetch and I/O (default `StreamOptions()`: every expert resident).
         moce: cache-aware routing (experts/moce.py); default off (exact routing).
+        holds: which blocks (module paths) this process holds (a pipeline stage's layers:
+            distributed.py); the layout's other blocks are neither checked nor opened, and the
+            budget counts this process's blocks only. Default None: every block.
+
+    Returns:
+        The cache, or None when `holds` leaves this process no MoE block (nothing to stream).
 
     Raises:
         ExpertStoreError: the layout does not match the model, or its files are unusable.
         ConfigError: a budget below one expert per block, MoCE knobs the model cannot take.
     """
     options = options or StreamOptions()
-    store = ExpertStore(path, io=options.io, verify=options.verify)
+    store = ExpertStore(path, io=options.io, verify=options.verify, holds=holds)
     try:
         moes = dict(model.named_modules())
         blocks = [(p, moes[p.rsplit(".", 1)[0]]) for p, _ in expert_blocks(model)]
         _check_layout(store, blocks)
+        if not blocks and holds is not None:  # a stage of dense layers only
+            store.close()
+            return None
         _check_routing_options(blocks, options, moce or MoceOptions())
         bytes_per_expert = sum(
             math.prod(t.shape) * (dtype if mx.issubdtype(DTYPES[t.dtype][1], mx.floating) else DTYPES[t.dtype][1]).size

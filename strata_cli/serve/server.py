@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..distributed import PipelineError
-from ..engine.window import WindowEngine
+from ..engine.window import SnapshotError, WindowEngine
 from ..options import GenerateOptions, ServeOptions, SpecOptions
 from ..request import FINISH_CANCELLED, TextRequest
 from ..runtime import Runtime
@@ -429,12 +429,13 @@ def serve_lines(server: Server, lines: ReadAhead, latch: SignalFlag, *, ready: d
 
 def session_signature(runtime: Runtime) -> dict:
     """What a session file must match to be restored into `runtime`: the model's identity, the
-    compute dtype and the engine's state layout."""
-    return {
-        "identity": runtime.identity,
-        "dtype": str(runtime.dtype),
-        "layout": [type(state).__name__ for state in runtime.engine.states],
-    }
+    compute dtype and the whole model's state layout (across ranks too: one process's file)."""
+    engine = runtime.engine
+    if runtime.stage is not None:
+        layout = engine.model.whole_layout(engine.options)
+    else:
+        layout = [type(state).__name__ for state in engine.states]
+    return {"identity": runtime.identity, "dtype": str(runtime.dtype), "layout": layout}
 
 
 def restore_session(runtime: Runtime, session: str | Path | None, *, command: str) -> list[Checkpoint]:
@@ -453,22 +454,41 @@ def restore_session(runtime: Runtime, session: str | Path | None, *, command: st
     """
     if session is None:
         return []
-    if runtime.stage is not None:
-        raise SessionError(f"session {session}: sessions are not saved across ranks (mlx.launch) yet; "
-                           f"{command} did not start (run without --session)")
     session, engine = Path(session), runtime.engine
     if not session.parent.is_dir():
         raise SessionError(f"session {session}: directory {session.parent} does not exist")
     if not session.exists():
         log.info("session %s: new", session)
         return []
+    across_ranks = runtime.stage is not None
     try:
         restored = load_session(session, **session_signature(runtime), max_context=engine.max_context,
-                                vocab_size=engine.vocab_size, check=engine.check_snapshot)
+                                vocab_size=engine.vocab_size, check=None if across_ranks else engine.check_snapshot)
+        if across_ranks:
+            restored = place_across_ranks(engine, restored, session)
     except SessionError as e:
         raise SessionError(f"{e}; {command} did not start (delete the file or pass another --session)") from None
     log.info("session %s: restored %d checkpoints", session, len(restored))
     return restored
+
+
+def place_across_ranks(engine, restored: list[Checkpoint], session: Path) -> list[Checkpoint]:
+    """A session's checkpoints (every layer's state) as rank 0's engine holds them: the later
+    ranks' layers' states sent to those ranks and checked there, rank 0's checked here.
+
+    Raises:
+        SessionError: a state some rank's layers cannot have made (the whole file is refused).
+    """
+    try:
+        snapshots = engine.model.place([checkpoint.snapshot for checkpoint in restored])
+    except SnapshotError as e:
+        raise SessionError(f"session {session}: {e}") from None
+    for c, snapshot in enumerate(snapshots):
+        try:
+            engine.check_snapshot(snapshot)
+        except ValueError as e:
+            raise SessionError(f"session {session}: checkpoint {c} ({snapshot.length} positions): {e}") from None
+    return [Checkpoint(checkpoint.tokens, snapshot) for checkpoint, snapshot in zip(restored, snapshots)]
 
 
 def save_session_of(runtime: Runtime, server: Server, session: str | Path | None) -> None:
@@ -481,6 +501,9 @@ def save_session_of(runtime: Runtime, server: Server, session: str | Path | None
     if session is None or not server.is_changed:
         return
     session, checkpoints = Path(session), server.checkpoints()
+    if runtime.stage is not None:  # one process's file: the later ranks' layers' states gathered here
+        snapshots = runtime.engine.model.gather([checkpoint.snapshot for checkpoint in checkpoints])
+        checkpoints = [Checkpoint(c.tokens, snapshot) for c, snapshot in zip(checkpoints, snapshots)]
     try:
         save_session(session, checkpoints, **session_signature(runtime))
     except OSError as e:
