@@ -240,11 +240,11 @@ def test_the_documented_stats_are_the_keys_a_reply_carries(loop_model):
     documented = documented_stats()
     keys = [key for key, _, _ in documented]
     only_sometimes = {key for key, _, meaning in documented if meaning.startswith("only ")}
-    assert only_sometimes == {"controller", "approximate"}
+    assert only_sometimes == {"controller", "approximate", "pipeline"}
     script = [({"id": 1, "prompt": LOOP, "suffix_draft": 3}, 0), ({"id": 2, "prompt": LOOP, "suffix_draft": "auto"}, 0)]
     plain, auto = (f["stats"] for f in finals(run_script(loop_model, script)))
     assert list(plain) == [k for k in keys if k not in only_sometimes]
-    assert list(auto) == [k for k in keys if k != "approximate"]
+    assert list(auto) == [k for k in keys if k not in ("approximate", "pipeline")]
     assert set(keys) == {*FIELDS, "experts", "ttft_ms", "notes"}  # telemetry's figures, all of them
     for key, unit, meaning in documented:
         assert meaning, key
