@@ -135,7 +135,7 @@ GPT_OSS_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=64, head_d
 def family_config(family: str, *, layers: int, tiny: bool) -> dict:
     """The config.json mlx-lm builds `family` from: the real model's shapes (or the family's tiny
     test dims: scripts/bench/family_speed.py's, GPT_OSS_TINY for gpt_oss) at `layers` layers."""
-    from scripts.bench.family_speed import TINY as TINY_FAMILIES
+    from scripts.bench.family_shapes import TINY as TINY_FAMILIES
 
     if family == "qwen3_5_moe":
         text = {**QWEN3_5_35B_A3B, **(TINY_FAMILIES[family]["text_config"] if tiny else {}), "num_hidden_layers": layers}

@@ -24,7 +24,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from scripts.bench.family_speed import TINY, build_checkpoint
+from scripts.bench.family_shapes import TINY
+from scripts.bench.family_speed import build_checkpoint
 from strata_cli.bench.runner import git_commit
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 import mlx.nn as nn
 
+from .config import ModelConfig
 from .layer_state import CompressedAttentionState
 from .layers import RMSNorm, RowLinear, RowSplit
-
-if TYPE_CHECKING:
-    from .deepseek_v4 import DeepseekV4Config
 
 
 # -- rotary, norms ------------------------------------------------------------------------------
@@ -140,7 +136,7 @@ class Indexer(Compressor):
     """The lightning indexer: its own overlapping compressor at `index_head_dim`, and per query
     the score Σ_h w_h · ReLU(q_h · k) of each closed entry; the top `index_topk` are kept."""
 
-    def __init__(self, config: DeepseekV4Config, rate: int, rotary: Rotary):
+    def __init__(self, config: ModelConfig, rate: int, rotary: Rotary):
         super().__init__(config.hidden_size, config.index_head_dim, rate, overlap=True, eps=config.rms_norm_eps,
                          rotary=rotary)
         self.heads, self.topk = config.index_n_heads, config.index_topk
@@ -198,7 +194,7 @@ class GroupedLinear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DeepseekV4Config, layer_type: str):
+    def __init__(self, config: ModelConfig, layer_type: str):
         super().__init__()
         H, D = config.num_attention_heads, config.head_dim
         self.num_heads, self.head_dim, self.window = H, D, config.sliding_window
