@@ -413,3 +413,13 @@ def test_sliding_keys_are_one_buffer(model):
     engine.commit(2)
     assert all(state.window.values is state.window.keys for state in engine.states)
     assert engine.states[0].window.keys.shape[2] == 512
+
+
+def test_capped_rings_are_never_padded(model, monkeypatch):
+    """A padded row (GPU row buckets) would write a capped ring past the compressor block: capped
+    engines do not pad on a GPU, and asking for both is refused in one line."""
+    monkeypatch.setattr("strata_cli.engine.window.on_gpu", lambda: True)
+    assert WindowEngine(model, EngineOptions(compressed_rollback="replay")).pads_windows
+    assert not WindowEngine(model, EngineOptions(compressed_rollback="cap")).pads_windows
+    with pytest.raises(ConfigError, match="cannot be padded"):
+        WindowEngine(model, EngineOptions(compressed_rollback="cap", pad_windows=True))

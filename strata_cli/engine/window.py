@@ -161,15 +161,19 @@ class WindowEngine:
         self.expert_cache = getattr(model, "expert_cache", None)
         self.prefill_expert_bytes = 0  # bytes the last prefill read from the expert files
         self._like: Snapshot | None = None  # snapshot_like(), made once
-        pad = self.options.pad_windows
-        self.pads_windows = (on_gpu() and self.expert_cache is None) if pad is None else pad
-        # Warm each window shape before first use, off the window's clock (EngineOptions.warm_shapes).
-        self.warms_on_first_use = self.options.warm_shapes is None and on_gpu()
-        self.warm_rows: set[int] = set()  # window row counts this process has run
         self.block = compressed_block(model.state_kinds)
         # Compressor tails kept in rings (`--compressed-rollback cap`) are exact only for windows
         # that stay within one compressor block (speculative/safe_window.py's block cap).
         self.needs_block_cap = self.block is not None and self.options.compressed_rollback == "cap"
+        pad = self.options.pad_windows
+        if pad and self.needs_block_cap:
+            raise ConfigError("windows cannot be padded to row buckets when they are capped at the compressor "
+                              "block (--compressed-rollback cap): a padded row would write past the cap")
+        # A padded row writes state a capped window may not touch, so capped engines never pad.
+        self.pads_windows = (on_gpu() and self.expert_cache is None and not self.needs_block_cap) if pad is None else pad
+        # Warm each window shape before first use, off the window's clock (EngineOptions.warm_shapes).
+        self.warms_on_first_use = self.options.warm_shapes is None and on_gpu()
+        self.warm_rows: set[int] = set()  # window row counts this process has run
 
     # -- the window contract -------------------------------------------------------------------
 
