@@ -3,6 +3,10 @@ stages composed by hand (embed -> stage 0 -> stage 1 -> head) against the whole 
 bit, on the demo model and on a tiny Nemotron-H, whose attention-free MLP/MoE blocks hold no
 state (`state_span`). The ranks themselves run in tests/test_pipeline_ranks.py."""
 
+import json
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 from hf_checkpoints import checkpoint_root, hybrid_hf_checkpoint
@@ -98,23 +102,33 @@ def test_ranks_that_no_backend_joined_are_refused(monkeypatch):
         find_group()
 
 
+PEAK_OF_LOAD = """
+import json, sys
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from strata_cli.distributed import Stage
+from strata_cli.runtime import embedded_model_path, load_checkpoint
+path = embedded_model_path()
+stage = Stage(1, 2, path=path) if sys.argv[1] == "rank1" else None
+before = mx.get_active_memory()
+model = load_checkpoint(path, stage=stage)
+held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+print(json.dumps({"peak": mx.get_peak_memory() - before, "held": held}))
+"""
+
+
 def test_a_later_rank_never_reads_the_other_ranks_tensors():
     """Tensors load lazily and the dropped ones are never evaluated: rank 1 of 2's peak memory
-    while loading is about its own half, not the whole model plus a copy."""
-    path = embedded_model_path()
+    while loading is about its own half, not the whole model plus a copy. Each load runs in a
+    process of its own, where no other test's arrays come or go while the peak is taken."""
+    def load(which):
+        out = subprocess.run([sys.executable, "-c", PEAK_OF_LOAD, which], capture_output=True, text=True,
+                             timeout=120, check=True)
+        return json.loads(out.stdout.splitlines()[-1])
 
-    def peak_of(stage):
-        mx.clear_cache()
-        before = mx.get_active_memory()
-        mx.reset_peak_memory()
-        model = load_checkpoint(path, stage=stage)
-        held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        return mx.get_peak_memory() - before, held
-
-    whole_peak, whole = peak_of(None)
-    peak, held = peak_of(Stage(1, 2, path=path))
-    assert held < 0.5 * whole
-    assert peak < 0.6 * whole_peak
+    whole, rank1 = load("whole"), load("rank1")
+    assert rank1["held"] < 0.5 * whole["held"]
+    assert rank1["peak"] < 0.6 * whole["peak"]
 
 
 def test_generate_refuses_stdin_prompts_under_a_launcher(monkeypatch):
