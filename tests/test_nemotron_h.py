@@ -137,6 +137,6 @@ def test_missing_expert_is_refused_with_the_file(root, tmp_path):
 
 def test_gpu_prompt_form_matches_transformers(model, prompt_ids, monkeypatch):
     """The experts' form GPU prompt chunks take (picks not flagged sorted: MLX 0.32.4's CUDA sorted
-    gather_mm is wrong, nemotron_h.sorted_gather_is_exact), here on the CPU."""
-    monkeypatch.setattr("strata_cli.model.nemotron_h.sorted_gather_is_exact", lambda: False)
+    gather_mm is wrong, moe.sorted_gather_is_exact), here on the CPU."""
+    monkeypatch.setattr("strata_cli.model.moe.sorted_gather_is_exact", lambda: False)
     check_logits(strata_logits(model, prompt_ids), hf_logits(hybrid_hf_model(FAMILY), prompt_ids), "GPU form")

@@ -25,8 +25,7 @@ from .decoder_layer import PreNormLayer
 from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, swiglu
 from .layout import stack_experts
 from .mamba2 import Mamba2Mixer
-from .moe import QuantizedSwitchGLU, SparseMoeBlock, SwitchGLU, gather_matmul, glu_by_expert
-from .nemotron_h import sorted_gather_is_exact
+from .moe import QuantizedSwitchGLU, SparseMoeBlock, SwitchGLU, gather_matmul, glu_by_expert, sorted_gather_is_exact
 
 MAMBA, ATTENTION = "mamba", "attention"
 LAYER_NAMES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
@@ -125,7 +124,7 @@ def granite_glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
 class GraniteSwitchGLU(SwitchGLU):
     """`SwitchGLU` whose GPU prompt chunks sort their picks by expert and multiply them without
     the sorted flag. On MLX 0.32.4's CUDA backend, with unquantized experts, both the sorted
-    `gather_mm` (nemotron_h.sorted_gather_is_exact) and model/moe.py's padded batches gave
+    `gather_mm` (moe.sorted_gather_is_exact) and model/moe.py's padded batches gave
     products 2.0 off the pick-by-pick ones on the H200; this form matched them (as Nemotron-H's
     experts do). Quantized experts (`QuantizedSwitchGLU`, sorted `gather_qmm`) are unaffected."""
 

@@ -31,6 +31,15 @@ from .layers import (
 from .sigmoid_routing import GroupLimitedTopK
 
 
+def sorted_gather_is_exact() -> bool:
+    """Whether `mx.gather_mm` may be told its picks are sorted. MLX 0.32.4's CUDA `gather_mm`
+    returns wrong products with `sorted_indices=True` (unquantized weights: 5.7 off a dense
+    matmul on the H200, where the unsorted call and the sorted `gather_qmm` are exact;
+    docs/mlx-bugs.md), so off the CPU sorted picks go unflagged: the same products, one pick at
+    a time."""
+    return mx.default_device() == mx.cpu
+
+
 def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool = True,
                   wt: mx.array | None = None) -> mx.array:
     """x (M, 1, A) @ w[experts]ᵀ, with w (E, B, A) -> (M, 1, B); `is_sorted`: `experts` ascending.
@@ -38,15 +47,13 @@ def gather_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: boo
     `wt`: w with its last two axes swapped and contiguous, where the caller keeps one (the CPU's
     faster layout, `layers.Transposed`); the same sums.
     """
+    is_sorted = is_sorted and sorted_gather_is_exact()
     if x.dtype == mx.float32 or mx.default_device() != mx.cpu:
         rhs = w.swapaxes(-1, -2) if wt is None else wt
         if wt is not None and is_sorted:  # a CPU prompt chunk: its picks over the prompt streams
             return over_streams(lambda xs, ids: mx.gather_mm(xs, wt, rhs_indices=ids, sorted_indices=True),
                                 x, experts)
-        # Sorted picks are flagged on the CPU only: MLX 0.32.4's CUDA gather_mm returns wrong
-        # products when told its unquantized picks are sorted (docs/mlx-bugs.md); unflagged, the
-        # same products, one pick at a time.
-        return mx.gather_mm(x, rhs, rhs_indices=experts, sorted_indices=is_sorted and mx.default_device() == mx.cpu)
+        return mx.gather_mm(x, rhs, rhs_indices=experts, sorted_indices=is_sorted)
     # MLX's CPU gather_mm takes float32 only: gather the matrices instead.
     return x @ w[experts].swapaxes(-1, -2)
 

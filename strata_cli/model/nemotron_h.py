@@ -117,14 +117,6 @@ class NemotronMLP(nn.Module):
         return self.down_proj(nn.relu2(self.up_proj(x)))
 
 
-def sorted_gather_is_exact() -> bool:
-    """Whether `mx.gather_mm` may be told its picks are sorted. MLX 0.32.4's CUDA `gather_mm`
-    returns wrong products with `sorted_indices=True` (unquantized weights: 5.7 off a dense
-    matmul on the H200, where the unsorted call and the sorted `gather_qmm` are exact), so GPU
-    prompt chunks pass their sorted picks unflagged: the same products, one pick at a time."""
-    return mx.default_device() == mx.cpu
-
-
 def expert_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: bool,
                   wt_of: Callable[[], mx.array]) -> mx.array:
     """x (M, 1, in) @ w[experts]ᵀ with w (E, out, in) -> (M, 1, out), as `ExpertLinear` runs it;
@@ -132,7 +124,7 @@ def expert_matmul(x: mx.array, w: mx.array, experts: mx.array, *, is_sorted: boo
     slot banks. `wt_of()`: w's contiguous transpose, asked for on CPU prompt chunks only, which
     multiply by it (model/moe.py's reason)."""
     wt = wt_of() if is_sorted and x.dtype == mx.float32 and is_cpu_prompt(x) else None
-    return gather_matmul(x, w, experts, is_sorted=is_sorted and sorted_gather_is_exact(), wt=wt)
+    return gather_matmul(x, w, experts, is_sorted=is_sorted, wt=wt)
 
 
 class ExpertLinear(nn.Module):
