@@ -21,14 +21,10 @@ from mlx.utils import tree_flatten
 
 from .config import ConfigError, ModelConfig
 from .decoder_layer import PreNormLayer
-from .layers import MLP, DecoderStack, KeptAside, RMSNorm
+from .layers import MLP, MTP_OPTIONAL, DecoderStack, KeptAside, RMSNorm, mtp_head_shapes
 from .layout import stack_experts
 from .mla import LatentAttention, Rope, split_kv_b
 from .moe import SigmoidTopkRouter, SparseMoeBlock, SwitchGLU, weighted_sum
-
-# An MTP layer's tensors that repeat the model's (DeepSeek-V3's `model.layers.61.*` holds them;
-# some checkpoints leave them out).
-MTP_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 @dataclass(frozen=True)
@@ -169,9 +165,7 @@ class DecoderLayer(PreNormLayer):
 def mtp_shapes(config: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
     """The MTP tensors under `mtp.layers.i.*` as `sanitize` names them: a MoE decoder layer (experts
     stacked, `kv_b_proj` split), `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and `MTP_OPTIONAL`."""
-    H, V = config.hidden_size, config.vocab_size
-    extra = {"enorm.weight": (H,), "hnorm.weight": (H,), "eh_proj.weight": (H, 2 * H),
-             "shared_head.norm.weight": (H,), "embed_tokens.weight": (V, H), "shared_head.head.weight": (V, H)}
+    extra = mtp_head_shapes(config.hidden_size, config.vocab_size)
     layer = DecoderLayer(config, config.num_hidden_layers)
     shapes = {}
     for i in range(config.num_nextn_predict_layers):

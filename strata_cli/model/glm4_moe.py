@@ -31,12 +31,9 @@ from mlx.utils import tree_flatten
 from .attention import GatedAttention
 from .config import ConfigError, ModelConfig, lift_rope_parameters
 from .decoder_layer import PreNormLayer
-from .layers import MLP, DecoderStack, KeptAside, RMSNorm
+from .layers import MLP, MTP_OPTIONAL, DecoderStack, KeptAside, RMSNorm, mtp_head_shapes
 from .layout import stack_experts
 from .moe import SigmoidTopkRouter, SparseMoeBlock, SwitchGLU, weighted_sum
-
-# Per MTP layer, tensors some checkpoints carry and others share with the model (`mtp_shapes`).
-MTP_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 @dataclass(frozen=True)
@@ -163,10 +160,7 @@ def mtp_shapes(config: Glm4MoeConfig, optional: tuple[str, ...] = ()) -> dict[st
     """One MTP layer's tensors under the names and shapes `sanitize` gives them (experts stacked as
     `mlp.switch_mlp.*`): a MoE decoder layer, `eh_proj` (H, 2H), three norms, and the `optional`
     names of MTP_OPTIONAL the checkpoint holds (each (V, H))."""
-    H, V = config.hidden_size, config.vocab_size
-    shapes = {"eh_proj.weight": (H, 2 * H), "enorm.weight": (H,), "hnorm.weight": (H,),
-              "shared_head.norm.weight": (H,)}
-    shapes.update(dict.fromkeys(optional, (V, H)))
+    shapes = mtp_head_shapes(config.hidden_size, config.vocab_size, optional)
     layer = DecoderLayer(config, config.num_hidden_layers)
     shapes.update((name, tuple(value.shape)) for name, value in tree_flatten(layer.parameters()))
     return shapes

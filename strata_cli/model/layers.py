@@ -358,6 +358,21 @@ class DecoderStack(nn.Module):
         return self.head(self.run_layers(self.embed(tokens), states), last_only=last_only)
 
 
+# A DeepSeek-style MTP layer (DeepSeek-V3, GLM-4.x MoE): besides its decoder layer, the tensors
+# that join its input to the model's last hidden state, and two that repeat the model's own
+# embedding and head, which some checkpoints carry and others leave out.
+MTP_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mtp_head_shapes(hidden_size: int, vocab_size: int, optional: tuple[str, ...] = MTP_OPTIONAL) -> dict[str, tuple[int, ...]]:
+    """An MTP layer's own tensors and shapes (not its decoder layer's): `eh_proj` (H, 2H), `enorm`,
+    `hnorm`, `shared_head.norm`, and the `optional` names of MTP_OPTIONAL (each (V, H))."""
+    H, V = hidden_size, vocab_size
+    shapes = {"enorm.weight": (H,), "hnorm.weight": (H,), "eh_proj.weight": (H, 2 * H), "shared_head.norm.weight": (H,)}
+    shapes.update(dict.fromkeys(optional, (V, H)))
+    return shapes
+
+
 class KeptAside(nn.Module):
     """Checkpoint tensors loaded and kept aside, unused by the forward pass (a checkpoint's
     multi-token-prediction layers: a later drafter reads them), never dropped, written back by
