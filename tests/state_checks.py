@@ -1,5 +1,6 @@
 """What the rollback tests compare against: serial decoding's logits and committed state, token by
-token, and the largest difference between two engines' state tensors."""
+token, the largest difference between two engines' state tensors, and a prefix checkpoint and
+session file of the state brought back."""
 
 import random
 
@@ -67,3 +68,30 @@ def check_forced_rejections(model, options, serial, pos0: int, tol: float) -> in
             assert diff <= tol, (T, keep, "state after next", diff)
             checked += 1
     return checked
+
+
+def check_checkpoint_round_trip(model, seq: list[int], path, *, identity: str, rejected: int = 1) -> None:
+    """Prefix checkpoints (serve's ring) and a session file of this model's state, taken after a
+    window that kept 4 rows and rejected `rejected` more, restore to the same next logits."""
+    from strata_cli.serve.checkpoints import CheckpointRing
+    from strata_cli.serve.session import load_session, save_session
+
+    engine = WindowEngine(model)
+    engine.prefill(seq[:20])
+    ring = CheckpointRing(max_entries=4, max_positions=1000)
+    ring.add(seq[:20], engine.snapshot())
+    engine.run(seq[20:24] + [0] * rejected, 20)
+    engine.commit(4)  # a pending lazy fold, where the state has one: the snapshot flushes it
+    ring.add(seq[:24], engine.snapshot())
+    expected = engine.run([seq[24]], 24).logits
+    engine.commit(1)
+
+    signature = {"identity": identity, "dtype": "float32", "layout": [type(s).__name__ for s in engine.states]}
+    save_session(path, list(ring), **signature)
+    restored = load_session(path, **signature, max_context=512, vocab_size=model.config.vocab_size,
+                            check=engine.check_snapshot)
+    assert [c.tokens for c in restored] == [tuple(seq[:20]), tuple(seq[:24])]
+    for snapshot in (list(ring)[1].snapshot, restored[1].snapshot):  # the ring's, the file's
+        fresh = WindowEngine(model)
+        fresh.restore(snapshot)
+        assert mx.array_equal(fresh.run([seq[24]], 24).logits, expected).item()

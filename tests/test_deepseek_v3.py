@@ -33,7 +33,7 @@ from hybrid_parity import (
     mlx_lm_reference,
     strata_logits,
 )
-from state_checks import check_forced_rejections, serial_decode
+from state_checks import check_checkpoint_round_trip, check_forced_rejections, serial_decode
 
 from strata_cli.convert import convert
 from strata_cli.engine.state import LatentKVState
@@ -152,28 +152,7 @@ def test_check_snapshot_names_what_does_not_fit(model, serial):
 
 
 def test_prefix_checkpoint_and_session_round_trip(model, serial, tmp_path):
-    from strata_cli.serve.session import load_session, save_session
-    from strata_cli.serve.checkpoints import CheckpointRing
-
-    seq = serial[0]
-    engine = WindowEngine(model)
-    engine.prefill(seq[:20])
-    ring = CheckpointRing(max_entries=4, max_positions=1000)
-    ring.add(seq[:20], engine.snapshot())
-    engine.run(seq[20:24] + [0], 20)
-    engine.commit(4)
-    ring.add(seq[:24], engine.snapshot())
-    expected = engine.run([seq[24]], 24).logits
-    engine.commit(1)
-    signature = {"identity": "deepseek-tiny", "dtype": "float32", "layout": [type(s).__name__ for s in engine.states]}
-    file = tmp_path / "s.session"
-    save_session(file, list(ring), **signature)
-    restored = load_session(file, **signature, max_context=512, vocab_size=model.config.vocab_size,
-                            check=engine.check_snapshot)
-    assert [c.tokens for c in restored] == [tuple(seq[:20]), tuple(seq[:24])]
-    fresh = WindowEngine(model)
-    fresh.restore(restored[1].snapshot)
-    assert mx.array_equal(fresh.run([seq[24]], 24).logits, expected).item()
+    check_checkpoint_round_trip(model, serial[0], tmp_path / "s.session", identity="deepseek-tiny", rejected=1)
 
 
 # -- MTP, configs ----------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from hybrid_parity import (
     mlx_lm_reference,
     strata_logits,
 )
-from state_checks import check_forced_rejections, serial_decode
+from state_checks import check_checkpoint_round_trip, check_forced_rejections, serial_decode
 
 from strata_cli.engine.state import GDNState, LatentKVState
 from strata_cli.engine.window import WindowEngine
@@ -183,26 +183,8 @@ def test_forced_rejection_with_rows_split(model, serial, pos0, monkeypatch):
     assert check_forced_rejections(model, EngineOptions(), serial, pos0, TOL) == sum(range(2, 9))
 
 
-def test_session_round_trip(model, serial, tmp_path):
-    from strata_cli.serve.checkpoints import CheckpointRing
-    from strata_cli.serve.session import load_session, save_session
-
-    seq = serial[0]
-    engine = WindowEngine(model)
-    engine.prefill(seq[:20])
-    engine.run(seq[20:24] + [0], 20)
-    engine.commit(4)  # a lazy fold pending: the snapshot flushes it
-    ring = CheckpointRing(max_entries=4, max_positions=1000)
-    ring.add(seq[:24], engine.snapshot())
-    expected = engine.run([seq[24]], 24).logits
-    engine.commit(1)
-    signature = {"identity": "kimi-tiny", "dtype": "float32", "layout": [type(s).__name__ for s in engine.states]}
-    save_session(tmp_path / "s.session", list(ring), **signature)
-    restored = load_session(tmp_path / "s.session", **signature, max_context=512,
-                            vocab_size=model.config.vocab_size, check=engine.check_snapshot)
-    fresh = WindowEngine(model)
-    fresh.restore(restored[0].snapshot)
-    assert mx.array_equal(fresh.run([seq[24]], 24).logits, expected).item()
+def test_prefix_checkpoint_and_session_round_trip(model, serial, tmp_path):
+    check_checkpoint_round_trip(model, serial[0], tmp_path / "s.session", identity="kimi-tiny", rejected=1)
 
 
 # -- convert and streaming -------------------------------------------------------------------------

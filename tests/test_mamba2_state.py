@@ -15,7 +15,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from state_checks import check_forced_rejections, max_state_diff, serial_decode
+from state_checks import check_checkpoint_round_trip, check_forced_rejections, max_state_diff, serial_decode
 from hf_checkpoints import checkpoint_root, hybrid_hf_checkpoint
 
 from strata_cli.engine.state import Mamba2State, Mode
@@ -225,31 +225,7 @@ def test_check_snapshot_names_what_does_not_fit(model, serial):
 
 
 def test_prefix_checkpoint_and_session_round_trip(model, serial, tmp_path):
-    from strata_cli.serve.checkpoints import CheckpointRing
-    from strata_cli.serve.session import load_session, save_session
-
-    seq = serial[0]
-    engine = WindowEngine(model)
-    engine.prefill(seq[:20])
-    ring = CheckpointRing(max_entries=4, max_positions=1000)
-    ring.add(seq[:20], engine.snapshot())
-    engine.run(seq[20:24] + [0], 20)
-    engine.commit(4)  # a lazy fold pending: the snapshot flushes it
-    ring.add(seq[:24], engine.snapshot())
-    expected = engine.run([seq[24]], 24).logits
-    engine.commit(1)
-
-    layout = [type(s).__name__ for s in engine.states]
-    signature = {"identity": "nemotron-tiny", "dtype": "float32", "layout": layout}
-    file = tmp_path / "s.session"
-    save_session(file, list(ring), **signature)
-    restored = load_session(file, **signature, max_context=512, vocab_size=model.config.vocab_size,
-                            check=engine.check_snapshot)
-    assert [c.tokens for c in restored] == [tuple(seq[:20]), tuple(seq[:24])]
-    for snapshot in (list(ring)[1].snapshot, restored[1].snapshot):  # the ring's, the file's
-        fresh = WindowEngine(model)
-        fresh.restore(snapshot)
-        assert mx.array_equal(fresh.run([seq[24]], 24).logits, expected).item()
+    check_checkpoint_round_trip(model, serial[0], tmp_path / "s.session", identity="nemotron-tiny", rejected=1)
 
 
 def test_state_alone_follows_the_gdn_rule():

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gpt_oss_checkpoints import strata_model
-from state_checks import check_forced_rejections, max_state_diff, serial_decode
+from state_checks import check_checkpoint_round_trip, check_forced_rejections, max_state_diff, serial_decode
 
 from strata_cli.engine.sliding_state import SlidingKVState
 from strata_cli.engine.state import Mode
@@ -176,31 +176,7 @@ def test_check_snapshot_names_what_does_not_fit(model, serial):
 
 
 def test_prefix_checkpoint_and_session_round_trip(model, serial, tmp_path):
-    from strata_cli.serve.checkpoints import CheckpointRing
-    from strata_cli.serve.session import load_session, save_session
-
-    seq = serial[0]
-    engine = WindowEngine(model)
-    engine.prefill(seq[:20])
-    ring = CheckpointRing(max_entries=4, max_positions=1000)
-    ring.add(seq[:20], engine.snapshot())
-    engine.run(seq[20:24] + [0, 0, 0], 20)  # rejected rows left in the ring: still exact
-    engine.commit(4)
-    ring.add(seq[:24], engine.snapshot())
-    expected = engine.run([seq[24]], 24).logits
-    engine.commit(1)
-
-    layout = [type(s).__name__ for s in engine.states]
-    signature = {"identity": "gpt-oss-tiny", "dtype": "float32", "layout": layout}
-    file = tmp_path / "s.session"
-    save_session(file, list(ring), **signature)
-    restored = load_session(file, **signature, max_context=512, vocab_size=model.config.vocab_size,
-                            check=engine.check_snapshot)
-    assert [c.tokens for c in restored] == [tuple(seq[:20]), tuple(seq[:24])]
-    for snapshot in (list(ring)[1].snapshot, restored[1].snapshot):  # the ring's, the file's
-        fresh = WindowEngine(model)
-        fresh.restore(snapshot)
-        assert mx.array_equal(fresh.run([seq[24]], 24).logits, expected).item()
+    check_checkpoint_round_trip(model, serial[0], tmp_path / "s.session", identity="gpt-oss-tiny", rejected=3)
 
 
 def test_partial_mode_commits_the_root_inside_the_run(model, serial):
