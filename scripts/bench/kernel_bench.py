@@ -187,6 +187,14 @@ def bench_gdn(name: str, Hk: int, Hv: int, Dk: int, Dv: int, *, use_kernel: bool
                        A_log, dt_bias, **heads)
         return scan(*rows, state)
 
+    return _scan_records(step, S, name=name, K=C, N=Hv * Dv, repeats=repeats, inner=inner, peak_gbs=peak_gbs)
+
+
+def _scan_records(step, S, *, name: str, K: int, N: int, repeats: int, inner: int, peak_gbs: float) -> list[dict]:
+    """A recurrent decode window's records at R = 1, 2, 4, 8 rows: kernel and MLX-ops ms, whether
+    R rows equal R chained 1-row calls bit for bit, and the distance to the ops' result.
+    `step(R, t0=0, *, kernel, state)` runs R rows from row t0 and returns (y, state)."""
+    R8 = max(ROWS)
     chained, state = [], S
     for t in range(R8):
         y, state = step(1, t, state=state)
@@ -202,7 +210,7 @@ def bench_gdn(name: str, Hk: int, Hv: int, Dk: int, Dv: int, *, use_kernel: bool
         times = {"kernel": _median_ms(lambda R=R: step(R), repeats=repeats, inner=inner),
                  "mlx": _median_ms(lambda R=R: step(R, kernel=False), repeats=repeats, inner=inner)}
         gbs = state_bytes / (times["kernel"] / 1000) / 1e9
-        records.append({"shape": name, "K": C, "N": Hv * Dv, "R": R, "cols": 0,
+        records.append({"shape": name, "K": K, "N": N, "R": R, "cols": 0,
                         "identical_to_1_row": mx.array_equal(y, chained[:, :R]).item(),
                         "max_abs_diff": mx.abs(y - expected[:, :R]).max().item(), "ms": times,
                         "kernel_over_mlx": times["kernel"] / times["mlx"], "weight_gbs": gbs, "of_peak": gbs / peak_gbs})
@@ -228,26 +236,8 @@ def bench_mamba2(name: str, H: int, P: int, G: int, N: int, *, use_kernel: bool,
                        **shapes)
         return scan(*rows, state)
 
-    chained, state = [], S
-    for t in range(R8):
-        y, state = step(1, t, state=state)
-        chained.append(y)
-    chained = mx.concatenate(chained, axis=1)
-    expected = step(R8, kernel=False)[0]
-    mx.eval(chained, expected)
-    state_bytes = 2 * S.nbytes
-    records = []
-    for R in ROWS:
-        y, _ = step(R)
-        mx.eval(y)
-        times = {"kernel": _median_ms(lambda R=R: step(R), repeats=repeats, inner=inner),
-                 "mlx": _median_ms(lambda R=R: step(R, kernel=False), repeats=repeats, inner=inner)}
-        gbs = state_bytes / (times["kernel"] / 1000) / 1e9
-        records.append({"shape": name, "K": H * P + 2 * G * N, "N": H * P, "R": R, "cols": 0,
-                        "identical_to_1_row": mx.array_equal(y, chained[:, :R]).item(),
-                        "max_abs_diff": mx.abs(y - expected[:, :R]).max().item(), "ms": times,
-                        "kernel_over_mlx": times["kernel"] / times["mlx"], "weight_gbs": gbs, "of_peak": gbs / peak_gbs})
-    return records
+    return _scan_records(step, S, name=name, K=H * P + 2 * G * N, N=H * P, repeats=repeats, inner=inner,
+                         peak_gbs=peak_gbs)
 
 
 def bench_attention(name: str, Hq: int, Hkv: int, D: int, cells: int, *, use_kernel: bool, repeats: int, inner: int,
