@@ -79,32 +79,65 @@ FRACTIONS = (0.10, 0.25, 0.50, 1.00)
 # -- building the model ------------------------------------------------------------------------
 
 
-def build(out: Path, params: dict, *, seed: int, dtype: mx.Dtype, log) -> dict:
-    """Write a streamed checkpoint: random dense weights, random 4-bit experts (layer by layer)."""
+def build(out: Path, params: dict, *, seed: int, dtype: mx.Dtype, log, draw_experts=None) -> dict:
+    """Write a streamed checkpoint: random dense weights, random 4-bit experts (layer by layer).
+
+    `draw_experts(layer, config, dtype)` gives one layer's expert tensors (default: uniform
+    random codes, `random_codes`); the next layer's are evaluated asynchronously while one is
+    written, so at most two layers are ever in memory. config.json is written last: it marks the build complete
+    (`is_built`)."""
     params = {**BASE, **params}
     config = qwen3_next.Config.from_dict(params)
     model = qwen3_next.Model(config)  # expert stacks stay lazy zeros: never materialized
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").unlink(missing_ok=True)
     dense = {}
     keys = iter(mx.random.split(mx.random.key(seed), 4096))
     for name, value in tree_flatten(model.parameters()):
         if ".switch_mlp." not in name:
             dense[name] = _draw_dense(name, value.shape, next(keys)).astype(dtype)
     mx.save_safetensors(str(out / "model.safetensors"), to_mlx_layout(dense))
-    rng = np.random.default_rng(seed)
-    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    writer = ExpertLayoutWriter(out, num_experts=E)
+    del dense
+    draw_experts = draw_experts or random_codes(np.random.default_rng(seed))
+    writer = ExpertLayoutWriter(out, num_experts=config.num_experts)
     quant = {p: {"group_size": GROUP_SIZE, "bits": BITS, "mode": "affine"} for p in ("gate_proj", "up_proj", "down_proj")}
+    start = time.perf_counter()
+    upcoming = draw_experts(0, config, dtype)
     for i in range(config.num_hidden_layers):
-        tensors = {}
-        for proj, (rows, cols) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-            tensors.update(_random_quantized(proj, E, rows, cols, rng, dtype))
+        tensors = upcoming
+        if i + 1 < config.num_hidden_layers:  # drawn (lazily, on the device) while this layer is written
+            upcoming = draw_experts(i + 1, config, dtype)
+            mx.async_eval([v for v in upcoming.values() if isinstance(v, mx.array)])
         writer.add_block(f"model.layers.{i}.mlp.switch_mlp", tensors, quantization=quant)
-        log(f"  wrote experts of layer {i} ({E} x {writer.blocks[-1]['stride'] / 1e6:.2f} MB)")
+        del tensors
+        stride = writer.blocks[-1]["stride"]
+        log(f"  experts of layer {i} written ({config.num_experts} x {stride / 1e6:.2f} MB); {i + 1}/"
+            f"{config.num_hidden_layers} layers at {(i + 1) * config.num_experts * stride / 1e9 / (time.perf_counter() - start):.2f} GB/s")
     writer.finish()
     dtype_name = str(dtype).rsplit(".", 1)[-1]
     (out / "config.json").write_text(json.dumps({**params, FORMAT_KEY: FORMAT_VERSION, "dtype": dtype_name}, indent=1))
     return params
+
+
+def is_built(path: Path, params: dict) -> bool:
+    """`path` holds a complete build (config.json is written last) of exactly these shapes."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(config.get(k) == v for k, v in {**BASE, **params}.items())
+
+
+def random_codes(rng):
+    """Expert tensors as uniform random 4-bit codes (cheap on a CPU: no quantizer pass)."""
+    def draw(i: int, config, dtype) -> dict:
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        tensors = {}
+        for proj, (rows, cols) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            tensors.update(_random_quantized(proj, E, rows, cols, rng, dtype))
+        return tensors
+
+    return draw
 
 
 def _draw_dense(name: str, shape, key) -> mx.array:
@@ -185,23 +218,36 @@ def disk_bandwidth(path: Path, *, io: str, threads: int, seconds: float) -> dict
     return result
 
 
-def one_run(engine, prompt: list[int], *, tokens: int, drafts: int) -> dict:
+def one_run(engine, prompt: list[int], *, tokens: int, drafts: int = 0, spec: SpecOptions | None = None) -> dict:
+    """One greedy decode (`drafts` per window, or `spec`): its figures and its tokens (`output`)."""
     stats = DecodeStats()
     out = []
-    for step in generate(engine, prompt, options=GenerateOptions(max_tokens=tokens), spec=SpecOptions(max_drafts=drafts),
-                         eos_ids=(), stats=stats):
+    for step in generate(engine, prompt, options=GenerateOptions(max_tokens=tokens),
+                         spec=spec or SpecOptions(max_drafts=drafts), eos_ids=(), stats=stats):
         out += step.tokens
     s = stats.summary()
     e = s["experts"]
+    picks = e["hits"] + e["misses"] + e["prefetch_hits"]
+    by_T = {}
+    for w in stats.windows:
+        if w.experts is not None and w.experts.union_experts:
+            by_T.setdefault(w.T, []).append(sum(w.experts.union_experts) / len(w.experts.union_experts))
+    waits = {"read_wait": e["late_wait_ms"], "router_sync": e["router_sync_ms"], "installs": e["install_ms"]}
+    total_ms = 1000 * s["decode_seconds"]
     return {
         "tokens_per_s": s["tokens_per_s"],
         "acceptance": s["acceptance"],
         "tokens_per_window": s["tokens_per_window"],
         "bytes_per_token": e["bytes_read_per_token"],
+        "hit_rate": e["hits"] / picks if picks else 0.0,
+        "late_waits": e["late_waits"],
         "late_wait_share": e["late_wait_share"],
         "prefetch_coverage": e["prefetch_coverage"],
         "wasted_prefetches": e["wasted_prefetches"],
         "union_per_layer": e["union_experts_per_layer"],
+        "union_per_layer_by_T": {T: sum(v) / len(v) for T, v in sorted(by_T.items())},
+        # decode time per token: waiting on reads, blocked on routing, installing, and the rest
+        "ms_per_token": {k: v / len(out) for k, v in {**waits, "rest": total_ms - sum(waits.values())}.items()},
         "cold_beyond_root": e["cold_experts_beyond_root"],
         "misses": e["misses"],
         "hits": e["hits"],
@@ -260,7 +306,7 @@ def sweep(path: Path, preset: dict, prompts: list[list[int]], args, *, deadline:
         model.expert_cache.close()
         runs = runs or [warm]
         outputs[(fraction, mode, prefetch)] = [r["output"] for r in runs]
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "output"}
+        med = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))}
         row = {"fraction": fraction, "slots": slots, "mode": mode, "prefetch": prefetch, "runs": len(runs),
                "tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in runs], **med}
         rows.append(row)
@@ -368,8 +414,7 @@ def main() -> None:
     path = args.dir or Path(f"/tmp/strata-stream-{name}")
     device = str(mx.default_device())
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
-    built = (path / "config.json").is_file() and json.loads((path / "config.json").read_text()).get(
-        "num_hidden_layers") == preset["model"]["num_hidden_layers"]
+    built = is_built(path, preset["model"])
     if args.model is not None and (args.rebuild or not (path / "experts").is_dir()):
         log(f"converting {args.model} into {path} (--stream{f' --bits {args.bits}' if args.bits else ''})")
         convert(args.model, path, options=ConvertOptions(bits=args.bits, stream=True, force=True))

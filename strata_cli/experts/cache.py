@@ -52,6 +52,7 @@ COUNTERS = (
     "cancelled_prefetches",  # read-aheads dropped from the queue before they reached the disk
     "bytes_read", "prefetched_bytes", "wait_seconds", "union", "cold_beyond_root", "passes",
     "substitutions", "misses_saved", "bytes_saved",  # cache-aware routing (experts/moce.py) only
+    "sync_seconds", "install_seconds",  # blocked on the routing read-back; writing read experts into slots
 )
 _C = {name: i for i, name in enumerate(COUNTERS)}
 DECODE, PREFILL = "decode", "prefill"
@@ -213,6 +214,8 @@ class ExpertCache:
             substitutions=int(total[_C["substitutions"]]),
             misses_saved=int(total[_C["misses_saved"]]),
             bytes_saved=int(total[_C["bytes_saved"]]),
+            sync_seconds=float(total[_C["sync_seconds"]]),
+            install_seconds=float(total[_C["install_seconds"]]),
             approximate=self.is_approximate,
             layers=layers,
         )
@@ -269,7 +272,9 @@ class ExpertCache:
         block = self._blocks[i]
         count = self._counts[i]
         predicted = self._router_prediction(i, x)
+        start = time.perf_counter()
         mx.eval([a for a in (inds, predicted) if a is not None])
+        count[_C["sync_seconds"]] += time.perf_counter() - start
         ids = np.array(inds, dtype=np.int64)  # (N, k)
         self._rows = max(self._rows, len(ids))
         union = np.unique(ids)
@@ -327,11 +332,12 @@ class ExpertCache:
         """Wait for each read and write it into its slot (evicting the slot's expert)."""
         block, count = self._blocks[i], self._counts[i]
         path = self.paths[i]
+        began, waited = time.perf_counter(), 0.0
         try:
             for n, ((e, future), slot) in enumerate(zip(pending, victims)):
                 start = time.perf_counter()
                 buf, payload = future.result()
-                count[_C["wait_seconds"]] += time.perf_counter() - start
+                waited += time.perf_counter() - start
                 try:
                     arrays = self.store.to_arrays(path, payload, block.dtypes)
                 finally:
@@ -350,7 +356,10 @@ class ExpertCache:
             for _, future in pending[n + 1 :]:
                 future.add_done_callback(self._recycle(block))
             raise
+        finally:
+            count[_C["wait_seconds"]] += waited
         mx.eval(list(block.banks.values()))
+        count[_C["install_seconds"]] += time.perf_counter() - began - waited
 
     @staticmethod
     def _victims(block: _Block, n: int, *, pinned: np.ndarray) -> list[int]:

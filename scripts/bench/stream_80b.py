@@ -1,0 +1,424 @@
+"""Expert streaming at full scale (issue 38): a 48-layer Qwen3-Next-80B-A3B-shaped 4-bit checkpoint
+read from disk, tokens/s by expert-cache size, serial, `--suffix-draft 3` and `auto`, cold and warm.
+
+One command builds and measures, within `--budget-seconds` (building included), writing the JSON
+after every row; a phase or row that would start after the budget is skipped and named in `skipped`.
+
+1. Build (`stream_curve.build`), or reuse `--dir` when it holds a complete build of these shapes:
+   dense weights as stream_curve draws them, and per layer the experts drawn as floats (normal,
+   std 1/sqrt(cols)) and quantized to 4 bits by `mx.quantize` (the quantizer mlx-lm calls) on the
+   default device, written straight into the streamed layout while the next layer is drawn: one
+   layer in memory at a time, one copy on disk (~43 GB of experts at 48 layers).
+2. The disk: sequential (one thread) and random (`--io-threads` threads) reads of 4, 16 and 64 KiB
+   records and of whole expert records, O_DIRECT and buffered (page cache dropped before each).
+3. Decoding at each expert-cache size (`--fractions`) and mode (serial, draft3, auto), cold and warm:
+   each run starts from an empty expert cache (prefill, then `--tokens` greedy tokens); cold drops
+   the page cache first (reads: `--cold-io`), warm repeats the run with buffered reads while the
+   page cache still holds what the cold run read. Per row: tokens/s, bytes read per token, hit rate,
+   late waits, experts per layer per window by T, and the decode time per token split into waiting
+   on reads, blocking on the routing read-back, installing experts, and the rest (compute, drafting).
+   `speculative_identical`: draft3 and auto produced serial's tokens at every cache size.
+4. Cache-aware routing (MoCE, approximate) at `--moce-fraction` (25%): tokens/s against exact
+   routing, cold, and teacher-forced top-1 agreement with exact greedy tokens (moce_agreement's parts).
+
+    python -m scripts.bench.stream_80b --tiny                                  # CPU, under a minute
+    python -m scripts.bench.stream_80b --dir /tmp/strata-80b --budget-seconds 520 \\
+        --json-out docs/runs/h200_stream_80b.json                              # the H200 run
+
+`disk_bound_tokens_per_s` of a row is the disk's random whole-record read rate over the row's bytes
+read per token; `of_disk_bound` is the row's tokens/s over it (issue 38's target: >= 0.8 at 10%, cold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import mmap
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from scripts.bench import stream_curve
+from scripts.bench.moce_agreement import _commit, decode, forced_logits, kl, label, parse_setting
+from strata_cli.engine.window import WindowEngine
+from strata_cli.experts.cache import ExpertCache
+from strata_cli.experts.store import ExpertStore
+from strata_cli.experts.switch import StreamedSwitchGLU
+from strata_cli.options import MAX_SUFFIX_DRAFT, SpecOptions, StreamOptions, parse_suffix_draft
+from strata_cli.runtime import embedded_model_path, load_checkpoint
+from strata_cli.tokenizer import Tokenizer
+
+PRESETS = {  # the model shapes; both keep a vocabulary the demo tokenizer's ids fit
+    "full": {**stream_curve.PRESETS["gpu"]["model"], "num_hidden_layers": 48},
+    "tiny": {**stream_curve.PRESETS["tiny"]["model"], "vocab_size": 4096},
+}
+FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
+MODES = {
+    "serial": SpecOptions(),
+    "draft3": SpecOptions(max_drafts=3),
+    "auto": SpecOptions(**dict(zip(("max_drafts", "auto"), parse_suffix_draft("auto")))),  # as `--suffix-draft auto`: the controller, up to 7
+}
+PROMPT = "The cat sat on the mat. The cat sat on the mat."  # repeats: the drafter has a suffix to match
+RECORD_SIZES = (4096, 16384, 65536)  # plus the whole expert record
+
+
+# -- building ------------------------------------------------------------------------------------
+
+
+def quantized_experts(seed: int):
+    """Per layer, float expert weights (normal, std 1/sqrt(cols)) quantized by `mx.quantize`."""
+    def draw(layer: int, config, dtype) -> dict:
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        keys = mx.random.split(mx.random.key(seed * 100_003 + layer), 3)
+        tensors = {}
+        for key, (proj, (rows, cols)) in zip(keys, (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))):
+            w = mx.random.normal((E, rows, cols), dtype=dtype, key=key) * (cols ** -0.5)
+            q, scales, biases = mx.quantize(w, group_size=stream_curve.GROUP_SIZE, bits=stream_curve.BITS)
+            tensors.update({f"{proj}.weight": q, f"{proj}.scales": scales, f"{proj}.biases": biases})
+        return tensors
+
+    return draw
+
+
+def ensure_checkpoint(path: Path, params: dict, *, seed: int, dtype: mx.Dtype, rebuild: bool, log) -> dict:
+    """Build the checkpoint unless `path` holds a complete one of these shapes; the tokenizer of the
+    embedded demo model goes with it (the prompt is text). Returns {seconds, reused}."""
+    start = time.perf_counter()
+    reused = not rebuild and stream_curve.is_built(path, params)
+    if reused:
+        log(f"reusing the complete checkpoint in {path}")
+    else:
+        free = shutil.disk_usage(path.parent if not path.exists() else path).free
+        log(f"building {params['num_hidden_layers']} layers into {path} on {mx.default_device()} "
+            f"({free / 1e9:.0f} GB free)")
+        stream_curve.build(path, params, seed=seed, dtype=dtype, log=log, draw_experts=quantized_experts(seed))
+        log("flushing the written checkpoint to disk")
+        os.sync()  # so that dropping the page cache later costs no writes
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(embedded_model_path() / name, path / name)
+    return {"seconds": time.perf_counter() - start, "reused": reused}
+
+
+# -- the disk ------------------------------------------------------------------------------------
+
+
+def read_rate(files: list[Path], *, record: int, pattern: str, direct: bool, threads: int, seconds: float,
+              seed: int) -> float | None:
+    """GB/s of `record`-byte preads over `files`: "sequential" (one thread, consecutive records from a
+    random start) or "random" (`threads` threads, records at random aligned offsets); None where
+    the file system refuses O_DIRECT."""
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    try:
+        fds = [os.open(f, flags) for f in files]
+    except OSError:
+        return None
+    sizes = [os.fstat(fd).st_size // record for fd in fds]
+    total = [0]
+    lock = threading.Lock()
+    deadline = time.perf_counter() + seconds
+
+    def worker(n: int) -> None:
+        rng = np.random.default_rng([seed, n])
+        buf = mmap.mmap(-1, record)  # page-aligned, as O_DIRECT needs
+        done = 0
+        f, i = int(rng.integers(len(fds))), int(rng.integers(max(1, sizes[0] // 2)))
+        while time.perf_counter() < deadline:
+            if pattern == "random":
+                f = int(rng.integers(len(fds)))
+                i = int(rng.integers(sizes[f]))
+            elif i >= sizes[f]:
+                f, i = (f + 1) % len(fds), 0
+            done += os.preadv(fds[f], [buf], i * record)
+            i += 1
+        buf.close()
+        with lock:
+            total[0] += done
+
+    start = time.perf_counter()
+    pool = [threading.Thread(target=worker, args=(n,)) for n in range(threads if pattern == "random" else 1)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - start
+    for fd in fds:
+        os.close(fd)
+    return total[0] / elapsed / 1e9
+
+
+def measure_disk(path: Path, *, threads: int, seconds: float, seed: int, log) -> dict:
+    """Every record size, pattern and I/O mode; the page cache is dropped before each buffered one."""
+    files = sorted((path / "experts").glob("*.bin"))
+    store = ExpertStore(path, io="buffered", verify=False)
+    stride = next(iter(store.blocks.values())).stride
+    store.close()
+    results = []
+    for direct in (True, False):
+        for record in (*RECORD_SIZES, stride):
+            for pattern in ("sequential", "random"):
+                dropped = False if direct else stream_curve.drop_page_cache()
+                rate = read_rate(files, record=record, pattern=pattern, direct=direct, threads=threads,
+                                 seconds=seconds, seed=seed)
+                results.append({"io": "direct" if direct else "buffered", "record_bytes": record, "pattern": pattern,
+                                "threads": threads if pattern == "random" else 1, "GBps": rate,
+                                **({} if direct else {"page_cache_dropped": dropped})})
+                log(f"  disk {results[-1]['io']:<8} {pattern:<10} {record / 1024:8.0f} KiB: "
+                    + ("refused" if rate is None else f"{rate:.2f} GB/s"))
+    whole = [r["GBps"] for r in results if r["record_bytes"] == stride and r["pattern"] == "random" and r["GBps"]]
+    return {"record_bytes": stride, "rows": results, "random_record_GBps": max(whole)}
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+
+def fresh_engine(model, path: Path, *, slots: int, io: str, threads: int, dtype: mx.Dtype,
+                 warm_rows: set[int]) -> WindowEngine:
+    """`model` with a new, empty expert cache of `slots` per layer reading with `io`, in a new
+    engine that knows the window shapes this process already built (`warm_rows`). Cheaper than
+    loading the model again: the dense weights stay. Exact routing only (MoCE hooks the old cache)."""
+    switches = [m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)]
+    modules = dict(model.named_modules())
+    blocks = [(m.path, modules[m.path.rsplit(".", 1)[0]]) for m in switches]
+    if model.expert_cache is not None:
+        model.expert_cache.close()
+    for m in switches:  # the old banks go before the new ones are allocated
+        m.cache = None
+    model.expert_cache = None
+    gc.collect()
+    mx.clear_cache()
+    options = StreamOptions(resident_experts=slots, io=io, io_threads=threads)
+    cache = ExpertCache(ExpertStore(path, io=io, verify=False), blocks, num_slots=slots, dtype=dtype, options=options)
+    for m in switches:
+        m.cache = cache
+    model.expert_cache = cache
+    engine = WindowEngine(model)
+    engine.warm_rows |= warm_rows
+    return engine
+
+
+def measure_row(engine: WindowEngine, prompt: list[int], *, tokens: int, spec: SpecOptions, disk_gbps: float) -> dict:
+    """One decode's figures (stream_curve.one_run's and the time split) and its tokens."""
+    run = stream_curve.one_run(engine, prompt, tokens=tokens, spec=spec)
+    run["time_split_ms_per_token"] = run.pop("ms_per_token")
+    run["bytes_read_per_token"] = read = run.pop("bytes_per_token")
+    bound = disk_gbps * 1e9 / read if read else None
+    return {**run, "disk_bound_tokens_per_s": bound, "of_disk_bound": run["tokens_per_s"] / bound if bound else None,
+            "io_mode": engine.expert_cache.store.io_mode}
+
+
+def sweep(model, path: Path, prompt: list[int], args, *, E: int, dtype, disk_gbps: float, dropped: bool,
+          warm_rows: set[int], deadline: float, report: dict, save, log) -> None:
+    """Every (cache size, mode) cold then warm, in order; rows land in report["rows"] as they finish."""
+    cold_io = args.cold_io if dropped else "direct"  # without a drop, only O_DIRECT keeps the page cache out
+    for fraction in args.fractions:
+        slots = max(1, math.ceil(E * fraction))
+        for mode in args.modes:
+            for temperature in args.temperatures:
+                name = f"{fraction:.0%} {mode} {temperature}"
+                if time.perf_counter() > deadline:
+                    report["skipped"].append(name)
+                    log(f"budget reached: skipping {name}")
+                    continue
+                io = cold_io if temperature == "cold" else "buffered"
+                engine = fresh_engine(model, path, slots=slots, io=io, threads=args.io_threads, dtype=dtype,
+                                      warm_rows=warm_rows)
+                if temperature == "cold" and dropped:
+                    stream_curve.drop_page_cache()
+                row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature,
+                       **measure_row(engine, prompt, tokens=args.tokens, spec=MODES[mode], disk_gbps=disk_gbps)}
+                if temperature == "warm":
+                    row["page_cache"] = "holds the cold run's reads" if cold_io == "buffered" else "cold (O_DIRECT run before)"
+                serial = next((r for r in report["rows"] if r["cache_fraction"] == fraction and r["mode"] == "serial"
+                               and r["temperature"] == "cold"), None)
+                row["identical_to_serial"] = None if serial is None else row["output"] == serial["output"]
+                report["rows"].append(row)
+                split = row["time_split_ms_per_token"]
+                log(f"  {name:<18} {row['tokens_per_s']:7.2f} tok/s  {row['bytes_read_per_token'] / 1e6:8.1f} MB/token  "
+                    f"hit {row['hit_rate']:.0%}  late waits {row['late_waits']}  reads {split['read_wait']:.0f} / "
+                    f"sync {split['router_sync']:.0f} / installs {split['installs']:.0f} / rest {split['rest']:.0f} "
+                    f"ms/token  same as serial: {row['identical_to_serial']}")
+                save()
+    model.expert_cache.close()
+
+
+def identical(rows: list[dict]) -> bool | None:
+    """Whether every speculative row compared with serial produced serial's tokens (None: no pair)."""
+    checked = [r["identical_to_serial"] for r in rows if r["mode"] != "serial" and r["identical_to_serial"] is not None]
+    return all(checked) if checked else None
+
+
+def moce_study(model, path: Path, prompt: list[int], args, *, E: int, dtype, dropped: bool, warm_rows: set[int],
+               log) -> dict:
+    """Exact against cache-aware routing at one cache size, cold: tokens/s and agreement (approximate)."""
+    slots = max(1, math.ceil(E * args.moce_fraction))
+    io = args.cold_io if dropped else "direct"
+    exact = fresh_engine(model, path, slots=slots, io=io, threads=args.io_threads, dtype=dtype, warm_rows=warm_rows)
+    moce_model = load_checkpoint(path, stream=StreamOptions(resident_experts=slots, io=io, io_threads=args.io_threads),
+                                 moce=parse_setting(args.moce))
+    moce = WindowEngine(moce_model)
+    moce.warm_rows |= warm_rows
+    speed = {}
+    for name, engine in (("exact", exact), ("moce", moce)):
+        if dropped:
+            stream_curve.drop_page_cache()
+        ids, seconds, summary = decode(engine, prompt, args.tokens)
+        speed[name] = {"ids": ids, "tokens_per_s": summary["tokens_per_s"],
+                       "bytes_read_per_token": summary["experts"]["bytes_read_per_token"]}
+    reference = speed["exact"]["ids"]
+    exact_logits = forced_logits(exact, prompt, reference)
+    moce_logits = forced_logits(moce, prompt, reference)
+    same = next((i for i, (a, b) in enumerate(zip(speed["moce"]["ids"], reference)) if a != b), len(reference))
+    result = {
+        "approximate": True, "setting": args.moce, "label": label(args.moce), "cache_fraction": args.moce_fraction,
+        "slots": slots, "io_mode": exact.expert_cache.store.io_mode, "tokens": args.tokens,
+        "exact_tokens_per_s": speed["exact"]["tokens_per_s"], "moce_tokens_per_s": speed["moce"]["tokens_per_s"],
+        "speedup": speed["moce"]["tokens_per_s"] / speed["exact"]["tokens_per_s"],
+        "exact_bytes_read_per_token": speed["exact"]["bytes_read_per_token"],
+        "moce_bytes_read_per_token": speed["moce"]["bytes_read_per_token"],
+        "top1_agreement": float(np.mean(moce_logits.argmax(-1) == exact_logits.argmax(-1))),
+        "greedy_agreement": same / len(reference), "mean_kl": float(np.mean(kl(exact_logits, moce_logits))),
+    }
+    moce_model.expert_cache.close()
+    model.expert_cache.close()
+    log(f"  MoCE {result['label']} at {args.moce_fraction:.0%} (approximate): {result['moce_tokens_per_s']:.2f} tok/s "
+        f"against exact {result['exact_tokens_per_s']:.2f} ({result['speedup']:.2f}x), teacher-forced top-1 "
+        f"agreement {result['top1_agreement']:.1%}")
+    return result
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| cache | mode | cold/warm | io | tok/s | MB read/token | hit rate | late waits | union/layer by T | "
+             "ms/token: reads / sync / installs / rest | disk-bound tok/s | of bound | = serial |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, bound, share = r["time_split_ms_per_token"], r["disk_bound_tokens_per_s"], r["of_disk_bound"]
+        unions = " ".join(f"{t}:{u:.1f}" for t, u in r["union_per_layer_by_T"].items())
+        lines.append(f"| {r['cache_fraction']:.0%} | {r['mode']} | {r['temperature']} | {r['io_mode']} | "
+                     f"{r['tokens_per_s']:.2f} | {r['bytes_read_per_token'] / 1e6:.1f} | {r['hit_rate']:.0%} | "
+                     f"{r['late_waits']} | {unions} | {s['read_wait']:.0f} / {s['router_sync']:.0f} / "
+                     f"{s['installs']:.0f} / {s['rest']:.0f} | {'-' if bound is None else f'{bound:.2f}'} | "
+                     f"{'-' if share is None else f'{share:.0%}'} | {r['identical_to_serial']} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized shapes (4 layers), every phase, under a minute")
+    parser.add_argument("--layers", type=int, default=None, help="override the number of layers (default 48; tiny 4)")
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default /tmp/strata-80b[-tiny])")
+    parser.add_argument("--rebuild", action="store_true", help="build even if --dir holds a complete checkpoint")
+    parser.add_argument("--tokens", type=int, default=None, help="greedy tokens per run (default 16; tiny 8)")
+    parser.add_argument("--prompt", default=PROMPT, help="the prompt text (the demo model's tokenizer)")
+    parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    parser.add_argument("--temperatures", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
+    parser.add_argument("--cold-io", choices=("buffered", "direct"), default="buffered",
+                        help="reads of cold runs (default buffered, the page cache dropped first, so that the warm "
+                             "run finds what it read; direct when the page cache cannot be dropped)")
+    parser.add_argument("--io-threads", type=int, default=8)
+    parser.add_argument("--disk-seconds", type=float, default=None, help="seconds per disk figure (default 1; tiny 0.05)")
+    parser.add_argument("--moce", default="1:1:e", help="the MoCE setting (moce_agreement's J:B[:N][:e]...); "
+                                                         "'none' skips the study")
+    parser.add_argument("--moce-fraction", type=float, default=0.25)
+    parser.add_argument("--moce-reserve", type=float, default=60.0,
+                        help="seconds of the budget kept for the MoCE study (default 60)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-seconds", type=float, default=520.0,
+                        help="start no phase or row after this many seconds, building included (default 520)")
+    parser.add_argument("--json-out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.tokens = args.tokens or (8 if args.tiny else 16)
+    if args.tokens < 2:
+        parser.error(f"--tokens must be at least 2, got {args.tokens}")
+    if not all(0 < f <= 1 for f in [*args.fractions, args.moce_fraction]):
+        parser.error("cache fractions must be in (0, 1]")
+    if args.moce != "none":
+        parse_setting(args.moce)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    deadline = start + args.budget_seconds
+    name = "tiny" if args.tiny else "full"
+    params = {**PRESETS[name], **({"num_hidden_layers": args.layers} if args.layers else {})}
+    path = args.dir or Path(f"/tmp/strata-80b{'-tiny' if args.tiny else ''}")
+    dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    report = {"tree": _commit(), "device": str(mx.default_device()), "layers": params["num_hidden_layers"],
+              "model": params, "dtype": str(dtype).rsplit(".", 1)[-1], "tokens_per_run": args.tokens,
+              "prompt": args.prompt, "skipped": [], "rows": []}
+
+    def save() -> None:
+        report["seconds"] = time.perf_counter() - start
+        report["speculative_identical"] = identical(report["rows"])
+        if args.json_out:
+            tmp = args.json_out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report, indent=1))
+            tmp.replace(args.json_out)
+
+    report["build"] = ensure_checkpoint(path, params, seed=args.seed, dtype=dtype, rebuild=args.rebuild, log=log)
+    experts = sum(f.stat().st_size for f in (path / "experts").glob("*.bin"))
+    report["experts_gb"] = experts / 1e9
+    report["checkpoint_gb"] = (experts + (path / "model.safetensors").stat().st_size) / 1e9
+    dropped = stream_curve.drop_page_cache()
+    report["page_cache_dropped"] = dropped
+    log(f"checkpoint {report['checkpoint_gb']:.1f} GB ({report['experts_gb']:.1f} GB of experts), built in "
+        f"{report['build']['seconds']:.0f} s; page cache drop: {'yes' if dropped else 'refused'}")
+    save()
+    disk = measure_disk(path, threads=args.io_threads, seconds=args.disk_seconds or (0.05 if args.tiny else 1.0),
+                        seed=args.seed, log=log)
+    report["disk"] = disk
+    report["disk_read_gb_s"] = disk["random_record_GBps"]
+    save()
+
+    tokenizer = Tokenizer(path)
+    prompt = tokenizer.encode(args.prompt)
+    if max(prompt) >= params["vocab_size"]:
+        raise SystemExit(f"the prompt's ids reach {max(prompt)}; the model's vocabulary is {params['vocab_size']}")
+    E = params["num_experts"]
+    model = load_checkpoint(path, stream=StreamOptions(resident_experts=E, io="buffered", io_threads=args.io_threads))
+    warm_rows: set[int] = set()
+    engine = WindowEngine(model)
+    if engine.warms_on_first_use:  # a GPU: build every window shape now, every expert resident
+        log(f"building window shapes T = 1..{MAX_SUFFIX_DRAFT + 1} (MLX's kernel JIT: once per process)")
+        report["shape_warmup_seconds"] = sum(engine.warm_up(MAX_SUFFIX_DRAFT + 1).values())
+        log(f"  {report['shape_warmup_seconds']:.1f} s")
+    warm_rows |= engine.warm_rows
+    del engine
+    reserve = args.moce_reserve if args.moce != "none" else 0.0
+    sweep(model, path, prompt, args, E=E, dtype=dtype, disk_gbps=report["disk_read_gb_s"], dropped=dropped,
+          warm_rows=warm_rows, deadline=deadline - reserve, report=report, save=save, log=log)
+    if args.moce == "none":
+        pass
+    elif time.perf_counter() > deadline:
+        report["skipped"].append("moce")
+        log("budget reached: skipping the MoCE study")
+    else:
+        report["moce"] = moce_study(model, path, prompt, args, E=E, dtype=dtype, dropped=dropped,
+                                    warm_rows=warm_rows, log=log)
+    save()
+    print(table(report["rows"]))
+    print(f"\nspeculative_identical: {report['speculative_identical']}; disk {report['disk_read_gb_s']:.2f} GB/s "
+          f"(random {disk['record_bytes'] / 1e6:.2f} MB records); skipped: {report['skipped'] or 'nothing'}; "
+          f"wall {report['seconds']:.0f} s" + (f"; JSON: {args.json_out}" if args.json_out else ""))
+    return report
+
+
+if __name__ == "__main__":
+    main()
