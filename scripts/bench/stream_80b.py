@@ -188,19 +188,14 @@ def fresh_engine(model, path: Path, *, slots: int, io: str, threads: int, dtype:
     modules = dict(model.named_modules())
     blocks = [(m.path, modules[m.path.rsplit(".", 1)[0]]) for m in switches]
     if model.expert_cache is not None:
-        model.expert_cache.close()
-    for m in switches:  # the old banks go before the new ones are allocated
-        m.cache = None
-    model.expert_cache = None
-    gc.collect()
-    mx.clear_cache()
+        release(model)  # the old banks go before the new ones are allocated
     options = StreamOptions(resident_experts=slots, io=io, io_threads=threads)
     cache = ExpertCache(ExpertStore(path, io=io, verify=False), blocks, num_slots=slots, dtype=dtype, options=options)
     for m in switches:
         m.cache = cache
     model.expert_cache = cache
     engine = WindowEngine(model)
-    engine.warm_rows |= warm_rows
+    engine.warm_rows = warm_rows  # one set: a shape one engine builds, every later one has
     return engine
 
 
@@ -216,12 +211,13 @@ def measure_row(engine: WindowEngine, prompt: list[int], *, tokens: int, spec: S
 
 def sweep(model, path: Path, prompt: list[int], args, *, E: int, dtype, disk_gbps: float, dropped: bool,
           warm_rows: set[int], deadline: float, report: dict, save, log) -> None:
-    """Every (cache size, mode) cold then warm, in order; rows land in report["rows"] as they finish."""
+    """Every cold row (cache size by mode), then every warm one: when the budget runs short, the
+    warm repeats go first. Rows land in report["rows"] as they finish."""
     cold_io = args.cold_io if dropped else "direct"  # without a drop, only O_DIRECT keeps the page cache out
-    for fraction in args.fractions:
-        slots = max(1, math.ceil(E * fraction))
-        for mode in args.modes:
-            for temperature in args.temperatures:
+    for temperature in args.temperatures:
+        for fraction in args.fractions:
+            slots = max(1, math.ceil(E * fraction))
+            for mode in args.modes:
                 name = f"{fraction:.0%} {mode} {temperature}"
                 if time.perf_counter() > deadline:
                     report["skipped"].append(name)
@@ -235,18 +231,35 @@ def sweep(model, path: Path, prompt: list[int], args, *, E: int, dtype, disk_gbp
                 row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature,
                        **measure_row(engine, prompt, tokens=args.tokens, spec=MODES[mode], disk_gbps=disk_gbps)}
                 if temperature == "warm":
-                    row["page_cache"] = "holds the cold run's reads" if cold_io == "buffered" else "cold (O_DIRECT run before)"
-                serial = next((r for r in report["rows"] if r["cache_fraction"] == fraction and r["mode"] == "serial"
-                               and r["temperature"] == "cold"), None)
+                    primed = cold_io == "buffered" and find(report["rows"], fraction, mode, "cold") is not None
+                    row["page_cache"] = "holds the cold run's reads" if primed else "not filled by a cold run of this row"
+                serial = find(report["rows"], fraction, "serial", "cold")
                 row["identical_to_serial"] = None if serial is None else row["output"] == serial["output"]
                 report["rows"].append(row)
                 split = row["time_split_ms_per_token"]
                 log(f"  {name:<18} {row['tokens_per_s']:7.2f} tok/s  {row['bytes_read_per_token'] / 1e6:8.1f} MB/token  "
                     f"hit {row['hit_rate']:.0%}  late waits {row['late_waits']}  reads {split['read_wait']:.0f} / "
                     f"sync {split['router_sync']:.0f} / installs {split['installs']:.0f} / rest {split['rest']:.0f} "
-                    f"ms/token  same as serial: {row['identical_to_serial']}")
+                    f"ms/token  same as serial: {row['identical_to_serial']}  ({deadline - time.perf_counter():.0f} s "
+                    "of the sweep's budget left)")
                 save()
+    release(model)
+
+
+def find(rows: list[dict], fraction: float, mode: str, temperature: str) -> dict | None:
+    return next((r for r in rows if (r["cache_fraction"], r["mode"], r["temperature"]) == (fraction, mode, temperature)),
+                None)
+
+
+def release(model) -> None:
+    """Stop `model`'s expert reads and free its slot banks (before another model's are allocated)."""
     model.expert_cache.close()
+    for _, m in model.named_modules():
+        if isinstance(m, StreamedSwitchGLU):
+            m.cache = None
+    model.expert_cache = None
+    gc.collect()
+    mx.clear_cache()
 
 
 def identical(rows: list[dict]) -> bool | None:
@@ -255,30 +268,29 @@ def identical(rows: list[dict]) -> bool | None:
     return all(checked) if checked else None
 
 
-def moce_study(model, path: Path, prompt: list[int], args, *, E: int, dtype, dropped: bool, warm_rows: set[int],
-               log) -> dict:
-    """Exact against cache-aware routing at one cache size, cold: tokens/s and agreement (approximate)."""
+def moce_study(path: Path, prompt: list[int], args, *, E: int, dropped: bool, log) -> dict:
+    """Exact against cache-aware routing at one cache size, cold: tokens/s and agreement
+    (approximate). Each routing gets a model of its own, loaded alike and with its one-row window
+    built (`warm(1)`) before the page cache is dropped and it decodes."""
     slots = max(1, math.ceil(E * args.moce_fraction))
     io = args.cold_io if dropped else "direct"
-    exact = fresh_engine(model, path, slots=slots, io=io, threads=args.io_threads, dtype=dtype, warm_rows=warm_rows)
-    moce_model = load_checkpoint(path, stream=StreamOptions(resident_experts=slots, io=io, io_threads=args.io_threads),
-                                 moce=parse_setting(args.moce))
-    moce = WindowEngine(moce_model)
-    moce.warm_rows |= warm_rows
-    speed = {}
-    for name, engine in (("exact", exact), ("moce", moce)):
+    stream = StreamOptions(resident_experts=slots, io=io, io_threads=args.io_threads)
+    engines, speed = {}, {}
+    for name, moce in (("exact", None), ("moce", parse_setting(args.moce))):
+        engine = engines[name] = WindowEngine(load_checkpoint(path, stream=stream, moce=moce))
+        engine.warm(1)
         if dropped:
             stream_curve.drop_page_cache()
-        ids, seconds, summary = decode(engine, prompt, args.tokens)
+        ids, _, summary = decode(engine, prompt, args.tokens)
         speed[name] = {"ids": ids, "tokens_per_s": summary["tokens_per_s"],
                        "bytes_read_per_token": summary["experts"]["bytes_read_per_token"]}
     reference = speed["exact"]["ids"]
-    exact_logits = forced_logits(exact, prompt, reference)
-    moce_logits = forced_logits(moce, prompt, reference)
+    exact_logits = forced_logits(engines["exact"], prompt, reference)
+    moce_logits = forced_logits(engines["moce"], prompt, reference)
     same = next((i for i, (a, b) in enumerate(zip(speed["moce"]["ids"], reference)) if a != b), len(reference))
     result = {
         "approximate": True, "setting": args.moce, "label": label(args.moce), "cache_fraction": args.moce_fraction,
-        "slots": slots, "io_mode": exact.expert_cache.store.io_mode, "tokens": args.tokens,
+        "slots": slots, "io_mode": engines["exact"].expert_cache.store.io_mode, "tokens": args.tokens,
         "exact_tokens_per_s": speed["exact"]["tokens_per_s"], "moce_tokens_per_s": speed["moce"]["tokens_per_s"],
         "speedup": speed["moce"]["tokens_per_s"] / speed["exact"]["tokens_per_s"],
         "exact_bytes_read_per_token": speed["exact"]["bytes_read_per_token"],
@@ -286,8 +298,8 @@ def moce_study(model, path: Path, prompt: list[int], args, *, E: int, dtype, dro
         "top1_agreement": float(np.mean(moce_logits.argmax(-1) == exact_logits.argmax(-1))),
         "greedy_agreement": same / len(reference), "mean_kl": float(np.mean(kl(exact_logits, moce_logits))),
     }
-    moce_model.expert_cache.close()
-    model.expert_cache.close()
+    for engine in engines.values():
+        release(engine.model)
     log(f"  MoCE {result['label']} at {args.moce_fraction:.0%} (approximate): {result['moce_tokens_per_s']:.2f} tok/s "
         f"against exact {result['exact_tokens_per_s']:.2f} ({result['speedup']:.2f}x), teacher-forced top-1 "
         f"agreement {result['top1_agreement']:.1%}")
@@ -393,13 +405,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"the prompt's ids reach {max(prompt)}; the model's vocabulary is {params['vocab_size']}")
     E = params["num_experts"]
     model = load_checkpoint(path, stream=StreamOptions(resident_experts=E, io="buffered", io_threads=args.io_threads))
-    warm_rows: set[int] = set()
     engine = WindowEngine(model)
     if engine.warms_on_first_use:  # a GPU: build every window shape now, every expert resident
-        log(f"building window shapes T = 1..{MAX_SUFFIX_DRAFT + 1} (MLX's kernel JIT: once per process)")
+        log(f"building window shapes T = 1..{MAX_SUFFIX_DRAFT + 1} (MLX's kernel JIT and the layers' traces)")
         report["shape_warmup_seconds"] = sum(engine.warm_up(MAX_SUFFIX_DRAFT + 1).values())
         log(f"  {report['shape_warmup_seconds']:.1f} s")
-    warm_rows |= engine.warm_rows
+    warm_rows = engine.warm_rows
     del engine
     reserve = args.moce_reserve if args.moce != "none" else 0.0
     sweep(model, path, prompt, args, E=E, dtype=dtype, disk_gbps=report["disk_read_gb_s"], dropped=dropped,
@@ -410,8 +421,8 @@ def main(argv: list[str] | None = None) -> dict:
         report["skipped"].append("moce")
         log("budget reached: skipping the MoCE study")
     else:
-        report["moce"] = moce_study(model, path, prompt, args, E=E, dtype=dtype, dropped=dropped,
-                                    warm_rows=warm_rows, log=log)
+        del model
+        report["moce"] = moce_study(path, prompt, args, E=E, dropped=dropped, log=log)
     save()
     print(table(report["rows"]))
     print(f"\nspeculative_identical: {report['speculative_identical']}; disk {report['disk_read_gb_s']:.2f} GB/s "

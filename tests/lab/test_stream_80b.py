@@ -22,8 +22,9 @@ def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
     assert not stream_curve.is_built(tmp_path / "ckpt", stream_80b.PRESETS["tiny"])
 
     rows = report["rows"]
-    assert [(r["cache_fraction"], r["mode"], r["temperature"]) for r in rows] == [
-        (f, m, t) for f in (0.25, 1.0) for m in stream_80b.MODES for t in ("cold", "warm")]
+    assert [(r["temperature"], r["cache_fraction"], r["mode"]) for r in rows] == [  # every cold row first
+        (t, f, m) for t in ("cold", "warm") for f in (0.25, 1.0) for m in stream_80b.MODES]
+    assert all(("page_cache" in r) == (r["temperature"] == "warm") for r in rows)
     for r in rows:
         assert len(r["output"]) == 6 and r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1
         assert r["bytes_read_per_token"] > 0 and r["disk_bound_tokens_per_s"] > 0 and r["union_per_layer_by_T"]
