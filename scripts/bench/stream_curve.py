@@ -304,8 +304,9 @@ def sweep(path: Path, preset: dict, prompts: list[list[int]], args, *, deadline:
                 drop_page_cache()
             runs.append(one_run(engine, prompt, tokens=preset["tokens"], drafts=drafts))
         model.expert_cache.close()
+        if runs:  # the warm-up decoded another prompt: its tokens are not comparable
+            outputs[(fraction, mode, prefetch)] = [r["output"] for r in runs]
         runs = runs or [warm]
-        outputs[(fraction, mode, prefetch)] = [r["output"] for r in runs]
         med = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))}
         row = {"fraction": fraction, "slots": slots, "mode": mode, "prefetch": prefetch, "runs": len(runs),
                "tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in runs], **med}
