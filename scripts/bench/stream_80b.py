@@ -32,6 +32,7 @@ read per token; `of_disk_bound` is the row's tokens/s over it (issue 38's target
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -48,6 +49,7 @@ import numpy as np
 
 from scripts.bench import stream_curve
 from scripts.bench.moce_agreement import _commit, decode, forced_logits, kl, label, parse_setting
+from strata_cli.calibrate import device_cost_prior
 from strata_cli.engine.window import WindowEngine
 from strata_cli.experts.cache import ExpertCache
 from strata_cli.experts.store import ExpertStore
@@ -209,7 +211,7 @@ def measure_row(engine: WindowEngine, prompt: list[int], *, tokens: int, spec: S
             "io_mode": engine.expert_cache.store.io_mode}
 
 
-def sweep(model, path: Path, prompt: list[int], args, *, E: int, dtype, disk_gbps: float, dropped: bool,
+def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptions], *, E: int, dtype, disk_gbps: float, dropped: bool,
           warm_rows: set[int], deadline: float, report: dict, save, log) -> None:
     """Every cold row (cache size by mode), then every warm one: when the budget runs short, the
     warm repeats go first. Rows land in report["rows"] as they finish."""
@@ -229,7 +231,7 @@ def sweep(model, path: Path, prompt: list[int], args, *, E: int, dtype, disk_gbp
                 if temperature == "cold" and dropped:
                     stream_curve.drop_page_cache()
                 row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature,
-                       **measure_row(engine, prompt, tokens=args.tokens, spec=MODES[mode], disk_gbps=disk_gbps)}
+                       **measure_row(engine, prompt, tokens=args.tokens, spec=modes[mode], disk_gbps=disk_gbps)}
                 if temperature == "warm":
                     primed = cold_io == "buffered" and find(report["rows"], fraction, mode, "cold") is not None
                     row["page_cache"] = "holds the cold run's reads" if primed else "not filled by a cold run of this row"
@@ -411,9 +413,16 @@ def main(argv: list[str] | None = None) -> dict:
         report["shape_warmup_seconds"] = sum(engine.warm_up(MAX_SUFFIX_DRAFT + 1).values())
         log(f"  {report['shape_warmup_seconds']:.1f} s")
     warm_rows = engine.warm_rows
+    # `auto` as the CLI runs it: the device's window-cost curve (cached or measured, every expert
+    # resident: the compute); the cache's own draft read cost adds the reads
+    prior, seconds = device_cost_prior(engine, identity=f"stream_80b:{json.dumps(params, sort_keys=True)}",
+                                       dtype=report["dtype"], max_T=MAX_SUFFIX_DRAFT + 1)
+    modes = {**MODES, "auto": dataclasses.replace(MODES["auto"], cost_prior=prior)}
+    report["auto_cost_prior"] = {"source": prior.source, "calibration_seconds": seconds}
+    log(f"auto's window-cost curve: {prior.source} ({seconds:.1f} s)")
     del engine
     reserve = args.moce_reserve if args.moce != "none" else 0.0
-    sweep(model, path, prompt, args, E=E, dtype=dtype, disk_gbps=report["disk_read_gb_s"], dropped=dropped,
+    sweep(model, path, prompt, args, modes, E=E, dtype=dtype, disk_gbps=report["disk_read_gb_s"], dropped=dropped,
           warm_rows=warm_rows, deadline=deadline - reserve, report=report, save=save, log=log)
     if args.moce == "none":
         pass
