@@ -8,7 +8,7 @@ after every row; a phase or row that would start after the budget is skipped and
    dense weights as stream_curve draws them, and per layer the experts drawn as floats (normal,
    std 1/sqrt(cols)) and quantized to 4 bits by `mx.quantize` (the quantizer mlx-lm calls) on the
    default device, written straight into the streamed layout while the next layer is drawn: one
-   layer in memory at a time, one copy on disk (~43 GB of experts at 48 layers).
+   layer in memory at a time, one copy on disk (47.2 GB at 48 layers, 43.5 GB of it experts).
 2. The disk: sequential (one thread) and random (`--io-threads` threads) reads of 4, 16 and 64 KiB
    records and of whole expert records, O_DIRECT and buffered (page cache dropped before each).
 3. Decoding at each expert-cache size (`--fractions`) and mode (serial, draft3, auto), cold and warm:
@@ -22,7 +22,7 @@ after every row; a phase or row that would start after the budget is skipped and
    routing, cold, and teacher-forced top-1 agreement with exact greedy tokens (moce_agreement's parts).
 
     python -m scripts.bench.stream_80b --tiny                                  # CPU, under a minute
-    python -m scripts.bench.stream_80b --dir /tmp/strata-80b --budget-seconds 520 \\
+    python -m scripts.bench.stream_80b --dir /tmp/strata-80b --budget-seconds 450 \\
         --json-out docs/runs/h200_stream_80b.json                              # the H200 run
 
 `disk_bound_tokens_per_s` of a row is the disk's random whole-record read rate over the row's bytes
@@ -46,6 +46,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from scripts.bench import stream_curve
 from scripts.bench.moce_agreement import _commit, decode, forced_logits, kl, label, parse_setting
@@ -54,6 +55,7 @@ from strata_cli.engine.window import WindowEngine
 from strata_cli.experts.cache import ExpertCache
 from strata_cli.experts.store import ExpertStore
 from strata_cli.experts.switch import StreamedSwitchGLU
+from strata_cli.model import qwen3_next
 from strata_cli.options import MAX_SUFFIX_DRAFT, SpecOptions, StreamOptions, parse_suffix_draft
 from strata_cli.runtime import embedded_model_path, load_checkpoint
 from strata_cli.tokenizer import Tokenizer
@@ -98,15 +100,31 @@ def ensure_checkpoint(path: Path, params: dict, *, seed: int, dtype: mx.Dtype, r
     if reused:
         log(f"reusing the complete checkpoint in {path}")
     else:
-        free = shutil.disk_usage(path.parent if not path.exists() else path).free
-        log(f"building {params['num_hidden_layers']} layers into {path} on {mx.default_device()} "
-            f"({free / 1e9:.0f} GB free)")
+        path.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path).free + sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        need = checkpoint_bytes(params, dtype)
+        if free < 1.02 * need:
+            raise SystemExit(f"{path}: the checkpoint needs {need / 1e9:.1f} GB, the disk has {free / 1e9:.1f} GB")
+        log(f"building {params['num_hidden_layers']} layers ({need / 1e9:.1f} GB) into {path} on "
+            f"{mx.default_device()} ({free / 1e9:.0f} GB free)")
         stream_curve.build(path, params, seed=seed, dtype=dtype, log=log, draw_experts=quantized_experts(seed))
         log("flushing the written checkpoint to disk")
         os.sync()  # so that dropping the page cache later costs no writes
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(embedded_model_path() / name, path / name)
     return {"seconds": time.perf_counter() - start, "reused": reused}
+
+
+def checkpoint_bytes(params: dict, dtype: mx.Dtype) -> int:
+    """Bytes the build writes: aligned 4-bit expert records (a scale and a bias per group) and the
+    dense weights."""
+    H, I, E, L = (params[k] for k in ("hidden_size", "moe_intermediate_size", "num_experts", "num_hidden_layers"))
+    per_matrix = I * H * stream_curve.BITS // 8 + 2 * dtype.size * I * H // stream_curve.GROUP_SIZE
+    record = -(-3 * per_matrix // 4096) * 4096
+    dense = sum(math.prod(v.shape) for k, v in tree_flatten(
+        qwen3_next.Model(qwen3_next.Config.from_dict({**stream_curve.BASE, **params})).parameters())
+        if ".switch_mlp." not in k)
+    return L * E * record + dense * dtype.size
 
 
 # -- the disk ------------------------------------------------------------------------------------
@@ -192,7 +210,7 @@ def fresh_engine(model, path: Path, *, slots: int, io: str, threads: int, dtype:
     if model.expert_cache is not None:
         release(model)  # the old banks go before the new ones are allocated
     options = StreamOptions(resident_experts=slots, io=io, io_threads=threads)
-    cache = ExpertCache(ExpertStore(path, io=io, verify=False), blocks, num_slots=slots, dtype=dtype, options=options)
+    cache = ExpertCache(ExpertStore(path, io=io, verify=options.verify), blocks, num_slots=slots, dtype=dtype, options=options)
     for m in switches:
         m.cache = cache
     model.expert_cache = cache
@@ -348,8 +366,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moce-reserve", type=float, default=60.0,
                         help="seconds of the budget kept for the MoCE study (default 60)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--budget-seconds", type=float, default=520.0,
-                        help="start no phase or row after this many seconds, building included (default 520)")
+    parser.add_argument("--budget-seconds", type=float, default=450.0,
+                        help="start no row after this many seconds less --moce-reserve, nor the MoCE study after "
+                             "it, building included (default 450)")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
     args.tokens = args.tokens or (8 if args.tiny else 16)
