@@ -259,7 +259,7 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
                 split = row["time_split_ms_per_token"]
                 log(f"  {name:<18} {row['tokens_per_s']:7.2f} tok/s  {row['bytes_read_per_token'] / 1e6:8.1f} MB/token  "
                     f"hit {row['hit_rate']:.0%}  late waits {row['late_waits']}  reads {split['read_wait']:.0f} / "
-                    f"sync {split['router_sync']:.0f} / installs {split['installs']:.0f} / rest {split['rest']:.0f} "
+                    f"sync {split['router_sync']:.0f} / installs {split['installs']:.0f} / compute {split['compute']:.0f} "
                     f"ms/token  same as serial: {row['identical_to_serial']}  ({deadline - time.perf_counter():.0f} s "
                     "of the sweep's budget left)")
                 save()
@@ -331,7 +331,7 @@ def moce_study(path: Path, prompt: list[int], args, *, E: int, dropped: bool, lo
 
 def table(rows: list[dict]) -> str:
     lines = ["| cache | mode | cold/warm | io | tok/s | MB read/token | hit rate | late waits | union/layer by T | "
-             "ms/token: reads / sync / installs / rest | disk-bound tok/s | of bound | = serial |",
+             "ms/token: reads / sync / installs / compute | disk-bound tok/s | of bound | = serial |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, bound, share = r["time_split_ms_per_token"], r["disk_bound_tokens_per_s"], r["of_disk_bound"]
@@ -339,7 +339,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['cache_fraction']:.0%} | {r['mode']} | {r['temperature']} | {r['io_mode']} | "
                      f"{r['tokens_per_s']:.2f} | {r['bytes_read_per_token'] / 1e6:.1f} | {r['hit_rate']:.0%} | "
                      f"{r['late_waits']} | {unions} | {s['read_wait']:.0f} / {s['router_sync']:.0f} / "
-                     f"{s['installs']:.0f} / {s['rest']:.0f} | {'-' if bound is None else f'{bound:.2f}'} | "
+                     f"{s['installs']:.0f} / {s['compute']:.0f} | {'-' if bound is None else f'{bound:.2f}'} | "
                      f"{'-' if share is None else f'{share:.0%}'} | {r['identical_to_serial']} |")
     return "\n".join(lines)
 
