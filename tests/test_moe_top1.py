@@ -60,7 +60,7 @@ DECODE = textwrap.dedent("""
     tokens = (prompt + serial) * 2
     compiled = window_logits(tokens, sizes)
     LayerCompile.mode = "never"
-    moe.weighted_sum = lambda picks, weights: (picks * weights[..., None].astype(picks.dtype)).sum(axis=1)
+    moe.weighted_sum = lambda picks, weights: (picks * weights[..., None].astype(picks.dtype)).sum(axis=-2)
     reference = window_logits(tokens, sizes)
     reference_serial, _ = decode(0)
     print(json.dumps(dict(

@@ -54,6 +54,7 @@ from mlx.utils import tree_flatten
 from scripts.bench import compare_mlx_lm as compare
 from scripts.bench.graph_ops import count_step
 from scripts.bench.step_ops import SHAPE as SMALL_SHAPE
+from scripts.bench.step_ops import StandIns, gpu_shaped
 from strata_cli.bench.runner import git_commit
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import host_blas
@@ -317,12 +318,27 @@ def models(args) -> list[tuple[str, Path, str]]:
 def profile(args) -> dict:
     report = {"commit": git_commit(), "machine": platform.platform(), "node": platform.node(), "clock": args.clock,
               "device": str(mx.default_device()), "mlx": mx.__version__, "tiny": args.tiny, "models": []}
+    report["path"] = args.path
+    shaped = gpu_shaped(StandIns()) if args.path == "gpu" else nullcontext()
+    with shaped:
+        for entry in profiled_models(args):
+            report["models"].append(entry)
+    return report
+
+
+def profiled_models(args):
     for name, path, dtype in models(args):
         model = load_checkpoint(path, dtype=dtype)
         w = Windows(model, args.context, args.seed)
         entry = {"model": name, "dtype": dtype, "layers": len(model.model.layers),
                  "layers_by_kind": layer_counts(model), "context": args.context, "windows": []}
         for T in args.windows:
+            if args.path == "gpu":  # op counts only: the stand-ins' times mean nothing
+                row = {"T": T, **op_counts(w, model, T)}
+                entry["windows"].append(row)
+                print(f"{name} {dtype} T={T}: ops {row['ops']} (eager {row['ops_eager']}); per layer: "
+                      + ", ".join(f"{k} {v}" for k, v in row["ops_per_layer"].items()), flush=True)
+                continue
             row = {"T": T, **window_times(w, T, args.repeats, args.warmup), **op_counts(w, model, T),
                    **kind_times(w, model, T, max(3, args.repeats // 3), 1)}
             entry["windows"].append(row)
@@ -332,11 +348,11 @@ def profile(args) -> dict:
                   f"reads of {row['host_linears']} linears; eager, linears in MLX: "
                   f"{row['ops_eager']}); by kind ms: " + ", ".join(f"{k} {v:.2f}" for k, v in top), flush=True)
             print("   ops per layer: " + ", ".join(f"{k} {v}" for k, v in row["ops_per_layer"].items()), flush=True)
-        base = entry["windows"][0]["window_ms"]
-        entry["relative_to_first"] = {str(r["T"]): round(r["window_ms"] / base, 3) for r in entry["windows"]}
-        report["models"].append(entry)
+        if args.path != "gpu":
+            base = entry["windows"][0]["window_ms"]
+            entry["relative_to_first"] = {str(r["T"]): round(r["window_ms"] / base, 3) for r in entry["windows"]}
+        yield entry
         del model, w
-    return report
 
 
 def main(argv=None) -> dict:
@@ -355,6 +371,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-step-profile")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: process CPU time, which other processes' load moves less (CPU backend only)")
+    parser.add_argument("--path", choices=("native", "gpu"), default="native",
+                        help="gpu: count the primitives a CUDA device runs, on any backend (scripts/bench/step_ops.py's "
+                             "stand-ins; op counts only)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     global clock

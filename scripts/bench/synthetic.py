@@ -6,6 +6,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from strata_cli.model import qwen3_next
+from strata_cli.model.layers import stack_rows
 
 
 def tiny_qwen3_next_config(**overrides) -> qwen3_next.Config:
@@ -46,6 +47,7 @@ def random_model(config, *, seed: int = 0, dtype: mx.Dtype = mx.float32):
     keys = mx.random.split(mx.random.key(seed), len(flat))
     params = {name: _draw(name, value, keys[i]).astype(dtype) for i, (name, value) in enumerate(flat)}
     model.update(tree_unflatten(list(params.items())))
+    stack_rows(model)  # as loading does
     mx.eval(model.parameters())
     model.eval()
     return model

@@ -263,6 +263,96 @@ class RowQuantizedLinear(nn.QuantizedLinear):
         return by_row(super().__call__, x)
 
 
+# The arrays a linear's rows live in, by its type: stacking two linears' rows stacks each.
+_ROW_ARRAYS = {RowLinear: ("weight",), RowQuantizedLinear: ("weight", "scales", "biases")}
+
+
+def _row_form(linear: nn.Module) -> tuple | None:
+    """What two linears must share for their rows to stack into one exact linear: type, dtypes
+    and quantization; None when this one cannot stack (a bias, another class, no affine biases)."""
+    names = _ROW_ARRAYS.get(type(linear))
+    if names is None or "bias" in linear or any(linear.get(name) is None for name in names):
+        return None
+    quant = (linear.group_size, linear.bits, linear.mode) if type(linear) is RowQuantizedLinear else ()
+    return (type(linear), quant, tuple(linear[name].dtype for name in names), linear.weight.shape[1:])
+
+
+class StackedRows:
+    """Linears that read the same input, run as one linear of their stacked rows, the output
+    split back: one kernel launch instead of one per linear (issue 37). Exact: a quantized
+    linear's rows carry their own scales and biases, so stacking rows (with theirs) changes no
+    row's values, and each output is still one dot product of its row with the input.
+
+    Built in memory at load (`stack_rows`), never in the file format: the stacked arrays are
+    made once, and the linears' own arrays then become views of them (no second copy; `strata
+    convert` still writes the linears' own tensors). Once any of their arrays is replaced
+    (`set_dtype`, loading again) it is not `ready` and callers take the linears one by one: it
+    is never rebuilt inside a forward pass, which may be an `mx.compile` trace. A plain object,
+    kept in a module's `__dict__`, so it is no parameter.
+    """
+
+    __slots__ = ("linears", "fused", "sizes", "key")
+
+    def __init__(self, linears: tuple[nn.Module, ...]):
+        self.linears, self.fused, self.sizes, self.key = linears, None, (), None
+
+    @staticmethod
+    def stackable(*linears: nn.Module) -> bool:
+        forms = {_row_form(linear) for linear in linears}
+        return len(forms) == 1 and None not in forms
+
+    def _arrays(self) -> tuple:
+        return tuple(id(linear[name]) for linear in self.linears for name in _ROW_ARRAYS[type(linear)])
+
+    def ready(self) -> bool:
+        return self.key == self._arrays()
+
+    def build(self) -> None:
+        """Stack the linears' rows (evaluated) and make their own arrays views of the stack."""
+        first = self.linears[0]
+        names = _ROW_ARRAYS[type(first)]
+        fused = type(first).__new__(type(first))
+        nn.Module.__init__(fused)
+        if type(first) is RowQuantizedLinear:
+            fused.group_size, fused.bits, fused.mode = first.group_size, first.bits, first.mode
+        for name in names:
+            fused[name] = mx.concatenate([linear[name] for linear in self.linears])
+        mx.eval(fused.parameters())
+        self.sizes = tuple(linear.weight.shape[0] for linear in self.linears)
+        start = 0
+        for linear, size in zip(self.linears, self.sizes):
+            for name in names:
+                linear[name] = fused[name][start:start + size]
+            start += size
+        mx.eval([linear.parameters() for linear in self.linears])
+        self.fused, self.key = fused, self._arrays()
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, ...]:
+        y = self.fused(x)
+        return tuple(mx.split(y, [int(i) for i in np.cumsum(self.sizes[:-1])], axis=-1))
+
+
+def stack(owner: nn.Module, name: str, *linears: nn.Module) -> None:
+    """Stack `linears` (`StackedRows`) and keep the stack on `owner` as `name`, where they can."""
+    if StackedRows.stackable(*linears):
+        rows = owner.__dict__[name] = StackedRows(linears)
+        rows.build()
+
+
+def stacked(owner: nn.Module, name: str) -> StackedRows | None:
+    """The stack `stack` kept on `owner` as `name`, where it is built and still current."""
+    rows = owner.__dict__.get(name)
+    return rows if rows is not None and rows.ready() else None
+
+
+def stack_rows(model: nn.Module) -> nn.Module:
+    """Every module's `stack_linears()` (where it has one), once its weights are loaded."""
+    for _, module in model.named_modules():
+        if hasattr(module, "stack_linears"):
+            module.stack_linears()
+    return model
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with a plain multiplicative weight (zero-centred checkpoints add 1 at load)."""
 

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..integrity import IntegrityError, verify_files
 from .config import DTYPES, ConfigError
+from .layers import stack_rows
 from .layout import LayoutError, from_mlx_layout
 from .quant import (
     DEQUANTIZE_DENSE_MAX_BYTES,
@@ -303,6 +304,7 @@ def load_model(
     model.load_weights(list(weights.items()))
     if quantization is not None and should_dequantize_dense(model, dequantize):
         dequantize_dense(model, target)
+    stack_rows(model)  # linears that read one input, stacked in memory (never in the file)
     mx.eval(model.parameters())
     model.eval()
     model.verification = verification

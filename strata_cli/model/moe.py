@@ -24,7 +24,10 @@ from .layers import (
     by_row,
     is_cpu_prompt,
     over_streams,
+    host_window,
     project,
+    stack,
+    stacked,
     swiglu,
     transposed,
 )
@@ -164,30 +167,36 @@ class QuantizedSwitchGLU(nn.Module):
 def glu_by_expert(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array:
     """SwiGLU over each token's picked experts; `matmul(name, xs, experts, is_sorted)` does one
     projection, `activation(gate, up)` joins the two (elementwise; GPT-OSS clamps it).
+    x (..., H) and inds (..., k) share their leading axes (N tokens in all) -> (..., k, H).
 
     Also the compute of streamed experts (experts/switch.py), with slot ids for `inds`: keeping
     one code path is what makes them bit-identical to resident ones.
     """
-    N, k = inds.shape
+    k = inds.shape[-1]
+    N = inds.size // k
     flat = inds.reshape(-1)
     if N <= WINDOW_ROWS:
         # A decode window: each pick in row order, never grouped by the other rows' choices, so a
-        # row's arithmetic is what it is alone (docs/design.md, "Row invariance").
+        # row's arithmetic is what it is alone (docs/design.md, "Row invariance"). Shapes as they
+        # come, so a window's views are few (issue 37): a reshape, a broadcast, its copy.
         H = x.shape[-1]
-        xs = mx.broadcast_to(x[:, None, None, :], (N, k, 1, H)).reshape(N * k, 1, H)  # mx.repeat's rows in 3 ops, not 4
+        xs = mx.broadcast_to(x.reshape(N, 1, 1, H), (N, k, 1, H)).reshape(N * k, 1, H)
         h = activation(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
-        return matmul("down_proj", h, flat, False).reshape(N, k, -1)
+        return matmul("down_proj", h, flat, False).reshape(*inds.shape, -1)
+    shape = inds.shape
+    if inds.ndim != 2:
+        x, inds = x.reshape(N, -1), inds.reshape(N, k)
     if GPU_PROMPT_EXPERTS == "padded" and mx.default_device() != mx.cpu:
         out = glu_padded(x, inds, matmul, activation)
         if out is not None:
-            return out
+            return out.reshape(*shape, -1)
     # Sorting by expert keeps each expert's rows together, so each is read once, in order.
     order = mx.argsort(flat)
     experts = flat[order]
     xs = x[order // k][:, None, :]  # (N·k, 1, H)
     h = activation(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
     out = matmul("down_proj", h, experts, True)  # (N·k, 1, H)
-    return out[mx.argsort(order)].reshape(N, k, -1)
+    return out[mx.argsort(order)].reshape(*shape, -1)
 
 
 def glu_padded(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array | None:
@@ -320,29 +329,54 @@ class SparseMoeBlock(nn.Module):
 
     def route_logits(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """The router's logits (N, E) -> expert ids (N, k) and their weights (N, k), float32."""
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-        if self.routing_policy is None:
-            inds = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
-            weights = mx.take_along_axis(probs, inds, axis=-1)
-        else:
-            inds, mask = self.routing_policy(probs, self.top_k)
-            weights = mx.take_along_axis(probs, inds, axis=-1) * mask
+        inds, weights = self.picks(logits)
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return inds, weights
 
+    def picks(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The router's logits (..., E) -> expert ids (..., k) and their softmax probabilities
+        (..., k), float32, not yet renormalised (`route_logits` divides by their sum;
+        `routed` folds that division into its weighted sum, the same arithmetic)."""
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        if self.routing_policy is None:
+            # The k largest at the end of an ascending partition: no negation op (issue 37).
+            E = probs.shape[-1]
+            inds = mx.argpartition(probs, kth=E - self.top_k, axis=-1)[..., E - self.top_k:]
+            return inds, mx.take_along_axis(probs, inds, axis=-1)
+        inds, mask = self.routing_policy(probs, self.top_k)
+        return inds, mx.take_along_axis(probs, inds, axis=-1) * mask
+
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
         if "shared_expert" not in self:
+            x = x.reshape(-1, shape[-1])
             inds, weights = self.route(x)
             return weighted_sum(self.switch_mlp(x, inds), weights).reshape(shape)
-        # The router and the shared expert's input projections read x together (`project`).
         shared = self.shared_expert
+        if not host_window(x):
+            router, inputs = stacked(self, "_router_rows"), stacked(self, "_shared_rows")
+            if router is not None and inputs is not None:
+                if not self.compilable:  # streamed experts and routing policies take (N, H) rows
+                    x = x.reshape(-1, shape[-1])
+                logits, shared_gate = router(x)
+                y = self.routed(x, logits)
+                out = add_gated(y, shared.down_proj(swiglu(*inputs(x))), shared_gate)
+                return out if out.shape == shape else out.reshape(shape)
+        # The router and the shared expert's input projections read x together (`project`).
+        x = x.reshape(-1, shape[-1])
         logits, gate, up, shared_gate = project(x, self.gate, shared.gate_proj, shared.up_proj,
                                                 self.shared_expert_gate)
         y = self.routed_rows(x, logits)
         return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
+
+    def stack_linears(self) -> None:
+        """Stack the linears that read the block's input where their forms allow (issue 37,
+        `layers.StackedRows`): the router with the shared expert's gate, the shared expert's gate
+        with its up projection. Called once the weights are loaded (`layers.stack_rows`)."""
+        if "shared_expert" in self:
+            stack(self, "_router_rows", self.gate, self.shared_expert_gate)
+            stack(self, "_shared_rows", self.shared_expert.gate_proj, self.shared_expert.up_proj)
 
     def routed_rows(self, x: mx.array, logits: mx.array) -> mx.array:
         """`routed`, traced where the layer ends run eagerly (the CPU's host path) and nothing
@@ -352,31 +386,45 @@ class SparseMoeBlock(nn.Module):
         return self.routed(x, logits)
 
     def routed(self, x: mx.array, logits: mx.array) -> mx.array:
-        """x (N, H) and the router's logits -> the routed experts' weighted sum (N, H)."""
-        inds, weights = self.route_logits(logits)
-        return weighted_sum(self.switch_mlp(x, inds), weights)
+        """x (..., H) and the router's logits (..., E) -> the routed experts' weighted sum (..., H)."""
+        inds, weights = self.picks(logits)
+        picks = self.switch_mlp(x, inds)
+        if self.norm_topk_prob and picks.shape[-2] > 1:
+            return normalized_picks_sum(picks, weights)
+        if self.norm_topk_prob:  # k = 1: no shapeless sum over a length-1 axis (see weighted_sum)
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weighted_sum(picks, weights)
 
 
 def weighted_sum(picks: mx.array, weights: mx.array) -> mx.array:
-    """picks (N, k, H) weighted by weights (N, k) and summed over k, in one compiled kernel.
+    """picks (..., k, H) weighted by weights (..., k) and summed over k, in one compiled kernel.
 
     With k = 1 the sum is the one weighted pick, taken without a reduction: MLX 0.32.4 crashes on
     a shapeless-compiled sum over a length-1 axis (docs/mlx-bugs.md). Summing one value adds
     nothing, so both forms give the same bits.
     """
-    if picks.shape[1] == 1:
-        return scaled(picks.reshape(picks.shape[0], picks.shape[2]), weights)
+    if picks.shape[-2] == 1:
+        return scaled(picks.reshape(*picks.shape[:-2], picks.shape[-1]), weights)
     return weighted_picks_sum(picks, weights)
 
 
 @partial(mx.compile, shapeless=True)
+def normalized_picks_sum(picks: mx.array, weights: mx.array) -> mx.array:
+    """picks (..., k, H) weighted by weights (..., k) over their sum, summed over k: the
+    renormalisation's division folded into the product's kernel (the same float32 quotient)."""
+    weights = weights[..., None]  # expanded first, so the division fuses with the product
+    weights = weights / weights.sum(axis=-2, keepdims=True)
+    return (picks * weights.astype(picks.dtype)).sum(axis=-2)
+
+
+@partial(mx.compile, shapeless=True)
 def weighted_picks_sum(picks: mx.array, weights: mx.array) -> mx.array:
-    return (picks * weights[..., None].astype(picks.dtype)).sum(axis=1)
+    return (picks * weights[..., None].astype(picks.dtype)).sum(axis=-2)
 
 
 @partial(mx.compile, shapeless=True)
 def scaled(x: mx.array, weight: mx.array) -> mx.array:
-    """x (N, H) times weight (N, 1), in x's dtype."""
+    """x (..., H) times weight (..., 1), in x's dtype."""
     return x * weight.astype(x.dtype)
 
 
