@@ -15,7 +15,7 @@ derived pointers, templates on pointer types), and names only what every prelude
 - loads: `strata_load<V, N>(p, vec, out)` (N values as floats), `strata_words(p, vec)` (4 packed
   words), `strata_aligned16(p, row_bytes)` (whether 16-byte loads may be used: only CUDA uses
   them; the values and the arithmetic are the same either way), `strata_u2f` (a small unsigned
-  int as an exact float);
+  int as an exact float), `strata_exp2i(e)` (2^e as a float, exact);
 - the float math of CUDA's spelling (`expf`, `fmaf`, `fmaxf`, `fabsf`, `sqrtf`, `rsqrtf`,
   `log1pf`), which Metal spells `metal::exp`, ... (MLX compiles Metal with fast math off, so
   `fma` stays one rounding and no sum is reassociated).
@@ -36,6 +36,7 @@ __device__ __forceinline__ void strata_sync_warp() { __syncwarp(); }
 __device__ __forceinline__ float strata_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
 // 2^23 + q has q in its mantissa: exact, without the slow integer-to-float instruction
 __device__ __forceinline__ float strata_u2f(unsigned int q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+__device__ __forceinline__ float strata_exp2i(int e) { return ldexpf(1.0f, e); }
 template <typename P>
 __device__ __forceinline__ bool strata_aligned16(P p, size_t row_bytes) {
     return ((reinterpret_cast<size_t>(p) | row_bytes) & 15) == 0;
@@ -73,6 +74,7 @@ inline void strata_sync() { metal::threadgroup_barrier(metal::mem_flags::mem_thr
 inline void strata_sync_warp() { metal::simdgroup_barrier(metal::mem_flags::mem_threadgroup); }
 inline float strata_xor(float v, int offset) { return metal::simd_shuffle_xor(v, static_cast<ushort>(offset)); }
 inline float strata_u2f(unsigned int q) { return static_cast<float>(q); }
+inline float strata_exp2i(int e) { return metal::ldexp(1.0f, e); }
 template <typename P>
 inline bool strata_aligned16(P, size_t) { return false; }
 template <typename V, int N, typename P, typename O>

@@ -167,6 +167,53 @@ _QUANTIZED_BODY = _HEAD + """
 """ + _TAIL
 QUANTIZED = _ROWS_PLAIN + _QUANTIZED_BODY
 GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
+# MXFP4 (MLX's "mxfp4" mode, GPT-OSS's experts): groups of 32 e2m1 codes, 8 to a word, low nibble
+# first, each group with one uint8 e8m0 scale (2^(s - 127)); a chunk (4 words) is one group.
+# value = scale · code, exact in float32 (a power of two times one of ±{0, .5, 1, 1.5, 2, 3, 4, 6}).
+# The picks' order of fused multiply-adds is the affine body's; only the value differs.
+_MXFP4_BODY = _HEAD + """
+    const int KW = K / 8, KC = K / 32;
+    const bool wvec = strata_aligned16(wq, static_cast<size_t>(KW) * 4);
+    #pragma unroll (ROWS > 2 ? 1 : 2)
+    for (int u = lane; u < KC; u += 32) {
+        uint4 q[COLS];
+        float s[COLS];
+        #pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int n = n0 + c < N ? n0 + c : n0;
+            q[c] = strata_words(wq + static_cast<size_t>(n) * KW + u * 4, wvec);
+            s[c] = strata_exp2i(static_cast<int>(sq[static_cast<size_t>(n) * KC + u]) - 127);
+        }
+        #pragma unroll
+        for (int word = 0; word < 4; ++word) {
+            float wv[COLS][8];
+            #pragma unroll
+            for (int c = 0; c < COLS; ++c) {
+                const unsigned int bits = word == 0 ? q[c].x : word == 1 ? q[c].y : word == 2 ? q[c].z : q[c].w;
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) {  // e2m1: e = 0 is m·0.5 (subnormal), else (2 + m)·2^(e-2)
+                    const unsigned int code = (bits >> (4 * j)) & 15u, e = (code >> 1) & 3u, m = code & 1u;
+                    const float v = 0.5f * strata_u2f(e == 0u ? m : (2u + m) << (e - 1u));
+                    wv[c][j] = s[c] * ((code & 8u) ? -v : v);
+                }
+            }
+            #pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r >= R) break;
+                float xv[8];
+                strata_load<T, 8>(x + static_cast<size_t>(row[r]) * K + u * 32 + word * 8, xvec, xv);
+                #pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    #pragma unroll
+                    for (int c = 0; c < COLS; ++c) acc[r][c] = fmaf(wv[c][j], xv[j], acc[r][c]);
+            }
+        }
+    }
+""" + _TAIL
+# The gather prelude with MXFP4's pointers: 8 codes a word, one scale per 32, no biases.
+_ROWS_GATHER_FP4 = (_ROWS_GATHER.replace("(32 / BITS)", "8").replace("(dims[1] / GS)", "(dims[1] / 32)")
+                    .replace("    auto bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / 32);\n", ""))
+GATHER_MXFP4 = _ROWS_GATHER_FP4 + _MXFP4_BODY
 
 _probe = Probe("row-invariant matrix kernels", "decode windows run row by row")
 
@@ -258,6 +305,34 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     return out
 
 
+def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts: mx.array, *,
+                            cols: int = COLS) -> mx.array:
+    """`rows_gather_qmatvec` for MXFP4 experts (MLX's "mxfp4" mode: w (E, N, K/8) uint32, scales
+    (E, N, K/32) uint8): one call for a window's picks, each pick reduced alone in its own
+    blocks, so a pick's bits never depend on the others or on their count. (MLX 0.32's CUDA
+    gather_qmm sends fewer than 8 picks to its gather_qmv and 8 or more to a tiled GEMM:
+    a decode window's rows would not keep their serial arithmetic, and a GEMM tile per one-row
+    pick is slow.)"""
+    M, K = rows(x)
+    if M > MAX_PICKS:
+        raise ValueError(f"rows_gather_mxfp4matvec takes at most {MAX_PICKS} picks, got {M}")
+    N = w.shape[1]
+    kernel = _kernel("strata_rows_gather_mxfp4matvec_v1", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4)
+    config = launch_config(1, N, cols=cols)
+    template = [("T", x.dtype), ("TI", experts.dtype)]
+    (out,) = kernel(inputs=[dims(M, K, N), x, w, scales, experts], template=template + config["template"],
+                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(*x.shape[:-1], N)],
+                    output_dtypes=[x.dtype])
+    return out
+
+
+def reference_gather_mxfp4matvec(x, w, scales, experts) -> mx.array:
+    """What `rows_gather_mxfp4matvec` computes, in plain MLX."""
+    dense = mx.dequantize(w[experts], scales[experts], group_size=32, bits=4, mode="mxfp4",
+                          dtype=mx.float32)  # (M, N, K)
+    return (dense @ x.astype(mx.float32)[:, :, None])[..., 0].astype(x.dtype)
+
+
 def reference_gather_qmatvec(x, w, scales, biases, experts, *, group_size: int, bits: int) -> mx.array:
     """What `rows_gather_qmatvec` computes, in plain MLX."""
     dense = mx.dequantize(w[experts], scales[experts], biases[experts], group_size=group_size,
@@ -318,7 +393,7 @@ def _check() -> str | None:
             tol = 5e-3 if dtype == mx.float32 else 3e-2  # the reference may run at TF32
             if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
                 return f"kernel and reference disagree ({dtype})"
-        error = _check_gather(dtype)
+        error = _check_gather(dtype) or _check_gather_mxfp4(dtype)
         if error:
             return error
     return None
@@ -342,4 +417,23 @@ def _check_gather(dtype) -> str | None:
     tol = 5e-3 if dtype == mx.float32 else 3e-2
     if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
         return f"routed-expert kernel and reference disagree ({dtype})"
+    return None
+
+
+def _check_gather_mxfp4(dtype) -> str | None:
+    K, N = 512, 200
+    experts = mx.array([3, 1, 3, 0, 3, 5, 1, 3, 3], dtype=mx.uint32)
+    M = experts.shape[0]
+    x = mx.random.normal((M, K), key=mx.random.key(11)).astype(dtype)
+    w = (mx.random.normal((6, N, K), key=mx.random.key(12)) * K**-0.5).astype(dtype)
+    qw, qs = mx.quantize(w, 32, 4, mode="mxfp4")
+    together = rows_gather_mxfp4matvec(x, qw, qs, experts)
+    alone = mx.concatenate([rows_gather_mxfp4matvec(x[m : m + 1], qw, qs, experts[m : m + 1]) for m in range(M)])
+    expected = reference_gather_mxfp4matvec(x, qw, qs, experts)
+    mx.eval(together, alone, expected)
+    if not mx.array_equal(together, alone).item():
+        return f"MXFP4 routed-expert picks differ with the other picks ({dtype})"
+    tol = 5e-3 if dtype == mx.float32 else 3e-2
+    if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
+        return f"MXFP4 routed-expert kernel and reference disagree ({dtype})"
     return None

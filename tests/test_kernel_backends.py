@@ -169,6 +169,15 @@ def test_matrix_bodies_are_row_invariant_behind_each_prelude(emulate, backend, t
     assert emulate.check("gather", gather, 5,
                          _f32(kernels.reference_gather_qmatvec(xg, eqw, eqs, eqb, experts, group_size=64, bits=4)),
                          range(5))
+    fw, fs = mx.quantize(ew, 32, 4, mode="mxfp4")  # GPT-OSS's experts: e2m1 codes, e8m0 scales
+
+    def gather_mxfp4(i0, i1):
+        return emu.launch("gather_mxfp4", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(fw),
+                                           np.array(fs), np.array(experts[i0:i1])], rows=1, blocks_y=i1 - i0, N=N,
+                          out_rows=i1 - i0)
+
+    assert emulate.check("gather_mxfp4", gather_mxfp4, 5,
+                         _f32(kernels.reference_gather_mxfp4matvec(xg, fw, fs, experts)), range(5))
 
 
 def test_gdn_bodies_are_row_invariant_behind_the_metal_prelude(emulate, tmp_path):

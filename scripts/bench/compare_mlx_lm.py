@@ -151,15 +151,17 @@ def family_config(family: str, *, layers: int, tiny: bool) -> dict:
     raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
 
 
-def build_gpt_oss_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, seed: int) -> Path:
+def build_gpt_oss_checkpoint(path: Path, *, layers: int, tiny: bool, bits: int, seed: int,
+                             shape: dict | None = None) -> Path:
     """An mlx-lm GPT-OSS with random weights in bfloat16, its experts MXFP4 (MLX's mxfp4 mode, as
     mlx-lm loads the published checkpoints), the dense layers affine `bits`-bit when nonzero;
-    saved by mlx-lm with a tiny tokenizer (mlx-lm's load wants one)."""
+    saved by mlx-lm with a tiny tokenizer (mlx-lm's load wants one). `shape` overrides config
+    entries (scripts/bench/step_ops.py: small dims, the 20B's op structure)."""
     import mlx.nn as nn
     from mlx_lm.models import gpt_oss
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    config = family_config("gpt_oss", layers=layers, tiny=tiny)
+    config = {**family_config("gpt_oss", layers=layers, tiny=tiny), **(shape or {})}
     mx.random.seed(seed)
     model = gpt_oss.Model(gpt_oss.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)

@@ -40,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from metal_shaders import gdn_window, rows_matvec
+from metal_shaders import attention_window, gdn_window, rows_matvec
 from scripts.bench import compare_mlx_lm as compare
 from scripts.bench.graph_ops import count_step
 from strata_cli.bench.peers import MlxLmPeer, require_mlx_lm
@@ -58,6 +58,10 @@ from strata_cli.runtime import load_checkpoint
 SHAPE = dict(hidden_size=256, vocab_size=1024, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32,
              num_experts=32, moe_intermediate_size=64, shared_expert_intermediate_size=64,
              intermediate_size=256, max_position_embeddings=4096)
+# `--family gpt_oss`: GPT-OSS-20B's layer pattern (sliding and full attention alternating, sinks,
+# biases, 32 MXFP4 experts top-4), small dims; head dims and widths multiples of 32 (the kernels').
+GPT_OSS_SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=8,
+                     num_key_value_heads=2, sliding_window=16, max_position_embeddings=4096)
 WARMUP = 3
 real_eval = mx.eval  # Steps hooks mx.eval; the stand-ins' own evals are not steps
 
@@ -118,6 +122,9 @@ def gpu_shaped(stand_ins: StandIns):
                 mock.patch.object(rows_matvec, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(gdn_window, "usable", lambda: True), \
                 mock.patch.object(gdn_window, "gpu_kernel", stand_ins.kernel), \
+                mock.patch.object(attention_window, "usable", lambda: True), \
+                mock.patch.object(attention_window, "sinks_usable", lambda: True), \
+                mock.patch.object(attention_window, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(mx.fast, "rms_norm", stand_ins.rms_norm), \
                 mock.patch.object(mx.fast, "rope", stand_ins.rope), \
                 mock.patch.object(mx, "dequantize", stand_ins.dequantize), \
@@ -271,6 +278,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--path", choices=("gpu", "native"), default="gpu",
                         help="gpu: count what a CUDA device runs (stand-ins on the CPU); native: this backend")
+    parser.add_argument("--family", choices=("qwen3_next", "gpt_oss"), default="qwen3_next",
+                        help="the checkpoint's family (both built with mlx-lm's class, small dims)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=24, help="steps per measurement (the first 3 are warm-up)")
     parser.add_argument("--context", type=int, default=64)
@@ -286,10 +295,12 @@ def main() -> None:
     if args.path == "native" and mx.default_device() == mx.cpu:
         print("note: --path native on the CPU counts the CPU's graph (fast ops decomposed, no kernels)")
 
-    path = args.dir / f"L{args.layers}"
+    shape = GPT_OSS_SHAPE if args.family == "gpt_oss" else SHAPE
+    path = args.dir / (f"L{args.layers}" if args.family == "qwen3_next" else f"{args.family}-L{args.layers}")
     if not (path / "config.json").is_file():
-        compare.build_checkpoint(path, layers=args.layers, tiny=False, bits=4, seed=0, shape=SHAPE)
-    prompt = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], args.context).tolist()
+        build = compare.build_checkpoint if args.family == "qwen3_next" else compare.build_gpt_oss_checkpoint
+        build(path, layers=args.layers, tiny=False, bits=4 if args.family == "qwen3_next" else 0, seed=0, shape=shape)
+    prompt = np.random.default_rng(0).integers(0, shape["vocab_size"], args.context).tolist()
     model = load_checkpoint(path, dtype=args.dtype)
     engine = WindowEngine(model)
     peer = None if args.no_mlx_lm else MlxLmPeer.load(path, dtype=getattr(mx, args.dtype)).model
@@ -298,7 +309,7 @@ def main() -> None:
 
     report = {"commit": git_commit(), "machine": platform.platform(), "device": str(mx.default_device()),
               "mlx": mx.__version__, "path": args.path, "dtype": args.dtype, "layers": args.layers,
-              "shape": SHAPE, "context": args.context, "results": []}
+              "family": args.family, "shape": shape, "context": args.context, "results": []}
     with shaped:
         for T in (int(t) for t in args.windows.split(",")):
             sides = [("strata", model, lambda s, T=T: strata_steps(engine, prompt, T, args.steps, s))]

@@ -104,6 +104,7 @@ inline float fabs(float x) { return std::fabs(x); }
 inline float sqrt(float x) { return std::sqrt(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline float log(float x) { return std::log(x); }
+inline float ldexp(float x, int e) { return std::ldexp(x, e); }
 inline float simd_shuffle_xor(float v, ushort offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
 inline void threadgroup_barrier(mem_flags) { __syncthreads(); }
 inline void simdgroup_barrier(mem_flags) { __syncwarp(); }
@@ -153,6 +154,8 @@ KINDS = {
     "gather": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
                 "const float* biases", "const uint32_t* idx"], kernels.GATHER_QUANTIZED,
                "using TS = float; using TI = uint32_t;"),
+    "gather_mxfp4": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const uint8_t* scales",
+                      "const uint32_t* idx"], kernels.GATHER_MXFP4, "using TI = uint32_t;"),
 }
 
 
