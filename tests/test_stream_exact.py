@@ -132,3 +132,36 @@ def test_quantized_experts_bit_identical(tmp_path):
     for a, b in zip(want, got):
         assert mx.abs(a - b).max().item() == 0.0
     streamed.expert_cache.close()
+
+
+def test_window_passes_keep_the_window_form(checkpoints, monkeypatch):
+    """A decode window served in several passes (12 of 32 slots, top-4, 8 rows) multiplies every pass
+    pick by pick, as the resident window does, however many picks a pass holds: never the
+    prompt's sorted form, whose kernels on a GPU give other bits than the window's (issue 38's
+    H200 run: drafts at a 5% cache left serial's tokens)."""
+    from strata_cli.experts.switch import StreamedSwitchGLU
+
+    calls = []
+    matmul_of = StreamedSwitchGLU._matmul
+
+    def recording(self, banks):
+        inner = matmul_of(self, banks)
+
+        def matmul(name, xs, slots, is_sorted):
+            calls.append((xs.shape[0], is_sorted))
+            return inner(name, xs, slots, is_sorted)
+
+        return matmul
+
+    monkeypatch.setattr(StreamedSwitchGLU, "_matmul", recording)
+    streamed = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=12))
+    engine = WindowEngine(streamed)
+    tokens = token_stream(seed=3, n=40)
+    engine.prefill(tokens[:20])
+    calls.clear()
+    for pos in (20, 21, 22):
+        engine.run(tokens[pos : pos + 8], pos)
+        engine.commit(1)
+    assert calls and not any(is_sorted for _, is_sorted in calls)
+    assert max(rows for rows, _ in calls) > 8  # passes larger than a window's row count ran
+    streamed.expert_cache.close()

@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..model.biased_experts import add_bias
-from ..model.layers import swiglu
+from ..model.layers import WINDOW_ROWS, swiglu
 from ..model.moe import gather_matmul, gather_qmatmul, glu_by_expert
 from ..model.nemotron_h import expert_matmul, relu2_by_expert
 from ..options import ConfigError, MoceOptions, StreamOptions
@@ -89,7 +89,10 @@ class StreamedSwitchGLU(nn.Module):
         for picks, slots, banks in self.cache.serve(self.path, x, inds):
             if picks is None:
                 return self.by_expert(x, mx.array(slots), self._matmul(banks))
-            out = self.by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks))
+            # A pass's picks, one per row: a decode window's stay on the window's per-pick form
+            # however many there are, so their bits never depend on how the cache split them.
+            out = self.by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks),
+                                 window=N <= WINDOW_ROWS)
             mx.eval(out)  # before the next pass overwrites slots this one reads
             parts.append(out[:, 0])
             served.append(picks)

@@ -106,13 +106,13 @@ class SharedMLP(nn.Module):
         return self.output_linear(swiglu(gate, up))
 
 
-def granite_glu_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
+def granite_glu_by_expert(x: mx.array, inds: mx.array, matmul, *, window: bool | None = None) -> mx.array:
     """`moe.glu_by_expert`, except GPU prompt chunks: picks sorted by expert, multiplied without
     the sorted flag (`GraniteSwitchGLU`'s reason). Public so that streamed Granite experts
     (experts/switch.py) run the very same form over their slot banks."""
     N, k = inds.shape
-    if sorted_gather_is_exact() or N <= WINDOW_ROWS:
-        return glu_by_expert(x, inds, matmul)
+    if sorted_gather_is_exact() or (N <= WINDOW_ROWS if window is None else window):
+        return glu_by_expert(x, inds, matmul, window=window)
     flat = inds.reshape(-1)
     order = mx.argsort(flat)
     experts = flat[order]

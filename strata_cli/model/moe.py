@@ -169,18 +169,20 @@ class QuantizedSwitchGLU(nn.Module):
                              self.activation)
 
 
-def glu_by_expert(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array:
+def glu_by_expert(x: mx.array, inds: mx.array, matmul, activation=swiglu, *, window: bool | None = None) -> mx.array:
     """SwiGLU over each token's picked experts; `matmul(name, xs, experts, is_sorted)` does one
     projection, `activation(gate, up)` joins the two (elementwise; GPT-OSS clamps it).
     x (..., H) and inds (..., k) share their leading axes (N tokens in all) -> (..., k, H).
 
     Also the compute of streamed experts (experts/switch.py), with slot ids for `inds`: keeping
-    one code path is what makes them bit-identical to resident ones.
+    one code path is what makes them bit-identical to resident ones. `window` (default: N at most
+    WINDOW_ROWS) says whether the picks belong to a decode window; a streamed window served in
+    several passes sends a pass's picks as rows of one pick each, more than WINDOW_ROWS of them.
     """
     k = inds.shape[-1]
     N = inds.size // k
     flat = inds.reshape(-1)
-    if N <= WINDOW_ROWS:
+    if N <= WINDOW_ROWS if window is None else window:
         # A decode window: each pick in row order, never grouped by the other rows' choices, so a
         # row's arithmetic is what it is alone (docs/design.md, "Row invariance"). Shapes as they
         # come, so a window's views are few (issue 37): a reshape, a broadcast, its copy.

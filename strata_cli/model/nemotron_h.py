@@ -159,13 +159,14 @@ class SwitchMLP(nn.Module):
                                                                                       is_sorted=is_sorted))
 
 
-def relu2_by_expert(x: mx.array, inds: mx.array, matmul) -> mx.array:
+def relu2_by_expert(x: mx.array, inds: mx.array, matmul, *, window: bool | None = None) -> mx.array:
     """fc2(relu²(fc1(x))) over each token's picked experts; `matmul(name, xs, experts, is_sorted)`
     does one projection. Also the compute of streamed relu² experts (experts/switch.py), with slot
-    ids for `inds`: one code path keeps them bit-identical to resident ones."""
+    ids for `inds`: one code path keeps them bit-identical to resident ones. `window`: as
+    `moe.glu_by_expert`'s."""
     N, k = inds.shape
     flat = inds.reshape(-1)
-    if N <= WINDOW_ROWS:
+    if N <= WINDOW_ROWS if window is None else window:
         # A decode window: each pick in row order, never grouped by the other rows' choices
         # (docs/design.md, "Row invariance"), as model/moe.py's glu_by_expert does.
         xs = mx.broadcast_to(x[:, None, None, :], (N, k, 1, x.shape[-1])).reshape(N * k, 1, -1)
