@@ -49,14 +49,26 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from scripts.bench import stream_curve
-from scripts.bench.moce_agreement import _commit, decode, forced_logits, kl, label, parse_setting
+from scripts.bench.moce_agreement import (
+    _commit,
+    decode,
+    forced_logits,
+    kl,
+    label,
+    parse_setting,
+)
 from strata_cli.calibrate import device_cost_prior
 from strata_cli.engine.window import WindowEngine
 from strata_cli.experts.cache import ExpertCache
 from strata_cli.experts.store import ExpertStore
 from strata_cli.experts.switch import StreamedSwitchGLU
 from strata_cli.model import qwen3_next
-from strata_cli.options import MAX_SUFFIX_DRAFT, SpecOptions, StreamOptions, parse_suffix_draft
+from strata_cli.options import (
+    MAX_SUFFIX_DRAFT,
+    SpecOptions,
+    StreamOptions,
+    parse_suffix_draft,
+)
 from strata_cli.runtime import embedded_model_path, load_checkpoint
 from strata_cli.tokenizer import Tokenizer
 
@@ -68,7 +80,8 @@ FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
 MODES = {
     "serial": SpecOptions(),
     "draft3": SpecOptions(max_drafts=3),
-    "auto": SpecOptions(**dict(zip(("max_drafts", "auto"), parse_suffix_draft("auto")))),  # as `--suffix-draft auto`: the controller, up to 7
+    # as `--suffix-draft auto`: the controller chooses, up to 7 drafts
+    "auto": SpecOptions(**dict(zip(("max_drafts", "auto"), parse_suffix_draft("auto")))),
 }
 PROMPT = "The cat sat on the mat. The cat sat on the mat."  # repeats: the drafter has a suffix to match
 RECORD_SIZES = (4096, 16384, 65536)  # plus the whole expert record
@@ -83,7 +96,8 @@ def quantized_experts(seed: int):
         E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
         keys = mx.random.split(mx.random.key(seed * 100_003 + layer), 3)
         tensors = {}
-        for key, (proj, (rows, cols)) in zip(keys, (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))):
+        shapes = (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))
+        for key, (proj, (rows, cols)) in zip(keys, shapes):
             w = mx.random.normal((E, rows, cols), dtype=dtype, key=key) * (cols ** -0.5)
             q, scales, biases = mx.quantize(w, group_size=stream_curve.GROUP_SIZE, bits=stream_curve.BITS)
             tensors.update({f"{proj}.weight": q, f"{proj}.scales": scales, f"{proj}.biases": biases})
@@ -210,7 +224,8 @@ def fresh_engine(model, path: Path, *, slots: int, io: str, threads: int, dtype:
     if model.expert_cache is not None:
         release(model)  # the old banks go before the new ones are allocated
     options = StreamOptions(resident_experts=slots, io=io, io_threads=threads)
-    cache = ExpertCache(ExpertStore(path, io=io, verify=options.verify), blocks, num_slots=slots, dtype=dtype, options=options)
+    store = ExpertStore(path, io=io, verify=options.verify)
+    cache = ExpertCache(store, blocks, num_slots=slots, dtype=dtype, options=options)
     for m in switches:
         m.cache = cache
     model.expert_cache = cache
@@ -229,8 +244,8 @@ def measure_row(engine: WindowEngine, prompt: list[int], *, tokens: int, spec: S
             "io_mode": engine.expert_cache.store.io_mode}
 
 
-def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptions], *, E: int, dtype, disk_gbps: float, dropped: bool,
-          warm_rows: set[int], deadline: float, report: dict, save, log) -> None:
+def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptions], *, E: int, dtype,
+          disk_gbps: float, dropped: bool, warm_rows: set[int], deadline: float, report: dict, save, log) -> None:
     """Every cold row (cache size by mode), then every warm one: when the budget runs short, the
     warm repeats go first. Rows land in report["rows"] as they finish."""
     cold_io = args.cold_io if dropped else "direct"  # without a drop, only O_DIRECT keeps the page cache out
@@ -252,23 +267,24 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
                        **measure_row(engine, prompt, tokens=args.tokens, spec=modes[mode], disk_gbps=disk_gbps)}
                 if temperature == "warm":
                     primed = cold_io == "buffered" and find(report["rows"], fraction, mode, "cold") is not None
-                    row["page_cache"] = "holds the cold run's reads" if primed else "not filled by a cold run of this row"
+                    row["page_cache"] = ("holds the cold run's reads" if primed
+                                         else "not filled by a cold run of this row")
                 serial = find(report["rows"], fraction, "serial", "cold")
                 row["identical_to_serial"] = None if serial is None else row["output"] == serial["output"]
                 report["rows"].append(row)
                 split = row["time_split_ms_per_token"]
-                log(f"  {name:<18} {row['tokens_per_s']:7.2f} tok/s  {row['bytes_read_per_token'] / 1e6:8.1f} MB/token  "
-                    f"hit {row['hit_rate']:.0%}  late waits {row['late_waits']}  reads {split['read_wait']:.0f} / "
-                    f"sync {split['router_sync']:.0f} / installs {split['installs']:.0f} / compute {split['compute']:.0f} "
-                    f"ms/token  same as serial: {row['identical_to_serial']}  ({deadline - time.perf_counter():.0f} s "
-                    "of the sweep's budget left)")
+                log(f"  {name:<18} {row['tokens_per_s']:7.2f} tok/s  {row['bytes_read_per_token'] / 1e6:8.1f} "
+                    f"MB/token  hit {row['hit_rate']:.0%}  late waits {row['late_waits']}  ms/token: reads "
+                    f"{split['read_wait']:.0f} / sync {split['router_sync']:.0f} / installs {split['installs']:.0f} / "
+                    f"compute {split['compute']:.0f}  same as serial: {row['identical_to_serial']}  "
+                    f"({deadline - time.perf_counter():.0f} s of the sweep's budget left)")
                 save()
     release(model)
 
 
 def find(rows: list[dict], fraction: float, mode: str, temperature: str) -> dict | None:
-    return next((r for r in rows if (r["cache_fraction"], r["mode"], r["temperature"]) == (fraction, mode, temperature)),
-                None)
+    key = (fraction, mode, temperature)
+    return next((r for r in rows if (r["cache_fraction"], r["mode"], r["temperature"]) == key), None)
 
 
 def release(model) -> None:
@@ -284,7 +300,8 @@ def release(model) -> None:
 
 def identical(rows: list[dict]) -> bool | None:
     """Whether every speculative row compared with serial produced serial's tokens (None: no pair)."""
-    checked = [r["identical_to_serial"] for r in rows if r["mode"] != "serial" and r["identical_to_serial"] is not None]
+    checked = [r["identical_to_serial"] for r in rows
+               if r["mode"] != "serial" and r["identical_to_serial"] is not None]
     return all(checked) if checked else None
 
 
@@ -320,9 +337,9 @@ def moce_study(path: Path, prompt: list[int], args, *, E: int, dropped: bool, lo
     }
     for engine in engines.values():
         release(engine.model)
-    log(f"  MoCE {result['label']} at {args.moce_fraction:.0%} (approximate): {result['moce_tokens_per_s']:.2f} tok/s "
-        f"against exact {result['exact_tokens_per_s']:.2f} ({result['speedup']:.2f}x), teacher-forced top-1 "
-        f"agreement {result['top1_agreement']:.1%}")
+    log(f"  MoCE {result['label']} at {args.moce_fraction:.0%} (approximate): "
+        f"{result['moce_tokens_per_s']:.2f} tok/s against exact {result['exact_tokens_per_s']:.2f} "
+        f"({result['speedup']:.2f}x), teacher-forced top-1 agreement {result['top1_agreement']:.1%}")
     return result
 
 
@@ -330,8 +347,8 @@ def moce_study(path: Path, prompt: list[int], args, *, E: int, dropped: bool, lo
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| cache | mode | cold/warm | io | tok/s | MB read/token | hit rate | late waits | union/layer by T | "
-             "ms/token: reads / sync / installs / compute | disk-bound tok/s | of bound | = serial |",
+    lines = [("| cache | mode | cold/warm | io | tok/s | MB read/token | hit rate | late waits | union/layer by T | "
+              "ms/token: reads / sync / installs / compute | disk-bound tok/s | of bound | = serial |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, bound, share = r["time_split_ms_per_token"], r["disk_bound_tokens_per_s"], r["of_disk_bound"]
@@ -346,9 +363,11 @@ def table(rows: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="CPU-sized shapes (4 layers), every phase, under a minute")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU-sized shapes (4 layers), every phase, under a minute")
     parser.add_argument("--layers", type=int, default=None, help="override the number of layers (default 48; tiny 4)")
-    parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default /tmp/strata-80b[-tiny])")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="checkpoint directory (default /tmp/strata-80b[-tiny])")
     parser.add_argument("--rebuild", action="store_true", help="build even if --dir holds a complete checkpoint")
     parser.add_argument("--tokens", type=int, default=None, help="greedy tokens per run (default 16; tiny 8)")
     parser.add_argument("--prompt", default=PROMPT, help="the prompt text (the demo model's tokenizer)")
@@ -359,7 +378,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="reads of cold runs (default buffered, the page cache dropped first, so that the warm "
                              "run finds what it read; direct when the page cache cannot be dropped)")
     parser.add_argument("--io-threads", type=int, default=8)
-    parser.add_argument("--disk-seconds", type=float, default=None, help="seconds per disk figure (default 1; tiny 0.05)")
+    parser.add_argument("--disk-seconds", type=float, default=None,
+                        help="seconds per disk figure (default 1; tiny 0.05)")
     parser.add_argument("--moce", default="1:1:e", help="the MoCE setting (moce_agreement's J:B[:N][:e]...); "
                                                          "'none' skips the study")
     parser.add_argument("--moce-fraction", type=float, default=0.25)
@@ -427,10 +447,11 @@ def main(argv: list[str] | None = None) -> dict:
     E = params["num_experts"]
     model = load_checkpoint(path, stream=StreamOptions(resident_experts=E, io="buffered", io_threads=args.io_threads))
     engine = WindowEngine(model)
-    if engine.warms_on_first_use:  # a GPU: build every window shape now, every expert resident
-        log(f"building window shapes T = 1..{MAX_SUFFIX_DRAFT + 1} (MLX's kernel JIT and the layers' traces)")
-        report["shape_warmup_seconds"] = sum(engine.warm_up(MAX_SUFFIX_DRAFT + 1).values())
-        log(f"  {report['shape_warmup_seconds']:.1f} s")
+    # every window shape built now, every expert resident, so that no row pays for it (a GPU builds
+    # them on first use otherwise: MLX's kernel JIT and the layers' traces)
+    log(f"building window shapes T = 1..{MAX_SUFFIX_DRAFT + 1}")
+    report["shape_warmup_seconds"] = sum(engine.warm_up(MAX_SUFFIX_DRAFT + 1).values())
+    log(f"  {report['shape_warmup_seconds']:.1f} s")
     warm_rows = engine.warm_rows
     # `auto` as the CLI runs it: the device's window-cost curve (cached or measured, every expert
     # resident: the compute); the cache's own draft read cost adds the reads

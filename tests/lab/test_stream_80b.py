@@ -15,9 +15,11 @@ def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     for key in ("tree", "layers", "checkpoint_gb", "disk_read_gb_s", "speculative_identical", "rows", "moce"):
         assert key in report, key
-    assert report["layers"] == 2 and report["checkpoint_gb"] > 0 and report["disk_read_gb_s"] > 0 and not report["skipped"]
-    assert {(r["io"], r["record_bytes"] in stream_80b.RECORD_SIZES, r["pattern"]) for r in report["disk"]["rows"]} == {
-        (io, small, p) for io in ("direct", "buffered") for small in (True, False) for p in ("sequential", "random")}
+    assert report["layers"] == 2 and report["checkpoint_gb"] > 0 and report["disk_read_gb_s"] > 0
+    assert not report["skipped"]
+    measured = {(r["io"], r["record_bytes"] in stream_80b.RECORD_SIZES, r["pattern"]) for r in report["disk"]["rows"]}
+    assert measured == {(io, small, p) for io in ("direct", "buffered") for small in (True, False)
+                        for p in ("sequential", "random")}
     assert stream_curve.is_built(tmp_path / "ckpt", {**stream_80b.PRESETS["tiny"], "num_hidden_layers": 2})
     assert not stream_curve.is_built(tmp_path / "ckpt", stream_80b.PRESETS["tiny"])
 
