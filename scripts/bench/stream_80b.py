@@ -13,8 +13,8 @@ after every row; a phase or row that would start after the budget is skipped and
    records and of whole expert records, O_DIRECT and buffered (page cache dropped before each).
 3. Decoding at each expert-cache size (`--fractions`) and mode (serial, draft3, auto), cold and warm:
    each run starts from an empty expert cache (prefill, then `--tokens` greedy tokens); cold drops
-   the page cache first (reads: `--cold-io`), warm repeats the run with buffered reads while the
-   page cache still holds what the cold run read. Per row: tokens/s, bytes read per token, hit rate,
+   the page cache first (reads: `--cold-io`), warm repeats the run with buffered reads after every
+   cold row, the page cache holding what the cold runs read. Per row: tokens/s, bytes read per token, hit rate,
    late waits, experts per layer per window by T, and the decode time per token split into waiting
    on reads, blocking on the routing read-back, installing experts, and the rest (compute, drafting).
    `speculative_identical`: draft3 and auto produced serial's tokens at every cache size.
@@ -22,8 +22,12 @@ after every row; a phase or row that would start after the budget is skipped and
    routing, cold, and teacher-forced top-1 agreement with exact greedy tokens (moce_agreement's parts).
 
     python -m scripts.bench.stream_80b --tiny                                  # CPU, under a minute
-    python -m scripts.bench.stream_80b --dir /tmp/strata-80b --budget-seconds 450 \\
+    python -m scripts.bench.stream_80b --dir /tmp/strata-80b --budget-seconds 420 \\
         --json-out docs/runs/h200_stream_80b.json                              # the H200 run
+    python -m scripts.bench.stream_80b --dir /tmp/strata-80b --budget-seconds 420 \\
+        --json-out docs/runs/h200_stream_80b.json --resume                     # what it left out
+
+Cache sizes go in order of need (10%, 25%, 5%, 50%, 100%), every cold row before any warm one.
 
 `disk_bound_tokens_per_s` of a row is the disk's random whole-record read rate over the row's bytes
 read per token; `of_disk_bound` is the row's tokens/s over it (issue 38's target: >= 0.8 at 10%, cold).
@@ -76,7 +80,7 @@ PRESETS = {  # the model shapes; both keep a vocabulary the demo tokenizer's ids
     "full": {**stream_curve.PRESETS["gpu"]["model"], "num_hidden_layers": 48},
     "tiny": {**stream_curve.PRESETS["tiny"]["model"], "vocab_size": 4096},
 }
-FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
+FRACTIONS = (0.10, 0.25, 0.05, 0.50, 1.00)  # in order of need: the issue's 10% target and MoCE's 25% first
 MODES = {
     "serial": SpecOptions(),
     "draft3": SpecOptions(max_drafts=3),
@@ -249,11 +253,14 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
     """Every cold row (cache size by mode), then every warm one: when the budget runs short, the
     warm repeats go first. Rows land in report["rows"] as they finish."""
     cold_io = args.cold_io if dropped else "direct"  # without a drop, only O_DIRECT keeps the page cache out
+    cold_here = set()  # the cold rows this process ran: what the page cache holds
     for temperature in args.temperatures:
         for fraction in args.fractions:
             slots = max(1, math.ceil(E * fraction))
             for mode in args.modes:
                 name = f"{fraction:.0%} {mode} {temperature}"
+                if find(report["rows"], fraction, mode, temperature) is not None:
+                    continue  # measured by the run this one resumes
                 if time.perf_counter() > deadline:
                     report["skipped"].append(name)
                     log(f"budget reached: skipping {name}")
@@ -266,18 +273,20 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
                 row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature,
                        **measure_row(engine, prompt, tokens=args.tokens, spec=modes[mode], disk_gbps=disk_gbps)}
                 if temperature == "warm":
-                    primed = cold_io == "buffered" and find(report["rows"], fraction, mode, "cold") is not None
+                    primed = cold_io == "buffered" and (fraction, mode) in cold_here
                     row["page_cache"] = ("holds the cold run's reads" if primed
                                          else "not filled by a cold run of this row")
                 serial = find(report["rows"], fraction, "serial", "cold")
                 row["identical_to_serial"] = None if serial is None else row["output"] == serial["output"]
                 report["rows"].append(row)
+                if temperature == "cold":
+                    cold_here.add((fraction, mode))
                 split = row["time_split_ms_per_token"]
                 log(f"  {name:<18} {row['tokens_per_s']:7.2f} tok/s  {row['bytes_read_per_token'] / 1e6:8.1f} "
                     f"MB/token  hit {row['hit_rate']:.0%}  late waits {row['late_waits']}  ms/token: reads "
-                    f"{split['read_wait']:.0f} / sync {split['router_sync']:.0f} / installs {split['installs']:.0f} / "
-                    f"compute {split['compute']:.0f}  same as serial: {row['identical_to_serial']}  "
-                    f"({deadline - time.perf_counter():.0f} s of the sweep's budget left)")
+                    f"{split['read_wait']:.0f} / sync {split['router_sync']:.0f} / "
+                    f"installs {split['installs']:.0f} / compute {split['compute']:.0f}  "
+                    f"same as serial: {row['identical_to_serial']}  ({deadline - time.perf_counter():.0f} s of the sweep's budget left)")
                 save()
     release(model)
 
@@ -346,11 +355,25 @@ def moce_study(path: Path, prompt: list[int], args, *, E: int, dropped: bool, lo
 # -- report --------------------------------------------------------------------------------------
 
 
+def resumed(path: Path, report: dict) -> dict:
+    """What an earlier run of the same shapes, tokens and prompt (its JSON at `path`) measured:
+    nothing when there is no such file."""
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    for key in ("model", "tokens_per_run", "prompt", "dtype"):
+        if earlier.get(key) != report[key]:
+            raise SystemExit(f"{path}: --resume needs the same {key} as that run ({earlier.get(key)!r})")
+    kept = {k: earlier[k] for k in ("build", "disk", "disk_read_gb_s", "moce") if k in earlier}
+    return {**kept, "rows": earlier["rows"],
+            "resumed_from": {"tree": earlier.get("tree"), "seconds": earlier.get("seconds")}}
+
+
 def table(rows: list[dict]) -> str:
     lines = [("| cache | mode | cold/warm | io | tok/s | MB read/token | hit rate | late waits | union/layer by T | "
               "ms/token: reads / sync / installs / compute | disk-bound tok/s | of bound | = serial |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["temperature"], r["cache_fraction"], list(MODES).index(r["mode"]))):
         s, bound, share = r["time_split_ms_per_token"], r["disk_bound_tokens_per_s"], r["of_disk_bound"]
         unions = " ".join(f"{t}:{u:.1f}" for t, u in r["union_per_layer_by_T"].items())
         lines.append(f"| {r['cache_fraction']:.0%} | {r['mode']} | {r['temperature']} | {r['io_mode']} | "
@@ -390,7 +413,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start no row after this many seconds less --moce-reserve, nor the MoCE study after "
                              "it, building included (default 450)")
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run --json-out holds (same shapes, tokens and prompt): keep its disk "
+                             "figures, rows and MoCE result, and measure only what it lacks")
     args = parser.parse_args(argv)
+    if args.resume and args.json_out is None:
+        parser.error("--resume continues the run in --json-out; give --json-out")
     args.tokens = args.tokens or (8 if args.tiny else 16)
     if args.tokens < 2:
         parser.error(f"--tokens must be at least 2, got {args.tokens}")
@@ -416,6 +444,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"tree": _commit(), "device": str(mx.default_device()), "layers": params["num_hidden_layers"],
               "model": params, "dtype": str(dtype).rsplit(".", 1)[-1], "tokens_per_run": args.tokens,
               "prompt": args.prompt, "skipped": [], "rows": []}
+    if args.resume:
+        report.update(resumed(args.json_out, report))
 
     def save() -> None:
         report["seconds"] = time.perf_counter() - start
@@ -425,7 +455,8 @@ def main(argv: list[str] | None = None) -> dict:
             tmp.write_text(json.dumps(report, indent=1))
             tmp.replace(args.json_out)
 
-    report["build"] = ensure_checkpoint(path, params, seed=args.seed, dtype=dtype, rebuild=args.rebuild, log=log)
+    build = ensure_checkpoint(path, params, seed=args.seed, dtype=dtype, rebuild=args.rebuild, log=log)
+    report["build"] = report["build"] if build["reused"] and "build" in report else build
     experts = sum(f.stat().st_size for f in (path / "experts").glob("*.bin"))
     report["experts_gb"] = experts / 1e9
     report["checkpoint_gb"] = (experts + (path / "model.safetensors").stat().st_size) / 1e9
@@ -434,11 +465,13 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"checkpoint {report['checkpoint_gb']:.1f} GB ({report['experts_gb']:.1f} GB of experts), built in "
         f"{report['build']['seconds']:.0f} s; page cache drop: {'yes' if dropped else 'refused'}")
     save()
-    disk = measure_disk(path, threads=args.io_threads, seconds=args.disk_seconds or (0.05 if args.tiny else 1.0),
-                        seed=args.seed, log=log)
-    report["disk"] = disk
-    report["disk_read_gb_s"] = disk["random_record_GBps"]
-    save()
+    if "disk" in report:
+        log(f"disk: kept from {args.json_out}")
+    else:
+        report["disk"] = measure_disk(path, threads=args.io_threads, seed=args.seed, log=log,
+                                      seconds=args.disk_seconds or (0.05 if args.tiny else 1.0))
+        report["disk_read_gb_s"] = report["disk"]["random_record_GBps"]
+        save()
 
     tokenizer = Tokenizer(path)
     prompt = tokenizer.encode(args.prompt)
@@ -464,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict:
     reserve = args.moce_reserve if args.moce != "none" else 0.0
     sweep(model, path, prompt, args, modes, E=E, dtype=dtype, disk_gbps=report["disk_read_gb_s"], dropped=dropped,
           warm_rows=warm_rows, deadline=deadline - reserve, report=report, save=save, log=log)
-    if args.moce == "none":
+    if args.moce == "none" or "moce" in report:
         pass
     elif time.perf_counter() > deadline:
         report["skipped"].append("moce")
@@ -475,7 +508,8 @@ def main(argv: list[str] | None = None) -> dict:
     save()
     print(table(report["rows"]))
     print(f"\nspeculative_identical: {report['speculative_identical']}; disk {report['disk_read_gb_s']:.2f} GB/s "
-          f"(random {disk['record_bytes'] / 1e6:.2f} MB records); skipped: {report['skipped'] or 'nothing'}; "
+          f"(random {report['disk']['record_bytes'] / 1e6:.2f} MB records); "
+          f"skipped: {report['skipped'] or 'nothing'}; "
           f"wall {report['seconds']:.0f} s" + (f"; JSON: {args.json_out}" if args.json_out else ""))
     return report
 
