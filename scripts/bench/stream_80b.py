@@ -272,6 +272,7 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
                     stream_curve.drop_page_cache()
                 row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature,
                        **measure_row(engine, prompt, tokens=args.tokens, spec=modes[mode], disk_gbps=disk_gbps)}
+                del engine  # it holds the cache: its banks must go before the next row allocates its own
                 if temperature == "warm":
                     primed = cold_io == "buffered" and (fraction, mode) in cold_here
                     row["page_cache"] = ("holds the cold run's reads" if primed
