@@ -10,14 +10,22 @@ from scripts.bench import stream_80b, stream_curve
 
 def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
     out = tmp_path / "stream.json"
-    report = stream_80b.main(["--tiny", "--layers", "2", "--tokens", "6", "--fractions", "0.5",
-                              "--disk-seconds", "0.02", "--dir", str(tmp_path / "ckpt"), "--json-out", str(out)])
+    common = ["--tiny", "--layers", "2", "--tokens", "6", "--fractions", "0.5", "--dir", str(tmp_path / "ckpt"),
+              "--json-out", str(out)]
+    first = stream_80b.main([*common, "--disk-seconds", "0.02", "--modes", "serial", "--temperatures", "cold",
+                             "--moce", "none"])
+    assert len(first["rows"]) == 1 and "moce" not in first and not first["build"]["reused"]
+    report = stream_80b.main([*common, "--resume"])  # measures what the first run left out
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["rows"][0] == json.loads(json.dumps(first["rows"][0])) and report["disk"] == first["disk"]
+    assert report["build"] == first["build"] and report["resumed_from"]["tree"] == first["tree"]
     for key in ("tree", "layers", "checkpoint_gb", "disk_read_gb_s", "speculative_identical", "rows", "moce"):
         assert key in report, key
-    assert report["layers"] == 2 and report["checkpoint_gb"] > 0 and report["disk_read_gb_s"] > 0 and not report["skipped"]
-    assert {(r["io"], r["record_bytes"] in stream_80b.RECORD_SIZES, r["pattern"]) for r in report["disk"]["rows"]} == {
-        (io, small, p) for io in ("direct", "buffered") for small in (True, False) for p in ("sequential", "random")}
+    assert report["layers"] == 2 and report["checkpoint_gb"] > 0 and report["disk_read_gb_s"] > 0
+    assert not report["skipped"]
+    measured = {(r["io"], r["record_bytes"] in stream_80b.RECORD_SIZES, r["pattern"]) for r in report["disk"]["rows"]}
+    assert measured == {(io, small, p) for io in ("direct", "buffered") for small in (True, False)
+                        for p in ("sequential", "random")}
     assert stream_curve.is_built(tmp_path / "ckpt", {**stream_80b.PRESETS["tiny"], "num_hidden_layers": 2})
     assert not stream_curve.is_built(tmp_path / "ckpt", stream_80b.PRESETS["tiny"])
 
@@ -25,7 +33,11 @@ def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
     assert [(r["temperature"], r["cache_fraction"], r["mode"]) for r in rows] == [  # every cold row first
         (t, f, m) for t in ("cold", "warm") for f in (0.5,) for m in stream_80b.MODES]
     assert all(("page_cache" in r) == (r["temperature"] == "warm") for r in rows)
+    # the second run's own cold rows filled the page cache for its warm ones, the first run's did not
+    assert [r["page_cache"].startswith("holds") for r in rows[3:]] == [report["page_cache_dropped"] and m != "serial"
+                                                                     for m in stream_80b.MODES]
     for r in rows:
+        r["union_per_layer_by_T"] = {int(t): u for t, u in r["union_per_layer_by_T"].items()}  # JSON's keys
         assert len(r["output"]) == 6 and r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1
         assert r["bytes_read_per_token"] > 0 and r["disk_bound_tokens_per_s"] > 0 and r["union_per_layer_by_T"]
         assert set(r["time_split_ms_per_token"]) == {"read_wait", "router_sync", "installs", "compute"}
