@@ -93,11 +93,11 @@ class SinkAttention(GatedAttention):
         self._periods = None if periods is None else mx.array(periods)  # not a parameter: never loaded or cast
         self.scale = head_dim**-0.5 * factor * factor
 
-    def takes_kernel(self, rows: int) -> bool:
+    def takes_kernel(self, rows: int, dtype=None) -> bool:
         """Whether a window of `rows` rows attends through the sink kernel (a GPU where it passed
         its probe; serial steps too, so they share its arithmetic)."""
         return (RowSplit.kernel_may_take(rows) and attention_window.supports(self.head_dim)
-                and attention_window.sinks_usable())
+                and attention_window.sinks_usable(dtype))
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         if self._periods is None:
@@ -115,7 +115,7 @@ class SinkAttention(GatedAttention):
         else:
             keys, values, mask = state.update_and_fetch(k, v)
         sinks = self.sinks if self.sinks.dtype == q.dtype else self.sinks.astype(q.dtype)
-        if T <= WINDOW_ROWS and self.takes_kernel(T):  # a ring's whole buffer (sliding) or cells 0..end
+        if T <= WINDOW_ROWS and self.takes_kernel(T, q.dtype):  # a ring's whole buffer (sliding) or cells 0..end
             out = attention_window.sink_attention_window(q, keys, values, self.scale, sinks, pos0=state.offset,
                                                          window=self.window or 0)
         elif T <= WINDOW_ROWS and RowSplit.applies(T):
