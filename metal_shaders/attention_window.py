@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .probe import Probe, dims, gpu_kernel
+from .probe import Probe, cases_at, dims, gpu_kernel
 
 MAX_HEAD_DIM = 256  # a lane keeps D/32 output dims in registers; the block's partials sit in shared memory
 WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 threads busy per row
@@ -172,10 +172,11 @@ def reference_attention_window(q: mx.array, keys: mx.array, values: mx.array, sc
 _probe = Probe("attention window kernel", "decode windows attend row by row with MLX's sdpa")
 
 
-def usable() -> bool:
+def usable(dtype=None) -> bool:
     """True on a GPU (CUDA, Metal) once the kernel matched the reference and was row-invariant
-    on a probe (checked once per process); False elsewhere or after any failure (logged once)."""
-    return _probe.usable(check)
+    on a probe at `dtype` (None: every probe case; once per process, or kept: probe.Probe);
+    False elsewhere or after any failure (logged once)."""
+    return _probe.usable(check, dtype)
 
 
 def status() -> dict:
@@ -197,10 +198,10 @@ def probe_inputs(B: int, Hq: int, Hkv: int, D: int, L: int, *, capacity: int = 0
 PROBE_CASES = ((64, mx.float32, 4, 300), (256, mx.bfloat16, 16, 1200))  # (D, dtype, Hq, L); Hkv 2
 
 
-def check(cases=PROBE_CASES) -> str | None:
+def check(cases=PROBE_CASES, dtypes=None) -> str | None:
     """None when the kernel passes on this device, else what failed: for T = 8 (and 3), each row
     equals its 1-row call over the cells it sees, bit for bit, and the reference within tolerance."""
-    for D, dtype, Hq, L in cases:
+    for D, dtype, Hq, L in (cases if dtypes is None else cases_at(cases, dtypes)):
         q, keys, values = probe_inputs(1, Hq, 2, D, L, capacity=L + 256, dtype=dtype)
         scale = D**-0.5
         alone = [attention_window(q[:, :, t : t + 1], keys[:, :, : L - 8 + t + 1], values[:, :, : L - 8 + t + 1],
@@ -334,10 +335,10 @@ def reference_sink_attention_window(q: mx.array, keys: mx.array, values: mx.arra
 _sink_probe = Probe("attention window kernel with sinks", "GPT-OSS decode windows attend row by row with MLX's sdpa")
 
 
-def sinks_usable() -> bool:
+def sinks_usable(dtype=None) -> bool:
     """True on a GPU once the sink kernel matched its reference and was row-invariant on a probe
-    (full attention and a wrapped ring, checked once per process)."""
-    return _sink_probe.usable(check_sinks)
+    at `dtype` (full attention and a wrapped ring; once per process, or kept: probe.Probe)."""
+    return _sink_probe.usable(check_sinks, dtype)
 
 
 def sinks_status() -> dict:
@@ -347,11 +348,11 @@ def sinks_status() -> dict:
 SINK_PROBE_CASES = ((64, mx.float32, 8, 300, 0), (64, mx.bfloat16, 8, 135, 128), (64, mx.float32, 4, 15, 8))
 
 
-def check_sinks(cases=SINK_PROBE_CASES) -> str | None:
+def check_sinks(cases=SINK_PROBE_CASES, dtypes=None) -> str | None:
     """None when the sink kernel passes here, else what failed: for T = 8 and 3, each row equals
     its 1-row call bit for bit (over the same ring, at every row's position), and the reference
     within tolerance; (D, dtype, Hq, L, W): W > 0 a ring of L cells at a position that wraps it."""
-    for D, dtype, Hq, L, W in cases:
+    for D, dtype, Hq, L, W in (cases if dtypes is None else cases_at(cases, dtypes)):
         q, keys, values = probe_inputs(1, Hq, 2, D, L, dtype=dtype)
         sinks = mx.random.normal((Hq,), key=mx.random.key(5)).astype(dtype)
         scale = D**-0.5

@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .probe import Probe, dims, gpu_kernel
+from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
 
 L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
 MAX_HEAD_DIM = 256  # gdn_scan keeps a state column of Dk floats in registers
@@ -252,10 +252,11 @@ def reference_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
 _probe = Probe("GDN window kernels", "GDN decode windows run as MLX ops")
 
 
-def usable() -> bool:
+def usable(dtype=None) -> bool:
     """True on a GPU (CUDA, Metal) once both kernels matched the reference and were row-invariant
-    on a probe (checked once per process); False elsewhere or after any failure (logged once)."""
-    return _probe.usable(check)
+    on a probe at `dtype` (None: float32 and bfloat16; once per process, or kept: probe.Probe);
+    False elsewhere or after any failure (logged once)."""
+    return _probe.usable(check, dtype)
 
 
 def status() -> dict:
@@ -263,12 +264,12 @@ def status() -> dict:
     return _probe.status()
 
 
-def check() -> str | None:
+def check(dtypes=PROBE_DTYPES) -> str | None:
     """None when the kernels pass on this device, else what failed."""
     B, T, Hk, Hv, Dk, Dv, K = 1, 8, 2, 4, 64, 64, 4
     C = 2 * Hk * Dk + Hv * Dv
     keys = mx.random.split(mx.random.key(21), 6)
-    for dtype in (mx.float32, mx.bfloat16):
+    for dtype in dtypes:
         window = mx.random.normal((B, K - 1 + T, C), key=keys[0]).astype(dtype)
         weight = (mx.random.normal((C, K), key=keys[1]) * 0.5).astype(dtype)
         a, b = (mx.random.normal((B, T, Hv), key=key).astype(dtype) for key in keys[2:4])

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .gdn_window import reference_causal_conv
-from .probe import Probe, dims, gpu_kernel
+from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
 
 MAX_STATE = 256  # mamba2_scan keeps a state row of N floats in registers
 THREADS = 128
@@ -215,10 +215,11 @@ def reference_scan(x, Bm, Cm, dt, g, S) -> tuple[mx.array, mx.array]:
 _probe = Probe("Mamba-2 window kernels", "Mamba-2 decode windows run as MLX ops")
 
 
-def usable() -> bool:
+def usable(dtype=None) -> bool:
     """True on a GPU (CUDA, Metal) once both kernels matched the reference and were row-invariant
-    on a probe (checked once per process); False elsewhere or after any failure (logged once)."""
-    return _probe.usable(check)
+    on a probe at `dtype` (None: float32 and bfloat16; once per process, or kept: probe.Probe);
+    False elsewhere or after any failure (logged once)."""
+    return _probe.usable(check, dtype)
 
 
 def status() -> dict:
@@ -238,11 +239,11 @@ def probe_inputs(B: int, T: int, H: int, P: int, G: int, N: int, *, K: int = 4, 
             mx.random.uniform(-4, -1, (H,), key=keys[4]), mx.random.uniform(-1, 2, (H,), key=keys[5]))
 
 
-def check() -> str | None:
+def check(dtypes=PROBE_DTYPES) -> str | None:
     """None when the kernels pass on this device, else what failed."""
     B, T, H, P, G, N, K = 1, 8, 4, 32, 2, 64, 4
     shapes = {"num_heads": H, "head_dim": P, "n_groups": G, "state_size": N, "dt_limits": (0.001, float("inf"))}
-    for dtype in (mx.float32, mx.bfloat16):
+    for dtype in dtypes:
         window, weight, bias, dt, dt_bias, A_log = probe_inputs(B, T, H, P, G, N, K=K, dtype=dtype, seed=21)
         together = mamba2_prepare(window, weight, bias, dt, dt_bias, A_log, **shapes)
         alone = [mamba2_prepare(window[:, t : t + K], weight, bias, dt[:, t : t + 1], dt_bias, A_log, **shapes)

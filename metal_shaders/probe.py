@@ -1,24 +1,30 @@
 """What every kernel module of metal_shaders shares: kernels made for the running GPU backend
 and kept by name, shapes passed as data, and the start-up probe.
 
-A kernel runs only after it matched its reference on the running device once; any failure
+A kernel runs only after it matched its reference on the running device at the caller's dtype,
+in this process or in an earlier one with the same keys (`verdict_keys`, kept.py); any failure
 (an NVRTC compile error, a launch error, a mismatch) is logged once and turns the kernel off for
-the process, so callers fall back to the reference path.
+the process at that dtype, so callers fall back to the reference path. On CUDA a kernel is
+strata's own compile (precompiled.py), and a probe that fails on it is run again on MLX's build.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
 
-from . import backends
+from . import backends, kept, precompiled
 
 log = logging.getLogger("strata.kernels")
 
 _dims_cache: dict[tuple[int, ...], mx.array] = {}
 _kernels: dict[tuple[str, str], object] = {}
+_sources: list[str] = []
+VERDICTS = "verdicts"
+PROBE_DTYPES = (mx.float32, mx.bfloat16)  # a caller that names no dtype gets both
 
 
 def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, header: str = "", *,
@@ -30,9 +36,12 @@ def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, head
     which = backend() or backends.CUDA  # off a GPU only tests' stand-ins are ever called
     if (name, which) not in _kernels:
         make = mx.fast.metal_kernel if which == backends.METAL else mx.fast.cuda_kernel
-        _kernels[name, which] = make(name=name, input_names=inputs, output_names=outputs,
-                                     source=backends.source(which, body), header=backends.header(which, header),
-                                     ensure_row_contiguous=ensure_row_contiguous)
+        spec = dict(name=name, input_names=inputs, output_names=outputs, source=backends.source(which, body),
+                    header=backends.header(which, header), ensure_row_contiguous=ensure_row_contiguous)
+        kernel = make(**spec)
+        if which == backends.CUDA:  # strata's own compile, kept across processes; MLX's where it fails
+            kernel = precompiled.PrecompiledKernel(kernel, **spec)
+        _kernels[name, which] = kernel
     return _kernels[name, which]
 
 
@@ -55,30 +64,90 @@ def backend() -> str | None:
 
 
 class Probe:
-    """The once-per-process verdict on a family of kernels."""
+    """The verdict on a family of kernels, per dtype: decided once per process, and kept across
+    processes (kept.py) by MLX version, GPU, build (strata's precompiled kernels or MLX's),
+    the source of every module of metal_shaders (kernel bodies, the probe's shapes and
+    tolerances) and dtype. Only a pass is kept: a failure is probed again by the next process."""
 
     def __init__(self, what: str, fallback: str):
         self.what, self.fallback = what, fallback
-        self.is_usable: bool | None = None
-        self.error: str | None = None
+        self.verdicts: dict[str, str | None] = {}  # dtype -> None (passed), what failed, or "" (no GPU)
+        self.kept_hits = 0
 
-    def usable(self, check: Callable[[], str | None]) -> bool:
-        """Run `check` (None when the kernels pass, else what failed) the first time, on a GPU
-        backend only (CUDA or Metal)."""
-        if self.is_usable is not None:
-            return self.is_usable
-        if backend() is None:
-            self.is_usable = False
-            return False
-        try:
-            self.error = check()
-        except Exception as e:  # compile errors (NVRTC, Metal) and launch failures come as several types
-            self.error = f"{type(e).__name__}: {e}"
-        self.is_usable = self.error is None
-        if not self.is_usable:
-            log.warning("%s disabled (%s); %s", self.what, self.error, self.fallback)
-        return self.is_usable
+    @property
+    def is_usable(self) -> bool | None:
+        """None until asked; else whether every dtype asked so far passed."""
+        if not self.verdicts:
+            return None
+        return all(error is None for error in self.verdicts.values())
+
+    @property
+    def error(self) -> str | None:
+        return next((error for error in self.verdicts.values() if error), None)
+
+    def usable(self, check: Callable[[tuple], str | None], dtype=None) -> bool:
+        """Whether the kernels may run at `dtype` (None: every dtype PROBE_DTYPES names): `check(dtypes)`
+        (None when the kernels pass at those dtypes, else what failed) is run the first time a
+        dtype is asked, on a GPU backend only (CUDA or Metal), unless a pass is kept."""
+        dtypes = PROBE_DTYPES if dtype is None else (dtype,)
+        for d in dtypes:
+            if str(d) not in self.verdicts:
+                self.verdicts[str(d)] = self._decide(check, d)
+        return all(self.verdicts[str(d)] is None for d in dtypes)
+
+    def _decide(self, check, dtype) -> str | None:
+        which = backend()
+        if which is None:
+            return ""  # off a GPU: not usable, and nothing failed
+        keys = verdict_keys(self.what, dtype, which)
+        if kept.read(VERDICTS, self.what, keys) is not None:
+            self.kept_hits += 1
+            return None
+        error = _run(check, dtype)
+        if error is not None and which == backends.CUDA and precompiled.active():
+            precompiled.disable(f"{self.what} failed on them: {error}")  # MLX's build of the same source
+            keys = verdict_keys(self.what, dtype, which)
+            error = _run(check, dtype)
+        if error is None:
+            kept.write(VERDICTS, self.what, keys, {"what": self.what})
+        else:
+            log.warning("%s disabled (%s); %s", self.what, error, self.fallback)
+        return error
 
     def status(self) -> dict:
         """`probed` False: nothing has asked yet (no forward pass), so `usable` says nothing."""
         return {"usable": bool(self.is_usable), "probed": self.is_usable is not None, "error": self.error}
+
+
+def _run(check, dtype) -> str | None:
+    try:
+        return check(dtypes=(dtype,))
+    except Exception as e:  # compile errors (NVRTC, Metal) and launch failures come as several types
+        return f"{type(e).__name__}: {e}"
+
+
+def cases_at(cases, dtypes, index: int = 1) -> list:
+    """The probe cases (tuples with a dtype at `index`) at `dtypes`: those whose dtype is asked,
+    else every case at the first asked dtype (a model dtype no case names, float16)."""
+    chosen = [case for case in cases if case[index] in dtypes]
+    return chosen or [(*case[:index], dtypes[0], *case[index + 1 :]) for case in cases]
+
+
+def sources_digest() -> str:
+    """The hash of every module of metal_shaders: a kernel body, a reference, a probe's shapes or
+    tolerances changed anywhere invalidates every kept verdict."""
+    if not _sources:
+        here = Path(__file__).parent
+        _sources.append(kept.digest({p.name: p.read_text() for p in sorted(here.glob("*.py"))}))
+    return _sources[0]
+
+
+def verdict_keys(what: str, dtype, which: str) -> dict:
+    """Everything a kept verdict holds for: MLX version, device, build, sources, family, dtype."""
+    try:
+        device = mx.device_info().get("device_name", "")
+    except (AttributeError, RuntimeError):
+        device = ""
+    build = precompiled.BUILD if which == backends.CUDA and precompiled.active() else "mlx"
+    return {"mlx": mx.__version__, "backend": which, "device": device, "build": build, "sources": sources_digest(),
+            "family": what, "dtype": str(dtype)}

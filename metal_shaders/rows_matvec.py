@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .probe import Probe, dims, gpu_kernel
+from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
 
 MAX_ROWS = 8
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
@@ -358,10 +358,11 @@ def supports(K: int, *, group_size: int | None = None, bits: int | None = None) 
     return bits is None or (bits in (4, 8) and group_size in (32, 64, 128) and K % group_size == 0)
 
 
-def kernels_usable() -> bool:
+def kernels_usable(dtype=None) -> bool:
     """True on a GPU (CUDA, Metal) once the kernels matched the reference and were row-invariant
-    on a probe (checked once per process); False elsewhere or after any failure (logged once)."""
-    return _probe.usable(_check)
+    on a probe at `dtype` (None: float32 and bfloat16; checked once per process, or kept from an
+    earlier one: probe.Probe); False elsewhere or after any failure (logged once)."""
+    return _probe.usable(_check, dtype)
 
 
 def status() -> dict:
@@ -369,11 +370,11 @@ def status() -> dict:
     return _probe.status()
 
 
-def _check() -> str | None:
+def _check(dtypes=PROBE_DTYPES) -> str | None:
     """None when the kernels pass on this device, else what failed."""
     key = mx.random.key(7)
     K, N = 512, 200
-    for dtype in (mx.float32, mx.bfloat16):
+    for dtype in dtypes:
         x = mx.random.normal((MAX_ROWS, K), key=key).astype(dtype)
         w = (mx.random.normal((N, K), key=mx.random.key(8)) * K**-0.5).astype(dtype)
         qw, qs, qb = mx.quantize(w, 64, 4)

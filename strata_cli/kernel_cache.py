@@ -11,7 +11,9 @@ once, at its first compile).
 What MLX does not keep: kernels made with `mx.fast.cuda_kernel` (metal_shaders/) are compiled in
 every process that runs them (MLX builds them with its disk cache off); NVRTC-built SASS needs no
 driver JIT, so the CUDA driver's compute cache (`CUDA_CACHE_PATH`) holds nothing for MLX on a GPU
-NVRTC knows. docs/benchmarks.md, "Start-up on the H200", measures each part.
+NVRTC knows. strata keeps those itself, with its kernels' probe verdicts, in `<kernel dir>/strata`
+(`strata_dir`; metal_shaders/kept.py, precompiled.py, probe.py), on any GPU backend.
+docs/benchmarks.md, "Start-up on the H200", measures each part.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+
+from metal_shaders import kept
 
 from .calibrate import backend_name, cache_dir
 
@@ -59,6 +63,12 @@ def default_kernel_dir(backend: str, directory: Path | None = None) -> Path:
     return (directory or cache_dir()) / "kernels" / safe
 
 
+def strata_dir(backend: str, directory: Path | None = None) -> Path:
+    """Where strata keeps its own compiled kernels and probe verdicts for this MLX version and GPU
+    (beside MLX's modules, whoever chose MLX's directory)."""
+    return default_kernel_dir(backend, directory) / "strata"
+
+
 def is_cuda() -> bool:
     """Whether the default device is a GPU of MLX's CUDA backend."""
     cuda = getattr(mx, "cuda", None)
@@ -73,6 +83,8 @@ def prepare_kernel_cache(*, cuda: bool | None = None, directory: Path | None = N
         cuda: whether MLX runs on CUDA (default: `is_cuda()`).
         directory: strata's cache directory (default `calibrate.cache_dir()`).
     """
+    if mx.default_device().type == mx.gpu or cuda:
+        kept.configure(strata_dir(backend_name(), directory))
     if not (is_cuda() if cuda is None else cuda):
         return KernelCache(path=None, chosen_by="none", cold=False)
     chosen = os.environ.get(PTX_CACHE_ENV)
@@ -87,4 +99,7 @@ def prepare_kernel_cache(*, cuda: bool | None = None, directory: Path | None = N
         except OSError:  # an unwritable home: MLX's own default directory
             path, chosen_by = Path(os.environ.get("TMPDIR") or "/tmp") / "mlx" / mx.__version__ / "ptx", "none"
     # MLX splits a long module name into subdirectories, so a compiled module may lie deeper.
-    return KernelCache(path=path, chosen_by=chosen_by, cold=next(path.rglob("*.ptx"), None) is None)
+    # Cold: neither MLX nor strata has compiled anything for this machine yet.
+    ours = kept.directory()
+    cold = next(path.rglob("*.ptx"), None) is None and (ours is None or next(ours.rglob("*.bin"), None) is None)
+    return KernelCache(path=path, chosen_by=chosen_by, cold=cold)

@@ -92,7 +92,7 @@ def _emulated_kernel(monkeypatch, emulator, calls):
         out = emulator.run(q_rows, np.array(keys.astype(mx.float32)), np.array(values.astype(mx.float32)), L, scale)
         return mx.array(out).astype(q.dtype)
 
-    monkeypatch.setattr(attention_window, "usable", lambda: True)
+    monkeypatch.setattr(attention_window, "usable", lambda dtype=None: True)
     monkeypatch.setattr(attention_window, "attention_window", kernel)
 
 
@@ -296,7 +296,7 @@ def test_gpt_oss_decodes_identically_through_the_emulated_sink_kernel(emulate, s
 
     prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
     reference = strata_tokens(model, prompt, SpecOptions())[0]
-    monkeypatch.setattr(attention_window, "sinks_usable", lambda: True)
+    monkeypatch.setattr(attention_window, "sinks_usable", lambda dtype=None: True)
     monkeypatch.setattr(attention_window, "sink_attention_window", emulated)
     serial = strata_tokens(model, prompt, SpecOptions())[0]
     drafted = strata_tokens(model, prompt, SpecOptions(max_drafts=3))[0]

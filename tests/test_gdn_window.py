@@ -98,7 +98,7 @@ def _emulated_kernels(monkeypatch, emulator, calls):
         arrays = (np.array(x.astype(mx.float32)) for x in (window, w, a, b, A_log, dt_bias))
         return tuple(mx.array(x) for x in emulator.prepare(*arrays, **heads))
 
-    monkeypatch.setattr(gdn_window, "usable", lambda: True)
+    monkeypatch.setattr(gdn_window, "usable", lambda dtype=None: True)
     monkeypatch.setattr(gdn_window, "gdn_scan", scan)
     monkeypatch.setattr(gdn_window, "gdn_prepare", prepare)
 

@@ -93,14 +93,14 @@ def test_the_attention_kernel_keeps_its_own_header_and_views_on_metal(monkeypatc
 def test_a_probe_runs_on_metal_and_a_failure_turns_the_kernels_off(monkeypatch, caplog):
     monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
     passing = probe.Probe("kernels", "fallback")
-    assert passing.usable(lambda: None) is True
+    assert passing.usable(lambda dtypes: None) is True
     failing = probe.Probe("kernels", "the reference path")
 
-    def broken():
+    def broken(dtypes):
         raise RuntimeError("Unable to build metal library from source")
     with caplog.at_level(logging.WARNING, logger="strata.kernels"):
         assert failing.usable(broken) is False
-        assert failing.usable(lambda: None) is False  # decided once per process
+        assert failing.usable(lambda dtypes: None) is False  # decided once per process
     assert "Unable to build metal library" in failing.status()["error"]
     assert "the reference path" in caplog.text
 

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
+from metal_shaders import kept
 from strata_cli import kernel_cache
 from strata_cli.cli import cli
 from strata_cli.kernel_cache import PTX_CACHE_ENV, prepare_kernel_cache
@@ -21,6 +22,7 @@ from strata_cli.terminal import WarmUpBar
 @pytest.fixture(autouse=True)
 def _no_user_cache_dir(monkeypatch):
     monkeypatch.delenv(PTX_CACHE_ENV, raising=False)
+    monkeypatch.setattr(kept, "_directory", None)  # prepare_kernel_cache sets it: not for later tests
 
 
 def test_the_cpu_keeps_nothing_and_sets_nothing():

@@ -136,7 +136,7 @@ def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
         out = kernels.reference_gather_qmatvec(rows, w, s, b, experts, group_size=group_size, bits=bits)
         return out.reshape(*x.shape[:-1], -1)
 
-    monkeypatch.setattr(kernels, "kernels_usable", lambda: True)
+    monkeypatch.setattr(kernels, "kernels_usable", lambda dtype=None: True)
     monkeypatch.setattr(kernels, "rows_gather_qmatvec", fake)
     x = mx.random.normal((4, 1, 128), key=mx.random.key(13))
     qw, qs, qb = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(14)) * 0.1, 64, 4)

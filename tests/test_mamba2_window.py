@@ -97,7 +97,7 @@ def _emulated_kernels(monkeypatch, emulator, calls):
         arrays = [None if a is None else np.array(a.astype(mx.float32)) for a in (window, w, bias, dt, dt_bias, A_log)]
         return tuple(mx.array(a) for a in emulator.prepare(*arrays, **shapes))
 
-    monkeypatch.setattr(mamba2_window, "usable", lambda: True)
+    monkeypatch.setattr(mamba2_window, "usable", lambda dtype=None: True)
     monkeypatch.setattr(mamba2_window, "mamba2_scan", scan)
     monkeypatch.setattr(mamba2_window, "mamba2_prepare", prepare)
 

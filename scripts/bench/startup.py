@@ -114,12 +114,25 @@ start = time.perf_counter()
 from strata_cli.kernel_cache import prepare_kernel_cache
 from strata_cli.options import EngineOptions, LoadOptions
 from strata_cli.runtime import open_model
-from metal_shaders import attention_window, gdn_window, rows_matvec
+import mlx.core as mx
+from metal_shaders import attention_window, gdn_window, precompiled, probe, rows_matvec
 prepare_kernel_cache()  # before any compile: MLX fixes its cache directory at the first
 probes = {}
 for name, usable in (("rows_matvec", rows_matvec.kernels_usable), ("gdn_window", gdn_window.usable),
                      ("attention_window", attention_window.usable)):
     t = time.perf_counter(); usable(); probes[name] = time.perf_counter() - t
+same = None  # strata's compile against MLX's of the same kernel, bit for bit (CUDA only)
+if probe.backend() == "cuda" and precompiled.active():
+    x = mx.random.normal((3, 512), key=mx.random.key(1)).astype(mx.bfloat16)
+    w = mx.random.normal((200, 512), key=mx.random.key(2)).astype(mx.bfloat16)
+    qw, qs, qb = mx.quantize(w, 64, 4)
+    ours = [rows_matvec.rows_matvec(x, w), rows_matvec.rows_qmatvec(x, qw, qs, qb, group_size=64, bits=4)]
+    mx.eval(ours)
+    precompiled._state["off"] = True
+    theirs = [rows_matvec.rows_matvec(x, w), rows_matvec.rows_qmatvec(x, qw, qs, qb, group_size=64, bits=4)]
+    mx.eval(theirs)
+    precompiled._state["off"] = False
+    same = all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs))
 rt = open_model(LoadOptions(model=sys.argv[1]), EngineOptions(warm_shapes=True, pad_windows=sys.argv[2] == "1",
                 max_context=int(sys.argv[3]) or None))
 first = time.perf_counter() - start
@@ -128,7 +141,10 @@ print(json.dumps({"process_to_ready_s": first, "kernel_probes_s": probes, "warmu
                   "warmup_by_rows_s": {str(k): v for k, v in rt.warmup_by_rows.items()},
                   "second_warm_up_s": rewarm, "kernel_cache": rt.kernel_cache.as_dict(),
                   "kernels": {"rows": rows_matvec.status(), "gdn": gdn_window.status(),
-                              "attention": attention_window.status()}}))
+                              "attention": attention_window.status()},
+                  "precompiled": precompiled.status(), "precompiled_same_as_mlx": same,
+                  "verdicts_kept_hits": {"rows": rows_matvec._probe.kept_hits, "gdn": gdn_window._probe.kept_hits,
+                                         "attention": attention_window._probe.kept_hits}}))
 """
 
 
@@ -149,6 +165,12 @@ def shapes_probe(model: Path, cache: Path, pad: bool, args) -> dict:
 def kept_modules(cache: Path) -> int:
     """Kernel modules MLX compiled and kept under `cache` (strata's kernel directory)."""
     return sum(1 for _ in (cache / "strata" / "kernels").rglob("*.ptx")) if (cache / "strata").exists() else 0
+
+
+def kept_by_strata(cache: Path) -> dict:
+    """strata's own compiled kernels and kept probe verdicts under `cache` (metal_shaders/kept.py)."""
+    root = cache / "strata" / "kernels"
+    return {"cubins": sum(1 for _ in root.rglob("cubins/*.bin")), "verdicts": sum(1 for _ in root.rglob("verdicts/*.json"))}
 
 
 def git_tree() -> str:
@@ -220,6 +242,7 @@ def run(args) -> dict:
         r = generate_run(model, mode, caches[mode], args)
         r["phase"] = phase
         r["kept_modules_after"] = kept_modules(caches[mode])
+        r["kept_by_strata_after"] = kept_by_strata(caches[mode])
         if r.get("timed_out"):
             result["runs"].append({k: v for k, v in r.items() if k != "token_ids"})
             print(f"{phase:5} {mode:6}: no first token within {args.process_timeout:.0f} s "
@@ -255,11 +278,16 @@ def run(args) -> dict:
             continue
         rows = ", ".join(f"{k}: {v:.2f}" for k, v in probe["warmup_by_rows_s"].items())
         kernels = ", ".join(f"{k} {v:.1f}" for k, v in probe["kernel_probes_s"].items())
+        pre = probe["precompiled"]
+        print(f"shapes ({label}): strata's compile {'on' if pre['active'] else 'off (' + str(pre['reason']) + ')'}, "
+              f"{pre['compiled']} compiled, {pre['from_disk']} read back, {pre['mlx_calls']} calls on MLX's build, "
+              f"same as MLX's: {probe['precompiled_same_as_mlx']}, errors {pre['errors'][:2]}", flush=True)
         print(f"shapes ({label}): kernel probes (s) {kernels}; ready in {probe['process_to_ready_s']:.1f} s, "
               f"warm-up {probe['warmup_s']:.1f} s "
               f"by rows (s) {rows}; again {probe['second_warm_up_s']:.2f} s", flush=True)
         save()
     result["kept_modules"] = {"serial": kept_modules(caches["serial"]), "auto": kept_modules(caches["auto"])}
+    result["kept_by_strata"] = kept_by_strata(caches["serial"])
     result["seconds"] = time.perf_counter() - started
     save()
     shutil.rmtree(work, ignore_errors=True)

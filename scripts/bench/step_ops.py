@@ -118,9 +118,9 @@ def gpu_shaped(stand_ins: StandIns):
     RowSplit.mode = LayerCompile.mode = "always"
     CpuShortCalls.mode = "never"  # the MLX forms a GPU runs, not the CPU's numpy linears
     try:
-        with mock.patch.object(rows_matvec, "kernels_usable", lambda: True), \
+        with mock.patch.object(rows_matvec, "kernels_usable", lambda dtype=None: True), \
                 mock.patch.object(rows_matvec, "gpu_kernel", stand_ins.kernel), \
-                mock.patch.object(gdn_window, "usable", lambda: True), \
+                mock.patch.object(gdn_window, "usable", lambda dtype=None: True), \
                 mock.patch.object(gdn_window, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(attention_window, "usable", lambda: True), \
                 mock.patch.object(attention_window, "sinks_usable", lambda: True), \

@@ -141,12 +141,12 @@ class GatedAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
 
-    def takes_kernel(self, rows: int) -> bool:
+    def takes_kernel(self, rows: int, dtype=None) -> bool:
         """Whether a window of `rows` rows attends through the row-invariant kernel (CUDA, where it
         passed its probe; serial decoding's 1-row steps too, so they share its arithmetic).
         RowSplit "never" keeps every window on MLX ops, as for the matmuls."""
         return (RowSplit.kernel_may_take(rows) and attention_window.supports(self.head_dim)
-                and attention_window.usable())
+                and attention_window.usable(dtype))
 
     # A layer call is head (pure), core (the state's part), tail (pure): decoder_layer.py
     # compiles head and tail for decode windows.
@@ -180,7 +180,7 @@ class GatedAttention(nn.Module):
             q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
             k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
         keys, values = state.update_and_fetch(k, v)
-        if self.takes_kernel(T):
+        if self.takes_kernel(T, q.dtype):
             out = attention_window.attention_window(q, keys, values, self.scale)  # (B, T, heads, D)
         elif RowSplit.applies(T):
             # Each query row alone over the cells it sees (0..offset+i): serial decoding's call.

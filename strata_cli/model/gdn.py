@@ -169,11 +169,11 @@ class GatedDeltaNet(nn.Module):
         z = take(qkvz, z_cols).reshape(B, T, self.num_v_heads, self.head_v_dim)
         return take(qkvz, raw_cols), z, take(ba, b_cols), take(ba, a_cols)
 
-    def takes_kernels(self, rows: int) -> bool:
+    def takes_kernels(self, rows: int, dtype=None) -> bool:
         """Whether a window of `rows` rows runs the GDN window kernels (CUDA, where they passed
         their probe; RowSplit "never" keeps every window on MLX ops, as for the matmuls)."""
         return (RowSplit.kernel_may_take(rows) and gdn_window.supports(self.head_k_dim, self.head_v_dim)
-                and gdn_window.usable())
+                and gdn_window.usable(dtype))
 
     # A layer call is head (pure), core (the state's part), tail (pure): decoder_layer.py
     # compiles head and tail for decode windows.
@@ -186,7 +186,7 @@ class GatedDeltaNet(nn.Module):
         """Causal conv over the state's history and the gated-delta recurrence from its state."""
         T = raw.shape[1]
         window = state.conv_window(raw)
-        is_kernel = self.takes_kernels(T)
+        is_kernel = self.takes_kernels(T, raw.dtype)
         heads = {"num_k_heads": self.num_k_heads, "head_k_dim": self.head_k_dim}
         if is_kernel:
             prepare = partial(gdn_window.gdn_prepare, **heads)

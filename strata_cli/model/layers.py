@@ -129,7 +129,7 @@ def by_row(fn: Callable[[mx.array], mx.array], x: mx.array, axis: int = -2) -> m
 def _kernel_rows(x: mx.array) -> int:
     """Rows of `x` (all leading axes) when the row-invariant CUDA kernel takes them, else 0."""
     rows = x.size // x.shape[-1] if x.ndim else 0
-    return rows if RowSplit.kernel_may_take(rows) and kernels.kernels_usable() else 0
+    return rows if RowSplit.kernel_may_take(rows) and kernels.kernels_usable(x.dtype) else 0
 
 
 def is_cpu_prompt(x: mx.array) -> bool:

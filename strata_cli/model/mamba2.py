@@ -167,11 +167,11 @@ class Mamba2Mixer(nn.Module):
         self.norm = GroupedGatedRMSNorm(self.intermediate_size, n_groups, eps)
         self.out_proj = RowLinear(self.intermediate_size, hidden_size, bias=use_bias)
 
-    def takes_kernels(self, rows: int) -> bool:
+    def takes_kernels(self, rows: int, dtype=None) -> bool:
         """Whether a window of `rows` rows runs the Mamba-2 window kernels (a GPU where they passed
         their probe; RowSplit "never" keeps every window on MLX ops, as for the matmuls)."""
         return (WINDOW_KERNELS and RowSplit.kernel_may_take(rows) and mamba2_window.supports(self.state_size)
-                and mamba2_window.usable())
+                and mamba2_window.usable(dtype))
 
     # A layer call is head (pure), core (the state's part), tail (pure): the decoder layers
     # compile head and tail for decode windows.
@@ -185,7 +185,7 @@ class Mamba2Mixer(nn.Module):
         """The causal conv over the state's history and the SSD recurrence from its state ->
         y (B, T, I) float32, the D skip included."""
         B, T, _ = xBC.shape
-        is_kernel = self.takes_kernels(T)
+        is_kernel = self.takes_kernels(T, xBC.dtype)
         prepare = mamba2_window.mamba2_prepare if is_kernel else mamba2_window.reference_prepare
         x, b, c, dt, g = prepare(state.conv_window(xBC), self.conv1d.weight, self.conv1d.get("bias"), dt,
                                  self.dt_bias, self.A_log, num_heads=self.num_heads, head_dim=self.head_dim,

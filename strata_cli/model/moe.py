@@ -119,13 +119,13 @@ def gather_qmatmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     """
     if (not is_sorted and mode == "affine" and biases is not None and x.ndim == 3 and x.shape[1] == 1
             and x.shape[0] <= kernels.MAX_PICKS and weight.ndim == 3 and RowSplit.mode != "never"
-            and kernels.supports(x.shape[-1], group_size=group_size, bits=bits) and kernels.kernels_usable()):
+            and kernels.supports(x.shape[-1], group_size=group_size, bits=bits) and kernels.kernels_usable(x.dtype)):
         # (M, 1, in) -> (M, 1, out) as it stands: the kernel reads rows, a reshape is one more op.
         return kernels.rows_gather_qmatvec(x, weight, scales, biases, experts if experts.ndim == 1 else
                                            experts.reshape(-1), group_size=group_size, bits=bits)
     if (not is_sorted and mode == "mxfp4" and x.ndim == 3 and x.shape[1] == 1 and x.shape[0] <= kernels.MAX_PICKS
             and weight.ndim == 3 and group_size == 32 and bits == 4 and RowSplit.mode != "never"
-            and kernels.supports(x.shape[-1]) and kernels.kernels_usable()):
+            and kernels.supports(x.shape[-1]) and kernels.kernels_usable(x.dtype)):
         # GPT-OSS's MXFP4 experts: MLX's CUDA gather_qmm changes kernels at 8 picks (a T >= 2 window).
         return kernels.rows_gather_mxfp4matvec(x, weight, scales, experts if experts.ndim == 1 else experts.reshape(-1))
     if (is_sorted and x.dtype == mx.float32 and is_cpu_prompt(x)

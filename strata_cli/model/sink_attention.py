@@ -104,11 +104,11 @@ class SinkAttention(GatedAttention):
         q, k, v = mx.split(fused.linear(x), fused.bounds, axis=-1)
         return traced_on_host(self, "_head_rest", self.head_rest, x.size // x.shape[-1], x.dtype)(q, k, v)
 
-    def takes_kernel(self, rows: int) -> bool:
+    def takes_kernel(self, rows: int, dtype=None) -> bool:
         """Whether a window of `rows` rows attends through the sink kernel (a GPU where it passed
         its probe; serial steps too, so they share its arithmetic)."""
         return (RowSplit.kernel_may_take(rows) and attention_window.supports(self.head_dim)
-                and attention_window.sinks_usable())
+                and attention_window.sinks_usable(dtype))
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         if self._periods is None:
@@ -126,7 +126,7 @@ class SinkAttention(GatedAttention):
         else:
             keys, values, mask = state.update_and_fetch(k, v)
         sinks = self.sinks if self.sinks.dtype == q.dtype else self.sinks.astype(q.dtype)
-        if T <= WINDOW_ROWS and self.takes_kernel(T):  # a ring's whole buffer (sliding) or cells 0..end
+        if T <= WINDOW_ROWS and self.takes_kernel(T, q.dtype):  # a ring's whole buffer (sliding) or cells 0..end
             out = attention_window.sink_attention_window(q, keys, values, self.scale, sinks, pos0=state.offset,
                                                          window=self.window or 0)
         elif T <= WINDOW_ROWS and RowSplit.applies(T):

@@ -1,0 +1,182 @@
+"""What strata keeps across processes for its GPU kernels (issue 41), checked on the CPU with
+stand-ins for NVRTC and the device: probe verdicts (probe.Probe, kept.py) kept per MLX version,
+device, build, kernel sources and dtype, and strata's own compiled kernels
+(precompiled.py) kept per toolchain and generated source, with MLX's build wherever that fails."""
+
+import mlx.core as mx
+import pytest
+
+from metal_shaders import backends, kept, precompiled, probe
+
+
+@pytest.fixture
+def keep(tmp_path, monkeypatch):
+    """A kept directory of its own, strata's compile on, fresh counters."""
+    monkeypatch.setattr(kept, "_directory", tmp_path)
+    monkeypatch.setattr(precompiled, "_state", {"off": False, "reason": None})
+    monkeypatch.setattr(precompiled, "stats", {"compiled": 0, "from_disk": 0, "mlx_calls": 0, "compile_s": 0.0,
+                                               "errors": []})
+    return tmp_path
+
+
+def test_a_kept_file_is_read_back_only_for_its_own_keys(keep):
+    keys = {"mlx": "0.32.4", "device": "NVIDIA H200", "dtype": "bfloat16"}
+    assert kept.read("k", "name", keys) is None
+    assert kept.write("k", "name", keys, {"seconds": 1.5}, b"\x7fELF-binary")
+    record, payload = kept.read("k", "name", keys)
+    assert payload == b"\x7fELF-binary" and record["seconds"] == 1.5
+    for changed in ({**keys, "mlx": "0.32.5"}, {**keys, "device": "NVIDIA A100"}, {**keys, "dtype": "float32"}):
+        assert kept.read("k", "name", changed) is None
+    (bin_file,) = keep.glob("k/*.bin")
+    bin_file.write_bytes(b"\x7fELF-binarz")  # damaged on disk: a miss, never loaded
+    assert kept.read("k", "name", keys) is None
+    kept.configure(None)
+    assert kept.read("k", "name", keys) is None and not kept.write("k", "name", keys, {})
+
+
+def _counting_check(calls, error=None):
+    def check(dtypes):
+        calls.append(dtypes)
+        return error(len(calls)) if callable(error) else error
+    return check
+
+
+def test_a_passing_verdict_is_kept_per_dtype_and_invalidated_by_every_key(keep, monkeypatch):
+    monkeypatch.setattr(probe, "backend", lambda: backends.CUDA)
+    calls = []
+    check = _counting_check(calls)
+    assert probe.Probe("fam", "fallback").usable(check, mx.bfloat16) is True
+    assert calls == [(mx.bfloat16,)]  # only the model's dtype is probed
+    later = probe.Probe("fam", "fallback")  # the next process
+    assert later.usable(check, mx.bfloat16) is True and len(calls) == 1 and later.kept_hits == 1
+    assert later.usable(check, mx.float32) is True and calls[-1] == (mx.float32,)  # another dtype: probed
+    n = len(calls)
+    changes = [
+        lambda: monkeypatch.setattr(mx, "__version__", "9.9.9"),
+        lambda: monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "NVIDIA A100"}),
+        lambda: monkeypatch.setattr(probe, "_sources", ["another kernel source"]),
+        lambda: precompiled.disable("test: MLX's build"),
+    ]
+    for change in changes:
+        change()
+        assert probe.Probe("fam", "fallback").usable(check, mx.bfloat16) is True
+        assert len(calls) == n + 1, "a changed key must probe again"
+        n += 1
+    assert probe.Probe("other family", "fallback").usable(check, mx.bfloat16) and len(calls) == n + 1
+
+
+def test_a_failure_is_not_kept_and_a_failure_on_strata_builds_is_retried_on_mlx(keep, monkeypatch):
+    monkeypatch.setattr(probe, "backend", lambda: backends.CUDA)
+    calls = []
+    failing = _counting_check(calls, "rows differ")
+    first = probe.Probe("fam", "fallback")
+    assert first.usable(failing, mx.float32) is False and first.status()["error"] == "rows differ"
+    assert len(calls) == 2 and not precompiled.active()  # retried once on MLX's build, then off
+    precompiled._state.update(off=False, reason=None)
+    assert probe.Probe("fam", "fallback").usable(failing, mx.float32) is False and len(calls) == 4
+    # fails on strata's build only: passes on MLX's, and that pass is kept under MLX's build
+    precompiled._state.update(off=False, reason=None)
+    only_first = _counting_check(calls, lambda n: "mismatch" if n == 5 else None)
+    assert probe.Probe("fam", "fallback").usable(only_first, mx.float32) is True
+    assert len(calls) == 6 and not precompiled.active()
+    assert probe.Probe("fam", "fallback").usable(only_first, mx.float32) is True and len(calls) == 6
+
+
+def test_off_a_gpu_nothing_is_probed_or_kept(keep):
+    calls = []
+    assert probe.Probe("fam", "fallback").usable(_counting_check(calls)) is False
+    assert calls == [] and not any(keep.iterdir())
+
+
+# -- strata's own compile of the CUDA kernels --------------------------------------------------
+
+class _Nvrtc:
+    def __init__(self):
+        self.compiled = []
+
+    def compile(self, source, name, options, sass):
+        self.compiled.append(source)
+        return b"CUBIN:" + kept.digest({"s": source}).encode()
+
+
+class _Toolchain:
+    def __init__(self, device="NVIDIA H200"):
+        self.nvrtc, self.options, self.sass = _Nvrtc(), ["--gpu-architecture=sm_90a"], True
+        self.keys = {"build": precompiled.BUILD, "mlx": mx.__version__, "device": device}
+
+
+BODY = "    const int i = threadIdx.x;\n    out[i] = static_cast<T>(ROWS) * x[i];\n"
+
+
+def _kernel(chain, launches, fallback_calls, body=BODY):
+    def fallback(**call):
+        fallback_calls.append(call)
+        return ["mlx"]
+    return precompiled.PrecompiledKernel(fallback, name="strata_test_v1", input_names=["dims", "x"],
+                                         output_names=["out"], source=body, header="#define H 1\n",
+                                         ensure_row_contiguous=True, make_toolchain=lambda: chain)
+
+
+def _call(kernel, rows=4, dtype=mx.float32):
+    return kernel(inputs=[mx.array([1], dtype=mx.int32), mx.zeros((8,), dtype=dtype)], output_shapes=[(8,)],
+                  output_dtypes=[dtype], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                  template=[("T", dtype), ("ROWS", rows), ("FLAG", True)])
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    made = []
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: made.append(kw) or ["precompiled"])
+    return made
+
+
+def test_generated_source_follows_mlx_build_kernel():
+    source = precompiled.generate_source("k", "#define H 1\n", BODY, ["dims", "x"], [mx.int32, mx.bfloat16], ["out"],
+                                         [mx.bfloat16], [("T", mx.bfloat16), ("ROWS", 4), ("FLAG", True)])
+    assert source.startswith(precompiled.PRELUDE + "#define H 1\nnamespace mlx::core::cu {")
+    assert ('extern "C" __global__ void k(\n    const int* dims,\n    const __nv_bfloat16* x,\n'
+            '    __nv_bfloat16* out) {\n  using T = __nv_bfloat16;\n  constexpr int ROWS = 4;\n'
+            '  constexpr bool FLAG = true;\n\n' + BODY + "\n}\n\n} // namespace mlx::core::cu\n") in source
+
+
+def test_a_compiled_kernel_is_kept_per_source_and_toolchain(keep, launches):
+    chain, mlx_calls = _Toolchain(), []
+    assert _call(_kernel(chain, launches, mlx_calls)) == ["precompiled"]
+    (launch,) = launches
+    assert launch["name"] == "strata_test_v1" and launch["compiled_source"].startswith(b"CUBIN:")
+    assert launch["ensure_row_contiguous"] is True and launch["scalars"] == [] and launch["grid"] == (32, 1, 1)
+    assert len(chain.nvrtc.compiled) == 1 and "constexpr int ROWS = 4;" in chain.nvrtc.compiled[0]
+    again = _kernel(chain, launches, mlx_calls)  # the next process: read back, not compiled
+    _call(again), _call(again)
+    assert len(chain.nvrtc.compiled) == 1 and precompiled.stats["from_disk"] == 1
+    assert launches[-1]["compiled_source"] == launch["compiled_source"]
+    _call(again, rows=8)  # another template value: its own compile
+    _call(again, dtype=mx.bfloat16)  # another dtype: its own compile
+    assert len(chain.nvrtc.compiled) == 3
+    other_gpu = _Toolchain(device="NVIDIA A100")
+    _call(_kernel(other_gpu, launches, mlx_calls))
+    assert len(other_gpu.nvrtc.compiled) == 1 and mlx_calls == []
+
+
+def test_any_failure_falls_back_to_mlx_build(keep, launches, monkeypatch):
+    def broken():
+        raise RuntimeError("no usable libnvrtc")
+    mlx_calls = []
+    kernel = _kernel(None, launches, mlx_calls)
+    kernel.make_toolchain = broken
+    assert _call(kernel) == ["mlx"] and _call(kernel) == ["mlx"] and launches == []
+    assert "no usable libnvrtc" in kernel.error and len(precompiled.stats["errors"]) == 1
+    assert mlx_calls[0]["template"][1] == ("ROWS", 4)  # MLX gets the call as it was made
+    strided = _kernel(_Toolchain(), launches, mlx_calls, body=BODY + "    (void)x_strides[0];\n")
+    assert _call(strided) == ["mlx"] and launches == []  # MLX passes strides by value: its build
+    precompiled.disable("test")
+    chain = _Toolchain()
+    assert _call(_kernel(chain, launches, mlx_calls)) == ["mlx"] and chain.nvrtc.compiled == []
+
+
+def test_sass_support_follows_mlx():
+    nvrtc = object.__new__(precompiled.Nvrtc)
+    for version, cc, sass in (((13, 0), (9, 0), True), ((11, 0), (8, 6), False), ((11, 8), (9, 0), True),
+                              ((10, 2), (7, 5), True), ((10, 2), (8, 0), False)):
+        nvrtc.version = version
+        assert nvrtc.supports_sass(cc) is sass
