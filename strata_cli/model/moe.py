@@ -265,9 +265,13 @@ class SigmoidTopkRouter(nn.Module):
         self.e_score_correction_bias = mx.zeros((num_experts,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        """x (N, H) -> router logits (N, E), float32."""
-        weight = self.weight.astype(mx.float32)
-        return by_row(lambda rows: rows.astype(mx.float32) @ weight.T, x)
+        """x (N, H) -> router logits (N, E), float32. A decode window's rows go to the
+        row-invariant kernel in one call where it runs (a GPU), not one matmul per row."""
+        x, weight = x.astype(mx.float32), self.weight.astype(mx.float32)
+        if (RowSplit.kernel_may_take(x.size // x.shape[-1]) and kernels.supports(x.shape[-1])
+                and kernels.kernels_usable()):
+            return kernels.rows_matvec(x, weight)
+        return by_row(lambda rows: rows @ weight.T, x)
 
     def scores(self, x: mx.array) -> mx.array:
         """x (N, H) -> sigmoid scores (N, E), float32."""
