@@ -152,6 +152,33 @@ def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
     assert len(calls) == 1
 
 
+def test_sigmoid_router_windows_take_the_row_kernel_in_one_call(monkeypatch):
+    """The float32 sigmoid router (Nemotron-H, GLM-4.x, DeepSeek-V3) hands a window's rows to the
+    row-invariant kernel in one call where it runs, instead of one matmul per row; prompt chunks
+    and RowSplit "never" keep MLX's matmul."""
+    from strata_cli.model import moe
+    from strata_cli.model.layers import RowSplit
+
+    calls = []
+
+    def fake(x, w):
+        calls.append((x.shape, x.dtype, w.dtype))
+        return x @ w.T
+
+    router = moe.SigmoidTopkRouter(hidden_size=64, num_experts=8, top_k=2)
+    router.weight = mx.random.normal((8, 64), key=mx.random.key(3))
+    x = mx.random.normal((5, 64), key=mx.random.key(4)).astype(mx.bfloat16)
+    plain = router(x)
+    monkeypatch.setattr(kernels, "kernels_usable", lambda: True)
+    monkeypatch.setattr(kernels, "rows_matvec", fake)
+    assert mx.array_equal(router(x), plain).item()
+    assert calls == [((5, 64), mx.float32, mx.float32)]
+    router(mx.random.normal((40, 64)))  # a prompt chunk
+    monkeypatch.setattr(RowSplit, "mode", "never")
+    router(x)
+    assert len(calls) == 1
+
+
 def test_kernel_bench_routed_experts_on_the_cpu():
     from scripts.bench import kernel_bench
 

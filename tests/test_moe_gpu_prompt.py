@@ -1,11 +1,12 @@
-"""The routed experts' GPU prompt form (model/moe.py: `glu_padded`), run here on the CPU with the
-device check pointed at a GPU: the same products as the pick-by-pick gather, for resident and
-quantized experts."""
+"""The routed experts' GPU prompt form (model/moe.py: `padded_by_expert`, SwiGLU and Nemotron-H's
+relu² experts), run here on the CPU with the device check pointed at a GPU: the same products as
+the pick-by-pick gather, for resident and quantized experts."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
-from strata_cli.model import moe
+from strata_cli.model import moe, nemotron_h
 from strata_cli.model.host_blas import HostBlas
 
 TOL = 1e-5
@@ -22,6 +23,15 @@ def experts(quantized: bool) -> moe.SwitchGLU:
     return glu.to_quantized(group_size=32, bits=4) if quantized else glu
 
 
+def relu2_experts(quantized: bool) -> nemotron_h.SwitchMLP:
+    mlp = nemotron_h.SwitchMLP(64, 32, 12)
+    for i, name in enumerate(("fc1", "fc2")):
+        mlp[name].weight = 0.2 * mx.random.normal(mlp[name].weight.shape, key=mx.random.key(20 + i))
+    if quantized:
+        nn.quantize(mlp, group_size=32, bits=4)
+    return mlp
+
+
 @pytest.fixture
 def on_gpu(monkeypatch):
     """mx.default_device() says GPU (the ops still run on the CPU); numpy's BLAS off."""
@@ -29,14 +39,15 @@ def on_gpu(monkeypatch):
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
 
 
+@pytest.mark.parametrize("build", [experts, relu2_experts])
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("inds", [
     mx.random.randint(0, 10, (100, 3), key=mx.random.key(5)),  # experts 10, 11 unused
     mx.array([[3, 7]] * 20),  # two experts, 20 picks each
     mx.array([[i % 12, (i + 5) % 12] for i in range(9)]),  # uneven: some experts one pick
 ])
-def test_padded_batches_match_the_gather(quantized, inds, on_gpu, monkeypatch):
-    glu = experts(quantized)
+def test_padded_batches_match_the_gather(build, quantized, inds, on_gpu, monkeypatch):
+    glu = build(quantized)
     x = mx.random.normal((inds.shape[0], 64), key=mx.random.key(4))
     monkeypatch.setattr(moe, "GPU_PROMPT_EXPERTS", "gather")
     ref = glu(x, inds)

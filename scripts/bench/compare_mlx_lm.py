@@ -21,10 +21,15 @@ Measured side by side (medians, warm-up apart):
 - serial decode tok/s: a `--context`-token random prompt, `--tokens` greedy tokens, EOS off, the
   sides alternating run by run;
 - window cost T = 1..8: strata's forced-acceptance window (run + commit of T rows) against
-  mlx-lm's forward of T tokens on its cache; T8/T1 of each;
+  mlx-lm's forward of T tokens on its cache; T8/T1 of each; where the model has Mamba-2 layers
+  and their window kernels are on, strata's windows again with them off (`strata_ms_mamba2_kernels_off`:
+  whether the kernels are what grows with T), and on a GPU strata's windows with `RowSplit` "never"
+  (`strata_ms_row_split_never`, timing only: MLX's own matmul and attention calls instead of the
+  row-invariant kernels and per-row splits);
 - prefill of `--prefill-tokens` (4,096) random tokens from empty state, last logits evaluated:
   strata's `WindowEngine.prefill` against mlx-lm's chunked prefill (scripts/bench/prefill_bench.py),
-  alternating;
+  alternating; on a GPU also strata with its routed experts gathered pick by pick (the side
+  `strata experts=gather`: what the padded expert batches, model/moe.py, gain);
 - identity: greedy `--suffix-draft 3` and `auto` against serial on this model (a prompt of a
   repeated motif, so drafts are proposed), in float32 and bfloat16; for `qwen3_next` also the
   demo model's selftest (strata_cli/bench/selftest.py).
@@ -61,6 +66,7 @@ from strata_cli.bench.selftest import selftest, window_costs
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import mamba2
+from strata_cli.model.layers import RowSplit
 from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
 from strata_cli.runtime import load_checkpoint
 
@@ -351,6 +357,22 @@ def run_family(args, family: str) -> dict:
                "mlx_lm_ms": mlx_lm_window_costs(peer.model, prompt, args.window_repeats, 3, vocab=vocab)}
     windows["strata_T8_over_T1"] = windows["strata_ms"]["8"] / windows["strata_ms"]["1"]
     windows["mlx_lm_T8_over_T1"] = windows["mlx_lm_ms"]["8"] / windows["mlx_lm_ms"]["1"]
+    if mamba2.WINDOW_KERNELS and any(kind == "mamba2" for kind, _ in model.state_kinds) and mamba2_window.usable():
+        # which part of a window grows with T: the same windows with the Mamba-2 layers on MLX ops
+        mamba2.WINDOW_KERNELS = False
+        try:
+            windows["strata_ms_mamba2_kernels_off"] = window_costs(engine, len(prompt), args.window_repeats)
+        finally:
+            mamba2.WINDOW_KERNELS = True
+    if mx.default_device() != mx.cpu:
+        # and with every matmul, attention and recurrence on MLX's own calls (timing only: rows
+        # are then not row-invariant): what strata's row-invariant kernels and splits cost at each T
+        split = RowSplit.mode
+        RowSplit.mode = "never"
+        try:
+            windows["strata_ms_row_split_never"] = window_costs(engine, len(prompt), args.window_repeats)
+        finally:
+            RowSplit.mode = split
     for T in map(str, range(1, 9)):
         print(f"T={T}: strata {windows['strata_ms'][T]:.2f} ms, mlx-lm {windows['mlx_lm_ms'][T]:.2f} ms", flush=True)
     print(f"T8/T1: strata {windows['strata_T8_over_T1']:.2f}, mlx-lm {windows['mlx_lm_T8_over_T1']:.2f}", flush=True)
@@ -361,8 +383,10 @@ def run_family(args, family: str) -> dict:
               "serial": serial, "window_cost": windows}
     if args.prefill_tokens:
         ids = np.random.default_rng(args.seed + 1).integers(0, vocab, args.prefill_tokens).tolist()
+        # on a GPU also strata with its routed experts gathered pick by pick (the padded batches' gain)
+        compare = [("experts", "gather")] if mx.default_device() != mx.cpu else []
         result["prefill"] = measure_prefill(engine, peer.model, ids, chunk=None, repeats=args.prefill_repeats,
-                                            warmup=1)
+                                            warmup=1, compare=compare)
         sides = result["prefill"]["sides"]
         print(f"prefill of {len(ids)} tokens: strata {sides['strata']['tokens_per_s']:.0f} tok/s, mlx-lm "
               f"{sides['mlx-lm']['tokens_per_s']:.0f} tok/s ({result['prefill']['ratio']:.2f}x)", flush=True)

@@ -207,12 +207,21 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul, activation=swiglu, *, win
 
 
 def glu_padded(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.array | None:
-    """`glu_by_expert` for GPU prompt chunks: each used expert's picks gathered into one row of
+    """`glu_by_expert` for GPU prompt chunks, in `padded_by_expert`'s batches."""
+    def experts_of(xs: mx.array, experts: mx.array) -> mx.array:
+        h = activation(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
+        return matmul("down_proj", h, experts, True)
+    return padded_by_expert(x, inds, experts_of)
+
+
+def padded_by_expert(x: mx.array, inds: mx.array, experts_of) -> mx.array | None:
+    """Routed experts for GPU prompt chunks: each used expert's picks gathered into one row of
     a zero-padded (E, C, H) batch, C the most picks of any expert, so that each projection is one
     batched matmul of E problems of C rows (MLX's CUDA gather_qmm otherwise runs every pick as a
-    one-row problem: 4x slower on an 80B-A3B layer). The routing is read on the host once per
-    call to size the batch; None (the caller gathers) when routing so skewed that the batch would
-    exceed PADDED_MAX_ROWS_PER_PICK rows per pick.
+    one-row problem: 4x slower on an 80B-A3B layer). `experts_of(xs (E, C, H), experts (E,))`
+    runs the experts (E, C, H) on it. The routing is read on the host once per call to size the
+    batch; None (the caller gathers) when routing so skewed that the batch would exceed
+    PADDED_MAX_ROWS_PER_PICK rows per pick.
     """
     N, k = inds.shape
     flat = np.asarray(inds).reshape(-1)
@@ -228,9 +237,7 @@ def glu_padded(x: mx.array, inds: mx.array, matmul, activation=swiglu) -> mx.arr
     rows[slot] = order // k
     x = mx.concatenate([x, mx.zeros((1, x.shape[-1]), dtype=x.dtype)])
     xs = x[mx.array(rows)].reshape(E, C, -1)
-    experts = mx.arange(E, dtype=mx.uint32)
-    h = activation(matmul("gate_proj", xs, experts, True), matmul("up_proj", xs, experts, True))
-    out = matmul("down_proj", h, experts, True).reshape(E * C, -1)
+    out = experts_of(xs, mx.arange(E, dtype=mx.uint32)).reshape(E * C, -1)
     where = np.empty(P, dtype=np.uint32)
     where[order] = slot  # the padded row of each pick, in (token, k) order
     return out[mx.array(where)].reshape(N, k, -1)
@@ -274,9 +281,13 @@ class SigmoidTopkRouter(nn.Module):
         self.e_score_correction_bias = mx.zeros((num_experts,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        """x (N, H) -> router logits (N, E), float32."""
-        weight = self.weight.astype(mx.float32)
-        return by_row(lambda rows: rows.astype(mx.float32) @ weight.T, x)
+        """x (N, H) -> router logits (N, E), float32. A decode window's rows go to the
+        row-invariant kernel in one call where it runs (a GPU), not one matmul per row."""
+        x, weight = x.astype(mx.float32), self.weight.astype(mx.float32)
+        if (RowSplit.kernel_may_take(x.size // x.shape[-1]) and kernels.supports(x.shape[-1])
+                and kernels.kernels_usable()):
+            return kernels.rows_matvec(x, weight)
+        return by_row(lambda rows: rows @ weight.T, x)
 
     def scores(self, x: mx.array) -> mx.array:
         """x (N, H) -> sigmoid scores (N, E), float32."""

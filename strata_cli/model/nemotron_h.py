@@ -21,6 +21,7 @@ from .compiled import Compiled, LayerCompile
 from .config import ConfigError, ModelConfig
 from .layers import WINDOW_ROWS, RMSNorm, RowLinear, by_row, is_cpu_prompt, transposed
 from .layout import stack_experts
+from . import moe
 from .mamba2 import Mamba2Mixer
 from .moe import QuantizedExperts, SigmoidTopkRouter, gather_matmul, weighted_sum
 
@@ -172,6 +173,13 @@ def relu2_by_expert(x: mx.array, inds: mx.array, matmul, *, window: bool | None 
         xs = mx.broadcast_to(x[:, None, None, :], (N, k, 1, x.shape[-1])).reshape(N * k, 1, -1)
         h = nn.relu2(matmul("fc1", xs, flat, False))
         return matmul("fc2", h, flat, False).reshape(N, k, -1)
+    if moe.GPU_PROMPT_EXPERTS == "padded" and mx.default_device() != mx.cpu:
+        # A GPU prompt chunk: one batched matmul of every used expert's picks per projection,
+        # where the sorted gather runs each pick as a one-row problem (model/moe.py)
+        out = moe.padded_by_expert(x, inds, lambda xs, experts: matmul(
+            "fc2", nn.relu2(matmul("fc1", xs, experts, True)), experts, True))
+        if out is not None:
+            return out
     order = mx.argsort(flat)  # each expert's rows together, each expert read once
     experts = flat[order]
     h = nn.relu2(matmul("fc1", x[order // k][:, None, :], experts, True))
