@@ -52,6 +52,8 @@ COUNTERS = (
     "cancelled_prefetches",  # read-aheads dropped from the queue before they reached the disk
     "bytes_read", "prefetched_bytes", "wait_seconds", "union", "cold_beyond_root", "passes",
     "substitutions", "misses_saved", "bytes_saved",  # cache-aware routing (experts/moce.py) only
+    "router_sync_seconds",  # the routing readback: evaluating the ids (and whatever compute they wait on)
+    "install_seconds",  # writing read records into the slot banks (the reads' own wait apart)
 )
 _C = {name: i for i, name in enumerate(COUNTERS)}
 DECODE, PREFILL = "decode", "prefill"
@@ -210,6 +212,8 @@ class ExpertCache:
             prefetch_hits=int(total[_C["prefetch_hits"]]),
             wasted_prefetches=int(total[_C["wasted_prefetches"]]),
             passes=int(total[_C["passes"]]),
+            router_sync_seconds=float(total[_C["router_sync_seconds"]]),
+            install_seconds=float(total[_C["install_seconds"]]),
             substitutions=int(total[_C["substitutions"]]),
             misses_saved=int(total[_C["misses_saved"]]),
             bytes_saved=int(total[_C["bytes_saved"]]),
@@ -269,8 +273,10 @@ class ExpertCache:
         block = self._blocks[i]
         count = self._counts[i]
         predicted = self._router_prediction(i, x)
+        start = time.perf_counter()
         mx.eval([a for a in (inds, predicted) if a is not None])
         ids = np.array(inds, dtype=np.int64)  # (N, k)
+        count[_C["router_sync_seconds"]] += time.perf_counter() - start
         self._rows = max(self._rows, len(ids))
         union = np.unique(ids)
         self._cancel_prefetches(i, keep=union)
@@ -327,11 +333,12 @@ class ExpertCache:
         """Wait for each read and write it into its slot (evicting the slot's expert)."""
         block, count = self._blocks[i], self._counts[i]
         path = self.paths[i]
+        began, waited = time.perf_counter(), 0.0
         try:
             for n, ((e, future), slot) in enumerate(zip(pending, victims)):
                 start = time.perf_counter()
                 buf, payload = future.result()
-                count[_C["wait_seconds"]] += time.perf_counter() - start
+                waited += time.perf_counter() - start
                 try:
                     arrays = self.store.to_arrays(path, payload, block.dtypes)
                 finally:
@@ -350,7 +357,10 @@ class ExpertCache:
             for _, future in pending[n + 1 :]:
                 future.add_done_callback(self._recycle(block))
             raise
+        finally:
+            count[_C["wait_seconds"]] += waited
         mx.eval(list(block.banks.values()))
+        count[_C["install_seconds"]] += time.perf_counter() - began - waited
 
     @staticmethod
     def _victims(block: _Block, n: int, *, pinned: np.ndarray) -> list[int]:
