@@ -68,7 +68,11 @@ class DraftReadCost:
 
     Learned from measured decode windows, as moving averages: seconds per expert read (the
     window's wait on reads over the experts it read) and cold experts per draft row
-    (`cold_beyond_root / (T - 1)`).
+    (`cold_beyond_root / (T - 1)`). Until a window with drafts has been measured, a draft row is
+    expected to need as many non-resident experts as a one-row window's root did (its misses
+    and prefetch hits): a draft row routes on its own, and `auto` decides before a window runs,
+    so without this prior the first drafts (and every probe) would look free of reads however
+    cold the cache.
 
     Args:
         smoothing: weight of the newest window in each average (default 0.2).
@@ -78,6 +82,7 @@ class DraftReadCost:
         self.smoothing = smoothing
         self.seconds_per_read: float | None = None
         self.cold_per_draft_row: float | None = None
+        self.cold_per_row: float | None = None  # non-resident experts a one-row window needed
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -88,6 +93,8 @@ class DraftReadCost:
         reads = stats.misses + stats.late_waits
         if rows > 1:
             self.cold_per_draft_row = self._average(self.cold_per_draft_row, stats.cold_beyond_root / (rows - 1))
+        else:
+            self.cold_per_row = self._average(self.cold_per_row, stats.misses + stats.prefetch_hits)
         if not reads:
             return 0.0
         per_read = stats.late_wait_seconds / reads
@@ -96,9 +103,10 @@ class DraftReadCost:
 
     def __call__(self, T: int) -> float:
         """Predicted extra seconds of a window of T rows (0 until reads were measured)."""
-        if T <= 1 or self.seconds_per_read is None or self.cold_per_draft_row is None:
+        per_row = self.cold_per_draft_row if self.cold_per_draft_row is not None else self.cold_per_row
+        if T <= 1 or self.seconds_per_read is None or per_row is None:
             return 0.0
-        return (T - 1) * self.cold_per_draft_row * self.seconds_per_read
+        return (T - 1) * per_row * self.seconds_per_read
 
 
 class _Block:
