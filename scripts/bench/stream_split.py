@@ -31,6 +31,7 @@ from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.options import GenerateOptions, SpecOptions, StreamOptions
 from strata_cli.runtime import load_checkpoint
+from strata_cli.speculative.controller import CostPrior
 from strata_cli.telemetry import DecodeStats
 
 MODES = {"serial": SpecOptions(), "auto": SpecOptions(max_drafts=3, auto=True), "draft3": SpecOptions(max_drafts=3)}
@@ -74,12 +75,26 @@ def main() -> None:
                         help="Simulated milliseconds per record read (default: an 80B-A3B record on the H200).")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--cost-slope", type=float, default=None,
+                        help="auto's prior window cost, 1 + slope x (T - 1) one-row windows (e.g. 0.05, a GPU's "
+                             "flat curve, so auto tries drafts on the CPU too); default: the built-in prior.")
+    parser.add_argument("--io", choices=("auto", "direct", "buffered"), default="buffered",
+                        help="Expert reads (default buffered: the simulated disk times them; 'direct' with --read-ms 0 "
+                             "for a real disk).")
+    parser.add_argument("--disk-gbps", type=float, default=None,
+                        help="With --read-ms 0: the measured disk rate for the disk-bound tokens/s.")
+    parser.add_argument("--layers", type=int, default=None, help="Override the preset's number of layers.")
     parser.add_argument("--prefetch", default="router")
     parser.add_argument("--io-threads", type=int, default=8)
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     name = "tiny" if args.tiny else args.preset
     preset = PRESETS[name]
+    if args.layers is not None:
+        preset = {**preset, "model": {**preset["model"], "num_hidden_layers": args.layers}}
+    modes = dict(MODES)
+    if args.cost_slope is not None:
+        modes["auto"] = SpecOptions(max_drafts=3, auto=True, cost_prior=CostPrior.linear(args.cost_slope))
     tokens = args.tokens or preset["tokens"]
     start = time.perf_counter()
 
@@ -87,12 +102,14 @@ def main() -> None:
         print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
     path = args.dir or Path(f"/tmp/strata-stream-{name}")
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file() or json.loads(config.read_text())["num_hidden_layers"] != preset["model"]["num_hidden_layers"]:
         log(f"building the {name} model in {path}")
-        build(path, preset["model"], seed=0, dtype=mx.float32, log=log)
+        dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+        build(path, preset["model"], seed=0, dtype=dtype, log=log)
     E = preset["model"]["num_experts"]
     prompts = synthetic_prompts(preset, 1, 1 + args.repeats)
-    stream = {"prefetch": args.prefetch, "io": "buffered", "io_threads": args.io_threads}
+    stream = {"prefetch": args.prefetch, "io": args.io, "io_threads": args.io_threads}
     rows = []
     for fraction in args.fractions:
         slots = max(1, math.ceil(E * fraction))
@@ -103,12 +120,16 @@ def main() -> None:
         runs: dict[str, list[dict]] = {m: [] for m in args.modes}
         for r, prompt in enumerate(prompts):
             for m in (args.modes if r % 2 else args.modes[::-1]):  # alternate which mode goes first
-                run = one_run(engines[m], prompt, tokens, MODES[m], stride)
+                run = one_run(engines[m], prompt, tokens, modes[m], stride)
                 if r:  # prompts[0] warms each engine up
                     runs[m].append(run)
         for m in args.modes:
             med = {k: statistics.median(run[k] for run in runs[m]) for k in runs[m][0] if k != "output"}
-            disk_bound = 1000 / (med["records_per_token"] * args.read_ms) if med["records_per_token"] else math.inf
+            if args.read_ms:
+                disk_bound = 1000 / (med["records_per_token"] * args.read_ms) if med["records_per_token"] else math.inf
+            else:
+                per_token = med["records_per_token"] * stride
+                disk_bound = args.disk_gbps * 1e9 / per_token if args.disk_gbps and per_token else math.inf
             row = {"fraction": fraction, "slots": slots, "mode": m, "runs": len(runs[m]), **med,
                    "disk_bound_tokens_per_s": disk_bound, "share_of_disk_bound": med["tokens_per_s"] / disk_bound,
                    "tokens_per_s_all": [round(run["tokens_per_s"], 2) for run in runs[m]],
@@ -122,7 +143,7 @@ def main() -> None:
                 f"({med['demand_records_per_token']:.1f} demand)  identical {row['identical_to_first_mode']}")
         for engine in engines.values():
             engine.model.expert_cache.close()
-    report = {"preset": name, "read_ms": args.read_ms, "tokens": tokens, "prefetch": args.prefetch,
+    report = {"preset": name, "read_ms": args.read_ms, "cost_slope": args.cost_slope, "io": args.io, "tokens": tokens, "prefetch": args.prefetch,
               "device": str(mx.default_device()), "rows": rows, "seconds": time.perf_counter() - start}
     print(json.dumps(report, indent=1))
     if args.json_out:
