@@ -4,8 +4,10 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
 
 - Slot banks: per block, one (S, ...) array per record tensor (gate/up/down, or their quantized
   weight/scales/biases), so the MLX graph never changes shape; an expert->slot table maps the
-  router's ids to bank rows. A load writes one slot with `mx.slice_update`, whose input buffer MLX
-  donates when the cache holds the only reference, so a load copies one expert, not the bank.
+  router's ids to bank rows. A pass's loads enter each bank with one scatter (the records copied
+  into a host stack as their reads land), whose input buffer MLX donates when the cache holds the
+  only reference, so a load copies its experts, not the bank. The scatters are left lazy: they
+  run with the layer's compute when the next routing readback evaluates it.
 - Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
   while it is loaded); the missing ones are read with `os.preadv` on a thread pool (O_DIRECT where
   the file system allows) and the least recently used unpinned slots take them. A union larger
