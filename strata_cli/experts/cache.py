@@ -4,10 +4,10 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
 
 - Slot banks: per block, one (S, ...) array per record tensor (gate/up/down, or their quantized
   weight/scales/biases), so the MLX graph never changes shape; an expert->slot table maps the
-  router's ids to bank rows. A pass's loads enter each bank with one scatter (the records copied
-  into a host stack as their reads land), whose input buffer MLX donates when the cache holds the
-  only reference, so a load copies its experts, not the bank. The scatters are left lazy: they
-  run with the layer's compute when the next routing readback evaluates it.
+  router's ids to bank rows. A load writes one slot with `mx.slice_update`, whose input buffer MLX
+  donates when the cache holds the only reference, so a load copies one expert, not the bank. The
+  writes are left lazy: they run with the layer's compute when the next routing readback
+  evaluates it (no device sync of their own).
 - Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
   while it is loaded); the missing ones are read with `os.preadv` on a thread pool (O_DIRECT where
   the file system allows) and the least recently used unpinned slots take them. A union larger
@@ -340,46 +340,40 @@ class ExpertCache:
             self._write(i, pending, self._victims(self._blocks[i], len(pending), pinned=group))
 
     def _write(self, i: int, pending: list[tuple[int, Future]], victims: list[int]) -> None:
-        """Wait for each read and write them all into their slots (evicting the slots' experts).
+        """Wait for each read and write it into its slot (evicting the slot's expert).
 
-        Each record is copied into a host stack as its read completes (while the disk reads the
-        next) and its buffer goes back to the pool; the stack then enters each bank with one
-        scatter per tensor, not one `slice_update` per expert and tensor: on a GPU every update
-        is a kernel launch, 9 tensors x 10 experts a layer for an 80B-A3B miss pattern."""
+        The slot updates are left lazy: they run with the layer's own compute when the next
+        routing readback evaluates it (the next layer's input depends on them), so an install
+        costs no device sync of its own. (One `slice_update` per expert and tensor: MLX's CPU
+        scatter of a pass's records at once took 5x as long, docs/benchmarks.md.)"""
         block, count = self._blocks[i], self._counts[i]
-        path, pool = self.paths[i], self.store.pools[block.layout.stride]
+        path = self.paths[i]
         began, waited = time.perf_counter(), 0.0
-        stack = self.store.host_stack(path, len(pending))
         try:
-            for n, (_, future) in enumerate(pending):
+            for n, ((e, future), slot) in enumerate(zip(pending, victims)):
                 start = time.perf_counter()
                 buf, payload = future.result()
                 waited += time.perf_counter() - start
                 try:
-                    self.store.copy_record(path, payload, stack, n)
+                    arrays = self.store.to_arrays(path, payload, block.dtypes)
                 finally:
-                    pool.give(buf)
+                    self.store.pools[block.layout.stride].give(buf)
+                old = int(block.expert_in[slot])
+                if old >= 0:
+                    block.slot_of[old] = -1
+                    del block.lru[old]
+                at = mx.array([int(slot)])
+                for name, value in arrays.items():
+                    block.banks[name] = mx.slice_update(block.banks[name], value[None], at, axes=(0,))
+                block.slot_of[e], block.expert_in[slot] = slot, e
+                block.lru[e] = None
+                block.seen[e] = True
         except BaseException:
             for _, future in pending[n + 1 :]:
                 future.add_done_callback(self._recycle(block))
             raise
         finally:
             count[_C["wait_seconds"]] += waited
-        for (e, _), slot in zip(pending, victims):
-            old = int(block.expert_in[slot])
-            if old >= 0:
-                block.slot_of[old] = -1
-                del block.lru[old]
-            block.slot_of[e], block.expert_in[slot] = slot, e
-            block.lru[e] = None
-            block.seen[e] = True
-        at = mx.array(np.asarray(victims, np.int64)[: len(pending)].astype(np.int32))
-        for name, value in self.store.stack_arrays(path, stack, block.dtypes).items():
-            bank = block.banks[name]
-            bank[at] = value  # a scatter on the bank's buffer, donated: the cache holds the only reference
-            block.banks[name] = bank
-        # Not evaluated here: the scatters run with the layer's own compute, at the next routing
-        # readback (the next layer's input depends on them), so an install costs no device sync.
         count[_C["install_seconds"]] += time.perf_counter() - began - waited
 
     @staticmethod

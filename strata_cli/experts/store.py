@@ -646,27 +646,11 @@ class ExpertStore:
 
     def to_arrays(self, path: str, payload: memoryview, dtypes: Mapping[str, mx.Dtype]) -> dict[str, mx.array]:
         """One record's tensors as MLX arrays (copied out of `payload`), cast to `dtypes[name]`."""
-        stack = self.host_stack(path, 1)
-        self.copy_record(path, payload, stack, 0)
-        return {name: value[0] for name, value in self.stack_arrays(path, stack, dtypes).items()}
-
-    def host_stack(self, path: str, n: int) -> dict[str, np.ndarray]:
-        """Empty host arrays (n, *shape) per tensor of block `path`: room for n records' tensors."""
-        return {t.name: np.empty((n, *t.shape), DTYPES[t.dtype][0]) for t in self.blocks[path].tensors}
-
-    def copy_record(self, path: str, payload: memoryview, stack: dict[str, np.ndarray], j: int) -> None:
-        """Copy one record's tensors out of `payload` into row `j` of `stack` (`host_stack`)."""
-        for t in self.blocks[path].tensors:
-            np_dtype = DTYPES[t.dtype][0]
-            host = np.frombuffer(payload, dtype=np_dtype, count=t.nbytes // np.dtype(np_dtype).itemsize, offset=t.offset)
-            stack[t.name][j] = host.reshape(t.shape)
-
-    def stack_arrays(self, path: str, stack: dict[str, np.ndarray], dtypes: Mapping[str, mx.Dtype]) -> dict[str, mx.array]:
-        """A `host_stack` as MLX arrays (one copy per tensor), cast to `dtypes[name]`."""
         out = {}
         for t in self.blocks[path].tensors:
-            mx_dtype = DTYPES[t.dtype][1]
-            array = mx.array(stack[t.name])
+            np_dtype, mx_dtype = DTYPES[t.dtype]
+            host = np.frombuffer(payload, dtype=np_dtype, count=t.nbytes // np.dtype(np_dtype).itemsize, offset=t.offset)
+            array = mx.array(host.reshape(t.shape))
             if mx_dtype == mx.bfloat16:
                 array = array.view(mx.bfloat16)
             want = dtypes.get(t.name, mx_dtype)
