@@ -32,6 +32,7 @@ layer's own code over the slot banks. The cache is performance state: never rewo
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections import OrderedDict
@@ -74,7 +75,8 @@ class DraftReadCost:
     expected to need as many non-resident experts as a one-row window's root did (its misses
     and prefetch hits): a draft row routes on its own, and `auto` decides before a window runs,
     so without this prior the first drafts (and every probe) would look free of reads however
-    cold the cache.
+    cold the cache. Before the first decode window nothing is known, and a draft is not taken
+    blind: the prediction is infinite (the controller runs that window alone).
 
     Args:
         smoothing: weight of the newest window in each average (default 0.2).
@@ -85,6 +87,7 @@ class DraftReadCost:
         self.seconds_per_read: float | None = None
         self.cold_per_draft_row: float | None = None
         self.cold_per_row: float | None = None  # non-resident experts a one-row window needed
+        self.windows = 0  # decode windows observed
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -93,6 +96,7 @@ class DraftReadCost:
         """Learn from one decode window of `rows` rows; return the seconds its drafts' cold
         reads took (its `cold_beyond_root` at the window's own seconds per read)."""
         reads = stats.misses + stats.late_waits
+        self.windows += 1
         if rows > 1:
             self.cold_per_draft_row = self._average(self.cold_per_draft_row, stats.cold_beyond_root / (rows - 1))
         else:
@@ -104,9 +108,14 @@ class DraftReadCost:
         return stats.cold_beyond_root * per_read
 
     def __call__(self, T: int) -> float:
-        """Predicted extra seconds of a window of T rows (0 until reads were measured)."""
+        """Predicted extra seconds of a window of T rows: infinite before any decode window was
+        observed, 0 while no read has been measured (nothing missed)."""
+        if T <= 1:
+            return 0.0
+        if not self.windows:
+            return math.inf
         per_row = self.cold_per_draft_row if self.cold_per_draft_row is not None else self.cold_per_row
-        if T <= 1 or self.seconds_per_read is None or per_row is None:
+        if self.seconds_per_read is None or per_row is None:
             return 0.0
         return (T - 1) * per_row * self.seconds_per_read
 
