@@ -43,12 +43,13 @@ class ExpertWindowStats:
         passes: MoE block passes (a union larger than the slots takes several).
         draft_read_seconds: the part of `late_wait_seconds` spent on `cold_beyond_root` reads,
             at this window's measured seconds per read (what the drafts cost in reads).
+        router_sync_seconds: time spent evaluating each MoE layer's routing to learn which
+            experts to read (the readback, and the pending compute it waits on).
+        install_seconds: time spent writing read records into the resident slot banks (the
+            wait for the reads apart).
         substitutions: picks cache-aware routing made outside a row's natural top-k.
         misses_saved / bytes_saved: non-resident experts (bytes) exact routing would have
             needed beyond what cache-aware routing needed, on the same residency.
-        sync_seconds: time blocked evaluating each block's routing (the read-back its reads
-            wait for: on a GPU this includes finishing the work queued before the router).
-        install_seconds: time writing read experts into their slots (reads already done).
         approximate: cache-aware routing was on (output may differ from exact decoding).
         layers: per MoE layer, a dict of the same counters (`layer`, `hits`, `cold_misses`, ...).
     """
@@ -67,11 +68,11 @@ class ExpertWindowStats:
     wasted_prefetches: int = 0
     passes: int = 0
     draft_read_seconds: float = 0.0
+    router_sync_seconds: float = 0.0
+    install_seconds: float = 0.0
     substitutions: int = 0
     misses_saved: int = 0
     bytes_saved: int = 0
-    sync_seconds: float = 0.0
-    install_seconds: float = 0.0
     approximate: bool = False
     layers: tuple[dict, ...] = ()
 
@@ -230,7 +231,7 @@ class DecodeStats:
             "late_waits": sum(e.late_waits for e in es),
             "late_wait_ms": 1000 * sum(e.late_wait_seconds for e in es),
             "draft_read_ms": 1000 * sum(e.draft_read_seconds for e in es),
-            "router_sync_ms": 1000 * sum(e.sync_seconds for e in es),
+            "router_sync_ms": 1000 * sum(e.router_sync_seconds for e in es),
             "install_ms": 1000 * sum(e.install_seconds for e in es),
             "model_bytes_read": self.load_bytes_read + bytes_read + prefetched,
             **({"moce": {
@@ -337,9 +338,9 @@ EXPERT_FIELDS = {  # the `experts` section, streamed checkpoints only
     "late_waits": ("late waits", "", "times a layer waited for a read already issued"),
     "late_wait_ms": ("time waiting on reads", "ms", "compute time spent waiting for expert reads"),
     "draft_read_ms": ("of which for drafts", "ms", "the part of that spent on the drafts' cold experts"),
-    "router_sync_ms": ("time blocked on routing", "ms", "time each MoE block waited for its routing to be "
-                       "evaluated before reading experts (on a GPU, also the work queued before the router)"),
-    "install_ms": ("time installing experts", "ms", "time writing read experts into their slots, reads apart"),
+    "router_sync_ms": ("time reading back routing", "ms", "time each MoE layer waited to learn its experts "
+                       "(the routing readback and the compute before it)"),
+    "install_ms": ("time installing experts", "ms", "time writing read experts into the resident slots"),
     "model_bytes_read": ("model bytes read", "bytes", "weight bytes read from storage: at load, on demand and ahead"),
     "hits": ("expert hits", "", "picked experts already resident"),
     "cold_misses": ("cold misses", "", "misses of experts never loaded before"),

@@ -1,6 +1,8 @@
 """`--suffix-draft auto` weighs disk reads when experts stream: the expert cache's measured read
 time of a window's cold experts feeds the draft-length controller's `extra_cost` hook."""
 
+import math
+
 import pytest
 from mock_models import CycleModel
 
@@ -16,13 +18,34 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5]
 
 def test_read_cost_learns_seconds_per_read_and_cold_experts_per_draft_row():
     cost = DraftReadCost(smoothing=0.5)
-    assert cost(4) == 0.0  # nothing measured yet: no extra cost
+    assert cost(1) == 0.0 and cost(4) == math.inf  # before any decode window a draft is not taken blind
+    cost.observe(ExpertWindowStats(), rows=1)
+    assert cost(4) == 0.0  # a window without reads: reads are free so far
     spent = cost.observe(ExpertWindowStats(misses=4, late_wait_seconds=0.4, cold_beyond_root=3), rows=4)
     assert spent == pytest.approx(0.3)  # 3 cold experts beyond the root at 0.1 s a read
     assert cost(1) == 0.0 and cost(4) == pytest.approx(3 * 1.0 * 0.1) and cost(8) == pytest.approx(7 * 0.1)
     cost.observe(ExpertWindowStats(misses=2, late_wait_seconds=0.4, cold_beyond_root=0), rows=3)
     assert cost.seconds_per_read == pytest.approx(0.15) and cost.cold_per_draft_row == pytest.approx(0.5)
     assert cost(3) == pytest.approx(2 * 0.5 * 0.15)
+
+
+def test_before_any_draft_a_draft_row_is_as_cold_as_a_root_row_and_auto_declines_when_reads_dominate():
+    # Only one-row windows so far: 6 non-resident experts a row (4 misses, 2 prefetch hits), 20 ms a read.
+    cost = DraftReadCost(smoothing=0.5)
+    controller = DraftController(3)
+    assert controller.choose(match_length=10, available=3, extra_cost=cost) == 0  # nothing measured: serial
+    for _ in range(3):
+        cost.observe(ExpertWindowStats(misses=4, prefetch_hits=2, late_wait_seconds=0.08), rows=1)
+    assert cost.cold_per_draft_row is None and cost(3) == pytest.approx(2 * 6 * 0.02)
+    for _ in range(6):  # one-row windows of 100 ms measured; the first is a warm-up
+        controller.observe(T=1, keep=1, seconds=0.1)
+    # The prior acceptance (0.5) makes drafts pay when reads are free...
+    assert controller.choose(match_length=10, available=3) > 0
+    # ...but not when each draft row brings 6 cold reads of 20 ms (120 ms, more than a window).
+    assert controller.plan(match_length=10, available=3, extra_cost=cost).drafts == 0
+    # A measured window with drafts replaces the prior: drafts that needed no cold expert are cheap.
+    cost.observe(ExpertWindowStats(misses=4, late_wait_seconds=0.08, cold_beyond_root=0), rows=4)
+    assert cost.cold_per_draft_row == 0.0 and cost(4) == 0.0
 
 
 class MockExpertCache:

@@ -5,7 +5,9 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
 - Slot banks: per block, one (S, ...) array per record tensor (gate/up/down, or their quantized
   weight/scales/biases), so the MLX graph never changes shape; an expert->slot table maps the
   router's ids to bank rows. A load writes one slot with `mx.slice_update`, whose input buffer MLX
-  donates when the cache holds the only reference, so a load copies one expert, not the bank.
+  donates when the cache holds the only reference, so a load copies one expert, not the bank. The
+  writes are left lazy: they run with the layer's compute when the next routing readback
+  evaluates it (no device sync of their own).
 - Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
   while it is loaded); the missing ones are read with `os.preadv` on a thread pool (O_DIRECT where
   the file system allows) and the least recently used unpinned slots take them. A union larger
@@ -30,6 +32,7 @@ layer's own code over the slot banks. The cache is performance state: never rewo
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections import OrderedDict
@@ -52,7 +55,8 @@ COUNTERS = (
     "cancelled_prefetches",  # read-aheads dropped from the queue before they reached the disk
     "bytes_read", "prefetched_bytes", "wait_seconds", "union", "cold_beyond_root", "passes",
     "substitutions", "misses_saved", "bytes_saved",  # cache-aware routing (experts/moce.py) only
-    "sync_seconds", "install_seconds",  # blocked on the routing read-back; writing read experts into slots
+    "router_sync_seconds",  # the routing readback: evaluating the ids (and whatever compute they wait on)
+    "install_seconds",  # writing read records into the slot banks (the reads' own wait apart)
 )
 _C = {name: i for i, name in enumerate(COUNTERS)}
 DECODE, PREFILL = "decode", "prefill"
@@ -67,7 +71,12 @@ class DraftReadCost:
 
     Learned from measured decode windows, as moving averages: seconds per expert read (the
     window's wait on reads over the experts it read) and cold experts per draft row
-    (`cold_beyond_root / (T - 1)`).
+    (`cold_beyond_root / (T - 1)`). Until a window with drafts has been measured, a draft row is
+    expected to need as many non-resident experts as a one-row window's root did (its misses
+    and prefetch hits): a draft row routes on its own, and `auto` decides before a window runs,
+    so without this prior the first drafts (and every probe) would look free of reads however
+    cold the cache. Before the first decode window nothing is known, and a draft is not taken
+    blind: the prediction is infinite (the controller runs that window alone).
 
     Args:
         smoothing: weight of the newest window in each average (default 0.2).
@@ -77,6 +86,8 @@ class DraftReadCost:
         self.smoothing = smoothing
         self.seconds_per_read: float | None = None
         self.cold_per_draft_row: float | None = None
+        self.cold_per_row: float | None = None  # non-resident experts a one-row window needed
+        self.windows = 0  # decode windows observed
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -85,8 +96,11 @@ class DraftReadCost:
         """Learn from one decode window of `rows` rows; return the seconds its drafts' cold
         reads took (its `cold_beyond_root` at the window's own seconds per read)."""
         reads = stats.misses + stats.late_waits
+        self.windows += 1
         if rows > 1:
             self.cold_per_draft_row = self._average(self.cold_per_draft_row, stats.cold_beyond_root / (rows - 1))
+        else:
+            self.cold_per_row = self._average(self.cold_per_row, stats.misses + stats.prefetch_hits)
         if not reads:
             return 0.0
         per_read = stats.late_wait_seconds / reads
@@ -94,10 +108,16 @@ class DraftReadCost:
         return stats.cold_beyond_root * per_read
 
     def __call__(self, T: int) -> float:
-        """Predicted extra seconds of a window of T rows (0 until reads were measured)."""
-        if T <= 1 or self.seconds_per_read is None or self.cold_per_draft_row is None:
+        """Predicted extra seconds of a window of T rows: infinite before any decode window was
+        observed, 0 while no read has been measured (nothing missed)."""
+        if T <= 1:
             return 0.0
-        return (T - 1) * self.cold_per_draft_row * self.seconds_per_read
+        if not self.windows:
+            return math.inf
+        per_row = self.cold_per_draft_row if self.cold_per_draft_row is not None else self.cold_per_row
+        if self.seconds_per_read is None or per_row is None:
+            return 0.0
+        return (T - 1) * per_row * self.seconds_per_read
 
 
 class _Block:
@@ -211,11 +231,11 @@ class ExpertCache:
             prefetch_hits=int(total[_C["prefetch_hits"]]),
             wasted_prefetches=int(total[_C["wasted_prefetches"]]),
             passes=int(total[_C["passes"]]),
+            router_sync_seconds=float(total[_C["router_sync_seconds"]]),
+            install_seconds=float(total[_C["install_seconds"]]),
             substitutions=int(total[_C["substitutions"]]),
             misses_saved=int(total[_C["misses_saved"]]),
             bytes_saved=int(total[_C["bytes_saved"]]),
-            sync_seconds=float(total[_C["sync_seconds"]]),
-            install_seconds=float(total[_C["install_seconds"]]),
             approximate=self.is_approximate,
             layers=layers,
         )
@@ -274,8 +294,8 @@ class ExpertCache:
         predicted = self._router_prediction(i, x)
         start = time.perf_counter()
         mx.eval([a for a in (inds, predicted) if a is not None])
-        count[_C["sync_seconds"]] += time.perf_counter() - start
         ids = np.array(inds, dtype=np.int64)  # (N, k)
+        count[_C["router_sync_seconds"]] += time.perf_counter() - start
         self._rows = max(self._rows, len(ids))
         union = np.unique(ids)
         self._cancel_prefetches(i, keep=union)
@@ -329,7 +349,12 @@ class ExpertCache:
             self._write(i, pending, self._victims(self._blocks[i], len(pending), pinned=group))
 
     def _write(self, i: int, pending: list[tuple[int, Future]], victims: list[int]) -> None:
-        """Wait for each read and write it into its slot (evicting the slot's expert)."""
+        """Wait for each read and write it into its slot (evicting the slot's expert).
+
+        The slot updates are left lazy: they run with the layer's own compute when the next
+        routing readback evaluates it (the next layer's input depends on them), so an install
+        costs no device sync of its own. (One `slice_update` per expert and tensor: MLX's CPU
+        scatter of a pass's records at once took 5x as long, docs/benchmarks.md.)"""
         block, count = self._blocks[i], self._counts[i]
         path = self.paths[i]
         began, waited = time.perf_counter(), 0.0
@@ -358,7 +383,6 @@ class ExpertCache:
             raise
         finally:
             count[_C["wait_seconds"]] += waited
-        mx.eval(list(block.banks.values()))
         count[_C["install_seconds"]] += time.perf_counter() - began - waited
 
     @staticmethod
