@@ -15,6 +15,8 @@ reference on the running device and falls back for good when they fail.
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 
 from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
@@ -408,17 +410,9 @@ def _check_gather(dtype) -> str | None:
     x = mx.random.normal((M, K), key=mx.random.key(9)).astype(dtype)
     w = (mx.random.normal((6, N, K), key=mx.random.key(10)) * K**-0.5).astype(dtype)
     qw, qs, qb = mx.quantize(w, 64, 4)
-    together = rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4, share=MAX_ROWS)
-    alone = mx.concatenate([rows_gather_qmatvec(x[m : m + 1], qw, qs, qb, experts[m : m + 1], group_size=64, bits=4)
-                            for m in range(M)])
-    expected = reference_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4)
-    mx.eval(together, alone, expected)
-    if not mx.array_equal(together, alone).item():
-        return f"routed-expert picks differ with the other picks ({dtype})"
-    tol = 5e-3 if dtype == mx.float32 else 3e-2
-    if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
-        return f"routed-expert kernel and reference disagree ({dtype})"
-    return None
+    return _picks_alone(partial(rows_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4),
+                        partial(reference_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4),
+                        x, experts, dtype, "routed-expert", share=MAX_ROWS)
 
 
 def _check_gather_mxfp4(dtype) -> str | None:
@@ -428,13 +422,20 @@ def _check_gather_mxfp4(dtype) -> str | None:
     x = mx.random.normal((M, K), key=mx.random.key(11)).astype(dtype)
     w = (mx.random.normal((6, N, K), key=mx.random.key(12)) * K**-0.5).astype(dtype)
     qw, qs = mx.quantize(w, 32, 4, mode="mxfp4")
-    together = rows_gather_mxfp4matvec(x, qw, qs, experts)
-    alone = mx.concatenate([rows_gather_mxfp4matvec(x[m : m + 1], qw, qs, experts[m : m + 1]) for m in range(M)])
-    expected = reference_gather_mxfp4matvec(x, qw, qs, experts)
+    return _picks_alone(partial(rows_gather_mxfp4matvec, w=qw, scales=qs),
+                        partial(reference_gather_mxfp4matvec, w=qw, scales=qs), x, experts, dtype, "MXFP4 routed-expert")
+
+
+def _picks_alone(kernel, reference, x, experts, dtype, what: str, **together_kw) -> str | None:
+    """None when a call's picks equal their one-pick calls bit for bit and the reference within
+    tolerance, else what failed."""
+    together = kernel(x=x, experts=experts, **together_kw)
+    alone = mx.concatenate([kernel(x=x[m : m + 1], experts=experts[m : m + 1]) for m in range(experts.shape[0])])
+    expected = reference(x=x, experts=experts)
     mx.eval(together, alone, expected)
     if not mx.array_equal(together, alone).item():
-        return f"MXFP4 routed-expert picks differ with the other picks ({dtype})"
+        return f"{what} picks differ with the other picks ({dtype})"
     tol = 5e-3 if dtype == mx.float32 else 3e-2
     if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
-        return f"MXFP4 routed-expert kernel and reference disagree ({dtype})"
+        return f"{what} kernel and reference disagree ({dtype})"
     return None

@@ -25,8 +25,7 @@ import numpy as np
 
 from metal_shaders import mamba2_window
 from scripts.bench import compare_mlx_lm as compare
-from scripts.bench.step_ops import WARMUP, StandIns, Steps, gpu_shaped, strata_steps
-from strata_cli.bench.peers import require_mlx_lm
+from scripts.bench.step_ops import WARMUP, StandIns, Steps, gpu_shaped, mlx_lm_steps, strata_steps
 from strata_cli.bench.peers import MlxLmPeer
 from strata_cli.bench.runner import git_commit
 from strata_cli.engine.window import WindowEngine
@@ -49,21 +48,6 @@ def narrow_config(family: str, layers: int) -> dict:
     else:
         config.update(NARROW[family])
     return config
-
-
-def mlx_lm_steps(model, prompt: list[int], T: int, n: int, vocab: int, steps: Steps) -> None:
-    """step_ops.mlx_lm_steps with the vocabulary given (a multimodal model's args lack it)."""
-    mlx_generate, make_prompt_cache = require_mlx_lm()
-    cache = make_prompt_cache(model)
-    model(mx.array([prompt[:-1]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    with steps.hooked():
-        if T == 1:
-            for _ in mlx_generate.generate_step(mx.array(prompt[-1:]), model, max_tokens=n, prompt_cache=cache):
-                pass
-            return
-        for i in range(n):
-            mx.eval(model(mx.array([[(i * T + j) % vocab for j in range(T)]]), cache=cache))
 
 
 def count(run, stand_ins: StandIns) -> dict:
@@ -101,12 +85,12 @@ def main() -> None:
         rows = []
         with ExitStack() as stack:
             stack.enter_context(gpu_shaped(stand_ins))
-            stack.enter_context(mock.patch.object(mamba2_window, "usable", lambda: True))
+            stack.enter_context(mock.patch.object(mamba2_window, "usable", lambda dtype=None: True))
             stack.enter_context(mock.patch.object(mamba2_window, "gpu_kernel", stand_ins.kernel))
             for T in (int(t) for t in args.windows.split(",")):
                 sides = [("strata", lambda s, T=T: strata_steps(engine, prompt, T, args.steps, s))]
                 if peer is not None:
-                    sides.append(("mlx-lm", lambda s, T=T: mlx_lm_steps(peer, prompt, T, args.steps, vocab, s)))
+                    sides.append(("mlx-lm", lambda s, T=T: mlx_lm_steps(peer, prompt, T, args.steps, s, vocab=vocab)))
                 for name, run in sides:
                     row = {"engine": name, "T": T, **count(run, stand_ins)}
                     rows.append(row)

@@ -122,8 +122,8 @@ def gpu_shaped(stand_ins: StandIns):
                 mock.patch.object(rows_matvec, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(gdn_window, "usable", lambda dtype=None: True), \
                 mock.patch.object(gdn_window, "gpu_kernel", stand_ins.kernel), \
-                mock.patch.object(attention_window, "usable", lambda: True), \
-                mock.patch.object(attention_window, "sinks_usable", lambda: True), \
+                mock.patch.object(attention_window, "usable", lambda dtype=None: True), \
+                mock.patch.object(attention_window, "sinks_usable", lambda dtype=None: True), \
                 mock.patch.object(attention_window, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(mx.fast, "rms_norm", stand_ins.rms_norm), \
                 mock.patch.object(mx.fast, "rope", stand_ins.rope), \
@@ -234,7 +234,10 @@ def strata_steps(engine: WindowEngine, prompt: list[int], T: int, n: int, steps:
             pos += T
 
 
-def mlx_lm_steps(model, prompt: list[int], T: int, n: int, steps: Steps) -> None:
+def mlx_lm_steps(model, prompt: list[int], T: int, n: int, steps: Steps, vocab: int | None = None) -> None:
+    """mlx-lm's decode steps (T = 1) or T-row forward passes; `vocab` where the model's args lack it
+    (a multimodal model's)."""
+    vocab = vocab or model.args.vocab_size
     mlx_generate, make_prompt_cache = require_mlx_lm()
     cache = make_prompt_cache(model)
     model(mx.array([prompt[:-1]]), cache=cache)
@@ -245,7 +248,7 @@ def mlx_lm_steps(model, prompt: list[int], T: int, n: int, steps: Steps) -> None
                 pass
             return
         for i in range(n):
-            mx.eval(model(mx.array([[(i * T + j) % model.args.vocab_size for j in range(T)]]), cache=cache))
+            mx.eval(model(mx.array([[(i * T + j) % vocab for j in range(T)]]), cache=cache))
 
 
 def measure(run, model, stand_ins: StandIns, n: int, *, count: bool = True) -> dict:
