@@ -216,6 +216,13 @@ def test_bfloat16_windows_equal_serial(root, prompt_ids):
     assert runs[0] == runs[1] == runs[2]
 
 
+def test_qkv_is_stacked_at_load(model):
+    """Loading stacks q, k and v with their biases (`layers.StackedRows`): one matmul per head."""
+    from strata_cli.model.layers import stacked
+
+    assert all(stacked(layer.self_attn, "_qkv_rows") is not None for layer in model.layers)
+
+
 def test_sinks_change_the_output(model, prompt_ids):
     """The sinks take weight (the comparison above would see a model that ignored them)."""
     layer = model.layers[0].self_attn

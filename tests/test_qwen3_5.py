@@ -349,29 +349,14 @@ def test_generate_stats_says_what_the_load_kept_aside(root):
     assert "note: MTP: 1 layer(s)" in result.stderr and "note: vision tower: " in result.stderr
 
 
-@pytest.mark.parametrize("bits", [0, 4])
-def test_gdn_projections_run_as_one_stacked_matmul(bits):
-    """The four GDN projections stack along their output rows (affine-quantized ones exactly): the
-    stack's slices are the four products, the parts become row views of the stack (one copy in
-    memory, the state dict unchanged), and projections that cannot stack run apart."""
-    from strata_cli.model.layers import RowLinear
-    from strata_cli.model.qwen3_5 import FusedRows
+def test_linears_of_one_input_are_stacked_at_load(root):
+    """Loading stacks the four GDN projections, and the MoE's router with the shared gate and the
+    shared expert's gate with its up projection (`layers.StackedRows`, checked in
+    tests/test_row_invariance.py), so prompts and GPU windows take one matmul each."""
+    from strata_cli.model.layers import stacked
 
-    parts = [RowLinear(64, n, bias=False) for n in (96, 32, 4, 4)]
-    for i, part in enumerate(parts):
-        part.weight = mx.random.normal(part.weight.shape, key=mx.random.key(i))
-    if bits:
-        parts = [part.to_quantized(group_size=32, bits=bits) for part in parts]
-    before = [dict(part.items()) for part in parts]
-    x = mx.random.normal((1, 40, 64), key=mx.random.key(9))  # a prompt-sized call: MLX's matmul
-    alone = [part(x) for part in parts]
-    fused = FusedRows()
-    stacked = fused.of(parts)
-    assert stacked is not None and fused.of(parts) is stacked  # made once per set of arrays
-    for got, want in zip(mx.split(stacked(x), fused.offsets, axis=-1), alone):
-        assert mx.allclose(got, want, atol=1e-5).item()
-    for part, old in zip(parts, before):
-        assert sorted(part) == sorted(old) and all(mx.array_equal(part[k], old[k]).item() for k in old)
-    if bits:
-        parts[1] = RowLinear(64, 32, bias=False).to_quantized(group_size=32, bits=8)
-        assert fused.of(parts) is None
+    model = loaded(root, "qwen3_5_moe", "multimodal")
+    gdn = [layer.linear_attn for layer in model.layers if layer.is_linear]
+    assert gdn and all(stacked(mixer, "_input_rows") is not None for mixer in gdn)
+    assert all(stacked(layer.mlp, "_router_rows") is not None and stacked(layer.mlp, "_shared_rows") is not None
+               for layer in model.layers)

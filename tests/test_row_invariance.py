@@ -6,10 +6,13 @@ checked here on the CPU, bit for bit: "auto" (what the CPU runs) and "always" (t
 """
 
 import random
+from functools import partial
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_map
 
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.layers import (
@@ -18,6 +21,9 @@ from strata_cli.model.layers import (
     RowQuantizedLinear,
     RowSplit,
     by_row,
+    stack,
+    stack_rows,
+    stacked,
 )
 
 PREFIX = 11
@@ -73,3 +79,48 @@ def test_row_linear_quantizes_to_its_row_twin(monkeypatch):
     x = mx.random.normal((1, 4, 64))
     whole = mx.quantized_matmul(x, q.weight, q.scales, q.biases, transpose=True, group_size=32, bits=4) + q.bias
     assert mx.allclose(q(x), whole, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_rows_equal_their_linears_apart(bits, bias, row_split):
+    """Linears of one input stacked along their output rows (`StackedRows`: MoE router and shared
+    expert, Qwen3.5's GDN projections, GPT-OSS q/k/v), plain or affine-quantized, with biases or
+    not: every output of a window is its linear's own, bit for bit (a prompt-sized call's BLAS
+    blocks by width, so there within rounding); the linears' arrays become row views of
+    the stack (the state dict unchanged); a replaced array or linear makes the stack stale, never
+    rebuilt in a call, until `stack_rows` stacks again; parts of different forms run apart."""
+    owner = nn.Module()
+    owner.stack_linears = lambda: stack(owner, "_rows", "a", "inner.b", "inner.c")
+    owner.a, owner.inner = RowLinear(64, 48, bias=bias), nn.Module()
+    owner.inner.b, owner.inner.c = RowLinear(64, 16, bias=bias), RowLinear(64, 4, bias=bias)
+    for i, linear in enumerate(linears_of(owner)):
+        linear.update(tree_map(lambda w, k=i: mx.random.normal(w.shape, key=mx.random.key(k)), linear.parameters()))
+    if bits:
+        nn.quantize(owner, group_size=32, bits=bits)
+    before = dict(tree_flatten(owner.parameters()))
+    windows = [mx.random.normal((1, rows, 64), key=mx.random.key(9)) for rows in (1, 5, 40)]
+    alone = [[linear(x) for linear in linears_of(owner)] for x in windows]
+    stack_rows(owner)
+    rows = stacked(owner, "_rows")
+    assert rows is not None
+    for x, want in zip(windows, alone):
+        same = mx.array_equal if x.shape[1] <= WINDOW_ROWS else partial(mx.allclose, atol=1e-4)
+        assert all(same(got, w).item() for got, w in zip(rows(x), want))
+    after = dict(tree_flatten(owner.parameters()))
+    assert sorted(after) == sorted(before) and all(mx.array_equal(after[k], before[k]).item() for k in before)
+    address = lambda a: np.asarray(a).__array_interface__["data"][0]  # noqa: E731
+    starts = np.cumsum([0] + [linear.weight.nbytes for linear in linears_of(owner)])[:-1]
+    assert [address(linear.weight) for linear in linears_of(owner)] == [address(rows.fused.weight) + s for s in starts]
+    owner.inner.c.weight = owner.inner.c.weight + 0  # a replaced array: stale, dropped, not rebuilt
+    assert stacked(owner, "_rows") is None and "_rows" not in owner.__dict__
+    stack_rows(owner)
+    assert stacked(owner, "_rows") is not None
+    owner.inner.b = RowLinear(64, 16, bias=not bias)  # a replaced linear (quantizing, loading again)
+    assert stacked(owner, "_rows") is None
+    stack_rows(owner)
+    assert stacked(owner, "_rows") is None  # parts of different forms: none kept, they run apart
+
+
+def linears_of(owner: nn.Module) -> list[nn.Module]:
+    return [owner.a, owner.inner.b, owner.inner.c]

@@ -263,86 +263,101 @@ class RowQuantizedLinear(nn.QuantizedLinear):
         return by_row(super().__call__, x)
 
 
-# The arrays a linear's rows live in, by its type: stacking two linears' rows stacks each.
-_ROW_ARRAYS = {RowLinear: ("weight",), RowQuantizedLinear: ("weight", "scales", "biases")}
-
-
 def _row_form(linear: nn.Module) -> tuple | None:
-    """What two linears must share for their rows to stack into one exact linear: type, dtypes
-    and quantization; None when this one cannot stack (a bias, another class, no affine biases)."""
-    names = _ROW_ARRAYS.get(type(linear))
-    if names is None or "bias" in linear or any(linear.get(name) is None for name in names):
+    """What linears must share for their rows to stack into one exact linear: class, affine
+    quantization (group size, bits), the arrays held (a bias too) with their dtypes, and the
+    input width; None for one that cannot stack (another class, another quantization mode)."""
+    if type(linear) is RowQuantizedLinear:
+        if linear.mode != "affine" or linear.get("biases") is None:
+            return None
+        quant = (linear.group_size, linear.bits)
+    elif type(linear) is RowLinear:
+        quant = ()
+    else:
         return None
-    quant = (linear.group_size, linear.bits, linear.mode) if type(linear) is RowQuantizedLinear else ()
-    return (type(linear), quant, tuple(linear[name].dtype for name in names), linear.weight.shape[1:])
+    arrays = tuple(sorted((name, value.dtype) for name, value in linear.items()))
+    return type(linear), quant, arrays, linear.weight.shape[1:]
+
+
+def _linears(owner: nn.Module, paths: tuple[str, ...]) -> list[nn.Module | None]:
+    """The modules at dotted `paths` under `owner` now (None where one is gone)."""
+    found = []
+    for path in paths:
+        module = owner
+        for name in path.split("."):
+            module = module.get(name) if isinstance(module, nn.Module) else None
+        found.append(module)
+    return found
+
+
+def _sources(linears: list[nn.Module | None]) -> tuple:
+    """The linears and every array they hold, the objects themselves (held, so an id is never reused)."""
+    return tuple(x for linear in linears for x in (linear, *(linear.values() if linear is not None else ())))
 
 
 class StackedRows:
     """Linears that read the same input, run as one linear of their stacked rows, the output
-    split back: one kernel launch instead of one per linear (issue 37). Exact: a quantized
-    linear's rows carry their own scales and biases, so stacking rows (with theirs) changes no
-    row's values, and each output is still one dot product of its row with the input.
+    split back: one kernel launch instead of one per linear (issue 37). Exact: every array of a
+    linear (weight, an affine quantization's scales and biases, a bias) is per output row, so
+    stacking rows changes no row's values, and each output is still one dot product of its row
+    with the input (plus its own bias).
 
     Built in memory at load (`stack_rows`), never in the file format: the stacked arrays are
-    made once, and the linears' own arrays then become views of them (no second copy; `strata
-    convert` still writes the linears' own tensors). Once any of their arrays is replaced
-    (`set_dtype`, loading again) it is not `ready` and callers take the linears one by one: it
-    is never rebuilt inside a forward pass, which may be an `mx.compile` trace. A plain object,
-    kept in a module's `__dict__`, so it is no parameter.
+    made once, and the linears' own arrays then become row views of them (no second copy;
+    `strata convert` and the state dict still see the linears' own tensors). Never built or
+    rebuilt inside a forward pass, which may be an `mx.compile` trace (a trace may not evaluate,
+    and would leave traced arrays as weights): once any of the linears or their arrays is
+    replaced (`set_dtype`, quantizing, loading again) `stacked` drops the stack and callers run
+    the linears apart until `stack_rows` stacks them again. A plain object, kept in a module's
+    `__dict__`, so it is no parameter.
     """
 
-    __slots__ = ("linears", "fused", "sizes", "key")
+    __slots__ = ("paths", "fused", "bounds", "sources")
 
-    def __init__(self, linears: tuple[nn.Module, ...]):
-        self.linears, self.fused, self.sizes, self.key = linears, None, (), None
-
-    @staticmethod
-    def stackable(*linears: nn.Module) -> bool:
-        forms = {_row_form(linear) for linear in linears}
-        return len(forms) == 1 and None not in forms
-
-    def _arrays(self) -> tuple:
-        return tuple(id(linear[name]) for linear in self.linears for name in _ROW_ARRAYS[type(linear)])
-
-    def ready(self) -> bool:
-        return self.key == self._arrays()
-
-    def build(self) -> None:
-        """Stack the linears' rows (evaluated) and make their own arrays views of the stack."""
-        first = self.linears[0]
-        names = _ROW_ARRAYS[type(first)]
+    def __init__(self, owner: nn.Module, paths: tuple[str, ...]):
+        """Stack the linears at `paths` under `owner` (of one `_row_form`) and make their arrays views."""
+        linears = _linears(owner, paths)
+        first = linears[0]
         fused = type(first).__new__(type(first))
         nn.Module.__init__(fused)
         if type(first) is RowQuantizedLinear:
             fused.group_size, fused.bits, fused.mode = first.group_size, first.bits, first.mode
-        for name in names:
-            fused[name] = mx.concatenate([linear[name] for linear in self.linears])
+        for name in first:
+            fused[name] = mx.concatenate([linear[name] for linear in linears])
         mx.eval(fused.parameters())
-        self.sizes = tuple(linear.weight.shape[0] for linear in self.linears)
-        start = 0
-        for linear, size in zip(self.linears, self.sizes):
-            for name in names:
-                linear[name] = fused[name][start:start + size]
-            start += size
-        mx.eval([linear.parameters() for linear in self.linears])
-        self.fused, self.key = fused, self._arrays()
+        edges = [int(e) for e in np.cumsum([0] + [linear.weight.shape[0] for linear in linears])]
+        for linear, lo, hi in zip(linears, edges, edges[1:]):
+            for name in first:
+                linear[name] = fused[name][lo:hi]
+        mx.eval([linear.parameters() for linear in linears])
+        self.paths, self.fused, self.bounds, self.sources = paths, fused, edges[1:-1], _sources(linears)
+
+    def current(self, owner: nn.Module) -> bool:
+        """Whether `owner` still holds the linears and arrays this stack was built from."""
+        now = _sources(_linears(owner, self.paths))
+        return len(now) == len(self.sources) and all(a is b for a, b in zip(now, self.sources))
 
     def __call__(self, x: mx.array) -> tuple[mx.array, ...]:
-        y = self.fused(x)
-        return tuple(mx.split(y, [int(i) for i in np.cumsum(self.sizes[:-1])], axis=-1))
+        return tuple(mx.split(self.fused(x), self.bounds, axis=-1))
 
 
-def stack(owner: nn.Module, name: str, *linears: nn.Module) -> None:
-    """Stack `linears` (`StackedRows`) and keep the stack on `owner` as `name`, where they can."""
-    if StackedRows.stackable(*linears):
-        rows = owner.__dict__[name] = StackedRows(linears)
-        rows.build()
+def stack(owner: nn.Module, name: str, *paths: str) -> None:
+    """Stack the linears at dotted `paths` under `owner` (`StackedRows`) and keep the stack on
+    `owner` as `name`, where their forms match; else none is kept and they run apart."""
+    owner.__dict__.pop(name, None)
+    forms = {_row_form(linear) for linear in _linears(owner, paths)}
+    if len(forms) == 1 and None not in forms:
+        owner.__dict__[name] = StackedRows(owner, paths)
 
 
 def stacked(owner: nn.Module, name: str) -> StackedRows | None:
-    """The stack `stack` kept on `owner` as `name`, where it is built and still current."""
+    """The stack `stack` kept on `owner` as `name`, where it is built and still current; a stale
+    one is dropped (its arrays freed), never rebuilt here."""
     rows = owner.__dict__.get(name)
-    return rows if rows is not None and rows.ready() else None
+    if rows is not None and not rows.current(owner):
+        del owner.__dict__[name]
+        rows = None
+    return rows
 
 
 def stack_rows(model: nn.Module) -> nn.Module:

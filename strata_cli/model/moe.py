@@ -393,8 +393,8 @@ class SparseMoeBlock(nn.Module):
         `layers.StackedRows`): the router with the shared expert's gate, the shared expert's gate
         with its up projection. Called once the weights are loaded (`layers.stack_rows`)."""
         if "shared_expert" in self:
-            stack(self, "_router_rows", self.gate, self.shared_expert_gate)
-            stack(self, "_shared_rows", self.shared_expert.gate_proj, self.shared_expert.up_proj)
+            stack(self, "_router_rows", "gate", "shared_expert_gate")
+            stack(self, "_shared_rows", "shared_expert.gate_proj", "shared_expert.up_proj")
 
     def routed_rows(self, x: mx.array, logits: mx.array) -> mx.array:
         """`routed`, traced where the layer ends run eagerly (the CPU's host path) and nothing

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from .config import ConfigError, ModelConfig, lift_rope_parameters
 from .decoder_layer import PreNormLayer
 from .gdn import GatedDeltaNet
-from .layers import MLP, DecoderStack, KeptAside, RMSNorm, RowLinear, RowQuantizedLinear, host_window, project
+from .layers import MLP, DecoderStack, KeptAside, RMSNorm, RowLinear, host_window, project, stack, stacked
 from .layout import MLX, detect_layout, stack_experts
 from .moe import SparseMoeBlock
 from .quant import Quantization, router_overrides
@@ -129,8 +129,8 @@ class SplitGatedDeltaNet(GatedDeltaNet):
 
     `in_proj_qkv` is already laid out as the conv's channels ([q | k | v], each head-major), so
     the split is a slice per output, where Qwen3-Next gathers columns per key head. The four
-    projections run as one matmul (`FusedRows`): on a GPU each matmul costs a launch and host
-    dispatch, and a decode step is host-bound. State, conv, scan and kernels are the
+    projections run as one matmul (`layers.StackedRows`): on a GPU each matmul costs a launch
+    and host dispatch, and a decode step is host-bound. State, conv, scan and kernels are the
     parent's: the GDN state kind and its rollback unchanged.
     """
 
@@ -142,7 +142,10 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         self.in_proj_z = RowLinear(hidden_size, self.value_dim, bias=False)
         self.in_proj_b = RowLinear(hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = RowLinear(hidden_size, self.num_v_heads, bias=False)
-        self.__dict__["_fused"] = FusedRows()
+
+    def stack_linears(self) -> None:
+        """Stack the four projections where their forms allow (`layers.stack_rows`, at load)."""
+        stack(self, "_input_rows", *PROJECTIONS)
 
     def project(self, x: mx.array):
         """x (B, T, H) -> conv inputs (B, T, C), z (B, T, Hv, Dv), b and a (B, T, Hv)."""
@@ -151,70 +154,12 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         # The CPU's short calls run each row as numpy matrix-vector products, which read the
         # stack from memory once per row (T = 6: 10.7 ms against 9.1 apart, narrow 8-layer shape):
         # there the four stay apart, sharing one read of x.
-        fused = None if host_window(x) else self._fused.of(parts)
-        if fused is None:  # also projections of different kinds (a mixed quantization)
+        rows = None if host_window(x) else stacked(self, "_input_rows")
+        if rows is None:  # also projections of different kinds (a mixed quantization)
             qkv, z, b, a = project(x, *parts)
         else:
-            qkv, z, b, a = mx.split(fused(x), self._fused.offsets, axis=-1)
+            qkv, z, b, a = rows(x)
         return qkv, z.reshape(B, T, self.num_v_heads, self.head_v_dim), b, a
-
-
-class FusedRows:
-    """Linears of one input stacked along their output rows into one linear of their kind, made
-    once per set of weight arrays (loading, `set_dtype`, quantizing, dequantizing replace them).
-
-    Affine-quantized weights stack exactly (weight, scales and biases are per output row), so the
-    fused linear's rows are the parts' rows, and a checkpoint's layout is unchanged: after the
-    stack is made the parts' arrays become row slices of it (views, no second copy), so
-    `strata convert` and the state dict still see the four projections. The stack is made at the
-    first call after a change, which model/compiled.py runs eagerly (never inside a trace).
-    A plain object, so `nn.Module` never takes it for a parameter.
-    """
-
-    __slots__ = ("sources", "linear", "offsets")
-
-    def __init__(self):
-        self.sources, self.linear, self.offsets = None, None, []
-
-    def of(self, parts: list[nn.Module]) -> nn.Module | None:
-        """The fused linear of `parts` (None where they cannot stack: different types, dtypes,
-        quantization or tensors, or a bias)."""
-        key = tuple(id(value) for part in parts for value in part.values())
-        if key == self.sources:
-            return self.linear
-        self.linear = stack_rows(parts)
-        if self.linear is not None:
-            widths = [part["weight"].shape[0] for part in parts]
-            self.offsets = [sum(widths[:i + 1]) for i in range(len(widths) - 1)]
-            start = 0
-            for part, width in zip(parts, widths):  # each part a view of its rows in the stack
-                for name, value in self.linear.items():
-                    part[name] = value[start:start + width]
-                start += width
-            mx.eval([part.parameters() for part in parts])
-            key = tuple(id(value) for part in parts for value in part.values())
-        self.sources = key
-        return self.linear
-
-
-def stack_rows(parts: list[nn.Module]) -> nn.Module | None:
-    """One linear of `parts`' kind whose output rows are theirs in order, or None."""
-    first = parts[0]
-    kind = type(first)
-    settings = [(type(p), sorted(p), tuple(getattr(p, a, None) for a in ("group_size", "bits", "mode")),
-                 p["weight"].dtype) for p in parts]
-    if kind not in (RowLinear, RowQuantizedLinear) or "bias" in first or len(set(map(str, settings))) != 1:
-        return None
-    fused = kind.__new__(kind)
-    nn.Module.__init__(fused)
-    for attribute in ("group_size", "bits", "mode"):
-        if hasattr(first, attribute):
-            setattr(fused, attribute, getattr(first, attribute))
-    for name, value in first.items():
-        if isinstance(value, mx.array):
-            fused[name] = mx.concatenate([part[name] for part in parts])
-    mx.eval(fused.parameters())
-    return fused
 
 
 def feed_forward(config: Qwen3_5Config) -> nn.Module:

@@ -25,7 +25,7 @@ from metal_shaders import attention_window
 from .attention import GatedAttention, causal_attention_cpu
 from .compiled import traced_on_host
 from .config import ConfigError
-from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RowLinear, RowSplit
+from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RowSplit, stack, stacked
 
 YARN_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
              "truncate", "mscale", "mscale_all_dim", "attention_factor", "rope_theta"}
@@ -94,14 +94,18 @@ class SinkAttention(GatedAttention):
         self._periods = None if periods is None else mx.array(periods)  # not a parameter: never loaded or cast
         self.scale = head_dim**-0.5 * factor * factor
 
+    def stack_linears(self) -> None:
+        """Stack q, k and v where their forms allow (`layers.stack_rows`, at load)."""
+        stack(self, "_qkv_rows", "q_proj", "k_proj", "v_proj")
+
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
-        """`GatedAttention.head`, with q, k and v from one fused projection where they fuse
-        (`FusedQKV`): one matmul and one bias add instead of three each, every column the same
-        sum as its own projection's."""
-        fused = FusedQKV.of(self)
-        if fused is None:
+        """`GatedAttention.head`, with q, k and v from one stacked projection where they stack
+        (`layers.StackedRows`): one matmul and one bias add instead of three each, every column
+        the same sum as its own projection's."""
+        rows = stacked(self, "_qkv_rows")
+        if rows is None:
             return super().head(x)
-        q, k, v = mx.split(fused.linear(x), fused.bounds, axis=-1)
+        q, k, v = rows(x)
         return traced_on_host(self, "_head_rest", self.head_rest, x.size // x.shape[-1], x.dtype)(q, k, v)
 
     def takes_kernel(self, rows: int, dtype=None) -> bool:
@@ -141,44 +145,3 @@ class SinkAttention(GatedAttention):
                                                        mask=mask if mask is not None else "causal" if T > 1 else None)
             out = out.transpose(0, 2, 1, 3)
         return out.reshape(B, T, -1)
-
-
-class FusedQKV:
-    """q, k and v projections of one layer as one `RowLinear` over their stacked weights and
-    biases, kept beside the layer (not a parameter: never saved, loaded or converted).
-
-    The stacked arrays are made once; the layer's own q/k/v weights and biases then become
-    views of them, so the weights are held once. Each output column is its own dot product
-    (the row-invariant kernel's order depends on K alone; elsewhere one matmul's columns are
-    independent sums), and the bias add is elementwise. Made again whenever a projection's
-    arrays are replaced (loading, `set_dtype`); none for quantized or bias-less projections.
-    """
-
-    __slots__ = ("linear", "bounds", "views")
-
-    def __init__(self, linear: RowLinear, bounds: list[int], views: tuple):
-        self.linear, self.bounds, self.views = linear, bounds, views
-
-    @staticmethod
-    def of(layer) -> "FusedQKV | None":
-        projections = (layer.q_proj, layer.k_proj, layer.v_proj)
-        if not all(type(p) is RowLinear and "bias" in p for p in projections):
-            return None
-        current = tuple(a for p in projections for a in (p.weight, p.bias))
-        fused = layer.__dict__.get("_fused_qkv")
-        if fused is not None and all(a is b for a, b in zip(current, fused.views)):
-            return fused
-        if len({a.dtype for a in current}) != 1:
-            return None
-        weight = mx.concatenate([p.weight for p in projections])
-        bias = mx.concatenate([p.bias for p in projections])
-        mx.eval(weight, bias)
-        linear = RowLinear(weight.shape[1], weight.shape[0], bias=True)
-        linear.weight, linear.bias = weight, bias
-        edges = np.cumsum([0] + [p.weight.shape[0] for p in projections])
-        for p, lo, hi in zip(projections, edges, edges[1:]):
-            p.weight, p.bias = weight[lo:hi], bias[lo:hi]  # views of the stacked arrays
-        mx.eval([a for p in projections for a in (p.weight, p.bias)])
-        views = tuple(a for p in projections for a in (p.weight, p.bias))
-        fused = layer.__dict__["_fused_qkv"] = FusedQKV(linear, [int(edges[1]), int(edges[2])], views)
-        return fused
