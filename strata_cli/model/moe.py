@@ -185,7 +185,7 @@ def glu_by_expert(x: mx.array, inds: mx.array, matmul, activation=swiglu, *, win
     if N <= WINDOW_ROWS if window is None else window:
         # A decode window: each pick in row order, never grouped by the other rows' choices, so a
         # row's arithmetic is what it is alone (docs/design.md, "Row invariance"). Shapes as they
-        # come, so a window's views are few (issue 37): a reshape, a broadcast, its copy.
+        # come, so a window's views are few (a step is bound by op count): a reshape, a broadcast, its copy.
         H = x.shape[-1]
         xs = mx.broadcast_to(x.reshape(N, 1, 1, H), (N, k, 1, H)).reshape(N * k, 1, H)
         h = activation(matmul("gate_proj", xs, flat, False), matmul("up_proj", xs, flat, False))
@@ -358,7 +358,7 @@ class SparseMoeBlock(nn.Module):
         `routed` folds that division into its weighted sum, the same arithmetic)."""
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         if self.routing_policy is None:
-            # The k largest at the end of an ascending partition: no negation op (issue 37).
+            # The k largest at the end of an ascending partition: one op fewer than negating.
             E = probs.shape[-1]
             inds = mx.argpartition(probs, kth=E - self.top_k, axis=-1)[..., E - self.top_k:]
             return inds, mx.take_along_axis(probs, inds, axis=-1)
@@ -389,7 +389,7 @@ class SparseMoeBlock(nn.Module):
         return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
 
     def stack_linears(self) -> None:
-        """Stack the linears that read the block's input where their forms allow (issue 37,
+        """Stack the linears that read the block's input where their forms allow (
         `layers.StackedRows`): the router with the shared expert's gate, the shared expert's gate
         with its up projection. Called once the weights are loaded (`layers.stack_rows`)."""
         if "shared_expert" in self:
