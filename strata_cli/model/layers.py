@@ -297,10 +297,10 @@ def _sources(linears: list[nn.Module | None]) -> tuple:
 
 class StackedRows:
     """Linears that read the same input, run as one linear of their stacked rows, the output
-    split back: one kernel launch instead of one per linear: a decode step is bound by launches, not bytes. Exact: every array of a
-    linear (weight, an affine quantization's scales and biases, a bias) is per output row, so
-    stacking rows changes no row's values, and each output is still one dot product of its row
-    with the input (plus its own bias).
+    split back: one kernel launch instead of one per linear (a decode step is bound by launches,
+    not bytes). Exact: every array of a linear (weight, an affine quantization's scales and
+    biases, a bias) is per output row, so stacking rows changes no row's values, and each output
+    is still one dot product of its row with the input (plus its own bias).
 
     Built in memory at load (`stack_rows`), never in the file format: the stacked arrays are
     made once, and the linears' own arrays then become row views of them (no second copy;

@@ -389,8 +389,8 @@ class SparseMoeBlock(nn.Module):
         return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
 
     def stack_linears(self) -> None:
-        """Stack the linears that read the block's input where their forms allow (
-        `layers.StackedRows`): the router with the shared expert's gate, the shared expert's gate
+        """Stack the linears that read the block's input where their forms allow
+        (`layers.StackedRows`): the router with the shared expert's gate, the shared expert's gate
         with its up projection. Called once the weights are loaded (`layers.stack_rows`)."""
         if "shared_expert" in self:
             stack(self, "_router_rows", "gate", "shared_expert_gate")
