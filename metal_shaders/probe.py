@@ -11,6 +11,7 @@ strata's own compile (precompiled.py), and a probe that fails on it is run again
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +23,6 @@ log = logging.getLogger("strata.kernels")
 
 _dims_cache: dict[tuple[int, ...], mx.array] = {}
 _kernels: dict[tuple[str, str], object] = {}
-_sources: list[str] = []
 VERDICTS = "verdicts"
 PROBE_DTYPES = (mx.float32, mx.bfloat16)  # a caller that names no dtype gets both
 
@@ -133,13 +133,11 @@ def cases_at(cases, dtypes, index: int = 1) -> list:
     return chosen or [(*case[:index], dtypes[0], *case[index + 1 :]) for case in cases]
 
 
+@lru_cache(maxsize=1)
 def sources_digest() -> str:
     """The hash of every module of metal_shaders: a kernel body, a reference, a probe's shapes or
     tolerances changed anywhere invalidates every kept verdict."""
-    if not _sources:
-        here = Path(__file__).parent
-        _sources.append(kept.digest({p.name: p.read_text() for p in sorted(here.glob("*.py"))}))
-    return _sources[0]
+    return kept.digest({p.name: p.read_text() for p in sorted(Path(__file__).parent.glob("*.py"))})
 
 
 def verdict_keys(what: str, dtype, which: str) -> dict:

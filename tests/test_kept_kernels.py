@@ -54,7 +54,7 @@ def test_a_passing_verdict_is_kept_per_dtype_and_invalidated_by_every_key(keep, 
     changes = [
         lambda: monkeypatch.setattr(mx, "__version__", "9.9.9"),
         lambda: monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "NVIDIA A100"}),
-        lambda: monkeypatch.setattr(probe, "_sources", ["another kernel source"]),
+        lambda: monkeypatch.setattr(probe, "sources_digest", lambda: "another kernel source"),
         lambda: precompiled.disable("test: MLX's build"),
     ]
     for change in changes:

@@ -87,7 +87,6 @@ class DraftReadCost:
         self.seconds_per_read: float | None = None
         self.cold_per_draft_row: float | None = None
         self.cold_per_row: float | None = None  # non-resident experts a one-row window needed
-        self.windows = 0  # decode windows observed
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -96,7 +95,6 @@ class DraftReadCost:
         """Learn from one decode window of `rows` rows; return the seconds its drafts' cold
         reads took (its `cold_beyond_root` at the window's own seconds per read)."""
         reads = stats.misses + stats.late_waits
-        self.windows += 1
         if rows > 1:
             self.cold_per_draft_row = self._average(self.cold_per_draft_row, stats.cold_beyond_root / (rows - 1))
         else:
@@ -112,7 +110,7 @@ class DraftReadCost:
         observed, 0 while no read has been measured (nothing missed)."""
         if T <= 1:
             return 0.0
-        if not self.windows:
+        if self.cold_per_row is None and self.cold_per_draft_row is None:  # no decode window observed yet
             return math.inf
         per_row = self.cold_per_draft_row if self.cold_per_draft_row is not None else self.cold_per_row
         if self.seconds_per_read is None or per_row is None:

@@ -126,7 +126,7 @@ def by_row(fn: Callable[[mx.array], mx.array], x: mx.array, axis: int = -2) -> m
     return mx.concatenate(rows, axis=axis)
 
 
-def _kernel_rows(x: mx.array) -> int:
+def kernel_rows(x: mx.array) -> int:
     """Rows of `x` (all leading axes) when the row-invariant CUDA kernel takes them, else 0."""
     rows = x.size // x.shape[-1] if x.ndim else 0
     return rows if RowSplit.kernel_may_take(rows) and kernels.kernels_usable(x.dtype) else 0
@@ -232,7 +232,7 @@ class RowLinear(nn.Linear):
         K = x.shape[-1]
         if host_window(x) and self.weight.dtype == mx.float32:
             return host_blas.rows_linears(x, [(host_weight(self), self.get("bias"))])[0]
-        if _kernel_rows(x) and kernels.supports(K):
+        if kernel_rows(x) and kernels.supports(K):
             y = kernels.rows_matvec(x, self.weight)
             return y + self.bias if "bias" in self else y
         if is_cpu_prompt(x):
@@ -255,7 +255,7 @@ class RowQuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         K = x.shape[-1]
-        if (_kernel_rows(x) and self.mode == "affine" and self.get("biases") is not None
+        if (kernel_rows(x) and self.mode == "affine" and self.get("biases") is not None
                 and kernels.supports(K, group_size=self.group_size, bits=self.bits)):
             y = kernels.rows_qmatvec(x, self.weight, self.scales, self.biases, group_size=self.group_size,
                                      bits=self.bits)

@@ -22,9 +22,10 @@ from .layers import (
     RowLinear,
     RowSplit,
     by_row,
-    is_cpu_prompt,
-    over_streams,
     host_window,
+    is_cpu_prompt,
+    kernel_rows,
+    over_streams,
     project,
     stack,
     stacked,
@@ -284,8 +285,7 @@ class SigmoidTopkRouter(nn.Module):
         """x (N, H) -> router logits (N, E), float32. A decode window's rows go to the
         row-invariant kernel in one call where it runs (a GPU), not one matmul per row."""
         x, weight = x.astype(mx.float32), self.weight.astype(mx.float32)
-        if (RowSplit.kernel_may_take(x.size // x.shape[-1]) and kernels.supports(x.shape[-1])
-                and kernels.kernels_usable()):
+        if kernel_rows(x) and kernels.supports(x.shape[-1]):
             return kernels.rows_matvec(x, weight)
         return by_row(lambda rows: rows @ weight.T, x)
 
