@@ -239,6 +239,8 @@ def one_run(engine, prompt: list[int], *, tokens: int, drafts: int = 0, spec: Sp
         "acceptance": s["acceptance"],
         "tokens_per_window": s["tokens_per_window"],
         "bytes_per_token": e["bytes_read_per_token"],
+        "demand_bytes_per_token": e["bytes_read"] / len(out),
+        "drafts_offered": s.get("drafts_offered", 0),
         "hit_rate": e["hits"] / picks if picks else 0.0,
         "late_waits": e["late_waits"],
         "late_wait_share": e["late_wait_share"],

@@ -26,13 +26,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from scripts.bench.slow_disk import H200_80B_RECORD_MS, SimulatedDisk
+from scripts.bench import stream_curve
 from scripts.bench.stream_curve import PRESETS, build, synthetic_prompts
-from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
-from strata_cli.options import GenerateOptions, SpecOptions, StreamOptions
+from strata_cli.options import SpecOptions, StreamOptions
 from strata_cli.runtime import load_checkpoint
 from strata_cli.speculative.controller import CostPrior
-from strata_cli.telemetry import DecodeStats
 
 MODES = {"serial": SpecOptions(), "auto": SpecOptions(max_drafts=3, auto=True), "draft3": SpecOptions(max_drafts=3)}
 
@@ -44,23 +43,21 @@ def open_engine(path: Path, slots: int, disk: SimulatedDisk, stream: dict) -> Wi
 
 
 def one_run(engine: WindowEngine, prompt: list[int], tokens: int, spec: SpecOptions, stride: int) -> dict:
-    stats = DecodeStats()
-    out = [t for step in generate(engine, prompt, options=GenerateOptions(max_tokens=tokens), spec=spec,
-                                  eos_ids=(), stats=stats) for t in step.tokens]
-    s = stats.summary()
-    e, n = s["experts"], s["generated_tokens"]
-    ms = 1000 * s["decode_seconds"] / n
-    split = {k: e[k] / n for k in ("router_sync_ms", "late_wait_ms", "install_ms")}
+    """stream_curve.one_run's decode, its time split per token and its reads in records."""
+    run = stream_curve.one_run(engine, prompt, tokens=tokens, spec=spec)
+    split = run["ms_per_token"]
     return {
-        "tokens_per_s": s["tokens_per_s"],
-        "ms_per_token": ms,
-        **{f"{k}_per_token": v for k, v in split.items()},
-        "other_ms_per_token": ms - sum(split.values()),
-        "records_per_token": (e["bytes_read"] + e["prefetched_bytes"]) / stride / n,
-        "demand_records_per_token": e["bytes_read"] / stride / n,
-        "acceptance": s["acceptance"],
-        "drafts_offered": s.get("drafts_offered", 0),
-        "output": out,
+        "tokens_per_s": run["tokens_per_s"],
+        "ms_per_token": sum(split.values()),
+        "router_sync_ms_per_token": split["router_sync"],
+        "late_wait_ms_per_token": split["read_wait"],
+        "install_ms_per_token": split["installs"],
+        "other_ms_per_token": split["compute"],
+        "records_per_token": run["bytes_per_token"] / stride,
+        "demand_records_per_token": run["demand_bytes_per_token"] / stride,
+        "acceptance": run["acceptance"],
+        "drafts_offered": run["drafts_offered"],
+        "output": run["output"],
     }
 
 
@@ -102,8 +99,7 @@ def main() -> None:
         print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
     path = args.dir or Path(f"/tmp/strata-stream-{name}")
-    config = path / "config.json"
-    if not config.is_file() or json.loads(config.read_text())["num_hidden_layers"] != preset["model"]["num_hidden_layers"]:
+    if not stream_curve.is_built(path, preset["model"]):
         log(f"building the {name} model in {path}")
         dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
         build(path, preset["model"], seed=0, dtype=dtype, log=log)
