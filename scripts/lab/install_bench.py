@@ -1,0 +1,192 @@
+"""What does installing a streamed expert record into the slot banks cost, and how to make it cheap?
+
+On the H200 a 1.77 MB 80B-A3B expert record cost ~1.2 ms to install (docs/benchmarks.md, issue 38):
+far below what PCIe moves. This times the ways of getting a pass of P records from host buffers
+into (S, ...) slot banks, on whatever device MLX runs, each variant timed as host build time
+(graph building, host copies) and evaluation time (the device's share), per record:
+
+- `record`: what ExpertCache does today: one `mx.array` per tensor per record, one `slice_update`
+  per tensor per record;
+- `pass_slices`: one `mx.array` of the pass's bytes, each tensor's (P, ...) view taken on the
+  device, one `slice_update` per tensor per record from those views;
+- `pass_scatter`: as `pass_slices`, then one scatter per tensor (`bank[slots] = values`);
+- `staging`: a persistent MLX array the host writes in place (numpy view), then as `pass_slices`;
+- `h2d`: one `mx.array` of the pass's bytes and a sum over it (the transfer alone).
+
+Every variant's banks are checked equal to `record`'s. Results as JSON on stdout or `--out`.
+
+    python -m scripts.lab.install_bench --out install_bench.json
+    python -m scripts.lab.install_bench --tiny           # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+# One 80B-A3B expert, 4-bit, group 64: (name, shape, numpy dtype, mlx dtype).
+EXPERT_80B = [
+    ("gate.weight", (512, 256), np.uint32, mx.uint32), ("gate.scales", (512, 32), np.uint16, mx.bfloat16),
+    ("gate.biases", (512, 32), np.uint16, mx.bfloat16),
+    ("up.weight", (512, 256), np.uint32, mx.uint32), ("up.scales", (512, 32), np.uint16, mx.bfloat16),
+    ("up.biases", (512, 32), np.uint16, mx.bfloat16),
+    ("down.weight", (2048, 64), np.uint32, mx.uint32), ("down.scales", (2048, 8), np.uint16, mx.bfloat16),
+    ("down.biases", (2048, 8), np.uint16, mx.bfloat16),
+]
+EXPERT_TINY = [(name, (shape[0] // 16, shape[1]), npd, mxd) for name, shape, npd, mxd in EXPERT_80B]
+
+
+def layout(tensors):
+    offsets, at = [], 0
+    for name, shape, npd, mxd in tensors:
+        nbytes = int(np.prod(shape)) * np.dtype(npd).itemsize
+        offsets.append((name, shape, npd, mxd, at, nbytes))
+        at += nbytes
+    return offsets, at
+
+
+def fresh_banks(offsets, slots):
+    banks = {name: mx.zeros((slots, *shape), dtype=mxd) for name, shape, npd, mxd, _, _ in offsets}
+    mx.eval(list(banks.values()))
+    return banks
+
+
+def as_mx(array: mx.array, mxd) -> mx.array:
+    return array.view(mxd) if array.dtype != mxd else array
+
+
+def install_record(banks, offsets, records, slots):
+    for rec, slot in zip(records, slots):
+        at = mx.array([int(slot)])
+        for name, shape, npd, mxd, off, nbytes in offsets:
+            host = np.frombuffer(rec, dtype=npd, count=nbytes // np.dtype(npd).itemsize, offset=off)
+            value = as_mx(mx.array(host.reshape(shape)), mxd)
+            banks[name] = mx.slice_update(banks[name], value[None], at, axes=(0,))
+    return banks
+
+
+def tensor_views(flat: mx.array, offsets, stride, P):
+    """(P, *shape) device views of each tensor of P consecutive records in `flat` (uint8)."""
+    rows = flat.reshape(P, stride)
+    return {name: rows[:, off:off + nbytes].view(mxd).reshape(P, *shape) for name, shape, npd, mxd, off, nbytes in offsets}
+
+
+def install_pass_slices(banks, offsets, records, slots, stride):
+    flat = mx.array(np.frombuffer(b"".join(records), dtype=np.uint8))
+    views = tensor_views(flat, offsets, stride, len(records))
+    for p, slot in enumerate(slots):
+        at = mx.array([int(slot)])
+        for name in banks:
+            banks[name] = mx.slice_update(banks[name], views[name][p:p + 1], at, axes=(0,))
+    return banks
+
+
+def install_pass_scatter(banks, offsets, records, slots, stride):
+    flat = mx.array(np.frombuffer(b"".join(records), dtype=np.uint8))
+    views = tensor_views(flat, offsets, stride, len(records))
+    idx = mx.array(np.asarray(slots, dtype=np.int32))
+    for name in banks:
+        bank = banks[name]
+        bank[idx] = views[name]
+        banks[name] = bank
+    return banks
+
+
+def install_staging(banks, offsets, records, slots, stride, staging):
+    host = np.array(staging, copy=False)
+    for p, rec in enumerate(records):
+        host[p * stride:(p + 1) * stride] = np.frombuffer(rec, dtype=np.uint8)
+    views = tensor_views(staging[: len(records) * stride], offsets, stride, len(records))
+    for p, slot in enumerate(slots):
+        at = mx.array([int(slot)])
+        for name in banks:
+            banks[name] = mx.slice_update(banks[name], views[name][p:p + 1], at, axes=(0,))
+    return banks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small records (a CPU check)")
+    parser.add_argument("--slots", type=int, default=51, help="slots per bank (51: 10%% of 512 experts)")
+    parser.add_argument("--passes", type=int, nargs="+", default=[1, 9, 32], help="records per pass")
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    offsets, stride = layout(EXPERT_TINY if args.tiny else EXPERT_80B)
+    rng = np.random.default_rng(0)
+    pool = [rng.integers(0, 2**16, stride // 2, dtype=np.uint16).view(np.uint8) for _ in range(64)]
+    # bfloat16 payloads: keep them finite (no NaN bit patterns) so equality checks are exact
+    pool = [np.where(p % 128 == 127, 0, p).astype(np.uint8).tobytes() for p in pool]
+    staging = mx.zeros((max(args.passes) * stride,), dtype=mx.uint8)
+    mx.eval(staging)
+
+    variants = {
+        "record": lambda b, r, s: install_record(b, offsets, r, s),
+        "pass_slices": lambda b, r, s: install_pass_slices(b, offsets, r, s, stride),
+        "pass_scatter": lambda b, r, s: install_pass_scatter(b, offsets, r, s, stride),
+        "staging": lambda b, r, s: install_staging(b, offsets, r, s, stride, staging),
+    }
+    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
+           "record_bytes": stride, "slots": args.slots, "rows": []}
+    for P in args.passes:
+        P = min(P, args.slots)
+        reference = None
+        for name, fn in variants.items():
+            build, evals = [], []
+            for rep in range(args.repeats + 1):
+                banks = fresh_banks(offsets, args.slots)
+                records = [pool[(rep * P + j) % len(pool)] for j in range(P)]
+                slots = rng.permutation(args.slots)[:P].tolist()
+                t0 = time.perf_counter()
+                banks = fn(banks, records, slots)
+                t1 = time.perf_counter()
+                mx.eval(list(banks.values()))
+                t2 = time.perf_counter()
+                if rep:
+                    build.append((t1 - t0) * 1e3 / P)
+                    evals.append((t2 - t1) * 1e3 / P)
+                if rep == args.repeats:
+                    check = {k: np.array(v.view(mx.uint16) if v.dtype == mx.bfloat16 else v) for k, v in banks.items()}
+                    state = (records, slots)
+            if reference is None:
+                reference = (check, state)
+            else:  # same records and slots? replay the reference on this variant's last inputs
+                ref_banks = install_record(fresh_banks(offsets, args.slots), offsets, *state)
+                mx.eval(list(ref_banks.values()))
+                for k, v in ref_banks.items():
+                    want = np.array(v.view(mx.uint16) if v.dtype == mx.bfloat16 else v)
+                    if not np.array_equal(want, check[k]):
+                        raise SystemExit(f"{name}: bank {k} differs from the per-record install")
+            row = {"variant": name, "records_per_pass": P,
+                   "build_ms_per_record": statistics.median(build), "eval_ms_per_record": statistics.median(evals)}
+            row["total_ms_per_record"] = row["build_ms_per_record"] + row["eval_ms_per_record"]
+            row["gb_s"] = stride / row["total_ms_per_record"] / 1e6
+            out["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        # the transfer alone
+        times = []
+        for rep in range(args.repeats + 1):
+            t0 = time.perf_counter()
+            flat = mx.array(np.frombuffer(b"".join(pool[j % len(pool)] for j in range(P)), dtype=np.uint8))
+            mx.eval(flat.astype(mx.uint32).sum())
+            if rep:
+                times.append((time.perf_counter() - t0) * 1e3 / P)
+        row = {"variant": "h2d", "records_per_pass": P, "total_ms_per_record": statistics.median(times),
+               "gb_s": stride / statistics.median(times) / 1e6}
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    text = json.dumps(out, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
