@@ -4,10 +4,12 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
 
 - Slot banks: per block, one (S, ...) array per record tensor (gate/up/down, or their quantized
   weight/scales/biases), so the MLX graph never changes shape; an expert->slot table maps the
-  router's ids to bank rows. A load writes one slot with `mx.slice_update`, whose input buffer MLX
-  donates when the cache holds the only reference, so a load copies one expert, not the bank. The
-  writes are left lazy: they run with the layer's compute when the next routing readback
-  evaluates it (no device sync of their own).
+  router's ids to bank rows. A read lands in a staging slot (experts/staging.py: MLX memory the
+  reader writes, kept on the host and mapped for a CUDA GPU), and a load writes one bank slot
+  from device views of it with `mx.slice_update`, whose input buffer MLX donates when the cache
+  holds the only reference, so a load copies one expert, not the bank. The writes are left lazy:
+  they run with the layer's compute when the next routing readback evaluates it (no device sync
+  of their own).
 - Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
   while it is loaded); the missing ones are read with `os.preadv` on a thread pool (O_DIRECT where
   the file system allows) and the least recently used unpinned slots take them. A union larger
@@ -43,10 +45,12 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from ..kernel_cache import is_cuda
 from ..model.moe import SparseMoeBlock
 from ..options import StreamOptions
 from ..telemetry import ExpertWindowStats
 from .reads import ReadQueue
+from .staging import StagingArea, cuda_host_mapped
 from .store import DTYPES, BlockLayout, ExpertStore, layer_of
 
 # Per-block counters of one window (ExpertCache._counts columns).
@@ -170,6 +174,8 @@ class ExpertCache:
         self._routers = [(moe, moe.top_k) for _, moe in blocks]
         self._prefetch_rules: list[PrefetchRule | None] = [None] * len(self.paths)
         mx.eval([b.banks for b in self._blocks])
+        advise = cuda_host_mapped() if is_cuda() else None
+        self._staging = {b.layout.stride: StagingArea(b.layout.stride, advise=advise) for b in self._blocks}
         # transitions[i][e, f]: how often expert f at block i+1 followed expert e at block i
         self._transitions = [np.zeros((E, E), np.float32) for _ in self.paths[:-1]]
         self._window_ids: dict[int, np.ndarray] = {}
@@ -354,24 +360,24 @@ class ExpertCache:
         costs no device sync of its own. (One `slice_update` per expert and tensor: MLX's CPU
         scatter of a pass's records at once took 5x as long, docs/benchmarks.md.)"""
         block, count = self._blocks[i], self._counts[i]
-        path = self.paths[i]
+        path, area = self.paths[i], self._staging[block.layout.stride]
         began, waited = time.perf_counter(), 0.0
         try:
             for n, ((e, future), slot) in enumerate(zip(pending, victims)):
                 start = time.perf_counter()
-                buf, payload = future.result()
+                staged, _ = future.result()
                 waited += time.perf_counter() - start
                 try:
-                    arrays = self.store.to_arrays(path, payload, block.dtypes)
+                    arrays = self.store.tensor_views(path, staged.flat, block.dtypes)
+                    at = mx.array([int(slot)])
+                    for name, value in arrays.items():
+                        block.banks[name] = mx.slice_update(block.banks[name], value[None], at, axes=(0,))
                 finally:
-                    self.store.pools[block.layout.stride].give(buf)
+                    area.release(staged, readers=lambda: list(block.banks.values()))
                 old = int(block.expert_in[slot])
                 if old >= 0:
                     block.slot_of[old] = -1
                     del block.lru[old]
-                at = mx.array([int(slot)])
-                for name, value in arrays.items():
-                    block.banks[name] = mx.slice_update(block.banks[name], value[None], at, axes=(0,))
                 block.slot_of[e], block.expert_in[slot] = slot, e
                 block.lru[e] = None
                 block.seen[e] = True
@@ -397,17 +403,19 @@ class ExpertCache:
         return free
 
     def _submit(self, i: int, expert: int, *, demand: bool = True) -> Future:
-        path, pool = self.paths[i], self.store.pools[self._blocks[i].layout.stride]
+        path, area = self.paths[i], self._staging[self._blocks[i].layout.stride]
+        slot = area.take()  # here, not on the reader thread: taking may evaluate earlier installs
 
         def read():
-            buf = pool.take()
             try:
-                return buf, self.store.read(path, expert, buf)
+                return slot, self.store.read(path, expert, slot.view)
             except BaseException:
-                pool.give(buf)
+                area.release(slot)
                 raise
 
-        return self._pool.submit(read, demand=demand)
+        future = self._pool.submit(read, demand=demand)
+        future.add_done_callback(lambda f: f.cancelled() and area.release(slot))
+        return future
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -506,7 +514,7 @@ class ExpertCache:
             future.add_done_callback(self._recycle(block))
 
     def _recycle(self, block: _Block):
-        pool = self.store.pools[block.layout.stride]
+        area = self._staging[block.layout.stride]
         request = self._request_no
 
         def done(future: Future) -> None:
@@ -517,7 +525,7 @@ class ExpertCache:
                 if request == self._request_no:
                     self._deferred.append(error)  # a broken file must not pass silently
             else:
-                pool.give(future.result()[0])
+                area.release(future.result()[0])  # read, never installed: nothing read the slot
 
         return done
 

@@ -657,6 +657,17 @@ class ExpertStore:
             out[t.name] = array if want == mx_dtype else array.astype(want)
         return out
 
+    def tensor_views(self, path: str, record: mx.array, dtypes: Mapping[str, mx.Dtype]) -> dict[str, mx.array]:
+        """One record's tensors as views of `record` (the record's bytes as an MLX uint8 array,
+        experts/staging.py), cast to `dtypes[name]`: what `to_arrays` gives, without a host copy."""
+        out = {}
+        for t in self.blocks[path].tensors:
+            mx_dtype = DTYPES[t.dtype][1]
+            array = record[t.offset : t.offset + t.nbytes].view(mx_dtype).reshape(t.shape)
+            want = dtypes.get(t.name, mx_dtype)
+            out[t.name] = array if want == mx_dtype else array.astype(want)
+        return out
+
     def close(self) -> None:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
