@@ -11,6 +11,8 @@ into (S, ...) slot banks, on whatever device MLX runs, each variant timed as hos
   device, one `slice_update` per tensor per record from those views;
 - `pass_scatter`: as `pass_slices`, then one scatter per tensor (`bank[slots] = values`);
 - `staging`: a persistent MLX array the host writes in place (numpy view), then as `pass_slices`;
+- `advised_staging`: the same, the array advised to stay on the host, mapped for the GPU
+  (experts/staging.py, what ExpertCache does; the reader writes the slot itself there);
 - `h2d`: one `mx.array` of the pass's bytes and a sum over it (the transfer alone).
 
 Every variant's banks are checked equal to `record`'s. Results as JSON on stdout or `--out`.
@@ -29,6 +31,8 @@ import time
 
 import mlx.core as mx
 import numpy as np
+
+from strata_cli.experts.staging import cuda_host_mapped
 
 # One 80B-A3B expert, 4-bit, group 64: (name, shape, numpy dtype, mlx dtype).
 EXPERT_80B = [
@@ -110,6 +114,10 @@ def install_staging(banks, offsets, records, slots, stride, staging):
     return banks
 
 
+def host_pointer(array: mx.array) -> int:
+    return np.array(array, copy=False).__array_interface__["data"][0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small records (a CPU check)")
@@ -127,14 +135,24 @@ def main() -> None:
     staging = mx.zeros((max(args.passes) * stride,), dtype=mx.uint8)
     mx.eval(staging)
 
+    advised = mx.zeros((max(args.passes) * stride,), dtype=mx.uint8)
+    mx.eval(advised)
+    advice = None
+    if mx.default_device() == mx.gpu and not args.tiny:
+        try:
+            advice = cuda_host_mapped()(host_pointer(advised), max(args.passes) * stride)
+        except Exception as error:  # noqa: BLE001 - a lab probe: say why and go on
+            advice = f"failed: {error}"
     variants = {
         "record": lambda b, r, s: install_record(b, offsets, r, s),
         "pass_slices": lambda b, r, s: install_pass_slices(b, offsets, r, s, stride),
         "pass_scatter": lambda b, r, s: install_pass_scatter(b, offsets, r, s, stride),
         "staging": lambda b, r, s: install_staging(b, offsets, r, s, stride, staging),
+        "advised_staging": lambda b, r, s: install_staging(b, offsets, r, s, stride, advised),
     }
     out = {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
-           "record_bytes": stride, "slots": args.slots, "rows": []}
+           "record_bytes": stride, "slots": args.slots, "advice": advice, "rows": []}
+    print("advice:", advice, flush=True)
     for P in args.passes:
         P = min(P, args.slots)
         reference = None
