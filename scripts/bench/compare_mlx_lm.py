@@ -399,7 +399,7 @@ def run_family(args, family: str) -> dict:
     for row in result["identity"]:
         print(f"identity {row['dtype']}: 3 drafts {row['3']}, auto {row['auto']}", flush=True)
     lap("identity")
-    if family == "qwen3_next":
+    if family == "qwen3_next" and args.demo_selftest:
         result["identity_demo"] = selftest(max_tokens=args.tokens, with_window_costs=False)
         lap("demo_selftest")
     result["targets"] = targets(result)
@@ -454,6 +454,9 @@ def main(argv=None) -> dict:
                         help="Mamba-2 decode windows through metal_shaders/mamba2_window.py where they pass their "
                              "probe (on, the default) or as MLX ops (off): model/mamba2.py's WINDOW_KERNELS")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-demo-selftest", dest="demo_selftest", action="store_false",
+                        help="skip `strata selftest` on the demo model (qwen3_next; minutes on a GPU whose "
+                             "kernel cache lacks its float32 kernels)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-compare")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
