@@ -6,6 +6,7 @@ import pytest
 from stream_checkpoints import NUM_EXPERTS, TOP_K, build_pair
 
 from strata_cli.engine.window import WindowEngine
+from strata_cli.experts.cache import ExpertCache
 from strata_cli.experts.store import ExpertLayoutWriter, ExpertStore, read_index
 from strata_cli.model import load_model
 from strata_cli.options import ConfigError, StreamOptions
@@ -118,6 +119,18 @@ def test_prefetch_accounting(checkpoints, prefetch, root_only, depth):
             assert all(row["prefetched_bytes"] <= TOP_K * stride for row in stats.layers)
         prefetched += stats.prefetched_bytes
     assert (prefetched > 0) == (prefetch != "off")
+    cache.close()
+
+
+def test_blocks_out_of_layer_order_are_refused(checkpoints):
+    """Router prefetch reads for the block after each one in the cache's order: blocks listed
+    otherwise (named_modules gives the last layer first) would read ahead for the wrong layer."""
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=4))
+    cache = model.expert_cache
+    modules = dict(model.named_modules())
+    blocks = [(path, modules[path.rsplit(".", 1)[0]]) for path in reversed(cache.paths)]
+    with pytest.raises(ValueError, match="layer order"):
+        ExpertCache(cache.store, blocks, num_slots=4, dtype=mx.float32, options=cache.options)
     cache.close()
 
 

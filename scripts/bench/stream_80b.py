@@ -64,7 +64,7 @@ from scripts.bench.moce_agreement import (
 from strata_cli.calibrate import device_cost_prior
 from strata_cli.engine.window import WindowEngine
 from strata_cli.experts.cache import ExpertCache
-from strata_cli.experts.store import ExpertStore
+from strata_cli.experts.store import ExpertStore, layer_of
 from strata_cli.experts.switch import StreamedSwitchGLU
 from strata_cli.model import qwen3_next
 from strata_cli.options import (
@@ -222,7 +222,10 @@ def fresh_engine(model, path: Path, *, slots: int, io: str, threads: int, dtype:
     """`model` with a new, empty expert cache of `slots` per layer reading with `io`, in a new
     engine that knows the window shapes this process already built (`warm_rows`). Cheaper than
     loading the model again: the dense weights stay. Exact routing only (MoCE hooks the old cache)."""
-    switches = [m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)]
+    # in layer order, as the cache needs (named_modules lists them last layer first): router
+    # prefetch reads for the block after each one
+    switches = sorted((m for _, m in model.named_modules() if isinstance(m, StreamedSwitchGLU)),
+                      key=lambda m: layer_of(m.path))
     modules = dict(model.named_modules())
     blocks = [(m.path, modules[m.path.rsplit(".", 1)[0]]) for m in switches]
     if model.expert_cache is not None:

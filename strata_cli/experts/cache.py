@@ -169,6 +169,8 @@ class ExpertCache:
         self.store, self.options, self.num_slots = store, options, num_slots
         self.paths = [path for path, _ in blocks]
         self.layers = [layer_of(path) for path in self.paths]
+        if self.layers != sorted(self.layers):  # prefetch reads for the next block in this order
+            raise ValueError(f"blocks must come in layer order, got layers {self.layers}")
         self._position = {path: i for i, path in enumerate(self.paths)}
         self._blocks = [_Block(store.blocks[path], num_slots, dtype, E) for path in self.paths]
         self._routers = [(moe, moe.top_k) for _, moe in blocks]
