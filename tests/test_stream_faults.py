@@ -96,7 +96,8 @@ def test_failed_prefetch_nobody_used_still_raises(streamed):
     cache.close()
 
 
-def test_direct_io_refused_at_read_falls_back_to_the_page_cache(streamed, monkeypatch):
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EFAULT])  # a file system; an unpinnable buffer
+def test_direct_io_refused_at_read_falls_back_to_the_page_cache(streamed, monkeypatch, refusal):
     store = ExpertStore(streamed, io="auto")
     path = "model.layers.0.mlp.switch_mlp"
     if not store._direct[path]:
@@ -107,7 +108,7 @@ def test_direct_io_refused_at_read_falls_back_to_the_page_cache(streamed, monkey
     def preadv(fd, buffers, offset):
         calls.append(fd)
         if len(calls) == 1:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(refusal, os.strerror(refusal))
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(expert_store.os, "preadv", preadv)

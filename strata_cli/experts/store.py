@@ -618,8 +618,10 @@ class ExpertStore:
         try:
             got = os.preadv(self._fds[path], [view], offset)
         except OSError as e:
-            if e.errno == errno.EINVAL and self._direct[path]:
-                self._fallback_buffered(block)  # accepted at open, refused at read: some file systems
+            if e.errno in (errno.EINVAL, errno.EFAULT) and self._direct[path]:
+                # accepted at open, refused at read: some file systems (EINVAL), or a buffer the
+                # kernel cannot pin for DMA, as CUDA managed memory may be (EFAULT)
+                self._fallback_buffered(block)
                 return self.read(path, expert, buf)
             raise ExpertReadError(
                 f"{block.file}: read of expert {expert} of {block.path} failed ({e.strerror or e})"
