@@ -59,6 +59,16 @@ struct uint4 { unsigned int x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 template <typename V> inline V __ldg(const V* p) { return *p; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+// fp16 -> float in software (subnormals included), for the preludes' strata_f16lo / hi
+inline float strata_emulated_f16(unsigned short b) {
+    const int e = (b >> 10) & 31, m = b & 1023;
+    const float v = e == 0 ? std::ldexp(static_cast<float>(m), -24)
+                  : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(static_cast<float>(1024 + m), e - 25);
+    return (b & 0x8000) ? -v : v;
+}
+struct __half { unsigned short bits; };
+inline __half __ushort_as_half(unsigned short b) { return {b}; }
+inline float __half2float(__half h) { return strata_emulated_f16(h.bits); }
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim;
@@ -95,6 +105,8 @@ METAL_SHIM = r"""
 #define rsqrtf strata_metal_rsqrtf
 #define log1pf strata_metal_log1pf
 using ushort = unsigned short;
+struct half { unsigned short bits; operator float() const { return strata_emulated_f16(bits); } };
+template <typename To, typename From> inline To as_type(From v) { To t; std::memcpy(&t, &v, sizeof t); return t; }
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 inline float exp(float x) { return std::exp(x); }
@@ -157,6 +169,7 @@ KINDS = {
     "gather_mxfp4": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const uint8_t* scales",
                       "const uint32_t* idx"], kernels.GATHER_MXFP4, "using TI = uint32_t;"),
 }
+KIND_HEADERS = {"gather_mxfp4": kernels.HEADER + kernels.MXFP4_HEADER}  # else kernels.HEADER
 
 
 def compile_program(path: Path, source: str) -> None:
@@ -171,25 +184,29 @@ class Emulator:
         self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
 
-    def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int) -> Path:
-        key = (kind, rows, cols, bits, gs)
+    def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int, more: tuple = ()) -> Path:
+        key = (kind, rows, cols, bits, gs, *more)
         if key not in self.built:
             params, body, extra = KINDS[kind]
             consts = f"using T = float; {extra} constexpr int ROWS = {rows}; constexpr int COLS = {cols};"
             if kind != "dense":
                 consts += f" constexpr int BITS = {bits}; constexpr int GS = {gs};"
+            consts += "".join(f" constexpr int {name} = {value};" for name, value in more)
             args = ", ".join(f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params))
-            source = (program(SHIM_BLOCK, self.backend, kernels.HEADER, [*params, "float* out"], consts, body)
+            header = KIND_HEADERS.get(kind, kernels.HEADER)
+            source = (program(SHIM_BLOCK, self.backend, header, [*params, "float* out"], consts, body)
                       + MAIN.replace("NUM_INPUTS", str(len(params))).replace("CALL", f"kernel({args}, out.data())"))
-            path = self.dir / "_".join(map(str, key))
+            path = self.dir / "_".join(str(k) for k in key if not isinstance(k, tuple))
+            path = path.with_name(path.name + "".join(f"_{name}{value}" for name, value in more))
             compile_program(path, source)
             self.built[key] = path
         return self.built[key]
 
     def launch(self, kind: str, inputs: list, *, rows: int, blocks_y: int, N: int, out_rows: int, bits: int = 0,
-               gs: int = 0, cols: int = kernels.COLS) -> np.ndarray:
+               gs: int = 0, cols: int = kernels.COLS, more: dict | None = None) -> np.ndarray:
+        """`more`: further template values (name: int), e.g. the MXFP4 kernel's DECODE."""
         config = kernels.launch_config(rows, N, cols=cols)
-        binary = self._binary(kind, kernels.row_capacity(rows), cols, bits, gs)
+        binary = self._binary(kind, kernels.row_capacity(rows), cols, bits, gs, tuple(sorted((more or {}).items())))
         names = []
         for i, a in enumerate(inputs):
             names.append(str(self.dir / f"in{i}"))
@@ -640,6 +657,12 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                                f"const {t}* biases", "const uint32_t* idx", f"{t}* out"],
              rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
              kernels.GATHER_QUANTIZED),
+            *((f"gather_mxfp4_{decode}_r{rows_}_{tn}", kernels.HEADER + kernels.MXFP4_HEADER,
+               ["const int32_t* dims", x, "const uint32_t* w", "const uint8_t* scales", "const uint32_t* idx",
+                f"{t}* out"],
+               f"using T = {t}; using TI = uint32_t; constexpr int ROWS = {rows_}; constexpr int COLS = {kernels.COLS}; "
+               f"constexpr int DECODE = {value};", kernels.GATHER_MXFP4)
+              for decode, value in kernels.MXFP4_DECODES.items() for rows_ in ((1, 8) if value == 0 else (1,))),
             (f"gdn_prepare_{tn}", gdn_window.HEADER,
              ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
               f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
