@@ -8,7 +8,7 @@ trades values through a barrier, `__ldg`, `uint4` and Metal's address spaces are
 Metal's math is the C library's. float32 only (bf16 needs the backends' headers). It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
-rows than one block takes. The GDN window kernels (metal_shaders/gdn_window.py) run the same
+rows than one block takes (affine, and MXFP4 in each decode form). The GDN window kernels (metal_shaders/gdn_window.py) run the same
 way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
 (relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
 model's (2, 4, 64, 64) and a batch of 2; so do the Mamba-2 window kernels
@@ -768,6 +768,16 @@ def main() -> int:
 
     expected = _f32(kernels.reference_gather_qmatvec(xg, qw, qs, qb, experts, group_size=64, bits=4))
     results.append(check(f"rows_gather_qmatvec K={K} N={N}", run_gather, M, expected, (0, 5, 8, 11)))
+    fw, fs = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(7)) * K**-0.5, 32, 4, mode="mxfp4")
+    expected = _f32(kernels.reference_gather_mxfp4matvec(xg, fw, fs, experts))
+    for decode, value in kernels.MXFP4_DECODES.items():  # each form, 8 picks a block (expert 3: 9 picks)
+        def run_mxfp4(i0, i1, value=value):
+            return emu.launch("gather_mxfp4", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(fw),
+                                               np.array(fs), np.array(experts[i0:i1])],
+                              rows=kernels.MAX_ROWS if i1 - i0 > 1 else 1, blocks_y=i1 - i0, N=N, out_rows=i1 - i0,
+                              more={"DECODE": value})
+
+        results.append(check(f"rows_gather_mxfp4matvec {decode} K={K} N={N}", run_mxfp4, M, expected, (0, 5, 8, 11)))
     gdn = GDNEmulator(emu.dir, args.backend)
     for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
         results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
