@@ -181,7 +181,7 @@ GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
 # kernel's arithmetic). The order is a function of K alone, as in the affine body.
 _E2M1_BITS = ("(0.5f * strata_u2f(((C) & 6u) == 0u ? ((C) & 1u) : (2u + ((C) & 1u)) << ((((C) >> 1) & 3u) - 1u))"
               " * (((C) & 8u) ? -6.103515625e-05f : 6.103515625e-05f))")
-_MXFP4_BODY = _HEAD + """
+_MXFP4_BODY = _HEAD.replace("(block_x *", "(column_block *") + """
     const int KW = K / 8, KC = K / 32;
     const bool wvec = strata_aligned16(wq, static_cast<size_t>(KW) * 4);
     #pragma unroll (ROWS > 2 ? 1 : 2)
@@ -240,15 +240,21 @@ _MXFP4_BODY = _HEAD + """
         }
     }
 """ + _TAIL
-# The gather prelude with MXFP4's pointers (8 codes a word, one scale per 32, no biases) and the
-# `lut` form's table, filled before the block's barrier.
+# The gather prelude with MXFP4's pointers (8 codes a word, one scale per 32, no biases), the
+# `lut` form's table, filled before the block's barrier, and the grid's order (PICKS_X): 1 puts
+# the picks on the grid's fast axis, so the blocks of every pick of one column block are
+# launched together, and picks of one expert read its rows from L2 instead of memory again; 0
+# puts the column blocks there (all of pick 0's blocks, then pick 1's, ...), as the affine kernel.
 _ROWS_GATHER_FP4 = (_ROWS_GATHER.replace("(32 / BITS)", "8").replace("(dims[1] / GS)", "(dims[1] / 32)")
+                    .replace("    const int m = block_y;\n", "    const int m = PICKS_X ? block_x : block_y;\n"
+                             "    const int column_block = PICKS_X ? block_y : block_x;\n")
                     .replace("    auto bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / 32);\n", "")
                     .replace("    strata_sync();\n", "    STRATA_SHARED float e2m1[16];\n"
                              "    if (DECODE == 1 && thread_x < 16) e2m1[thread_x] = E2M1_BITS(static_cast<unsigned int>(thread_x));\n"
                              "    strata_sync();\n", 1))
 GATHER_MXFP4 = _ROWS_GATHER_FP4 + _MXFP4_BODY
 MXFP4_DECODES = {"f16": 0, "lut": 1, "bits": 2}
+MXFP4_ORDERS = {"picks": 1, "columns": 0}  # the grid's fast axis: PICKS_X
 MXFP4_HEADER = f"#define E2M1_BITS(C) {_E2M1_BITS}\n"
 
 _probe = Probe("row-invariant matrix kernels", "decode windows run row by row")
@@ -342,12 +348,15 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
 
 
 def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts: mx.array, *,
-                            share: int | None = None, cols: int = COLS, decode: str = "f16") -> mx.array:
+                            share: int | None = None, cols: int = COLS, decode: str = "f16",
+                            order: str = "picks") -> mx.array:
     """`rows_gather_qmatvec` for MXFP4 experts (MLX's "mxfp4" mode: w (E, N, K/8) uint32, scales
     (E, N, K/32) uint8): one call for a window's picks; a pick's bits never depend on the other
     picks, on their count, on `share` (1, 2, 4 or 8 picks of one expert per block; the default,
-    1, gives each pick its own blocks), on `cols` or on `decode` (how a code becomes a float:
-    `MXFP4_DECODES`; all give the same value). (MLX 0.32's CUDA gather_qmm sends fewer than 8
+    1, gives each pick its own blocks), on `cols`, on `decode` (how a code becomes a float:
+    `MXFP4_DECODES`; all give the same value) or on `order` (the grid's fast axis: "picks" or
+    "columns"; which blocks run side by side, so which share an expert's rows in L2). (MLX
+    0.32's CUDA gather_qmm sends fewer than 8
     picks to its gather_qmv and 8 or more to a tiled GEMM: a decode window's rows would not keep
     their serial arithmetic, and a GEMM tile per one-row pick is slow.)"""
     M, K = rows(x)
@@ -355,13 +364,18 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
         raise ValueError(f"rows_gather_mxfp4matvec takes at most {MAX_PICKS} picks, got {M}")
     if decode not in MXFP4_DECODES:
         raise ValueError(f"decode is one of {', '.join(MXFP4_DECODES)}, got {decode!r}")
+    if order not in MXFP4_ORDERS:
+        raise ValueError(f"order is one of {', '.join(MXFP4_ORDERS)}, got {order!r}")
     N = w.shape[1]
     kernel = gpu_kernel("strata_rows_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], ["out"],
                         GATHER_MXFP4, HEADER + MXFP4_HEADER)
     config = launch_config(share or 1, N, cols=cols)
-    template = [("T", x.dtype), ("TI", experts.dtype), ("DECODE", MXFP4_DECODES[decode])]
+    picks_x = MXFP4_ORDERS[order]
+    template = [("T", x.dtype), ("TI", experts.dtype), ("DECODE", MXFP4_DECODES[decode]), ("PICKS_X", picks_x)]
+    threads = config["threadgroup"][0]
+    grid = (M * threads, config["grid"][0] // threads, 1) if picks_x else (config["grid"][0], M, 1)
     (out,) = kernel(inputs=[dims(M, K, N), x, w, scales, experts], template=template + config["template"],
-                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(*x.shape[:-1], N)],
+                    grid=grid, threadgroup=config["threadgroup"], output_shapes=[(*x.shape[:-1], N)],
                     output_dtypes=[x.dtype])
     return out
 

@@ -32,8 +32,8 @@ shapes shrink (`--small`, implied) so the run takes seconds; it checks the scrip
 
 `--mxfp4` times only GPT-OSS-20B's MXFP4 routed experts (K 2880 into the fused gate_up's 5,760
 columns and down's 2,880; 32 experts, top-4 random picks per row, bfloat16 rows): every setting
-of `rows_gather_mxfp4matvec` (`decode` f16 / lut / bits, `cols` 2 / 4 / 8, `share` 1 / 2 / 4 / 8)
-against MLX's `gather_qmm(mode="mxfp4")` at R = 1, 2, 4, 8, each R-row call checked bit for bit
+of `rows_gather_mxfp4matvec` (`decode` f16 / lut / bits, `cols` 2 / 4 / 8, `share` 1 / 2 / 4 / 8,
+`order` picks / columns; one changed at a time from the default) against MLX's `gather_qmm(mode="mxfp4")` at R = 1, 2, 4, 8, each R-row call checked bit for bit
 against its rows' 1-row calls and against the default setting; its last table sums gate_up and
 down per setting and R (the layer's expert time), which decides the default.
 
@@ -182,16 +182,18 @@ SMALL_GPT_OSS_EXPERTS = {"gate_up": (128, 96), "down": (64, 128)}
 
 
 def mxfp4_variants() -> list[dict]:
-    """The MXFP4 kernel's settings timed by `--mxfp4`, the default first: each decode form at the
-    default columns, the default decode at 2 and 8 columns, and `share` 2, 4, 8."""
-    default = {"decode": "f16", "cols": kernels.COLS, "share": 1}
+    """The MXFP4 kernel's settings timed by `--mxfp4`, the default first, then one setting
+    changed at a time: each other decode form, 2 and 8 columns, `share` 2, 4, 8, the other grid
+    order."""
+    default = {"decode": "f16", "cols": kernels.COLS, "share": 1, "order": "picks"}
     others = [{**default, "decode": d} for d in kernels.MXFP4_DECODES if d != default["decode"]]
     others += [{**default, "cols": c} for c in (2, 8)] + [{**default, "share": s} for s in (2, 4, 8)]
+    others += [{**default, "order": o} for o in kernels.MXFP4_ORDERS if o != default["order"]]
     return [default, *others]
 
 
 def variant_name(setting: dict) -> str:
-    return f"{setting['decode']}/cols{setting['cols']}/share{setting['share']}"
+    return f"{setting['decode']}/cols{setting['cols']}/share{setting['share']}/{setting['order']}"
 
 
 def bench_mxfp4(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: bool, repeats: int, inner: int,
@@ -267,13 +269,13 @@ def mxfp4_summary(records: list[dict]) -> list[dict]:
 
 def render_mxfp4(summary: list[dict]) -> str:
     lines = ["GPT-OSS MXFP4 experts, gate_up + down per layer: kernel ms (kernel / MLX gather_qmm)",
-             f"{'variant':24s} " + " ".join(f"{'R=' + str(R):>16s}" for R in ROWS) + "  same"]
+             f"{'variant':32s} " + " ".join(f"{'R=' + str(R):>16s}" for R in ROWS) + "  same"]
     for variant in dict.fromkeys(s["variant"] for s in summary):
         mine = [s for s in summary if s["variant"] == variant]
         cells = " ".join(f"{s['kernel_ms']:8.4f} ({s['kernel_over_mlx']:4.2f})" for s in mine)
-        lines.append(f"{variant:24s} {cells}  {all(s['all_identical'] for s in mine)!s}")
+        lines.append(f"{variant:32s} {cells}  {all(s['all_identical'] for s in mine)!s}")
     mlx = {s["R"]: s["mlx_ms"] for s in summary}
-    lines.append(f"{'MLX gather_qmm':24s} " + " ".join(f"{mlx[R]:8.4f}{'':8s}" for R in ROWS))
+    lines.append(f"{'MLX gather_qmm':32s} " + " ".join(f"{mlx[R]:8.4f}{'':8s}" for R in ROWS))
     for R in ROWS:
         best = min((s for s in summary if s["R"] == R), key=lambda s: s["kernel_ms"])
         lines.append(f"fastest at R={R}: {best['variant']} {best['kernel_ms']:.4f} ms ({best['kernel_over_mlx']:.2f}x MLX)")

@@ -212,9 +212,11 @@ class Emulator:
             names.append(str(self.dir / f"in{i}"))
             Path(names[-1]).write_bytes(np.ascontiguousarray(np.asarray(a)).tobytes())
         threads = config["threadgroup"][0]
+        grid = (config["grid"][0] // threads, blocks_y)
+        if (more or {}).get("PICKS_X"):  # the MXFP4 kernel with its picks on the grid's fast axis
+            grid = grid[::-1]
         out = self.dir / "out"
-        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), str(blocks_y), str(threads),
-                        str(out_rows * N), str(out)], check=True)
+        subprocess.run([str(binary), *names, *map(str, grid), str(threads), str(out_rows * N), str(out)], check=True)
         return np.fromfile(out, np.float32).reshape(out_rows, N)
 
 
@@ -661,7 +663,7 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                ["const int32_t* dims", x, "const uint32_t* w", "const uint8_t* scales", "const uint32_t* idx",
                 f"{t}* out"],
                f"using T = {t}; using TI = uint32_t; constexpr int ROWS = {rows_}; constexpr int COLS = {kernels.COLS}; "
-               f"constexpr int DECODE = {value};", kernels.GATHER_MXFP4)
+               f"constexpr int DECODE = {value}; constexpr int PICKS_X = 1;", kernels.GATHER_MXFP4)
               for decode, value in kernels.MXFP4_DECODES.items() for rows_ in ((1, 8) if value == 0 else (1,))),
             (f"gdn_prepare_{tn}", gdn_window.HEADER,
              ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
@@ -775,7 +777,7 @@ def main() -> int:
             return emu.launch("gather_mxfp4", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(fw),
                                                np.array(fs), np.array(experts[i0:i1])],
                               rows=kernels.MAX_ROWS if i1 - i0 > 1 else 1, blocks_y=i1 - i0, N=N, out_rows=i1 - i0,
-                              more={"DECODE": value})
+                              more={"DECODE": value, "PICKS_X": value % 2})  # both grid orders
 
         results.append(check(f"rows_gather_mxfp4matvec {decode} K={K} N={N}", run_mxfp4, M, expected, (0, 5, 8, 11)))
     gdn = GDNEmulator(emu.dir, args.backend)
