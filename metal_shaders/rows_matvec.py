@@ -283,8 +283,8 @@ def row_capacity(rows: int) -> int:
 HEADER = f"#define MAX_PICKS {MAX_PICKS}\n"
 
 
-def _kernel(name: str, inputs: list[str], body: str):
-    return gpu_kernel(name, inputs, ["out"], body, HEADER)
+def _kernel(name: str, inputs: list[str], body: str, extra: str = ""):
+    return gpu_kernel(name, inputs, ["out"], body, HEADER + extra)
 
 
 def _launch(kernel, inputs, template, lead: tuple[int, ...], rows: int, N: int, dtype, cols: int):
@@ -367,8 +367,8 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     if order not in MXFP4_ORDERS:
         raise ValueError(f"order is one of {', '.join(MXFP4_ORDERS)}, got {order!r}")
     N = w.shape[1]
-    kernel = gpu_kernel("strata_rows_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], ["out"],
-                        GATHER_MXFP4, HEADER + MXFP4_HEADER)
+    kernel = _kernel("strata_rows_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4,
+                     MXFP4_HEADER)
     config = launch_config(share or 1, N, cols=cols)
     picks_x = MXFP4_ORDERS[order]
     template = [("T", x.dtype), ("TI", experts.dtype), ("DECODE", MXFP4_DECODES[decode]), ("PICKS_X", picks_x)]
