@@ -19,6 +19,7 @@ BODIES = {
     "rows_matvec.DENSE": kernels.DENSE,
     "rows_matvec.QUANTIZED": kernels.QUANTIZED,
     "rows_matvec.GATHER_QUANTIZED": kernels.GATHER_QUANTIZED,
+    "rows_matvec.GATHER_MXFP4": kernels.GATHER_MXFP4,
     "gdn_window.PREPARE": gdn_window.PREPARE,
     "gdn_window.SCAN": gdn_window.SCAN,
     "mamba2_window.PREPARE": mamba2_window.PREPARE,
