@@ -174,11 +174,12 @@ GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
 # Per chunk, column and row, p sums code · x over the group's 32 values in order (fused
 # multiply-adds), then acc = fma(p · 2^14, scale, acc): the scale is one multiply per group, not
 # per value. A code is decoded as code · 2^-14, exact in float32, by one of three forms (DECODE),
-# all giving the same value, so the same bits: 0 (`f16`) moves a nibble pair into the sign and
-# low exponent / top mantissa bits of two halves (an e2m1 code is an fp16 subnormal-or-normal
-# with 2 exponent bits: bias 15 against 1, hence 2^-14) and converts them; 1 (`lut`) reads a
-# 16-entry table in shared memory; 2 (`bits`) computes it from the code's fields (the first
-# kernel's arithmetic). The order is a function of K alone, as in the affine body.
+# all giving the same value, so the same bits: 0 (`f16`) moves a nibble pair's sign, 2 exponent
+# bits and mantissa bit to the sign, low exponent and top mantissa bits of two fp16 halves and
+# converts them (fp16 subnormals are e2m1's too, and the exponent biases, 15 and 1, differ by
+# 14: the half is code · 2^-14); 1 (`lut`) reads a 16-entry table in shared memory; 2 (`bits`)
+# computes it from the code's fields (the first kernel's arithmetic). The order of operations
+# is a function of K alone, as in the affine body.
 _E2M1_BITS = ("(0.5f * strata_u2f(((C) & 6u) == 0u ? ((C) & 1u) : (2u + ((C) & 1u)) << ((((C) >> 1) & 3u) - 1u))"
               " * (((C) & 8u) ? -6.103515625e-05f : 6.103515625e-05f))")
 _MXFP4_BODY = _HEAD.replace("(block_x *", "(column_block *") + """
@@ -356,9 +357,9 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     1, gives each pick its own blocks), on `cols`, on `decode` (how a code becomes a float:
     `MXFP4_DECODES`; all give the same value) or on `order` (the grid's fast axis: "picks" or
     "columns"; which blocks run side by side, so which share an expert's rows in L2). (MLX
-    0.32's CUDA gather_qmm sends fewer than 8
-    picks to its gather_qmv and 8 or more to a tiled GEMM: a decode window's rows would not keep
-    their serial arithmetic, and a GEMM tile per one-row pick is slow.)"""
+    0.32's CUDA gather_qmm sends fewer than 8 picks to its gather_qmv and 8 or more to a tiled
+    GEMM: a decode window's rows would not keep their serial arithmetic, and a GEMM tile per
+    one-row pick is slow.)"""
     M, K = rows(x)
     if M > MAX_PICKS:
         raise ValueError(f"rows_gather_mxfp4matvec takes at most {MAX_PICKS} picks, got {M}")
