@@ -15,7 +15,9 @@ derived pointers, templates on pointer types), and names only what every prelude
 - loads: `strata_load<V, N>(p, vec, out)` (N values as floats), `strata_words(p, vec)` (4 packed
   words), `strata_aligned16(p, row_bytes)` (whether 16-byte loads may be used: only CUDA uses
   them; the values and the arithmetic are the same either way), `strata_u2f` (a small unsigned
-  int as an exact float), `strata_exp2i(e)` (2^e as a float, exact);
+  int as an exact float), `strata_exp2i(e)` (2^e as a float, exact), `strata_e8m0(s)` (an MX
+  scale byte, 2^(s - 127)), `strata_f16lo(h)` / `strata_f16hi(h)` (the fp16 in h's low / high
+  half as a float, exact);
 - the float math of CUDA's spelling (`expf`, `fmaf`, `fmaxf`, `fabsf`, `sqrtf`, `rsqrtf`,
   `log1pf`), which Metal spells `metal::exp`, ... (MLX compiles Metal with fast math off, so
   `fma` stays one rounding and no sum is reassociated).
@@ -37,6 +39,11 @@ __device__ __forceinline__ float strata_xor(float v, int offset) { return __shfl
 // 2^23 + q has q in its mantissa: exact, without the slow integer-to-float instruction
 __device__ __forceinline__ float strata_u2f(unsigned int q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
 __device__ __forceinline__ float strata_exp2i(int e) { return ldexpf(1.0f, e); }
+// an e8m0 scale byte: 2^(s - 127) (s = 0: the subnormal 2^-127), without ldexpf's special cases
+__device__ __forceinline__ float strata_e8m0(unsigned int s) { return __uint_as_float(s ? s << 23 : 0x00400000u); }
+// the half in the low / high 16 bits of h, as a float (exact, subnormals included)
+__device__ __forceinline__ float strata_f16lo(unsigned int h) { return __half2float(__ushort_as_half(static_cast<unsigned short>(h))); }
+__device__ __forceinline__ float strata_f16hi(unsigned int h) { return __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))); }
 template <typename P>
 __device__ __forceinline__ bool strata_aligned16(P p, size_t row_bytes) {
     return ((reinterpret_cast<size_t>(p) | row_bytes) & 15) == 0;
@@ -75,6 +82,9 @@ inline void strata_sync_warp() { metal::simdgroup_barrier(metal::mem_flags::mem_
 inline float strata_xor(float v, int offset) { return metal::simd_shuffle_xor(v, static_cast<ushort>(offset)); }
 inline float strata_u2f(unsigned int q) { return static_cast<float>(q); }
 inline float strata_exp2i(int e) { return metal::ldexp(1.0f, e); }
+inline float strata_e8m0(unsigned int s) { return as_type<float>(s ? s << 23 : 0x00400000u); }
+inline float strata_f16lo(unsigned int h) { return static_cast<float>(as_type<half>(static_cast<ushort>(h))); }
+inline float strata_f16hi(unsigned int h) { return static_cast<float>(as_type<half>(static_cast<ushort>(h >> 16))); }
 template <typename P>
 inline bool strata_aligned16(P, size_t) { return false; }
 template <typename V, int N, typename P, typename O>

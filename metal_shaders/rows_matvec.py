@@ -171,9 +171,18 @@ QUANTIZED = _ROWS_PLAIN + _QUANTIZED_BODY
 GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
 # MXFP4 (MLX's "mxfp4" mode, GPT-OSS's experts): groups of 32 e2m1 codes, 8 to a word, low nibble
 # first, each group with one uint8 e8m0 scale (2^(s - 127)); a chunk (4 words) is one group.
-# value = scale · code, exact in float32 (a power of two times one of ±{0, .5, 1, 1.5, 2, 3, 4, 6}).
-# The picks' order of fused multiply-adds is the affine body's; only the value differs.
-_MXFP4_BODY = _HEAD + """
+# Per chunk, column and row, p sums code · x over the group's 32 values in order (fused
+# multiply-adds), then acc = fma(p · 2^14, scale, acc): the scale is one multiply per group, not
+# per value. A code is decoded as code · 2^-14, exact in float32, by one of three forms (DECODE),
+# all giving the same value, so the same bits: 0 (`f16`) moves a nibble pair's sign, 2 exponent
+# bits and mantissa bit to the sign, low exponent and top mantissa bits of two fp16 halves and
+# converts them (fp16 subnormals are e2m1's too, and the exponent biases, 15 and 1, differ by
+# 14: the half is code · 2^-14); 1 (`lut`) reads a 16-entry table in shared memory; 2 (`bits`)
+# computes it from the code's fields (the first kernel's arithmetic). The order of operations
+# is a function of K alone, as in the affine body.
+_E2M1_BITS = ("(0.5f * strata_u2f(((C) & 6u) == 0u ? ((C) & 1u) : (2u + ((C) & 1u)) << ((((C) >> 1) & 3u) - 1u))"
+              " * (((C) & 8u) ? -6.103515625e-05f : 6.103515625e-05f))")
+_MXFP4_BODY = _HEAD.replace("(block_x *", "(column_block *") + """
     const int KW = K / 8, KC = K / 32;
     const bool wvec = strata_aligned16(wq, static_cast<size_t>(KW) * 4);
     #pragma unroll (ROWS > 2 ? 1 : 2)
@@ -184,19 +193,33 @@ _MXFP4_BODY = _HEAD + """
         for (int c = 0; c < COLS; ++c) {
             const int n = n0 + c < N ? n0 + c : n0;
             q[c] = strata_words(wq + static_cast<size_t>(n) * KW + u * 4, wvec);
-            s[c] = strata_exp2i(static_cast<int>(sq[static_cast<size_t>(n) * KC + u]) - 127);
+            s[c] = strata_e8m0(sq[static_cast<size_t>(n) * KC + u]);
         }
+        float p[ROWS][COLS];
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            #pragma unroll
+            for (int c = 0; c < COLS; ++c) p[r][c] = 0.0f;
         #pragma unroll
         for (int word = 0; word < 4; ++word) {
-            float wv[COLS][8];
+            float wv[COLS][8];  // code · 2^-14
             #pragma unroll
             for (int c = 0; c < COLS; ++c) {
                 const unsigned int bits = word == 0 ? q[c].x : word == 1 ? q[c].y : word == 2 ? q[c].z : q[c].w;
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) {  // e2m1: e = 0 is m·0.5 (subnormal), else (2 + m)·2^(e-2)
-                    const unsigned int code = (bits >> (4 * j)) & 15u, e = (code >> 1) & 3u, m = code & 1u;
-                    const float v = 0.5f * strata_u2f(e == 0u ? m : (2u + m) << (e - 1u));
-                    wv[c][j] = s[c] * ((code & 8u) ? -v : v);
+                if (DECODE == 0) {
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k) {  // nibbles k and k + 4: magnitude to bits 9-11, sign to 15
+                        const unsigned int mag = k < 3 ? bits << (9 - 4 * k) : bits >> 3;
+                        const unsigned int h = (mag & 0x0E000E00u) | ((bits << (12 - 4 * k)) & 0x80008000u);
+                        wv[c][k] = strata_f16lo(h);
+                        wv[c][k + 4] = strata_f16hi(h);
+                    }
+                } else {
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const unsigned int code = (bits >> (4 * j)) & 15u;
+                        wv[c][j] = DECODE == 1 ? e2m1[code] : E2M1_BITS(code);
+                    }
                 }
             }
             #pragma unroll
@@ -207,15 +230,33 @@ _MXFP4_BODY = _HEAD + """
                 #pragma unroll
                 for (int j = 0; j < 8; ++j)
                     #pragma unroll
-                    for (int c = 0; c < COLS; ++c) acc[r][c] = fmaf(wv[c][j], xv[j], acc[r][c]);
+                    for (int c = 0; c < COLS; ++c) p[r][c] = fmaf(wv[c][j], xv[j], p[r][c]);
             }
+        }
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (r >= R) break;
+            #pragma unroll
+            for (int c = 0; c < COLS; ++c) acc[r][c] = fmaf(p[r][c] * 16384.0f, s[c], acc[r][c]);
         }
     }
 """ + _TAIL
-# The gather prelude with MXFP4's pointers: 8 codes a word, one scale per 32, no biases.
+# The gather prelude with MXFP4's pointers (8 codes a word, one scale per 32, no biases), the
+# `lut` form's table, filled before the block's barrier, and the grid's order (PICKS_X): 1 puts
+# the picks on the grid's fast axis, so the blocks of every pick of one column block are
+# launched together, and picks of one expert read its rows from L2 instead of memory again; 0
+# puts the column blocks there (all of pick 0's blocks, then pick 1's, ...), as the affine kernel.
 _ROWS_GATHER_FP4 = (_ROWS_GATHER.replace("(32 / BITS)", "8").replace("(dims[1] / GS)", "(dims[1] / 32)")
-                    .replace("    auto bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / 32);\n", ""))
+                    .replace("    const int m = block_y;\n", "    const int m = PICKS_X ? block_x : block_y;\n"
+                             "    const int column_block = PICKS_X ? block_y : block_x;\n")
+                    .replace("    auto bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / 32);\n", "")
+                    .replace("    strata_sync();\n", "    STRATA_SHARED float e2m1[16];\n"
+                             "    if (DECODE == 1 && thread_x < 16) e2m1[thread_x] = E2M1_BITS(static_cast<unsigned int>(thread_x));\n"
+                             "    strata_sync();\n", 1))
 GATHER_MXFP4 = _ROWS_GATHER_FP4 + _MXFP4_BODY
+MXFP4_DECODES = {"f16": 0, "lut": 1, "bits": 2}
+MXFP4_ORDERS = {"picks": 1, "columns": 0}  # the grid's fast axis: PICKS_X
+MXFP4_HEADER = f"#define E2M1_BITS(C) {_E2M1_BITS}\n"
 
 _probe = Probe("row-invariant matrix kernels", "decode windows run row by row")
 
@@ -243,8 +284,8 @@ def row_capacity(rows: int) -> int:
 HEADER = f"#define MAX_PICKS {MAX_PICKS}\n"
 
 
-def _kernel(name: str, inputs: list[str], body: str):
-    return gpu_kernel(name, inputs, ["out"], body, HEADER)
+def _kernel(name: str, inputs: list[str], body: str, extra: str = ""):
+    return gpu_kernel(name, inputs, ["out"], body, HEADER + extra)
 
 
 def _launch(kernel, inputs, template, lead: tuple[int, ...], rows: int, N: int, dtype, cols: int):
@@ -308,22 +349,34 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
 
 
 def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts: mx.array, *,
-                            cols: int = COLS) -> mx.array:
+                            share: int | None = None, cols: int = COLS, decode: str = "f16",
+                            order: str = "picks") -> mx.array:
     """`rows_gather_qmatvec` for MXFP4 experts (MLX's "mxfp4" mode: w (E, N, K/8) uint32, scales
-    (E, N, K/32) uint8): one call for a window's picks, each pick reduced alone in its own
-    blocks, so a pick's bits never depend on the others or on their count. (MLX 0.32's CUDA
-    gather_qmm sends fewer than 8 picks to its gather_qmv and 8 or more to a tiled GEMM:
-    a decode window's rows would not keep their serial arithmetic, and a GEMM tile per one-row
-    pick is slow.)"""
+    (E, N, K/32) uint8): one call for a window's picks; a pick's bits never depend on the other
+    picks, on their count, on `share` (1, 2, 4 or 8 picks of one expert per block; the default,
+    1, gives each pick its own blocks), on `cols`, on `decode` (how a code becomes a float:
+    `MXFP4_DECODES`; all give the same value) or on `order` (the grid's fast axis: "picks" or
+    "columns"; which blocks run side by side, so which share an expert's rows in L2). (MLX
+    0.32's CUDA gather_qmm sends fewer than 8 picks to its gather_qmv and 8 or more to a tiled
+    GEMM: a decode window's rows would not keep their serial arithmetic, and a GEMM tile per
+    one-row pick is slow.)"""
     M, K = rows(x)
     if M > MAX_PICKS:
         raise ValueError(f"rows_gather_mxfp4matvec takes at most {MAX_PICKS} picks, got {M}")
+    if decode not in MXFP4_DECODES:
+        raise ValueError(f"decode is one of {', '.join(MXFP4_DECODES)}, got {decode!r}")
+    if order not in MXFP4_ORDERS:
+        raise ValueError(f"order is one of {', '.join(MXFP4_ORDERS)}, got {order!r}")
     N = w.shape[1]
-    kernel = _kernel("strata_rows_gather_mxfp4matvec_v1", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4)
-    config = launch_config(1, N, cols=cols)
-    template = [("T", x.dtype), ("TI", experts.dtype)]
+    kernel = _kernel("strata_rows_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4,
+                     MXFP4_HEADER)
+    config = launch_config(share or 1, N, cols=cols)
+    picks_x = MXFP4_ORDERS[order]
+    template = [("T", x.dtype), ("TI", experts.dtype), ("DECODE", MXFP4_DECODES[decode]), ("PICKS_X", picks_x)]
+    threads = config["threadgroup"][0]
+    grid = (M * threads, config["grid"][0] // threads, 1) if picks_x else (config["grid"][0], M, 1)
     (out,) = kernel(inputs=[dims(M, K, N), x, w, scales, experts], template=template + config["template"],
-                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(*x.shape[:-1], N)],
+                    grid=grid, threadgroup=config["threadgroup"], output_shapes=[(*x.shape[:-1], N)],
                     output_dtypes=[x.dtype])
     return out
 

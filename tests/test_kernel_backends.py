@@ -19,6 +19,7 @@ BODIES = {
     "rows_matvec.DENSE": kernels.DENSE,
     "rows_matvec.QUANTIZED": kernels.QUANTIZED,
     "rows_matvec.GATHER_QUANTIZED": kernels.GATHER_QUANTIZED,
+    "rows_matvec.GATHER_MXFP4": kernels.GATHER_MXFP4,
     "gdn_window.PREPARE": gdn_window.PREPARE,
     "gdn_window.SCAN": gdn_window.SCAN,
     "mamba2_window.PREPARE": mamba2_window.PREPARE,
@@ -171,13 +172,19 @@ def test_matrix_bodies_are_row_invariant_behind_each_prelude(emulate, backend, t
                          range(5))
     fw, fs = mx.quantize(ew, 32, 4, mode="mxfp4")  # GPT-OSS's experts: e2m1 codes, e8m0 scales
 
-    def gather_mxfp4(i0, i1):
+    def gather_mxfp4(i0, i1, *, decode="f16", share=2, order="picks"):
         return emu.launch("gather_mxfp4", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(fw),
-                                           np.array(fs), np.array(experts[i0:i1])], rows=1, blocks_y=i1 - i0, N=N,
-                          out_rows=i1 - i0)
+                                           np.array(fs), np.array(experts[i0:i1])], rows=share if i1 - i0 > 1 else 1,
+                          blocks_y=i1 - i0, N=N, out_rows=i1 - i0,
+                          more={"DECODE": kernels.MXFP4_DECODES[decode], "PICKS_X": kernels.MXFP4_ORDERS[order]})
 
+    # the default decode and order, expert 2's three picks two to a block, against 1-pick calls
     assert emulate.check("gather_mxfp4", gather_mxfp4, 5,
                          _f32(kernels.reference_gather_mxfp4matvec(xg, fw, fs, experts)), range(5))
+    if backend == backends.CUDA:  # the other decode forms give the same values, so the same bits
+        default = gather_mxfp4(0, 5)
+        for decode in set(kernels.MXFP4_DECODES) - {"f16"}:
+            assert np.array_equal(gather_mxfp4(0, 5, decode=decode, share=1, order="columns"), default), decode
 
 
 def test_gdn_bodies_are_row_invariant_behind_the_metal_prelude(emulate, tmp_path):

@@ -210,6 +210,52 @@ def test_gather_serves_a_pick_per_block_unless_asked_to_share(monkeypatch):
         assert dict(kw["template"])["ROWS"] == tier and kw["inputs"][0].tolist() == [M, 128, 40]
 
 
+def test_the_mxfp4_gather_puts_its_picks_on_the_grid_axis_its_order_names(monkeypatch):
+    """order "picks" (the default): grid x counts picks (a block of threads each), y the column
+    blocks, so every pick of a column block is launched together; "columns": as the affine
+    kernel. The decode form and the grid order travel as template values."""
+    calls = []
+
+    def fake(name, inputs, source, extra=""):
+        def kernel(**kw):
+            calls.append((source, extra, kw))
+            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+        return kernel
+
+    monkeypatch.setattr(kernels, "_kernel", fake)
+    qw, qs = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(16)), 32, 4, mode="mxfp4")
+    M, x, experts = 6, mx.zeros((6, 1, 128)), mx.zeros((6,), dtype=mx.uint32)
+    blocks = -(-40 // (kernels.WARPS * kernels.COLS))
+    threads = kernels.WARPS * 32
+    for setting, grid, template in (({}, (M * threads, blocks, 1), {"DECODE": 0, "PICKS_X": 1, "ROWS": 1}),
+                                     ({"order": "columns", "decode": "lut", "share": 2}, (blocks * threads, M, 1),
+                                      {"DECODE": 1, "PICKS_X": 0, "ROWS": 2})):
+        assert kernels.rows_gather_mxfp4matvec(x, qw, qs, experts, **setting).shape == (M, 1, 40)
+        source, extra, kw = calls[-1]
+        assert source is kernels.GATHER_MXFP4 and extra == kernels.MXFP4_HEADER
+        assert kw["grid"] == grid and kw["threadgroup"] == (threads, 1, 1)
+        assert template.items() <= dict(kw["template"]).items()
+    for bad in ({"decode": "table"}, {"order": "rows"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            kernels.rows_gather_mxfp4matvec(x, qw, qs, experts, **bad)
+
+
+def test_kernel_bench_mxfp4_settings_on_the_cpu():
+    """`kernel_bench --mxfp4`'s records and summary (the reference path here): every setting
+    at every R, checked against its 1-row calls and the default's bits."""
+    from scripts.bench import kernel_bench
+
+    records = kernel_bench.bench_mxfp4("m", 4, 64, 48, 2, use_kernel=False, repeats=1, inner=1, peak_gbs=1.0)
+    settings = kernel_bench.mxfp4_variants()
+    assert len(records) == len(settings) * len(kernel_bench.ROWS)
+    assert records[0]["variant"] == "f16/cols4/share1/picks" and settings[0]["order"] == "picks"
+    assert all(r["identical_to_1_row"] and r["identical_to_default_cols"] and r["max_abs_diff"] < 0.05
+               for r in records)
+    summary = kernel_bench.mxfp4_summary(records)
+    assert len(summary) == len(records) and all(s["kernel_ms"] > 0 and s["mlx_ms"] > 0 for s in summary)
+    assert "fastest at R=1" in kernel_bench.render_mxfp4(summary)
+
+
 def test_gather_refuses_more_picks_than_its_shared_table_holds():
     qw, qs, qb = mx.quantize(mx.random.normal((3, 40, 128), key=mx.random.key(15)), 64, 4)
     M = kernels.MAX_PICKS + 1

@@ -29,6 +29,15 @@ shapes shrink (`--small`, implied) so the run takes seconds; it checks the scrip
 
     python -m scripts.bench.kernel_bench --out kernel_bench.json  # the GPU run, about a minute
     python -m scripts.bench.kernel_bench --small                  # seconds, CPU: checks the script
+
+`--mxfp4` times only GPT-OSS-20B's MXFP4 routed experts (K 2880 into the fused gate_up's 5,760
+columns and down's 2,880; 32 experts, top-4 random picks per row, bfloat16 rows): every setting
+of `rows_gather_mxfp4matvec` (`decode` f16 / lut / bits, `cols` 2 / 4 / 8, `share` 1 / 2 / 4 / 8,
+`order` picks / columns; one changed at a time from the default) against MLX's `gather_qmm(mode="mxfp4")` at R = 1, 2, 4, 8, each R-row call checked bit for bit
+against its rows' 1-row calls and against the default setting; its last table sums gate_up and
+down per setting and R (the layer's expert time), which decides the default.
+
+    python -m scripts.bench.kernel_bench --mxfp4 --out kernel_bench_mxfp4.json  # GPU, under 2 minutes
 """
 
 from __future__ import annotations
@@ -164,6 +173,128 @@ def bench_experts(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: 
                         "weight_gbs": unique * per_expert / (ms / 1000) / 1e9,
                         "identical_to_default_cols": mx.array_equal(other, together).item()})
     return records
+
+
+# GPT-OSS-20B's routed experts (32 experts, top-4, MXFP4: group 32, e8m0 scales): name: (K, N),
+# gate and up fused as one (2 · 2880)-column matrix, as the model runs them.
+GPT_OSS_EXPERTS = {"gate_up": (2880, 5760), "down": (2880, 2880)}
+SMALL_GPT_OSS_EXPERTS = {"gate_up": (128, 96), "down": (64, 128)}
+
+
+def mxfp4_variants() -> list[dict]:
+    """The MXFP4 kernel's settings timed by `--mxfp4`, the default first, then one setting
+    changed at a time: each other decode form, 2 and 8 columns, `share` 2, 4, 8, the other grid
+    order."""
+    default = {"decode": "f16", "cols": kernels.COLS, "share": 1, "order": "picks"}
+    others = [{**default, "decode": d} for d in kernels.MXFP4_DECODES if d != default["decode"]]
+    others += [{**default, "cols": c} for c in (2, 8)] + [{**default, "share": s} for s in (2, 4, 8)]
+    others += [{**default, "order": o} for o in kernels.MXFP4_ORDERS if o != default["order"]]
+    return [default, *others]
+
+
+def variant_name(setting: dict) -> str:
+    return f"{setting['decode']}/cols{setting['cols']}/share{setting['share']}/{setting['order']}"
+
+
+def bench_mxfp4(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: bool, repeats: int, inner: int,
+                peak_gbs: float, seed: int = 0) -> list[dict]:
+    """GPT-OSS's MXFP4 routed experts: R rows x top_k random picks each through E stacked (N, K)
+    experts, every setting of `mxfp4_variants` against MLX's unsorted `gather_qmm(mode="mxfp4")`
+    on the same picks (mlx-lm's call: its gather_qmv below 8 picks, a tiled GEMM from 8).
+    Per setting and R: whether each row's picks equal that row's 1-row call of the same setting
+    bit for bit, whether the call equals the default setting's bits, and the largest
+    difference from the float32 reference."""
+    w = (mx.random.normal((E, N, K), key=mx.random.key(seed)) * K**-0.5).astype(mx.bfloat16)
+    qw, qs = mx.quantize(w, 32, 4, mode="mxfp4")
+    del w
+    R8 = max(ROWS)
+    picks = mx.argsort(mx.random.uniform(shape=(R8, E), key=mx.random.key(seed + 2)), axis=-1)[:, :top_k]
+    flat8 = picks.astype(mx.uint32).reshape(-1)
+    x8 = mx.random.normal((R8 * top_k, K), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
+    mx.eval(qw, qs, flat8, x8)
+    per_expert = (qw.nbytes + qs.nbytes) / E
+
+    def ours(x, experts, setting):
+        if use_kernel:
+            return kernels.rows_gather_mxfp4matvec(x, qw, qs, experts, **setting)
+        return kernels.reference_gather_mxfp4matvec(x, qw, qs, experts)
+
+    def theirs(x, experts):
+        return mx.gather_qmm(x[:, None, :], qw, qs, None, rhs_indices=experts, transpose=True, group_size=32,
+                             bits=4, mode="mxfp4")
+
+    expected = kernels.reference_gather_mxfp4matvec(x8.astype(mx.float32), qw, qs, flat8)
+    mx.eval(expected)
+    records, defaults, mlx_ms = [], {}, {}
+    for setting in mxfp4_variants():
+        alone = [ours(x8[i * top_k : (i + 1) * top_k], flat8[i * top_k : (i + 1) * top_k], setting)
+                 for i in range(R8)]
+        mx.eval(alone)
+        for R in ROWS:
+            M = R * top_k
+            x, flat = x8[:M], flat8[:M]
+            together = ours(x, flat, setting)
+            mx.eval(together)
+            defaults.setdefault(R, together)
+            identical = all(mx.array_equal(together[i * top_k : (i + 1) * top_k], alone[i]).item() for i in range(R))
+            times = {"kernel": _median_ms(lambda x=x, f=flat: ours(x, f, setting), repeats=repeats, inner=inner)}
+            record = {"shape": name, "K": K, "N": N, "R": R, "cols": setting["cols"], "variant": variant_name(setting),
+                      "picks": M, "unique_experts": len(set(flat.tolist())), "identical_to_1_row": identical,
+                      "identical_to_default_cols": mx.array_equal(together, defaults[R]).item(),
+                      "max_abs_diff": mx.abs(together.astype(mx.float32) - expected[:M]).max().item()}
+            if R not in mlx_ms:  # MLX once per R
+                mlx_out = theirs(x, flat)
+                mx.eval(mlx_out)
+                mlx_ms[R] = _median_ms(lambda x=x, f=flat: theirs(x, f), repeats=repeats, inner=inner)
+                record["mlx_max_abs_diff"] = mx.abs(mlx_out.astype(mx.float32).reshape(M, N) - expected[:M]).max().item()
+            times["mlx"] = mlx_ms[R]
+            gbs = record["unique_experts"] * per_expert / (times["kernel"] / 1000) / 1e9
+            record.update(ms=times, kernel_over_mlx=times["kernel"] / times["mlx"], weight_gbs=gbs, of_peak=gbs / peak_gbs)
+            records.append(record)
+    return records
+
+
+def mxfp4_summary(records: list[dict]) -> list[dict]:
+    """Per setting and R: the GPT-OSS layer's two projections (gate_up + down) in ms, against
+    MLX's; the setting with the lowest R = 1 figure (serial decoding) is the default's candidate."""
+    rows = []
+    for variant in dict.fromkeys(r["variant"] for r in records if "variant" in r):
+        for R in ROWS:
+            mine = [r for r in records if r.get("variant") == variant and r["R"] == R]
+            kernel, mlx = sum(r["ms"]["kernel"] for r in mine), sum(r["ms"]["mlx"] for r in mine)
+            rows.append({"variant": variant, "R": R, "kernel_ms": kernel, "mlx_ms": mlx, "kernel_over_mlx": kernel / mlx,
+                         "all_identical": all(r["identical_to_1_row"] and r["identical_to_default_cols"] for r in mine)})
+    return rows
+
+
+def render_mxfp4(summary: list[dict]) -> str:
+    lines = ["GPT-OSS MXFP4 experts, gate_up + down per layer: kernel ms (kernel / MLX gather_qmm)",
+             f"{'variant':32s} " + " ".join(f"{'R=' + str(R):>16s}" for R in ROWS) + "  same"]
+    for variant in dict.fromkeys(s["variant"] for s in summary):
+        mine = [s for s in summary if s["variant"] == variant]
+        cells = " ".join(f"{s['kernel_ms']:8.4f} ({s['kernel_over_mlx']:4.2f})" for s in mine)
+        lines.append(f"{variant:32s} {cells}  {all(s['all_identical'] for s in mine)!s}")
+    mlx = {s["R"]: s["mlx_ms"] for s in summary}
+    lines.append(f"{'MLX gather_qmm':32s} " + " ".join(f"{mlx[R]:8.4f}{'':8s}" for R in ROWS))
+    for R in ROWS:
+        best = min((s for s in summary if s["R"] == R), key=lambda s: s["kernel_ms"])
+        lines.append(f"fastest at R={R}: {best['variant']} {best['kernel_ms']:.4f} ms ({best['kernel_over_mlx']:.2f}x MLX)")
+    return "\n".join(lines)
+
+
+def run_mxfp4(*, small: bool, repeats: int, inner: int, peak_gbs: float) -> dict:
+    """`--mxfp4`: only GPT-OSS's MXFP4 experts, every kernel setting against MLX."""
+    use_kernel = kernels.kernels_usable(mx.bfloat16)
+    E, top_k = (4, 2) if small else (32, 4)
+    records = []
+    for name, (K, N) in (SMALL_GPT_OSS_EXPERTS if small else GPT_OSS_EXPERTS).items():
+        records += bench_mxfp4(f"gpt_oss_{name}", E, K, N, top_k, use_kernel=use_kernel, repeats=repeats,
+                               inner=inner, peak_gbs=peak_gbs)
+    identical = all(r["identical_to_1_row"] and r["identical_to_default_cols"] for r in records)
+    return {"device": str(mx.default_device()), "machine": platform.node(), "mlx": mx.__version__,
+            "kernels": kernels.status(), "path": "kernel" if use_kernel else "reference", "mode": "mxfp4",
+            "dtype": "bfloat16", "repeats": repeats, "inner": inner, "all_rows_identical": identical,
+            "records": records, "summary": mxfp4_summary(records)}
 
 
 def bench_gdn(name: str, Hk: int, Hv: int, Dk: int, Dv: int, *, use_kernel: bool, repeats: int, inner: int,
@@ -319,6 +450,9 @@ def render(result: dict) -> str:
     for r in result["records"]:
         ms = r["ms"]
         same = r.get("identical_to_1_row", r.get("identical_to_default_cols"))
+        if "variant" in r:  # --mxfp4: both checks, the setting named
+            same = r["identical_to_1_row"] and r["identical_to_default_cols"]
+            r = {**r, "shape": f"{r['shape']} {r['variant']}"}
         if "mlx" in ms:
             split = f"{ms['split']:9.4f}" if "split" in ms else f"{'':9s}"
             lines.append(f"{r['shape']:15s} {r['K']:5d} {r['N']:7d} {r['R']:2d} {r['cols']:4d} {ms['kernel']:10.4f} "
@@ -339,13 +473,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--inner", type=int, default=None, help="calls per timed sample (10; 2 with --small)")
     parser.add_argument("--peak-gbs", type=float, default=4800.0, help="the device's memory bandwidth")
     parser.add_argument("--cols", default="2,8", help="extra columns-per-warp settings timed at R = 1 and 8")
+    parser.add_argument("--mxfp4", action="store_true",
+                        help="only GPT-OSS-20B's MXFP4 experts: each setting of the MXFP4 kernel against MLX")
     args = parser.parse_args(argv)
     small = args.small or mx.default_device() == mx.cpu
     cols = tuple(int(c) for c in args.cols.split(",") if c.strip())
     repeats = args.repeats or (3 if small else 20)
     inner = args.inner or (2 if small else 10)
-    result = run(small=small, repeats=repeats, inner=inner, peak_gbs=args.peak_gbs, cols=cols)
-    print(render(result), flush=True)
+    if args.mxfp4:
+        result = run_mxfp4(small=small, repeats=repeats, inner=inner, peak_gbs=args.peak_gbs)
+        print(render(result), render_mxfp4(result["summary"]), sep="\n", flush=True)
+    else:
+        result = run(small=small, repeats=repeats, inner=inner, peak_gbs=args.peak_gbs, cols=cols)
+        print(render(result), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return result

@@ -8,7 +8,7 @@ trades values through a barrier, `__ldg`, `uint4` and Metal's address spaces are
 Metal's math is the C library's. float32 only (bf16 needs the backends' headers). It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
-rows than one block takes. The GDN window kernels (metal_shaders/gdn_window.py) run the same
+rows than one block takes (affine, and MXFP4 in each decode form). The GDN window kernels (metal_shaders/gdn_window.py) run the same
 way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
 (relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
 model's (2, 4, 64, 64) and a batch of 2; so do the Mamba-2 window kernels
@@ -59,6 +59,16 @@ struct uint4 { unsigned int x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 template <typename V> inline V __ldg(const V* p) { return *p; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+// fp16 -> float in software (subnormals included), for the preludes' strata_f16lo / hi
+inline float strata_emulated_f16(unsigned short b) {
+    const int e = (b >> 10) & 31, m = b & 1023;
+    const float v = e == 0 ? std::ldexp(static_cast<float>(m), -24)
+                  : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(static_cast<float>(1024 + m), e - 25);
+    return (b & 0x8000) ? -v : v;
+}
+struct __half { unsigned short bits; };
+inline __half __ushort_as_half(unsigned short b) { return {b}; }
+inline float __half2float(__half h) { return strata_emulated_f16(h.bits); }
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim;
@@ -95,6 +105,8 @@ METAL_SHIM = r"""
 #define rsqrtf strata_metal_rsqrtf
 #define log1pf strata_metal_log1pf
 using ushort = unsigned short;
+struct half { unsigned short bits; operator float() const { return strata_emulated_f16(bits); } };
+template <typename To, typename From> inline To as_type(From v) { To t; std::memcpy(&t, &v, sizeof t); return t; }
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 inline float exp(float x) { return std::exp(x); }
@@ -157,6 +169,7 @@ KINDS = {
     "gather_mxfp4": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const uint8_t* scales",
                       "const uint32_t* idx"], kernels.GATHER_MXFP4, "using TI = uint32_t;"),
 }
+KIND_HEADERS = {"gather_mxfp4": kernels.HEADER + kernels.MXFP4_HEADER}  # else kernels.HEADER
 
 
 def compile_program(path: Path, source: str) -> None:
@@ -171,33 +184,39 @@ class Emulator:
         self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
 
-    def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int) -> Path:
-        key = (kind, rows, cols, bits, gs)
+    def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int, more: tuple = ()) -> Path:
+        key = (kind, rows, cols, bits, gs, *more)
         if key not in self.built:
             params, body, extra = KINDS[kind]
             consts = f"using T = float; {extra} constexpr int ROWS = {rows}; constexpr int COLS = {cols};"
             if kind != "dense":
                 consts += f" constexpr int BITS = {bits}; constexpr int GS = {gs};"
+            consts += "".join(f" constexpr int {name} = {value};" for name, value in more)
             args = ", ".join(f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params))
-            source = (program(SHIM_BLOCK, self.backend, kernels.HEADER, [*params, "float* out"], consts, body)
+            header = KIND_HEADERS.get(kind, kernels.HEADER)
+            source = (program(SHIM_BLOCK, self.backend, header, [*params, "float* out"], consts, body)
                       + MAIN.replace("NUM_INPUTS", str(len(params))).replace("CALL", f"kernel({args}, out.data())"))
-            path = self.dir / "_".join(map(str, key))
+            path = self.dir / "_".join(str(k) for k in key if not isinstance(k, tuple))
+            path = path.with_name(path.name + "".join(f"_{name}{value}" for name, value in more))
             compile_program(path, source)
             self.built[key] = path
         return self.built[key]
 
     def launch(self, kind: str, inputs: list, *, rows: int, blocks_y: int, N: int, out_rows: int, bits: int = 0,
-               gs: int = 0, cols: int = kernels.COLS) -> np.ndarray:
+               gs: int = 0, cols: int = kernels.COLS, more: dict | None = None) -> np.ndarray:
+        """`more`: further template values (name: int), e.g. the MXFP4 kernel's DECODE."""
         config = kernels.launch_config(rows, N, cols=cols)
-        binary = self._binary(kind, kernels.row_capacity(rows), cols, bits, gs)
+        binary = self._binary(kind, kernels.row_capacity(rows), cols, bits, gs, tuple(sorted((more or {}).items())))
         names = []
         for i, a in enumerate(inputs):
             names.append(str(self.dir / f"in{i}"))
             Path(names[-1]).write_bytes(np.ascontiguousarray(np.asarray(a)).tobytes())
         threads = config["threadgroup"][0]
+        grid = (config["grid"][0] // threads, blocks_y)
+        if (more or {}).get("PICKS_X"):  # the MXFP4 kernel with its picks on the grid's fast axis
+            grid = grid[::-1]
         out = self.dir / "out"
-        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), str(blocks_y), str(threads),
-                        str(out_rows * N), str(out)], check=True)
+        subprocess.run([str(binary), *names, *map(str, grid), str(threads), str(out_rows * N), str(out)], check=True)
         return np.fromfile(out, np.float32).reshape(out_rows, N)
 
 
@@ -640,6 +659,12 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                                f"const {t}* biases", "const uint32_t* idx", f"{t}* out"],
              rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
              kernels.GATHER_QUANTIZED),
+            *((f"gather_mxfp4_{decode}_r{rows_}_{tn}", kernels.HEADER + kernels.MXFP4_HEADER,
+               ["const int32_t* dims", x, "const uint32_t* w", "const uint8_t* scales", "const uint32_t* idx",
+                f"{t}* out"],
+               f"using T = {t}; using TI = uint32_t; constexpr int ROWS = {rows_}; constexpr int COLS = {kernels.COLS}; "
+               f"constexpr int DECODE = {value}; constexpr int PICKS_X = 1;", kernels.GATHER_MXFP4)
+              for decode, value in kernels.MXFP4_DECODES.items() for rows_ in ((1, 8) if value == 0 else (1,))),
             (f"gdn_prepare_{tn}", gdn_window.HEADER,
              ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
               f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
@@ -745,6 +770,16 @@ def main() -> int:
 
     expected = _f32(kernels.reference_gather_qmatvec(xg, qw, qs, qb, experts, group_size=64, bits=4))
     results.append(check(f"rows_gather_qmatvec K={K} N={N}", run_gather, M, expected, (0, 5, 8, 11)))
+    fw, fs = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(7)) * K**-0.5, 32, 4, mode="mxfp4")
+    expected = _f32(kernels.reference_gather_mxfp4matvec(xg, fw, fs, experts))
+    for decode, value in kernels.MXFP4_DECODES.items():  # each form, 8 picks a block (expert 3: 9 picks)
+        def run_mxfp4(i0, i1, value=value):
+            return emu.launch("gather_mxfp4", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(fw),
+                                               np.array(fs), np.array(experts[i0:i1])],
+                              rows=kernels.MAX_ROWS if i1 - i0 > 1 else 1, blocks_y=i1 - i0, N=N, out_rows=i1 - i0,
+                              more={"DECODE": value, "PICKS_X": value % 2})  # both grid orders
+
+        results.append(check(f"rows_gather_mxfp4matvec {decode} K={K} N={N}", run_mxfp4, M, expected, (0, 5, 8, 11)))
     gdn = GDNEmulator(emu.dir, args.backend)
     for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
         results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
