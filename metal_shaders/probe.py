@@ -103,6 +103,8 @@ class Probe:
         if kept.read(VERDICTS, self.what, keys) is not None:
             self.kept_hits += 1
             return None
+        if which == backends.CUDA:  # the probe's kernels compiled at once, on threads
+            precompiled.compile_ahead(lambda: check(dtypes=(dtype,)))
         error = _run(check, dtype)
         if error is not None and which == backends.CUDA and precompiled.active():
             precompiled.disable(f"{self.what} failed on them: {error}")  # MLX's build of the same source
