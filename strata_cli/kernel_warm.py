@@ -42,12 +42,12 @@ TIMEOUT_ENV = "STRATA_PARALLEL_WARM_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 MARKERS = "warmed"
 WORKER_MODULE = "strata_cli.kernel_warm_worker"
-# MLX picks a matmul's kernel by its row count, so a prompt shorter than a chunk may need modules
-# a full chunk does not: one typical prompt length besides the chunk itself.
-PROMPT_ROWS = (256,)
+# MLX 0.32 builds a quantized matmul per row tile, clamp(next power of 2 of the rows, 16, 64)
+# (make_cta_tiler in mlx/backend/cuda/quantized/qmm/), so prompts of up to 16, up to 32 and
+# more rows each need their own modules; 256 stands for a typical prompt besides the full chunk.
+PROMPT_ROWS = (16, 32, 256)
 HEAD = "head"
 LAYER = "layer"
-MODEL = "model"
 
 
 @dataclass(frozen=True, order=True)
@@ -55,8 +55,7 @@ class Unit:
     """One piece of the warm-up a worker runs on scratch state.
 
     Attributes:
-        piece: "layer" (one decoder layer, `layer`), "head" (embedding, final norm, logits) or
-            "model" (the whole model, for a family whose forward pass is not embed, layers, head).
+        piece: "layer" (one decoder layer, `layer`) or "head" (embedding, final norm, logits).
         layer: the index of the layer that stands for its kind (piece "layer"), else -1.
         rows: the rows of the call.
         prompt: a prompt chunk (`WindowEngine.prefill`) rather than a window (`WindowEngine.warm`).
@@ -109,14 +108,14 @@ def prompt_shapes(engine, chunk: int | None = None) -> list[int]:
 
 
 def plan_units(model, engine, *, max_T: int, chunk: int | None = None) -> list[Unit]:
-    """Every unit of the warm-up, each (piece, rows, prompt) once: per layer kind and the head
-    (or the whole model), every prompt shape and every window shape of T = 1..max_T."""
+    """Every unit of the warm-up, each (piece, rows, prompt) once: per layer kind and the head,
+    every prompt shape and every window shape of T = 1..max_T. None for a family whose forward
+    pass is not embed, layers, head (DeepSeek-V4): a worker would need the whole model."""
+    if not splits_by_layer(model):
+        return []  # each worker would hold the whole model: no parallel warm-up
     shapes = [(rows, True) for rows in prompt_shapes(engine, chunk)]
     shapes += [(rows, False) for rows in engine.window_shapes(max_T)]
-    if splits_by_layer(model):
-        pieces = [(LAYER, i) for i in layer_kinds(model)] + [(HEAD, -1)]
-    else:
-        pieces = [(MODEL, -1)]
+    pieces = [(LAYER, i) for i in layer_kinds(model)] + [(HEAD, -1)]
     return [Unit(piece, layer, rows, prompt) for piece, layer in pieces for rows, prompt in shapes]
 
 
@@ -223,7 +222,7 @@ class WarmReport:
 
 def worker_command(path: Path, dtype: str | None, options: dict, units: list[Unit]) -> list[str]:
     cmd = [sys.executable, "-m", WORKER_MODULE, "--model", str(path), "--options", json.dumps(options),
-           "--units", json.dumps([asdict(u) for u in units])]
+           "--units", json.dumps([asdict(u) for u in units]), "--parent", str(os.getpid())]
     return cmd + (["--dtype", dtype] if dtype else [])
 
 
@@ -240,7 +239,7 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
                      timeout: float | None = None) -> WarmReport | None:
     """Compile this model's kernels in worker processes when this machine has not yet (see the
     module docstring); None when nothing was launched (not CUDA, off, warmed already, streamed
-    experts, fewer than one worker).
+    experts, a model that does not split by layer, fewer than one worker).
 
     Args:
         path: the checkpoint directory; dtype: the `--dtype` the parent loaded with.
@@ -258,7 +257,7 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
     if is_warmed(keys):
         return None
     workers = worker_count(len(units))
-    if workers < 1:
+    if not units or workers < 1:
         return None
     say = announce or (lambda line: None)
     say(f"strata: compiling GPU kernels for this machine, once: {workers} workers (kept in {kernel_dir})")
@@ -287,7 +286,7 @@ def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, rep
         with open(scratch / f"{i}.stderr", "w") as err:  # a file: a full pipe would stall the worker
             proc = subprocess.Popen(worker_command(path, dtype, options, group),
                                     env={**env, "MLX_PTX_CACHE_DIR": str(private)}, stdout=subprocess.PIPE,
-                                    stderr=err, text=True, start_new_session=True)
+                                    stderr=err, text=True)
         threading.Thread(target=lambda p=proc: [lines.put(line) for line in p.stdout], daemon=True).start()
         procs.append((proc, private))
     deadline = time.monotonic() + timeout
@@ -308,7 +307,7 @@ def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, rep
     for i, (proc, private) in enumerate(procs):
         if proc.poll() is None:
             report.timed_out = True
-            os.killpg(proc.pid, 9)  # its own session: the worker and nothing else
+            proc.kill()
             proc.wait()
             report.failed.append(f"worker {i}: no answer within {timeout:.0f} s")
             say(f"strata: warning: kernel worker {i} gave no answer within {timeout:.0f} s; "

@@ -7,14 +7,15 @@ A layer unit runs the layer that stands for its kind through a window engine of 
 random hidden states in place of the layers before it: `WindowEngine.warm` (a window keeping one
 row, one keeping every row, the one-row window that folds) or `WindowEngine.prefill` (one prompt
 chunk), so the layer's calls are the ones the parent's engine makes, compiled traces included.
-The head unit runs the embedding, final norm and logits the same way; a "model" unit the whole
-model. Exits 0 when every unit ran.
+The head unit runs the embedding, final norm and logits the same way. Exits 0 when every unit ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -99,12 +100,8 @@ def engines_for(model, units: list[Unit], kinds: dict[int, list], options: Engin
         key = (unit.piece, unit.layer)
         if key in engines:
             continue
-        if unit.piece == LAYER:
-            engines[key] = WindowEngine(Piece(model, unit.layer, kinds[unit.layer], dtype), options)
-        elif unit.piece == HEAD:
-            engines[key] = WindowEngine(Piece(model, -1, [], dtype), options)
-        else:
-            engines[key] = WindowEngine(model, options)
+        piece = Piece(model, unit.layer, kinds[unit.layer], dtype) if unit.piece == LAYER else Piece(model, -1, [], dtype)
+        engines[key] = WindowEngine(piece, options)
     return engines
 
 
@@ -118,12 +115,25 @@ def run_units(model, units: list[Unit], kinds: dict[int, list], options: EngineO
 
 def load_for(path: Path, units: list[Unit], dtype: str | None):
     """The model with only what `units` run loaded, and each kept layer's state kinds."""
-    if any(u.piece not in (LAYER, HEAD) for u in units):
-        model = load_model(path, dtype=dtype)
-        return model, {}
     pick = Pick({u.layer for u in units if u.piece == LAYER}, head=any(u.piece == HEAD for u in units))
     model = load_model(path, dtype=dtype, select=pick.select)
     return model, pick.kinds
+
+
+def die_with_parent(parent: int | None) -> None:
+    """End this worker when the process that launched it ends (a killed `strata generate` must
+    not leave its workers compiling): Linux's parent-death signal, checked once against a
+    parent gone already."""
+    if parent is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's timeout still ends it
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def main(argv=None) -> int:
@@ -132,7 +142,9 @@ def main(argv=None) -> int:
     parser.add_argument("--units", required=True, help="JSON list of kernel_warm.Unit fields")
     parser.add_argument("--options", default="{}", help="JSON EngineOptions fields")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--parent", type=int, default=None, help="end when this process ends")
     args = parser.parse_args(argv)
+    die_with_parent(args.parent)
     prepare_kernel_cache()  # strata's own kernels and verdicts kept beside the parent's
     units = [Unit(**u) for u in json.loads(args.units)]
     model, kinds = load_for(args.model, units, args.dtype)

@@ -12,7 +12,7 @@ import pytest
 
 from strata_cli import kernel_warm
 from strata_cli.kernel_warm import Unit, assign, layer_kinds, plan_units, warm_in_parallel
-from strata_cli.kernel_warm_worker import run_units, state_kinds_of
+from strata_cli.kernel_warm_worker import load_for, run_units, state_kinds_of
 from strata_cli.options import EngineOptions, LoadOptions
 from strata_cli.runtime import embedded_model_path, open_model
 
@@ -97,6 +97,7 @@ def test_no_workers_off_cuda_or_when_turned_off(demo, tmp_path, monkeypatch):
     assert warm_in_parallel(demo.path, None, demo.model, demo.engine, None, max_T=2) is None
     monkeypatch.setenv(kernel_warm.ENV, "0")
     assert warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2) is None
+    assert plan_units(object(), demo.engine, max_T=2) == []  # no embed / run_layers / head: whole models only
     monkeypatch.setenv(kernel_warm.ENV, "")
     assert kernel_warm.worker_count(30, env="") == max(0, min(kernel_warm.available_cores() - 1, 30))
     assert kernel_warm.worker_count(30, env="4") == 4 and kernel_warm.worker_count(3, env="8") == 3
@@ -138,3 +139,16 @@ def test_modules_are_seeded_as_links_and_published_whole_ptx_last(tmp_path, monk
     assert order[-2:] == ["rest.ptx", "new.ptx"] and set(order[:-2]) == {"new.txt", "new.cu", "rest.txt"}
     assert (kept_dir / "long" / "rest.ptx").read_text() == "long/rest.ptx" and (kept_dir / "old.ptx").read_text() == "old"
     assert not [p for p in kept_dir.rglob(".tmp-*")]
+
+
+def test_a_worker_loads_only_its_layers_and_the_head_only_with_a_head_unit(demo):
+    from mlx.utils import tree_flatten
+
+    model, kinds = load_for(demo.path, [Unit("layer", 1, 2, False)], None)
+    assert kinds == {1: [("kv", {})]}
+    loaded = {name.split(".")[2] if name.startswith("model.layers.") else name.split(".")[0]
+              for name, _ in tree_flatten(model.parameters())}
+    assert loaded == {"1"}
+    model, kinds = load_for(demo.path, [Unit("head", -1, 2, False)], None)
+    names = [name for name, _ in tree_flatten(model.parameters())]
+    assert kinds == {} and names and not any(n.startswith("model.layers.") for n in names)
