@@ -266,7 +266,11 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
     start = time.perf_counter()
     scratch = kernel_dir / f".warm-{os.getpid()}"
     try:
-        report = _run_workers(path, dtype, options, assign(units, workers), kernel_dir, scratch, timeout, report, say)
+        _run_workers(path, dtype, options, assign(units, workers), kernel_dir, scratch, timeout, report, say)
+    except OSError as e:  # an unwritable kernel directory, no interpreter to start: the old path
+        report.failed.append(f"{type(e).__name__}: {e}")
+        say(f"strata: warning: kernel workers could not start ({e}); kernels compile in this process")
+        return report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report.seconds = time.perf_counter() - start
@@ -275,10 +279,17 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
     return report
 
 
-def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, report, say) -> WarmReport:
+def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, report, say) -> None:
+    """Launch a worker per group, count their units on `report` as they finish, publish what
+    each worker that exited 0 compiled; a failure or the timeout is a warning through `say`."""
     env = {**os.environ, ENV: "0"}
     lines: queue.Queue = queue.Queue()
-    procs = []
+    procs, readers = [], []
+
+    def read(proc) -> None:
+        for line in proc.stdout:
+            lines.put(line)
+
     for i, group in enumerate(groups):
         private = scratch / str(i)
         private.mkdir(parents=True)
@@ -287,7 +298,8 @@ def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, rep
             proc = subprocess.Popen(worker_command(path, dtype, options, group),
                                     env={**env, "MLX_PTX_CACHE_DIR": str(private)}, stdout=subprocess.PIPE,
                                     stderr=err, text=True)
-        threading.Thread(target=lambda p=proc: [lines.put(line) for line in p.stdout], daemon=True).start()
+        readers.append(threading.Thread(target=read, args=(proc,), daemon=True))
+        readers[-1].start()
         procs.append((proc, private))
     deadline = time.monotonic() + timeout
     show = sys.stderr.isatty()
@@ -299,6 +311,9 @@ def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, rep
             pass
         if show:
             print(f"\rstrata: GPU kernels: {report.done}/{report.units} units", end="", file=sys.stderr, flush=True)
+    for (proc, _), reader in zip(procs, readers):
+        if proc.poll() is not None:
+            reader.join(timeout=5)  # its last lines, read to the end of its output
     while not lines.empty():
         lines.get()
         report.done += 1
@@ -320,4 +335,3 @@ def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, rep
                 "the rest compiles in this process")
             continue
         report.modules_kept += publish(private, kernel_dir)
-    return report

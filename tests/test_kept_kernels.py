@@ -224,5 +224,9 @@ def test_a_probes_kernels_compile_at_once_on_threads_before_it_runs(keep, launch
     assert len(chain.nvrtc.compiled) == 4 and chain.nvrtc.peak > 1 and precompiled.stats["compiled"] == 4
     assert check((mx.float32,)) is None and len(launches) == 4 and len(chain.nvrtc.compiled) == 4
     assert precompiled.compile_ahead(lambda: check((mx.float32,))) == 0  # held already: nothing to do
+    nested = probe.Probe("nested", "fallback")  # a probe asked inside a dry run decides nothing
+    monkeypatch.setattr(probe, "backend", lambda: backends.CUDA)
+    assert precompiled.compile_ahead(lambda: nested.usable(lambda dtypes: "zeros", mx.float32)) == 0
+    assert nested.verdicts == {} and precompiled.active()
     monkeypatch.setenv(precompiled.THREADS_ENV, "1")
     assert precompiled.compile_ahead(lambda: check((mx.bfloat16,))) == 0 and len(chain.nvrtc.compiled) == 4

@@ -117,6 +117,10 @@ def test_a_failed_or_late_worker_is_a_warning_and_keeps_nothing_of_its_own(demo,
         assert report.timed_out and "no answer" in lines[-1]
         # a late worker leaves no marker: the next process tries again
         assert warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=3, timeout=0.01).timed_out
+        not_a_dir = tmp_path / "file"
+        not_a_dir.write_text("")
+        report = warm_in_parallel(demo.path, None, demo.model, demo.engine, not_a_dir, max_T=3, announce=lines.append)
+        assert report.failed and "could not start" in lines[-1]
     finally:
         kept.configure(None)
 

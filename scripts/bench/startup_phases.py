@@ -2,8 +2,8 @@
 
 It does what `strata generate` does up to the first token, in the same order, with a clock
 around each step: the interpreter's start (from the launcher's time), importing MLX and strata,
-opening the model (prepare the kernel cache, load and check the weights, the tokenizer, the
-engine; on a fresh GPU machine the kernel workers), the start-up probes of strata's kernels
+opening the model (each step timed: prepare the kernel cache, load and check the weights, the
+tokenizer, the model's identity, the engine, the kernel workers' check), the start-up probes of strata's kernels
 at the model's dtype (done explicitly here, so their cost is not hidden in the first forward
 pass; kept verdicts and cubins read back, or compiled), the cost-curve calibration (`auto`),
 tokenizing, the prompt, the first window's shape warm-up (eager call, then the mx.compile
@@ -73,6 +73,24 @@ def count_traces(mx, traces: dict) -> None:
     mx.compile = compiled
 
 
+def time_calls(module, names: list[str], spent: dict) -> None:
+    """Wrap `module`'s functions `names` so their seconds add up in `spent` (open_model's steps)."""
+    for name in names:
+        fn = getattr(module, name)
+
+        def timed(*args, fn=fn, name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        setattr(module, name, timed)
+
+
+OPEN_MODEL_STEPS = ["prepare_kernel_cache", "resolve_model_path", "load_checkpoint", "Tokenizer", "model_identity",
+                    "WindowEngine", "warm_in_parallel"]
+
+
 def main(argv=None) -> dict:
     started = time.time()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -91,12 +109,14 @@ def main(argv=None) -> dict:
     import strata_cli.cli  # noqa: F401  (what `strata generate` imports before it runs)
     from metal_shaders import attention_window, gdn_window, kept, precompiled, rows_matvec
     from strata_cli.options import MAX_SUFFIX_DRAFT, EngineOptions, LoadOptions, SpecOptions
+    from strata_cli import runtime
     from strata_cli.runtime import open_model
 
     clock.mark("import_strata_s")
-    reads, traces = {}, {"count": 0, "seconds": 0.0}
+    reads, traces, steps = {}, {"count": 0, "seconds": 0.0}, {}
     count_reads(kept, reads)
     count_traces(mx, traces)
+    time_calls(runtime, OPEN_MODEL_STEPS, steps)
     rt = open_model(LoadOptions(model=args.model), EngineOptions(max_context=args.max_context))
     clock.mark("open_model_s")
     for name, usable in (("rows_matvec", rows_matvec.kernels_usable), ("gdn_window", gdn_window.usable),
@@ -132,6 +152,7 @@ def main(argv=None) -> dict:
         "ttft_s": first_token - args.launched,
         "phases_s": phases,
         "unaccounted_s": first_token - args.launched - sum(phases.values()),
+        "open_model_steps_s": steps,
         "prompt_tokens": len(ids),
         "kept_reads": reads,
         "compile_traces": traces,
