@@ -308,20 +308,26 @@ class PrecompiledKernel:
                                  self.output_names, output_dtypes, template)
         keys = {**chain.keys, "name": self.name, "source": kept.digest({"source": source})}
         found = kept.read(KIND, self.name, keys)
+        if found is None:
+            with kept.held(KIND, self.name, keys):  # another process compiling it: wait, then read it
+                found = kept.read(KIND, self.name, keys)
+                binary = self._compile(chain, source, keys) if found is None else None
         if found is not None:
             binary = found[1]
             with _lock:
                 stats["from_disk"] += 1
-        else:
-            start = time.perf_counter()
-            binary = chain.nvrtc.compile(source, self.name, chain.options, chain.sass)
-            seconds = time.perf_counter() - start
-            kept.write(KIND, self.name, keys, {"seconds": seconds, "sass": chain.sass}, binary)
-            with _lock:
-                stats["compiled"] += 1
-                stats["compile_s"] += seconds
-                _progress(f"strata: compiled GPU kernel {stats['compiled']} ({self.name}, {seconds:.1f} s)")
         self._binaries[memo] = binary
+        return binary
+
+    def _compile(self, chain: Toolchain, source: str, keys: dict) -> bytes:
+        start = time.perf_counter()
+        binary = chain.nvrtc.compile(source, self.name, chain.options, chain.sass)
+        seconds = time.perf_counter() - start
+        kept.write(KIND, self.name, keys, {"seconds": seconds, "sass": chain.sass}, binary)
+        with _lock:
+            stats["compiled"] += 1
+            stats["compile_s"] += seconds
+            _progress(f"strata: compiled GPU kernel {stats['compiled']} ({self.name}, {seconds:.1f} s)")
         return binary
 
     def has(self, input_dtypes: tuple, output_dtypes: tuple, template: tuple) -> bool:

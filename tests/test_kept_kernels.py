@@ -230,3 +230,18 @@ def test_a_probes_kernels_compile_at_once_on_threads_before_it_runs(keep, launch
     assert nested.verdicts == {} and precompiled.active()
     monkeypatch.setenv(precompiled.THREADS_ENV, "1")
     assert precompiled.compile_ahead(lambda: check((mx.bfloat16,))) == 0 and len(chain.nvrtc.compiled) == 4
+
+
+def test_one_kernel_made_at_once_in_two_places_compiles_once(keep, launches):
+    """Two makers of the same kernel at once (two processes of the kernel warm-up, here two
+    threads with kernels of their own): one compiles under the file's lock, the other waits
+    and reads it back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chain = _Toolchain()
+    chain.nvrtc = _SlowNvrtc()
+    kernels = [_kernel(chain, launches, []) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        binaries = list(pool.map(lambda k: k.binary([mx.int32, mx.float32], [mx.float32], [("ROWS", 4)]), kernels))
+    assert binaries[0] == binaries[1] and len(chain.nvrtc.compiled) == 1 and chain.nvrtc.peak == 1
+    assert precompiled.stats["compiled"] == 1 and precompiled.stats["from_disk"] == 1
