@@ -156,3 +156,32 @@ def test_a_worker_loads_only_its_layers_and_the_head_only_with_a_head_unit(demo)
     model, kinds = load_for(demo.path, [Unit("head", -1, 2, False)], None)
     names = [name for name, _ in tree_flatten(model.parameters())]
     assert kinds == {} and names and not any(n.startswith("model.layers.") for n in names)
+
+
+def test_open_model_on_a_fresh_cuda_machine_runs_the_workers_once(tmp_path, monkeypatch):
+    """What a fresh CUDA machine's first and second runs do, with the CPU standing in for it."""
+    from strata_cli import runtime as runtime_module
+    from strata_cli.engine import window
+    from strata_cli.kernel_cache import KernelCache
+
+    monkeypatch.setattr(runtime_module, "prepare_kernel_cache",
+                        lambda: KernelCache(path=tmp_path / "ptx", chosen_by="strata", cold=True))
+    monkeypatch.setattr(window, "on_gpu", lambda: True)  # engines pad and warm shapes on first use
+    monkeypatch.setenv(kernel_warm.ENV, "2")
+    (tmp_path / "ptx").mkdir()
+    kept.configure(tmp_path / "ptx" / "strata")
+    try:
+        events = []
+        first = open_model(LoadOptions(), EngineOptions(max_context=64), announce=events.append,
+                           warm_progress=lambda done, total: events.append((done, total)))
+        assert events == ["strata: compiling GPU kernels for this machine, once (kept in "
+                          f"{tmp_path / 'ptx'}); the first run takes a minute or more",
+                          f"strata: compiling GPU kernels for this machine, once: 2 workers (kept in {tmp_path / 'ptx'})",
+                          (0, 1), (1, 1)]
+        report = first.kernel_workers
+        assert report.units == 3 * 7 and report.done == report.units and not report.failed  # 3 pieces, 4 + 3 shapes
+        assert first.warmup_seconds >= report.seconds > 0
+        second = open_model(LoadOptions(), EngineOptions(max_context=64))
+        assert second.kernel_workers is None
+    finally:
+        kept.configure(None)
