@@ -202,6 +202,20 @@ def publish(private: Path, kept_dir: Path) -> int:
     return moved
 
 
+def remove_stale(kernel_dir: Path) -> None:
+    """Remove the scratch directories of parents that are gone (killed while their workers ran)."""
+    for scratch in kernel_dir.glob(".warm-*"):
+        pid = scratch.name.removeprefix(".warm-")
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(scratch, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
+
+
 # -- the parent ----------------------------------------------------------------------------------
 
 @dataclass
@@ -264,6 +278,7 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
     timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S) if timeout is None else timeout
     report = WarmReport(workers=workers, units=len(units))
     start = time.perf_counter()
+    remove_stale(kernel_dir)
     scratch = kernel_dir / f".warm-{os.getpid()}"
     try:
         _run_workers(path, dtype, options, assign(units, workers), kernel_dir, scratch, timeout, report, say)

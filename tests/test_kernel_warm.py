@@ -143,6 +143,10 @@ def test_modules_are_seeded_as_links_and_published_whole_ptx_last(tmp_path, monk
     assert order[-2:] == ["rest.ptx", "new.ptx"] and set(order[:-2]) == {"new.txt", "new.cu", "rest.txt"}
     assert (kept_dir / "long" / "rest.ptx").read_text() == "long/rest.ptx" and (kept_dir / "old.ptx").read_text() == "old"
     assert not [p for p in kept_dir.rglob(".tmp-*")]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (kept_dir / f".warm-{gone.stdout.strip()}" / "0").mkdir(parents=True)  # a killed parent's scratch
+    kernel_warm.remove_stale(kept_dir)
+    assert sorted(p.name for p in kept_dir.glob(".warm-*")) == [".warm-1"]  # pid 1 lives: its scratch stays
 
 
 def test_a_worker_loads_only_its_layers_and_the_head_only_with_a_head_unit(demo):

@@ -194,7 +194,8 @@ def shapes_probe(model: Path, cache: Path, pad: bool, args) -> dict:
 
 def kept_modules(cache: Path) -> int:
     """Kernel modules MLX compiled and kept under `cache` (strata's kernel directory)."""
-    return sum(1 for _ in (cache / "strata" / "kernels").rglob("*.ptx")) if (cache / "strata").exists() else 0
+    root = cache / "strata" / "kernels"
+    return sum(1 for p in root.rglob("*.ptx") if not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
 def kept_by_strata(cache: Path) -> dict:
