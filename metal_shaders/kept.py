@@ -5,7 +5,8 @@ The directory is set by the program (`configure`, strata_cli/kernel_cache.py: th
 one directory per MLX version and GPU); unset (tests, scripts), nothing is kept and every
 process compiles and probes as before. A file's own record of its keys is compared with the
 asked keys on every read, so a hash collision or a stale file is a miss, never a wrong answer;
-writes go to a temporary file renamed into place, so a reader never sees half a file.
+writes go to a temporary file renamed into place, so a reader never sees half a file, and a
+maker may hold the file's lock (`held`) so that concurrent processes make it once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import hashlib
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 _directory: Path | None = None
 
@@ -72,6 +79,28 @@ def write(kind: str, stem: str, keys: dict, record: dict, payload: bytes = b"") 
     except OSError:
         return False
     return True
+
+
+@contextmanager
+def held(kind: str, stem: str, keys: dict):
+    """Hold the lock of `keys`' file while making it, so that processes (or threads) making the
+    same file at once make it once: the others wait, then read it. No lock where nothing is
+    kept, or the platform has no `flock`; the system drops it when its holder ends."""
+    path = _path(kind, stem, keys)
+    if path is None or fcntl is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _atomic(path: Path, data: bytes) -> None:

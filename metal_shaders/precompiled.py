@@ -17,6 +17,11 @@ included: no body of metal_shaders uses anything else of it (the integer types a
 C++'s own). A kernel whose body reads `<input>_shape`, `_strides` or `_ndim` (MLX passes those
 by value, `precompiled_cuda_kernel` cannot) stays with MLX.
 
+NVRTC compiles one program per call and may be called from several threads at once for
+different programs; ctypes releases the GIL around each call. So a start-up probe first runs dry
+(`compile_ahead`: every kernel records what it would compile and returns zeros), the kernels it
+names are compiled on a thread pool, and then the probe runs for real on the compiled kernels.
+
 Any failure (no libnvrtc, a compile error, no device information) turns the path off for that
 kernel, with one debug note, and the call goes to MLX's own kernel: slower to start, never a
 different result. `STRATA_PRECOMPILED=0` turns it off for the process. The probes
@@ -32,7 +37,9 @@ import glob
 import logging
 import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -55,8 +62,13 @@ CUDA_TYPES = {
     mx.float64: "double",
 }
 
+THREADS_ENV = "STRATA_NVRTC_THREADS"  # most compiles at once in `compile_ahead` (1: one at a time)
 _state = {"off": os.environ.get(ENV, "1") == "0", "reason": f"{ENV}=0" if os.environ.get(ENV, "1") == "0" else None}
 stats = {"compiled": 0, "from_disk": 0, "mlx_calls": 0, "compile_s": 0.0, "errors": []}
+_lock = threading.Lock()  # the counters and the progress line, from `compile_ahead`'s threads
+# While `compile_ahead` runs dry in a thread: (kernel, input dtypes, output dtypes, template) per call
+# (a thread's own: another thread's launches run as ever).
+_dry = threading.local()
 
 
 def active() -> bool:
@@ -263,6 +275,11 @@ class PrecompiledKernel:
         """`call`: the keywords of MLX's kernel call (inputs, output_shapes, output_dtypes, grid,
         threadgroup, template, init_value, stream), passed to MLX's kernel as given where it runs."""
         template, inputs = list(call.get("template") or []), call["inputs"]
+        recording = getattr(_dry, "calls", None)
+        if recording is not None:  # a dry run (`compile_ahead`): note the compile, launch nothing
+            if active() and self.error is None and all(isinstance(x, mx.array) for x in inputs):
+                recording.append((self, tuple(x.dtype for x in inputs), tuple(call["output_dtypes"]), tuple(template)))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(call["output_shapes"], call["output_dtypes"])]
         binary = None
         if active() and self.error is None and all(isinstance(x, mx.array) for x in inputs):
             try:
@@ -291,16 +308,82 @@ class PrecompiledKernel:
                                  self.output_names, output_dtypes, template)
         keys = {**chain.keys, "name": self.name, "source": kept.digest({"source": source})}
         found = kept.read(KIND, self.name, keys)
+        if found is None:
+            with kept.held(KIND, self.name, keys):  # another process compiling it: wait, then read it
+                found = kept.read(KIND, self.name, keys)
+                binary = self._compile(chain, source, keys) if found is None else None
         if found is not None:
             binary = found[1]
-            stats["from_disk"] += 1
-        else:
-            start = time.perf_counter()
-            binary = chain.nvrtc.compile(source, self.name, chain.options, chain.sass)
-            seconds = time.perf_counter() - start
-            stats["compiled"] += 1
-            stats["compile_s"] += seconds
-            kept.write(KIND, self.name, keys, {"seconds": seconds, "sass": chain.sass}, binary)
-            _progress(f"strata: compiled GPU kernel {stats['compiled']} ({self.name}, {seconds:.1f} s)")
+            with _lock:
+                stats["from_disk"] += 1
         self._binaries[memo] = binary
         return binary
+
+    def _compile(self, chain: Toolchain, source: str, keys: dict) -> bytes:
+        start = time.perf_counter()
+        binary = chain.nvrtc.compile(source, self.name, chain.options, chain.sass)
+        seconds = time.perf_counter() - start
+        kept.write(KIND, self.name, keys, {"seconds": seconds, "sass": chain.sass}, binary)
+        with _lock:
+            stats["compiled"] += 1
+            stats["compile_s"] += seconds
+            _progress(f"strata: compiled GPU kernel {stats['compiled']} ({self.name}, {seconds:.1f} s)")
+        return binary
+
+    def has(self, input_dtypes: tuple, output_dtypes: tuple, template: tuple) -> bool:
+        """Whether this process holds the binary for these dtypes and template values already."""
+        return (tuple(input_dtypes), tuple(output_dtypes), tuple(template)) in self._binaries
+
+
+def is_dry_run() -> bool:
+    """Whether this thread is inside `compile_ahead`'s dry run (kernels return zeros)."""
+    return getattr(_dry, "calls", None) is not None
+
+
+def threads() -> int:
+    """Compiles `compile_ahead` runs at once: `STRATA_NVRTC_THREADS`, else the cores this process may use."""
+    env = os.environ.get(THREADS_ENV, "").strip()
+    if env.isdigit():
+        return max(1, int(env))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def compile_ahead(run) -> int:
+    """Run `run()` dry (every precompiled kernel records the compile it needs and returns zeros;
+    whatever `run` makes of zeros is dropped), then compile what it named and this process does
+    not hold yet on a thread pool (kept ones are read back there too), so `run`'s real call finds
+    them built. A compile that fails here is left to that real call, which then takes MLX's build.
+    Returns the number of kernels built or read back; 0 when strata's compile is off or there
+    is one thread."""
+    if not active() or threads() <= 1 or is_dry_run():
+        return 0
+    _dry.calls = []
+    try:
+        try:
+            run()
+        except Exception:  # zeros in place of outputs: a check may fail or raise, neither matters
+            pass
+        todo = list(dict.fromkeys(_dry.calls))
+    finally:
+        _dry.calls = None
+    todo = [t for t in todo if not t[0].has(*t[1:])]
+    if not todo:
+        return 0
+    try:
+        todo[0][0].make_toolchain()  # made once, before the threads ask for it
+    except Exception:
+        return 0  # no toolchain: the real call takes MLX's build and says why
+
+    def build(item) -> bool:
+        kernel, input_dtypes, output_dtypes, template = item
+        try:
+            kernel.binary(list(input_dtypes), list(output_dtypes), list(template))
+            return True
+        except Exception:  # the real call compiles again, fails the same way and falls back
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(threads(), len(todo)), thread_name_prefix="strata-nvrtc") as pool:
+        return sum(pool.map(build, todo))

@@ -90,6 +90,8 @@ class Probe:
         (None when the kernels pass at those dtypes, else what failed) is run the first time a
         dtype is asked, on a GPU backend only (CUDA or Metal), unless a pass is kept."""
         dtypes = PROBE_DTYPES if dtype is None else (dtype,)
+        if precompiled.is_dry_run():  # inside another probe's dry run: follow the kernel path, decide nothing
+            return True
         for d in dtypes:
             if str(d) not in self.verdicts:
                 self.verdicts[str(d)] = self._decide(check, d)
@@ -103,6 +105,8 @@ class Probe:
         if kept.read(VERDICTS, self.what, keys) is not None:
             self.kept_hits += 1
             return None
+        if which == backends.CUDA:  # the probe's kernels compiled at once, on threads
+            precompiled.compile_ahead(lambda: check(dtypes=(dtype,)))
         error = _run(check, dtype)
         if error is not None and which == backends.CUDA and precompiled.active():
             precompiled.disable(f"{self.what} failed on them: {error}")  # MLX's build of the same source

@@ -26,6 +26,7 @@ from .experts.switch import attach_streamed_experts
 from .hub import is_repo_id, resolve_repo
 from .integrity import Verification
 from .kernel_cache import KernelCache, prepare_kernel_cache
+from .kernel_warm import WarmReport, warm_in_parallel
 from .model.config import ConfigError, dtype_name
 from .model.loader import ModelLoadError, compute_dtype, load_model
 from .options import (
@@ -130,10 +131,13 @@ class Runtime:
         identity: `model_identity(path, ...)`, which session files are keyed by.
         verification: each weight file's sha256 and what it was checked against.
         dtype: the compute dtype.
-        warmup_seconds: load time spent warming window shapes (0.0 when none was warmed at load).
+        warmup_seconds: load time spent warming window shapes, the kernel workers' time included
+            (0.0 when nothing was warmed at load).
         warmup_by_rows: the seconds of each window row count warmed at load.
         kernel_cache: where compiled GPU kernels are kept across processes, and whether this
             process found it empty (kernel_cache.py).
+        kernel_workers: what the parallel kernel warm-up of a fresh GPU machine did (kernel_warm.py),
+            None when none ran.
         calibration_seconds: load time spent measuring the device's cost curve (0.0 when none
             was measured, or the cache had it).
         stage: this rank's pipeline stage under `mlx.launch` (None: one process holds it all).
@@ -151,6 +155,7 @@ class Runtime:
     calibration_seconds: float = 0.0
     warmup_by_rows: dict[int, float] = dataclasses.field(default_factory=dict)
     kernel_cache: KernelCache | None = None
+    kernel_workers: WarmReport | None = None
     stage: Stage | None = None
     follower: StageFollower | None = None
     _device_prior: CostPrior | None = dataclasses.field(default=None, repr=False)
@@ -225,6 +230,10 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
         model = PipelineModel(model, stage, link)
     window_engine = WindowEngine(model, engine)
     start = time.perf_counter()
+    workers = None
+    if stage is None:  # a fresh GPU machine: build this model's kernels in worker processes first
+        workers = warm_in_parallel(path, load.dtype, model, window_engine, kernels.path,
+                                   max_T=MAX_SUFFIX_DRAFT + 1, announce=announce)
     if should_warm_shapes(window_engine.options):
         warmup_by_rows = window_engine.warm_up(MAX_SUFFIX_DRAFT + 1, progress=warm_progress)
     elif kernels.cold and window_engine.warms_on_first_use:
@@ -235,11 +244,12 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
             warm_progress(1, 1)
     else:
         warmup_by_rows = {}
-    warmup_seconds = time.perf_counter() - start if warmup_by_rows else 0.0
+    warmup_seconds = time.perf_counter() - start if warmup_by_rows or workers else 0.0
     return Runtime(
         path=path, model=model, tokenizer=tokenizer, engine=window_engine, identity=identity,
         dtype=compute_dtype(model if stage is None else model.model), verification=model.verification,
         warmup_seconds=warmup_seconds, warmup_by_rows=warmup_by_rows, kernel_cache=kernels, stage=stage,
+        kernel_workers=workers,
     )
 
 

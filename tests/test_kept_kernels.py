@@ -36,6 +36,8 @@ def test_a_kept_file_is_read_back_only_for_its_own_keys(keep):
 
 def _counting_check(calls, error=None):
     def check(dtypes):
+        if precompiled.is_dry_run():  # compile_ahead's dry run: not a probe
+            return "dry"
         calls.append(dtypes)
         return error(len(calls)) if callable(error) else error
     return check
@@ -180,3 +182,66 @@ def test_sass_support_follows_mlx():
                               ((10, 2), (7, 5), True), ((10, 2), (8, 0), False)):
         nvrtc.version = version
         assert nvrtc.supports_sass(cc) is sass
+
+
+class _SlowNvrtc(_Nvrtc):
+    """Takes a while per compile and notes how many ran at once."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.running = self.peak = 0
+        self.lock = threading.Lock()
+
+    def compile(self, source, name, options, sass):
+        import time
+
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        time.sleep(0.2)
+        with self.lock:
+            self.running -= 1
+        return super().compile(source, name, options, sass)
+
+
+def test_a_probes_kernels_compile_at_once_on_threads_before_it_runs(keep, launches, monkeypatch):
+    monkeypatch.setenv(precompiled.THREADS_ENV, "4")
+    chain, mlx_calls = _Toolchain(), []
+    chain.nvrtc = _SlowNvrtc()
+    kernel = _kernel(chain, launches, mlx_calls)
+    seen = []
+
+    def check(dtypes):
+        outs = [_call(kernel, rows=rows, dtype=dtypes[0]) for rows in (1, 2, 4, 8)]
+        seen.append(outs)
+        return None if all(o == ["precompiled"] for o in outs) else "mismatch"
+
+    assert precompiled.compile_ahead(lambda: check((mx.float32,))) == 4
+    assert launches == [] and mlx_calls == []  # the dry run launched nothing
+    assert [o[0].tolist() for o in seen[0]] == [[0.0] * 8] * 4 and not precompiled.is_dry_run()  # it saw zeros
+    assert len(chain.nvrtc.compiled) == 4 and chain.nvrtc.peak > 1 and precompiled.stats["compiled"] == 4
+    assert check((mx.float32,)) is None and len(launches) == 4 and len(chain.nvrtc.compiled) == 4
+    assert precompiled.compile_ahead(lambda: check((mx.float32,))) == 0  # held already: nothing to do
+    nested = probe.Probe("nested", "fallback")  # a probe asked inside a dry run decides nothing
+    monkeypatch.setattr(probe, "backend", lambda: backends.CUDA)
+    assert precompiled.compile_ahead(lambda: nested.usable(lambda dtypes: "zeros", mx.float32)) == 0
+    assert nested.verdicts == {} and precompiled.active()
+    monkeypatch.setenv(precompiled.THREADS_ENV, "1")
+    assert precompiled.compile_ahead(lambda: check((mx.bfloat16,))) == 0 and len(chain.nvrtc.compiled) == 4
+
+
+def test_one_kernel_made_at_once_in_two_places_compiles_once(keep, launches):
+    """Two makers of the same kernel at once (two processes of the kernel warm-up, here two
+    threads with kernels of their own): one compiles under the file's lock, the other waits
+    and reads it back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chain = _Toolchain()
+    chain.nvrtc = _SlowNvrtc()
+    kernels = [_kernel(chain, launches, []) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        binaries = list(pool.map(lambda k: k.binary([mx.int32, mx.float32], [mx.float32], [("ROWS", 4)]), kernels))
+    assert binaries[0] == binaries[1] and len(chain.nvrtc.compiled) == 1 and chain.nvrtc.peak == 1
+    assert precompiled.stats["compiled"] == 1 and precompiled.stats["from_disk"] == 1

@@ -1,16 +1,19 @@
 """Start-up of `strata generate` as a user's script runs it: time to first token from process
-start, on a fresh machine (empty caches) and on a machine that has run strata before, serial and
-`auto`, and where the time goes.
+start, on a fresh machine (empty caches) with and without the kernel workers, and on a machine
+that has run strata before, serial and `auto`, and where the time goes.
 
 Every timed run is its own `strata generate --json` process, its clock started just before the
 process; time to first token is the `first_token_unix_s` its stats report minus that start. A
-"cold" run gets an empty cache directory (XDG_CACHE_HOME: strata's kernel cache, which MLX_PTX_CACHE_DIR
-points at, and the cost curve); a "later" run reuses the directory the cold run of its mode
-filled. Steady tok/s, the median and the largest window after the first come from the same
-stats. Then, each in its own process, where the time goes: the start-up probes of strata's own
-kernels (metal_shaders: compiled by NVRTC in every process, MLX keeps none of them), then every
-window shape warmed at load (`--warm-shapes`), per row count, with padding on (4 shapes) and
-off (T = 1..8), with the kernel cache cold and warm; and the number of kernel modules MLX kept.
+"cold" run gets an empty cache directory (XDG_CACHE_HOME: strata's kernel cache, which
+MLX_PTX_CACHE_DIR points at, and the cost curve). In order: a fresh machine with the kernel
+workers (strata_cli/kernel_warm.py, strata's default); "later" runs, serial and `auto`, reusing
+the directory it filled; the same later process phase by phase (scripts/bench/startup_phases.py:
+imports, opening the model, kernel probes and what was read back, calibration, prompt, the first
+window's shape warm-up and mx.compile traces, the first window); then a fresh machine without
+the kernel workers (STRATA_PARALLEL_WARM=0, a directory of its own; the others set it to auto). Steady tok/s, the median
+and the largest window after the first come from the same stats. Then, each in its own process
+and as the budget allows, every window shape warmed at load (`--warm-shapes`) per row count,
+padded and not, with the kernel cache cold and warm; and the number of kernel modules MLX kept.
 
     python -m scripts.bench.startup --out h200_startup.json      # the H200 run (builds the checkpoint)
     python -m scripts.bench.startup --tiny --out /tmp/s.json      # a CPU check of the script, < 1 min
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -68,15 +72,17 @@ def clean_env(cache: Path) -> dict:
     return env
 
 
-def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = ()) -> dict:
-    """One `strata generate --json` process: time to first token from process start and its stats."""
+def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (), parallel: bool = True) -> dict:
+    """One `strata generate --json` process: time to first token from process start and its stats.
+    `parallel` False turns the kernel workers of a fresh GPU machine off (STRATA_PARALLEL_WARM=0)."""
     cmd = [sys.executable, "-m", "strata_cli.cli", "generate", "-", "--json", "--model", str(model),
            "--max-tokens", str(args.tokens), "--suffix-draft", MODES[mode], *extra]
     if args.max_context:
         cmd += ["--max-context", str(args.max_context)]
+    env = clean_env(cache) | {"STRATA_PARALLEL_WARM": "auto" if parallel else "0"}
     started = time.time()
     try:
-        proc = subprocess.run(cmd, input=args.prompt, capture_output=True, text=True, env=clean_env(cache),
+        proc = subprocess.run(cmd, input=args.prompt, capture_output=True, text=True, env=env,
                               timeout=args.process_timeout)
     except subprocess.TimeoutExpired as e:
         # A fresh machine's first process can outlast the timeout: record it, keep what it compiled.
@@ -104,8 +110,32 @@ def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (
         "drafts_offered": stats["drafts_offered"],
         "windows_by_T": stats["window_T_histogram"],
         "announced_compile": "compiling GPU kernels" in proc.stderr,
+        "kernel_workers": kernel_workers(proc.stderr),
+        "worker_warnings": [line for line in proc.stderr.splitlines() if "warning: kernel worker" in line],
         "token_ids": record["token_ids"],
     }
+
+
+def kernel_workers(stderr: str) -> int:
+    """The kernel workers a process launched (its "once: K workers" line), 0 when none."""
+    found = re.search(r"once: (\d+) workers", stderr)
+    return int(found.group(1)) if found else 0
+
+
+def phases_run(model: Path, mode: str, cache: Path, args) -> dict:
+    """One process of scripts/bench/startup_phases.py: a later process's time to first token, phase by phase."""
+    cmd = [sys.executable, "-m", "scripts.bench.startup_phases", str(model), "--mode", mode]
+    if args.max_context:
+        cmd += ["--max-context", str(args.max_context)]
+    launched = time.time()
+    try:
+        proc = subprocess.run(cmd + ["--launched", repr(launched)], input=args.prompt, capture_output=True, text=True,
+                              env=clean_env(cache), timeout=args.process_timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "timed_out": True}
+    if proc.returncode:
+        raise RuntimeError(f"phase probe exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 SHAPES_PROBE = """
@@ -164,7 +194,8 @@ def shapes_probe(model: Path, cache: Path, pad: bool, args) -> dict:
 
 def kept_modules(cache: Path) -> int:
     """Kernel modules MLX compiled and kept under `cache` (strata's kernel directory)."""
-    return sum(1 for _ in (cache / "strata" / "kernels").rglob("*.ptx")) if (cache / "strata").exists() else 0
+    root = cache / "strata" / "kernels"
+    return sum(1 for p in root.rglob("*.ptx") if not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
 def kept_by_strata(cache: Path) -> dict:
@@ -185,11 +216,15 @@ def git_tree() -> str:
 
 
 def summarize(runs: list[dict], mode: str) -> dict:
+    """A mode's figures: its first run on a fresh machine (the one whose cache the later runs
+    read: with the kernel workers unless `--fresh serial`), its later runs' median, and the
+    steady figures of both."""
     done = [r for r in runs if not r.get("timed_out")]
-    cold = [r for r in done if r["mode"] == mode and r["phase"] == "cold"]
+    cold = [r for r in done if r["mode"] == mode and r["phase"] == "cold" and r["shared_cache"]]
     later = [r for r in done if r["mode"] == mode and r["phase"] == "later"]
     steady = [r for r in cold + later]
-    timed_out = [r for r in runs if r.get("timed_out") and r["mode"] == mode and r["phase"] == "cold"]
+    timed_out = [r for r in runs if r.get("timed_out") and r["mode"] == mode and r["phase"] == "cold"
+                 and r["shared_cache"]]
     out = {"first_run_ttft_s": cold[0]["ttft_s"] if cold else None,
            "first_run_timed_out_after_s": timed_out[0]["process_s"] if timed_out else None,
            "later_run_ttft_s": statistics.median(r["ttft_s"] for r in later) if later else None}
@@ -198,6 +233,18 @@ def summarize(runs: list[dict], mode: str) -> dict:
         out["max_window_ms_after_first_token"] = max(r["max_window_ms_after_first_token"] for r in steady)
         out["median_window_ms"] = statistics.median(r["median_window_ms"] for r in steady)
         out["max_over_median"] = out["max_window_ms_after_first_token"] / out["median_window_ms"]
+    return out
+
+
+def fresh_machine(runs: list[dict]) -> dict:
+    """A fresh machine's first token with and without the kernel workers (target <= 90 s)."""
+    out = {}
+    for r in runs:
+        if r["phase"] == "cold":
+            out["with_kernel_workers" if r["parallel_warm"] else "without_kernel_workers"] = {
+                "ttft_s": r.get("ttft_s"), "timed_out_after_s": r["process_s"] if r.get("timed_out") else None,
+                "kernel_workers": r.get("kernel_workers"), "load_warmup_s": r.get("load_warmup_s"),
+                "prefill_s": r.get("prefill_s"), "kept_modules_after": r["kept_modules_after"]}
     return out
 
 
@@ -234,27 +281,46 @@ def run(args) -> dict:
         target = default_kernel_dir(backend_name(), shared / "strata")
         shutil.copytree(args.seed_kernels, target)
         result["seeded_kernels"] = sum(1 for _ in target.rglob("*.ptx"))
-    plan = [("cold", "serial"), ("later", "serial"), ("later", "auto")]
-    plan += [("later", mode) for _ in range(args.later_runs - 1) for mode in MODES]
-    for phase, mode in plan:
-        if not fits(f"{phase} {mode}"):
+    # A fresh machine with the kernel workers (strata's default) fills the shared directory the
+    # later processes read; the fresh machine without them gets an empty directory of its own, last.
+    fresh = {"parallel", "serial"} if args.fresh == "both" else {args.fresh}
+    plan = [("cold", "serial", "parallel" in fresh, shared)]
+    plan += [("later", mode, True, shared) for _ in range(args.later_runs) for mode in MODES]
+    plan += [("phases", mode, True, shared) for mode in MODES]
+    if fresh == {"parallel", "serial"}:
+        plan.append(("cold", "serial", False, work / "cache-no-workers"))
+    for phase, mode, parallel, cache in plan:
+        label = f"{phase} {mode}" + ("" if phase != "cold" else " with kernel workers" if parallel else " without kernel workers")
+        if not fits(label):
             continue
-        r = generate_run(model, mode, caches[mode], args)
-        r["phase"] = phase
-        r["kept_modules_after"] = kept_modules(caches[mode])
-        r["kept_by_strata_after"] = kept_by_strata(caches[mode])
+        if phase == "phases":
+            p = phases_run(model, mode, cache, args)
+            result.setdefault("later_phases", {})[mode] = p
+            if not p.get("timed_out"):
+                top = sorted(p["phases_s"].items(), key=lambda kv: -kv[1])[:4]
+                print(f"phases {mode:6}: first token {p['ttft_s']:.1f} s; " + ", ".join(f"{k} {v:.1f}" for k, v in top)
+                      + f"; mx.compile traces {p['compile_traces']['count']} ({p['compile_traces']['seconds']:.1f} s)",
+                      flush=True)
+            save()
+            continue
+        r = generate_run(model, mode, cache, args, parallel=parallel)
+        r["phase"], r["parallel_warm"], r["shared_cache"] = phase, parallel, cache == shared
+        r["kept_modules_after"] = kept_modules(cache)
+        r["kept_by_strata_after"] = kept_by_strata(cache)
         if r.get("timed_out"):
             result["runs"].append({k: v for k, v in r.items() if k != "token_ids"})
-            print(f"{phase:5} {mode:6}: no first token within {args.process_timeout:.0f} s "
+            print(f"{label}: no first token within {args.process_timeout:.0f} s "
                   f"({r['kept_modules_after']} kernel modules kept)", flush=True)
             save()
             continue
         result["runs"].append({k: v for k, v in r.items() if k != "token_ids"} | {"tokens_head": r["token_ids"][:8]})
         result.setdefault("token_ids", {}).setdefault(mode, r["token_ids"])
-        print(f"{phase:5} {mode:6}: first token {r['ttft_s']:.1f} s (process {r['process_s']:.1f} s), "
+        print(f"{label}: first token {r['ttft_s']:.1f} s (process {r['process_s']:.1f} s, "
+              f"{r['kernel_workers']} kernel workers, load warm-up {r['load_warmup_s']:.1f} s), "
               f"{r['steady_tokens_per_s']:.1f} tok/s, window median {r['median_window_ms']:.2f} ms, "
               f"max {r['max_window_ms_after_first_token']:.2f} ms, drafts offered {r['drafts_offered']}", flush=True)
         save()
+    result["fresh_machine"] = fresh_machine(result["runs"])
     ids = result.pop("token_ids", {})
     result["identical"] = len({tuple(v) for v in ids.values()}) <= 1
     for mode in MODES:
@@ -310,6 +376,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed-kernels", type=Path, default=None,
                         help="copy this directory's compiled kernels into the cache before the first process "
                              "(its run is then not a fresh machine's)")
+    parser.add_argument("--fresh", choices=("both", "parallel", "serial"), default="both",
+                        help="fresh-machine runs: with the kernel workers (then the later runs), without them "
+                             "(last, its own empty cache), or both")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.tiny:

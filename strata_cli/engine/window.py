@@ -303,9 +303,9 @@ class WindowEngine:
         if self.length:
             raise WindowError(f"warm_up() needs an empty engine, this one holds {self.length} positions")
         if chunk:
-            self.prefill([i % self.vocab_size for i in range(max(1, min(chunk, self.max_context - 1)))])
+            self.prefill([i % self.vocab_size for i in range(self.prompt_rows(chunk))])
             self.reset()
-        shapes = sorted({self.window_rows(T, 0) for T in range(1, min(max_T, self.max_context - 1) + 1)})
+        shapes = self.window_shapes(max_T)
         seconds = {}
         if progress:
             progress(0, len(shapes))
@@ -314,6 +314,14 @@ class WindowEngine:
             if progress:
                 progress(done, len(shapes))
         return seconds
+
+    def window_shapes(self, max_T: int) -> list[int]:
+        """The row counts windows of T = 1..max_T run at position 0 (`warm_up` warms each once)."""
+        return sorted({self.window_rows(T, 0) for T in range(1, min(max_T, self.max_context - 1) + 1)})
+
+    def prompt_rows(self, chunk: int) -> int:
+        """The rows a prompt chunk of `chunk` runs as its first (fewer when the context is smaller)."""
+        return max(1, min(chunk, self.max_context - 1))
 
     def needs_warm(self, T: int, pos0: int) -> bool:
         """Whether a window of T tokens at pos0 would be the first of its shape, on an engine

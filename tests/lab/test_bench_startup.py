@@ -1,6 +1,7 @@
 """scripts/bench/startup.py on the tiny shape (CPU): it builds the checkpoint, times separate
-`strata generate` processes cold and later, serial and auto, probes the shapes, and writes every
-field docs/runs/h200_startup.json records."""
+`strata generate` processes cold (with and without the kernel workers) and later, serial and auto,
+splits a later process's first token into phases, probes the shapes, and writes every field
+docs/runs/h200_startup.json records."""
 
 import json
 
@@ -19,7 +20,15 @@ def test_startup_tiny_writes_every_field(tmp_path):
             assert figures[key] > 0, (mode, key)
     # one cache directory, as on a user's machine: only the first process (serial) finds it empty
     assert data["serial"]["first_run_ttft_s"] > 0 and data["auto"]["first_run_ttft_s"] is None
-    assert [(r["phase"], r["mode"]) for r in data["runs"]] == [("cold", "serial"), ("later", "serial"), ("later", "auto")]
+    assert [(r["phase"], r["mode"], r["parallel_warm"]) for r in data["runs"]] == [
+        ("cold", "serial", True), ("later", "serial", True), ("later", "auto", True), ("cold", "serial", False)]
+    fresh = data["fresh_machine"]
+    assert set(fresh) == {"with_kernel_workers", "without_kernel_workers"}
+    assert all(f["ttft_s"] > 0 and f["kernel_workers"] == 0 for f in fresh.values())  # no workers on the CPU
+    for mode in ("serial", "auto"):  # a later process, phase by phase, adds up to its first token
+        p = data["later_phases"][mode]
+        assert {"import_strata_s", "open_model_s", "prompt_s", "first_window_shape_warm_s", "first_window_s"} <= set(p["phases_s"])
+        assert ("calibration_s" in p["phases_s"]) == (mode == "auto") and abs(p["unaccounted_s"]) < 0.5 < p["ttft_s"]
     assert all(0 < r["ttft_s"] < r["process_s"] for r in data["runs"])
     assert not any(r["announced_compile"] for r in data["runs"])  # the CPU compiles nothing per machine
     assert data["identical"]

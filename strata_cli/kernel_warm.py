@@ -1,0 +1,354 @@
+"""A fresh GPU machine's kernels, compiled in parallel once: the plan, and the parent's side.
+
+MLX's CUDA backend builds each of its own modules (quantized matmul tiles, gathers, the fused
+kernels of `mx.compile`) through NVRTC one at a time inside a process, so a fresh machine's first
+process waits minutes before its first token (docs/benchmarks.md, "Start-up on the H200"). Every
+module lands in `MLX_PTX_CACHE_DIR` (kernel_cache.py) and later processes read it back, so
+separate processes can build different modules at the same time.
+
+When `open_model` finds that this model has not been warmed for this MLX version and GPU (no
+marker in strata's kernel directory), it splits the warm-up into disjoint *units* (`plan_units`:
+one layer of each kind, and the head, at each window shape the engine warms and at the prompt
+sizes), launches worker processes (`python -m strata_cli.kernel_warm_worker`) that each load
+only the layers their units need and run them on scratch state, waits for them, then goes on.
+
+Each worker compiles into a private directory, seeded with hard links to what is kept already;
+the parent moves a worker's new modules into the kept directory only after that worker exited
+0, each file renamed into place and the `.ptx` last, because MLX writes its files in place and
+reads a `.ptx` as complete (a worker killed mid-write must never leave half a module).
+A worker's failure or the timeout is a warning: the parent compiles what is left itself, as
+before. CUDA only, and opt-in until measured there: `STRATA_PARALLEL_WARM=auto` (one core left to the
+parent) or `=N` workers turns it on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from metal_shaders import kept
+
+ENV = "STRATA_PARALLEL_WARM"  # unset or "0": off; "auto": cores - 1; a number: that many workers
+TIMEOUT_ENV = "STRATA_PARALLEL_WARM_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+MARKERS = "warmed"
+WORKER_MODULE = "strata_cli.kernel_warm_worker"
+# MLX 0.32 builds a quantized matmul per row tile, clamp(next power of 2 of the rows, 16, 64)
+# (make_cta_tiler in mlx/backend/cuda/quantized/qmm/), so prompts of up to 16, up to 32 and
+# more rows each need their own modules; 256 stands for a typical prompt besides the full chunk.
+PROMPT_ROWS = (16, 32, 256)
+HEAD = "head"
+LAYER = "layer"
+
+
+@dataclass(frozen=True, order=True)
+class Unit:
+    """One piece of the warm-up a worker runs on scratch state.
+
+    Attributes:
+        piece: "layer" (one decoder layer, `layer`) or "head" (embedding, final norm, logits).
+        layer: the index of the layer that stands for its kind (piece "layer"), else -1.
+        rows: the rows of the call.
+        prompt: a prompt chunk (`WindowEngine.prefill`) rather than a window (`WindowEngine.warm`).
+    """
+
+    piece: str
+    layer: int
+    rows: int
+    prompt: bool
+
+    @property
+    def name(self) -> str:
+        where = f"layer{self.layer}" if self.piece == LAYER else self.piece
+        return f"{where}:{'prompt' if self.prompt else 'window'}{self.rows}"
+
+
+def splits_by_layer(model) -> bool:
+    """Whether `model`'s forward pass is embed, run_layers, head (the pipeline's contract), so
+    one layer can run alone."""
+    return all(callable(getattr(model, name, None)) for name in ("embed", "run_layers", "head"))
+
+
+def layer_signature(model, index: int) -> str:
+    """What decides a layer's kernels: its class, its state kinds and every parameter's name,
+    shape and dtype (two layers alike in these build the same modules)."""
+    from mlx.utils import tree_flatten
+
+    layer = model.layers[index]
+    params = [(name, tuple(v.shape), str(v.dtype)) for name, v in tree_flatten(layer.parameters())]
+    kinds = model.state_kinds[model.state_span(index, index + 1)]
+    return kept.digest({"class": type(layer).__name__, "states": kinds, "params": params})
+
+
+def layer_kinds(model) -> dict[int, list[int]]:
+    """The first layer of each kind -> every layer of that kind, in layer order."""
+    first: dict[str, int] = {}
+    kinds: dict[int, list[int]] = {}
+    for i in range(len(model.layers)):
+        rep = first.setdefault(layer_signature(model, i), i)
+        kinds.setdefault(rep, []).append(i)
+    return kinds
+
+
+def prompt_shapes(engine, chunk: int | None = None) -> list[int]:
+    """The prompt rows warmed: PROMPT_ROWS and the engine's prefill chunk, within its context."""
+    from .engine.window import default_prefill_chunk
+
+    chunk = chunk or default_prefill_chunk()
+    return sorted({engine.prompt_rows(min(r, chunk)) for r in (*PROMPT_ROWS, chunk)})
+
+
+def plan_units(model, engine, *, max_T: int, chunk: int | None = None) -> list[Unit]:
+    """Every unit of the warm-up, each (piece, rows, prompt) once: per layer kind and the head,
+    every prompt shape and every window shape of T = 1..max_T. None for a family whose forward
+    pass is not embed, layers, head (DeepSeek-V4): a worker would need the whole model."""
+    if not splits_by_layer(model):
+        return []  # each worker would hold the whole model: no parallel warm-up
+    shapes = [(rows, True) for rows in prompt_shapes(engine, chunk)]
+    shapes += [(rows, False) for rows in engine.window_shapes(max_T)]
+    pieces = [(LAYER, i) for i in layer_kinds(model)] + [(HEAD, -1)]
+    return [Unit(piece, layer, rows, prompt) for piece, layer in pieces for rows, prompt in shapes]
+
+
+def assign(units: list[Unit], workers: int) -> list[list[Unit]]:
+    """`units` split into `workers` contiguous groups of near-equal size, in plan order (a
+    piece's shapes stay together, so a worker loads few layers and builds a shared module once)."""
+    workers = max(1, min(workers, len(units)))
+    size, extra = divmod(len(units), workers)
+    groups, start = [], 0
+    for w in range(workers):
+        stop = start + size + (w < extra)
+        groups.append(units[start:stop])
+        start = stop
+    return groups
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_count(num_units: int, env: str | None = None) -> int:
+    """Workers to launch: `STRATA_PARALLEL_WARM` when it is a number, one core left to the
+    parent (min(cores - 1, units)) when it is "auto", else none: off until the H200 has measured
+    that workers bring a fresh machine's first token forward."""
+    env = (os.environ.get(ENV) if env is None else env or "").strip()
+    if env.isdigit():
+        return min(int(env), num_units)
+    return max(0, min(available_cores() - 1, num_units)) if env == "auto" else 0
+
+
+def signature(path: Path, dtype: str, units: list[Unit], options: dict) -> dict:
+    """The keys of a model's marker: its config, dtype, units and engine options, and the
+    sources that shape its kernels (metal_shaders, model/, engine/): a change to any of them
+    may need modules the marker's run never built."""
+    from metal_shaders.probe import sources_digest
+
+    here = Path(__file__).parent
+    code = {str(p.relative_to(here)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted([*here.glob("model/*.py"), *here.glob("engine/*.py")])}
+    return {"config": hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest(), "dtype": dtype,
+            "units": [u.name for u in units], "options": options, "kernels": sources_digest(),
+            "code": kept.digest(code)}
+
+
+def is_warmed(keys: dict) -> bool:
+    return kept.read(MARKERS, "model", keys) is not None
+
+
+# -- the kept directory --------------------------------------------------------------------------
+
+def seed(private: Path, kept_dir: Path, skip: Path | None) -> None:
+    """Hard links (copies across file systems) in `private` to every file kept in `kept_dir`
+    (not `skip`, strata's own directory), so a worker builds only what is missing."""
+    for file in kept_dir.rglob("*"):
+        relative = file.relative_to(kept_dir)
+        hidden = any(part.startswith(".") for part in relative.parts)  # workers' and writers' scratch
+        if hidden or not file.is_file() or (skip is not None and skip in file.parents):
+            continue
+        target = private / file.relative_to(kept_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(file, target)
+        except OSError:
+            shutil.copy2(file, target)
+
+
+def publish(private: Path, kept_dir: Path) -> int:
+    """Move every module `private` holds that `kept_dir` lacks into `kept_dir`, each file renamed
+    into place and a module's `.ptx` after its `.txt` and `.cu` (MLX reads a `.ptx` as the sign of
+    a whole module). Returns the modules moved."""
+    files = sorted((f for f in private.rglob("*") if f.is_file()), key=lambda f: (f.suffix == ".ptx", str(f)))
+    moved = 0
+    for file in files:
+        target = kept_dir / file.relative_to(private)
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+        shutil.copy2(file, tmp)
+        os.replace(tmp, target)
+        moved += file.suffix == ".ptx"
+    return moved
+
+
+def remove_stale(kernel_dir: Path) -> None:
+    """Remove the scratch directories of parents that are gone (killed while their workers ran)."""
+    for scratch in kernel_dir.glob(".warm-*"):
+        pid = scratch.name.removeprefix(".warm-")
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(scratch, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
+
+
+# -- the parent ----------------------------------------------------------------------------------
+
+@dataclass
+class WarmReport:
+    """What the parallel warm-up did: workers launched, units run, seconds, modules kept."""
+
+    workers: int
+    units: int
+    done: int = 0
+    seconds: float = 0.0
+    modules_kept: int = 0
+    failed: list[str] = field(default_factory=list)
+    timed_out: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def worker_command(path: Path, dtype: str | None, options: dict, units: list[Unit]) -> list[str]:
+    cmd = [sys.executable, "-m", WORKER_MODULE, "--model", str(path), "--options", json.dumps(options),
+           "--units", json.dumps([asdict(u) for u in units]), "--parent", str(os.getpid())]
+    return cmd + (["--dtype", dtype] if dtype else [])
+
+
+def engine_options(engine) -> dict:
+    """The options a worker's engines need to run the parent's shapes: fold, partial mode,
+    the context, compressed tails."""
+    o = engine.options
+    return {"fold": o.fold, "partial": o.partial, "max_context": engine.max_context,
+            "compressed_rollback": o.compressed_rollback}
+
+
+def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: Path | None, *,
+                     max_T: int, announce: Callable[[str], None] | None = None,
+                     timeout: float | None = None) -> WarmReport | None:
+    """Compile this model's kernels in worker processes when this machine has not yet (see the
+    module docstring); None when nothing was launched (not CUDA, off, warmed already, streamed
+    experts, a model that does not split by layer, fewer than one worker).
+
+    Args:
+        path: the checkpoint directory; dtype: the `--dtype` the parent loaded with.
+        model, engine: the parent's model and window engine (the plan's layers and shapes).
+        kernel_dir: MLX's kept module directory (`KernelCache.path`), None off CUDA.
+        max_T: the largest window warmed.
+        announce: called with the one line before the workers start, and with each warning.
+        timeout: seconds to wait for every worker (default `STRATA_PARALLEL_WARM_TIMEOUT`, else 600).
+    """
+    if kernel_dir is None or os.environ.get(ENV, "").strip() == "0" or engine.expert_cache is not None:
+        return None
+    units = plan_units(model, engine, max_T=max_T)
+    options = engine_options(engine)
+    keys = signature(path, str(dtype), units, options)
+    if is_warmed(keys):
+        return None
+    workers = worker_count(len(units))
+    if not units or workers < 1:
+        return None
+    say = announce or (lambda line: None)
+    say(f"strata: compiling GPU kernels for this machine, once: {workers} workers (kept in {kernel_dir})")
+    timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S) if timeout is None else timeout
+    report = WarmReport(workers=workers, units=len(units))
+    start = time.perf_counter()
+    remove_stale(kernel_dir)
+    scratch = kernel_dir / f".warm-{os.getpid()}"
+    try:
+        _run_workers(path, dtype, options, assign(units, workers), kernel_dir, scratch, timeout, report, say)
+    except OSError as e:  # an unwritable kernel directory, no interpreter to start: the old path
+        report.failed.append(f"{type(e).__name__}: {e}")
+        say(f"strata: warning: kernel workers could not start ({e}); kernels compile in this process")
+        return report
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report.seconds = time.perf_counter() - start
+    if not report.timed_out:  # every worker ended: what failed, the parent builds now and MLX keeps
+        kept.write(MARKERS, "model", keys, {"report": report.as_dict()})
+    return report
+
+
+def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, report, say) -> None:
+    """Launch a worker per group, count their units on `report` as they finish, publish what
+    each worker that exited 0 compiled; a failure or the timeout is a warning through `say`."""
+    env = {**os.environ, ENV: "0"}
+    lines: queue.Queue = queue.Queue()
+    procs, readers = [], []
+
+    def read(proc) -> None:
+        for line in proc.stdout:
+            lines.put(line)
+
+    for i, group in enumerate(groups):
+        private = scratch / str(i)
+        private.mkdir(parents=True)
+        seed(private, kernel_dir, kept.directory())
+        with open(scratch / f"{i}.stderr", "w") as err:  # a file: a full pipe would stall the worker
+            proc = subprocess.Popen(worker_command(path, dtype, options, group),
+                                    env={**env, "MLX_PTX_CACHE_DIR": str(private)}, stdout=subprocess.PIPE,
+                                    stderr=err, text=True)
+        readers.append(threading.Thread(target=read, args=(proc,), daemon=True))
+        readers[-1].start()
+        procs.append((proc, private))
+    deadline = time.monotonic() + timeout
+    show = sys.stderr.isatty()
+    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        try:
+            lines.get(timeout=0.5)
+            report.done += 1
+        except queue.Empty:
+            pass
+        if show:
+            print(f"\rstrata: GPU kernels: {report.done}/{report.units} units", end="", file=sys.stderr, flush=True)
+    for (proc, _), reader in zip(procs, readers):
+        if proc.poll() is not None:
+            reader.join(timeout=5)  # its last lines, read to the end of its output
+    while not lines.empty():
+        lines.get()
+        report.done += 1
+    if show:
+        print(f"\rstrata: GPU kernels: {report.done}/{report.units} units", file=sys.stderr, flush=True)
+    for i, (proc, private) in enumerate(procs):
+        if proc.poll() is None:
+            report.timed_out = True
+            proc.kill()
+            proc.wait()
+            report.failed.append(f"worker {i}: no answer within {timeout:.0f} s")
+            say(f"strata: warning: kernel worker {i} gave no answer within {timeout:.0f} s; "
+                "the rest compiles in this process")
+            continue
+        if proc.returncode != 0:
+            tail = (scratch / f"{i}.stderr").read_text(errors="replace").strip().splitlines()[-1:] or ["no message"]
+            report.failed.append(f"worker {i}: exit {proc.returncode}: {tail[0][:300]}")
+            say(f"strata: warning: kernel worker {i} failed (exit {proc.returncode}: {tail[0][:300]}); "
+                "the rest compiles in this process")
+            continue
+        report.modules_kept += publish(private, kernel_dir)
