@@ -241,3 +241,36 @@ def test_row_kernels_take_leading_axes_without_reshapes(monkeypatch):
     assert out.shape == (6, 1, 40)
     assert [c["inputs"][0].tolist() for c in calls] == [[3, 128, 40], [3, 128, 40], [6, 128, 40]]
     assert all(c["inputs"][1] is x for c in calls[:2]) and calls[2]["inputs"][1] is picks
+
+
+def test_tied_heads_take_the_row_kernel_in_one_call(monkeypatch):
+    """A tied embedding's logits (`layers.tied_logits`), plain or affine-quantized, go to the
+    row-invariant kernel in one call for a window's rows where it runs, as an untied `RowLinear`
+    head does, instead of a matmul per row; RowSplit "never" keeps MLX's matmul."""
+    import mlx.nn as nn
+
+    from strata_cli.model.layers import RowSplit, tied_logits
+
+    calls = []
+
+    def fake_plain(x, w):
+        calls.append(("plain", x.shape))
+        return kernels.reference_matvec(x, w)
+
+    def fake_quantized(x, w, s, b, *, group_size, bits):
+        calls.append(("quantized", x.shape))
+        return kernels.reference_qmatvec(x, w, s, b, group_size=group_size, bits=bits)
+
+    embed = nn.Embedding(40, 128)
+    quantized = nn.QuantizedEmbedding.from_embedding(embed, group_size=64, bits=4)
+    h = mx.random.normal((1, 5, 128), key=mx.random.key(6))
+    plain = [tied_logits(e, h) for e in (embed, quantized)]  # the CPU: MLX's matmul
+    monkeypatch.setattr(kernels, "kernels_usable", lambda dtype=None: True)
+    monkeypatch.setattr(kernels, "rows_matvec", fake_plain)
+    monkeypatch.setattr(kernels, "rows_qmatvec", fake_quantized)
+    got = [tied_logits(e, h) for e in (embed, quantized)]
+    assert calls == [("plain", (1, 5, 128)), ("quantized", (1, 5, 128))]
+    assert all(mx.allclose(g, p, atol=1e-4, rtol=1e-4).item() for g, p in zip(got, plain))
+    monkeypatch.setattr(RowSplit, "mode", "never")
+    tied_logits(embed, h)
+    assert len(calls) == 2

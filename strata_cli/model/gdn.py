@@ -23,7 +23,7 @@ from metal_shaders import gdn_window
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_scan_over_streams
 from .layer_state import GDNRows, RecurrentState
 from .compiled import LayerCompile, traced_on_host
-from .layers import GatedRMSNorm, RowLinear, RowSplit, project
+from .layers import WINDOW_ROWS, GatedRMSNorm, RowLinear, RowSplit, host_window, project, stack, stacked
 
 l2_normalize = gdn_window.reference_l2_normalize
 
@@ -106,6 +106,20 @@ def projection_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[mx.array, ..
     return columns
 
 
+@lru_cache
+def stacked_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[tuple[mx.array, ...], list[int]]:
+    """Column indices that take, from the stacked projection [qkvz | ba] (`layers.StackedRows`),
+    [conv inputs | z | b | a] in one gather, and the split points between the four. Index
+    arrays for T = 1..WINDOW_ROWS rows, each (1, T, n) and contiguous (index T-1): a window's
+    `take_along_axis` then needs no broadcast op (a B > 1 call broadcasts)."""
+    raw, z, b, a = (c.reshape(-1) for c in projection_columns(nk, nv, dk, dv))
+    width = 2 * nk * dk + 2 * nv * dv  # in_proj_qkvz's columns; in_proj_ba's follow them
+    cols = mx.concatenate([raw, z, b + width, a + width])
+    by_rows = tuple(mx.contiguous(mx.broadcast_to(cols, (1, T, cols.size))) for T in range(1, WINDOW_ROWS + 1))
+    mx.eval(by_rows)
+    return by_rows, [int(e) for e in (raw.size, raw.size + z.size, raw.size + z.size + b.size)]
+
+
 class CausalConv1d(nn.Module):
     """Depthwise causal conv without bias; `weight` is (C, K)."""
 
@@ -150,15 +164,29 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = RowLinear(self.value_dim, hidden_size, bias=False)
 
+    def stack_linears(self) -> None:
+        """Stack the two input projections where their forms allow (`layers.stack_rows`, at load)."""
+        stack(self, "_input_rows", "in_proj_qkvz", "in_proj_ba")
+
     def project(self, x: mx.array):
         """Split the fused projections; the checkpoint groups them per key head.
 
         Each output is one gather of columns (`projection_columns`): the same values as
         splitting per head and concatenating, in 5-9 ops instead of 13 (on the H200 each op costs
-        ~10 µs of host dispatch, docs/benchmarks.md, "Ops per decode step").
+        ~10 µs of host dispatch, docs/benchmarks.md, "Ops per decode step"). A decode window
+        (T <= WINDOW_ROWS) whose two projections stack (`layers.StackedRows`) takes one matmul
+        and one gather of all four outputs, then a split: the same values. Not on the CPU's host
+        path (numpy reads x once for both anyway), nor for prompt chunks, whose matmuls are not
+        launch-bound (and a wider BLAS call may block its sums otherwise).
         """
-        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
-        return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
+        B, T, _ = x.shape
+        rows = None if host_window(x) or B * T > WINDOW_ROWS else stacked(self, "_input_rows")
+        if rows is None:
+            qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
+            return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
+        by_rows, bounds = stacked_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        raw, z, b, a = mx.split(mx.take_along_axis(rows.fused(x), by_rows[T - 1], axis=-1), bounds, axis=-1)
+        return raw, z.reshape(B, T, self.num_v_heads, self.head_v_dim), b, a
 
     def split(self, qkvz: mx.array, ba: mx.array) -> tuple[mx.array, ...]:
         """The fused projections' outputs -> conv inputs, z, b, a (see `project`)."""

@@ -250,6 +250,23 @@ class RowLinear(nn.Linear):
         return RowQuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
+def tied_logits(embed: nn.Module, h: mx.array) -> mx.array:
+    """Logits through a tied embedding (`embed.as_linear`) with a window's rows kept serial, as
+    `RowLinear` keeps an untied head's: the row-invariant kernel where it takes the embedding's
+    form (one launch for a window's rows, where `by_row` makes a matmul, a slice and a
+    concatenation per row), else `by_row`."""
+    K = h.shape[-1]
+    if kernel_rows(h):
+        if type(embed) is nn.Embedding and kernels.supports(K):
+            return kernels.rows_matvec(h, embed.weight)
+        if (type(embed) is nn.QuantizedEmbedding and getattr(embed, "mode", "affine") == "affine"
+                and embed.get("biases") is not None
+                and kernels.supports(K, group_size=embed.group_size, bits=embed.bits)):
+            return kernels.rows_qmatvec(h, embed.weight, embed.scales, embed.biases, group_size=embed.group_size,
+                                        bits=embed.bits)
+    return by_row(embed.as_linear, h)
+
+
 class RowQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose window rows keep their serial arithmetic (see `RowLinear`)."""
 
@@ -455,7 +472,7 @@ class DecoderStack(nn.Module):
             embed = self.model.embed_tokens
             if host_window(h) and type(embed) is nn.Embedding and embed.weight.dtype == mx.float32:
                 return host_blas.rows_linears(h, [(host_weight(embed), None)])[0]
-            return by_row(embed.as_linear, h)
+            return tied_logits(embed, h)
         return self.lm_head(h)
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
