@@ -21,6 +21,7 @@ from .compiled import traced_on_host
 from .layer_state import AttentionState
 from .layers import (
     PREFILL_MIN_ROWS,
+    WINDOW_ROWS,
     CpuShortCalls,
     RMSNorm,
     RowLinear,
@@ -160,11 +161,13 @@ class GatedAttention(nn.Module):
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
         """x (B, T, H) -> the core's inputs (q, k, v (B, heads, T, D)) and the tail's (the gate).
 
-        q, k and v come from one stacked projection where they stack (`layers.StackedRows`): one
-        matmul (and one bias add) instead of three, every column the same sum as its own
-        projection's. Not on the CPU's host path, where numpy reads x once for the three anyway.
+        A decode window's q, k and v (at most WINDOW_ROWS rows) come from one stacked projection
+        where they stack (`layers.StackedRows`): one matmul (and one bias add) instead of three,
+        every column the same sum as its own projection's. Not on the CPU's host path, where numpy
+        reads x once for the three anyway, nor for prompt chunks, whose matmuls are not
+        launch-bound (and a wider BLAS call may block its sums otherwise).
         """
-        rows = None if host_window(x) else stacked(self, "_qkv_rows")
+        rows = None if host_window(x) or x.size // x.shape[-1] > WINDOW_ROWS else stacked(self, "_qkv_rows")
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj) if rows is None else rows(x)
         return traced_on_host(self, "_head_rest", self.head_rest, x.size // x.shape[-1], x.dtype)(q, k, v)
 
