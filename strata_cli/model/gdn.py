@@ -167,6 +167,20 @@ class GatedDeltaNet(nn.Module):
     def stack_linears(self) -> None:
         """Stack the two input projections where their forms allow (`layers.stack_rows`, at load)."""
         stack(self, "_input_rows", "in_proj_qkvz", "in_proj_ba")
+        self.tile_norm_weight()
+
+    def tile_norm_weight(self) -> None:
+        """Keep the gated norm's weight tiled over the value heads (made at load, never inside a
+        trace): a decode window's z then stays as its projection gives it (`gated_norm`)."""
+        tiled = mx.tile(self.norm.weight, self.num_v_heads)
+        mx.eval(tiled)
+        self.__dict__["_norm_by_channel"] = (self.norm.weight, tiled)
+
+    def norm_by_channel(self) -> mx.array | None:
+        """The tiled norm weight of `tile_norm_weight`, while the norm still holds the weight it
+        was made from; else None (z is then reshaped to heads, as before)."""
+        held = self.__dict__.get("_norm_by_channel")
+        return held[1] if held is not None and held[0] is self.norm.weight else None
 
     def project(self, x: mx.array):
         """Split the fused projections; the checkpoint groups them per key head.
@@ -186,7 +200,14 @@ class GatedDeltaNet(nn.Module):
             return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
         by_rows, bounds = stacked_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
         raw, z, b, a = mx.split(mx.take_along_axis(rows.fused(x), by_rows[T - 1], axis=-1), bounds, axis=-1)
-        return raw, z.reshape(B, T, self.num_v_heads, self.head_v_dim), b, a
+        return raw, self.gate_by_heads(z), b, a
+
+    def gate_by_heads(self, z: mx.array) -> mx.array:
+        """z (B, T, Hv·Dv) from stacked projections: as it is where the norm's tiled weight is
+        kept (`gated_norm` takes it so), else reshaped to (B, T, Hv, Dv)."""
+        if self.norm_by_channel() is not None:
+            return z
+        return z.reshape(*z.shape[:2], self.num_v_heads, self.head_v_dim)
 
     def split(self, qkvz: mx.array, ba: mx.array) -> tuple[mx.array, ...]:
         """The fused projections' outputs -> conv inputs, z, b, a (see `project`)."""
@@ -206,7 +227,8 @@ class GatedDeltaNet(nn.Module):
     # A layer call is head (pure), core (the state's part), tail (pure): decoder_layer.py
     # compiles head and tail for decode windows.
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
-        """x (B, T, H) -> the core's inputs (conv inputs, b, a) and the tail's (z)."""
+        """x (B, T, H) -> the core's inputs (conv inputs, b, a) and the tail's (z: (B, T, Hv, Dv),
+        or (B, T, Hv·Dv) from stacked projections, `gate_by_heads`)."""
         raw, z, b, a = self.project(x)
         return (raw, b, a), (z,)
 
@@ -243,6 +265,11 @@ class GatedDeltaNet(nn.Module):
 
     def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
         B, T = y.shape[:2]
+        if z.ndim == 3:  # a decode window's z as its projection gave it (`gate_by_heads`)
+            tiled = self.norm_by_channel()
+            if tiled is not None:
+                return self.norm.over_heads(y, z, tiled)
+            z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
         return self.norm(y, z).reshape(B, T, -1)  # float32 rows, rounded to the model dtype inside (z's)
 
     @property

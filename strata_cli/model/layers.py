@@ -409,6 +409,13 @@ class GatedRMSNorm(nn.Module):
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         return silu_gate_f32(rms_norm(rounded_f32(x, gate), None, self.eps), self.weight, gate)
 
+    def over_heads(self, x: mx.array, gate: mx.array, weight: mx.array) -> mx.array:
+        """`self(x, gate)` flattened over heads: x (..., heads, dims), gate (..., heads·dims) as its
+        projection gives it, `weight` this norm's weight tiled over the heads -> (..., heads·dims).
+        The same values, one reshape fewer (the gate is never reshaped to heads)."""
+        normed = rms_norm(rounded_f32(x, gate), None, self.eps)
+        return silu_gate_f32(normed.reshape(gate.shape), weight, gate)
+
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
