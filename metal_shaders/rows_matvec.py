@@ -168,7 +168,17 @@ _QUANTIZED_BODY = _HEAD + """
     }
 """ + _TAIL
 QUANTIZED = _ROWS_PLAIN + _QUANTIZED_BODY
-GATHER_QUANTIZED = _ROWS_GATHER + _QUANTIZED_BODY
+# Affine routed experts whose picks may share x rows: pick m reads x row m / dims[3] (dims[3]
+# picks a row: a window's top-k picks all read their token's row, so the caller passes the
+# window's rows, not k copies of each). Only where x is read changes, never the arithmetic: a
+# pick's bits are those of a call that had its row copied.
+_X_ROW = "x + static_cast<size_t>(row[r]) * K"
+assert _QUANTIZED_BODY.count(_X_ROW) == 1
+GATHER_QUANTIZED = _ROWS_GATHER + """
+    int xrow[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) xrow[r] = r < R ? row[r] / dims[3] : 0;
+""" + _QUANTIZED_BODY.replace(_X_ROW, "x + static_cast<size_t>(xrow[r]) * K")
 # MXFP4 (MLX's "mxfp4" mode, GPT-OSS's experts): groups of 32 e2m1 codes, 8 to a word, low nibble
 # first, each group with one uint8 e8m0 scale (2^(s - 127)); a chunk (4 words) is one group.
 # Per chunk, column and row, p sums code · x over the group's 32 values in order (fused
@@ -328,22 +338,26 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
 def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
                         group_size: int, bits: int, share: int | None = None, cols: int = COLS) -> mx.array:
     """Routed experts: x (..., K) of M rows, experts (M,) -> (..., N), row m times dequantized w[experts[m]]ᵀ,
-    w (E, N, K·bits/32 packed), affine 4 or 8 bits, on a GPU. Each expert is read once for up to
+    w (E, N, K·bits/32 packed), affine 4 or 8 bits, on a GPU. Picks that share rows: x of R rows
+    and experts (M,) with M = k·R, k > 1 -> (..., k, N), pick m times x row m // k (a window's
+    top-k, without k copies of each row; the same bits as the copied rows). Each expert is read once for up to
     `share` picks of it (1, 2, 4 or 8); a pick's result is the same bits whatever the other picks
     are and whatever `share` is. The default, 1, gives every pick its own blocks: at T = 8 on the
     80B shape (80 picks, ~76 experts) it runs the gate and down projections in 0.060 and 0.086 ms
     against 0.090 and 0.177 with the 8-pick compile (docs/benchmarks.md, kernel_bench); an expert
     picked twice is read twice, the second time mostly from L2."""
-    M, K = rows(x)
-    if M > MAX_PICKS:
-        raise ValueError(f"rows_gather_qmatvec takes at most {MAX_PICKS} picks, got {M}")
-    N = w.shape[1]
-    kernel = _kernel("strata_rows_gather_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "idx"],
+    R, K = rows(x)
+    M = experts.size
+    if M > MAX_PICKS or M % R:
+        raise ValueError(f"rows_gather_qmatvec takes at most {MAX_PICKS} picks, a multiple of its {R} rows; got {M}")
+    N, per = w.shape[1], M // R
+    kernel = _kernel("strata_rows_gather_qmatvec_v3", ["dims", "x", "w", "scales", "biases", "idx"],
                      GATHER_QUANTIZED)
     config = launch_config(share or 1, N, cols=cols)
     template = [("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
-    (out,) = kernel(inputs=[dims(M, K, N), x, w, scales, biases, experts], template=template + config["template"],
-                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[(*x.shape[:-1], N)],
+    shape = (*x.shape[:-1], N) if per == 1 else (*x.shape[:-1], per, N)
+    (out,) = kernel(inputs=[dims(M, K, N, per), x, w, scales, biases, experts], template=template + config["template"],
+                    grid=(config["grid"][0], M, 1), threadgroup=config["threadgroup"], output_shapes=[shape],
                     output_dtypes=[x.dtype])
     return out
 
@@ -463,9 +477,14 @@ def _check_gather(dtype) -> str | None:
     x = mx.random.normal((M, K), key=mx.random.key(9)).astype(dtype)
     w = (mx.random.normal((6, N, K), key=mx.random.key(10)) * K**-0.5).astype(dtype)
     qw, qs, qb = mx.quantize(w, 64, 4)
-    return _picks_alone(partial(rows_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4),
-                        partial(reference_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4),
-                        x, experts, dtype, "routed-expert", share=MAX_ROWS)
+    kernel = partial(rows_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4)
+    error = _picks_alone(kernel, partial(reference_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4),
+                         x, experts, dtype, "routed-expert", share=MAX_ROWS)
+    # Picks sharing rows (3 picks a row) read their row: the bits of the rows copied.
+    shared, copied = kernel(x=x[::3], experts=experts), kernel(x=mx.repeat(x[::3], 3, axis=0), experts=experts)
+    if error is None and not mx.array_equal(shared.reshape(copied.shape), copied).item():
+        error = f"routed-expert picks sharing rows differ from copied rows ({dtype})"
+    return error
 
 
 def _check_gather_mxfp4(dtype) -> str | None:

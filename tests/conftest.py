@@ -26,11 +26,13 @@ def next_model(request):
     import mlx.core as mx
 
     from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.model.layers import stack_rows
     from strata_cli.model.quant import quantize
 
     model = random_model(tiny_qwen3_next_config(), seed=5)
     if request.param == "4-bit":
         quantize(model, group_size=32, bits=4)
+        stack_rows(model)  # as loading does: quantizing replaced the stacked linears
         mx.eval(model.parameters())
     return model
 

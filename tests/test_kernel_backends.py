@@ -160,9 +160,15 @@ def test_matrix_bodies_are_row_invariant_behind_each_prelude(emulate, backend, t
     xg = mx.random.normal((5, K), key=mx.random.key(4))
 
     def gather(i0, i1):
-        return emu.launch("gather", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(eqw), _f32(eqs),
+        return emu.launch("gather", [np.array([i1 - i0, K, N, 1], np.int32), _f32(xg[i0:i1]), np.array(eqw), _f32(eqs),
                                      _f32(eqb), np.array(experts[i0:i1])], rows=2 if i1 - i0 > 1 else 1,
                           blocks_y=i1 - i0, N=N, out_rows=i1 - i0, bits=4, gs=64)
+
+    def shared_rows(i0, i1):  # picks i0..i1-1 of 6, two a row: x holds rows i0 // 2 .. (i1 - 1) // 2
+        lo = i0 // 2 * 2  # picks come in whole rows
+        return emu.launch("gather", [np.array([i1 - lo, K, N, 2], np.int32), _f32(xs[lo // 2:(i1 + 1) // 2]),
+                                     np.array(eqw), _f32(eqs), _f32(eqb), np.array(paired[lo:i1])],
+                          rows=1, blocks_y=i1 - lo, N=N, out_rows=i1 - lo, bits=4, gs=64)[i0 - lo:]
 
     assert emulate.check("quantized", quantized, R, _f32(kernels.reference_qmatvec(x, qw, qs, qb, group_size=64, bits=4)),
                          range(R))
@@ -170,6 +176,10 @@ def test_matrix_bodies_are_row_invariant_behind_each_prelude(emulate, backend, t
     assert emulate.check("gather", gather, 5,
                          _f32(kernels.reference_gather_qmatvec(xg, eqw, eqs, eqb, experts, group_size=64, bits=4)),
                          range(5))
+    paired, xs = mx.array([2, 0, 1, 2, 0, 0], dtype=mx.uint32), xg[:3]  # 3 rows, 2 picks each
+    copied = _f32(kernels.reference_gather_qmatvec(mx.repeat(xs, 2, axis=0), eqw, eqs, eqb, paired, group_size=64,
+                                                   bits=4))
+    assert emulate.check("gather, picks sharing rows", shared_rows, 6, copied, range(6))
     fw, fs = mx.quantize(ew, 32, 4, mode="mxfp4")  # GPT-OSS's experts: e2m1 codes, e8m0 scales
 
     def gather_mxfp4(i0, i1, *, decode="f16", share=2, order="picks"):

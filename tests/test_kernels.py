@@ -152,6 +152,45 @@ def test_window_picks_take_the_gather_kernel_where_it_runs(monkeypatch):
     assert len(calls) == 1
 
 
+def test_window_picks_sharing_rows_keep_the_copied_rows_bits(monkeypatch):
+    """A resident quantized window hands the routed-experts kernel x's rows as they are (k picks
+    a row, `glu_by_expert`'s `shared_rows`): no copy of each row per pick, no reshapes, and the
+    same bits as the rows copied; without the kernel, gather_qmatmul copies the rows itself."""
+    from strata_cli.model import moe
+
+    calls = []
+
+    def fake(x, w, s, b, experts, *, group_size, bits):
+        rows = x.reshape(-1, x.shape[-1])
+        per = experts.size // rows.shape[0]
+        calls.append((x.shape, per))
+        out = kernels.reference_gather_qmatvec(mx.repeat(rows, per, axis=0), w, s, b, experts, group_size=group_size,
+                                               bits=bits)
+        return out.reshape(*x.shape[:-1], -1) if per == 1 else out.reshape(*x.shape[:-1], per, -1)
+
+    glu = moe.SwitchGLU(128, 64, 6)
+    glu.update({k: mx.random.normal(v.shape, key=mx.random.key(i)) * 0.1
+                for i, (k, v) in enumerate(glu.parameters().items())})
+    glu = glu.to_quantized(group_size=64, bits=4)
+    x = mx.random.normal((1, 3, 128), key=mx.random.key(15))
+    inds = mx.array([[[2, 0], [5, 2], [1, 1]]], dtype=mx.uint32)
+    assert not glu.takes_shared_rows(x, inds)  # the CPU: no kernel
+    copied = moe.gather_qmatmul(mx.repeat(x.reshape(3, 1, 128), 2, axis=0), glu.gate_proj.weight, glu.gate_proj.scales,
+                                glu.gate_proj.biases, inds.reshape(-1), group_size=64, bits=4, is_sorted=False)
+    shared = moe.gather_qmatmul(x, glu.gate_proj.weight, glu.gate_proj.scales, glu.gate_proj.biases, inds.reshape(-1),
+                                group_size=64, bits=4, is_sorted=False)
+    assert shared.shape == (1, 3, 2, 64) and mx.array_equal(shared.reshape(copied.shape), copied).item()
+    monkeypatch.setattr(kernels, "kernels_usable", lambda dtype=None: True)
+    monkeypatch.setattr(kernels, "rows_gather_qmatvec", fake)
+    assert glu.takes_shared_rows(x, inds)
+    got = glu(x, inds)
+    assert calls == [((1, 3, 128), 2), ((1, 3, 128), 2), ((1, 3, 2, 64), 1)]
+    monkeypatch.setattr(moe.QuantizedSwitchGLU, "takes_shared_rows", lambda self, x, inds: False)
+    want = glu(x, inds)  # each row copied per pick, as streamed experts send them
+    assert calls[3:] == [((6, 1, 128), 1), ((6, 1, 128), 1), ((6, 1, 64), 1)]
+    assert got.shape == want.shape == (1, 3, 2, 128) and mx.array_equal(got, want).item()
+
+
 def test_sigmoid_router_windows_take_the_row_kernel_in_one_call(monkeypatch):
     """The float32 sigmoid router (Nemotron-H, GLM-4.x, DeepSeek-V3) hands a window's rows to the
     row-invariant kernel in one call where it runs, instead of one matmul per row; prompt chunks
@@ -207,7 +246,7 @@ def test_gather_serves_a_pick_per_block_unless_asked_to_share(monkeypatch):
         assert kernels.rows_gather_qmatvec(x, qw, qs, qb, experts, group_size=64, bits=4, share=share).shape == (M, 40)
         source, kw = calls[-1]
         assert source is kernels.GATHER_QUANTIZED and kw["grid"][1] == M
-        assert dict(kw["template"])["ROWS"] == tier and kw["inputs"][0].tolist() == [M, 128, 40]
+        assert dict(kw["template"])["ROWS"] == tier and kw["inputs"][0].tolist() == [M, 128, 40, 1]
 
 
 def test_the_mxfp4_gather_puts_its_picks_on_the_grid_axis_its_order_names(monkeypatch):
@@ -285,5 +324,38 @@ def test_row_kernels_take_leading_axes_without_reshapes(monkeypatch):
     eqw, eqs, eqb = mx.quantize(mx.zeros((2, 40, 128)), 64, 4)
     out = kernels.rows_gather_qmatvec(picks, eqw, eqs, eqb, mx.zeros((6,), dtype=mx.uint32), group_size=64, bits=4)
     assert out.shape == (6, 1, 40)
-    assert [c["inputs"][0].tolist() for c in calls] == [[3, 128, 40], [3, 128, 40], [6, 128, 40]]
+    assert [c["inputs"][0].tolist() for c in calls] == [[3, 128, 40], [3, 128, 40], [6, 128, 40, 1]]
     assert all(c["inputs"][1] is x for c in calls[:2]) and calls[2]["inputs"][1] is picks
+
+
+def test_tied_heads_take_the_row_kernel_in_one_call(monkeypatch):
+    """A tied embedding's logits (`layers.tied_logits`), plain or affine-quantized, go to the
+    row-invariant kernel in one call for a window's rows where it runs, as an untied `RowLinear`
+    head does, instead of a matmul per row; RowSplit "never" keeps MLX's matmul."""
+    import mlx.nn as nn
+
+    from strata_cli.model.layers import RowSplit, tied_logits
+
+    calls = []
+
+    def fake_plain(x, w):
+        calls.append(("plain", x.shape))
+        return kernels.reference_matvec(x, w)
+
+    def fake_quantized(x, w, s, b, *, group_size, bits):
+        calls.append(("quantized", x.shape))
+        return kernels.reference_qmatvec(x, w, s, b, group_size=group_size, bits=bits)
+
+    embed = nn.Embedding(40, 128)
+    quantized = nn.QuantizedEmbedding.from_embedding(embed, group_size=64, bits=4)
+    h = mx.random.normal((1, 5, 128), key=mx.random.key(6))
+    plain = [tied_logits(e, h) for e in (embed, quantized)]  # the CPU: MLX's matmul
+    monkeypatch.setattr(kernels, "kernels_usable", lambda dtype=None: True)
+    monkeypatch.setattr(kernels, "rows_matvec", fake_plain)
+    monkeypatch.setattr(kernels, "rows_qmatvec", fake_quantized)
+    got = [tied_logits(e, h) for e in (embed, quantized)]
+    assert calls == [("plain", (1, 5, 128)), ("quantized", (1, 5, 128))]
+    assert all(mx.allclose(g, p, atol=1e-4, rtol=1e-4).item() for g, p in zip(got, plain))
+    monkeypatch.setattr(RowSplit, "mode", "never")
+    tied_logits(embed, h)
+    assert len(calls) == 2

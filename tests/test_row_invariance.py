@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_map
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.layers import (
     WINDOW_ROWS,
+    CpuShortCalls,
     RowLinear,
     RowQuantizedLinear,
     RowSplit,
@@ -36,7 +37,38 @@ def row_split(request, monkeypatch):
 
 
 def test_every_row_of_a_window_equals_its_serial_logits(next_model, row_split):
-    model = next_model
+    assert_rows_equal_serial(next_model, row_split)
+
+
+def test_gpu_forms_keep_every_row_serial(next_model, monkeypatch):
+    """The forms a GPU runs (MLX's linears, not the CPU's numpy host path; rows split): the
+    stacked projections (GDN [qkvz | ba], attention q/k/v, the MoE's) and their gathers and
+    splits give each window row its serial logits, and the same bits as the linears apart."""
+    monkeypatch.setattr(RowSplit, "mode", "always")
+    monkeypatch.setattr(CpuShortCalls, "mode", "never")
+    layers = next_model.model.layers
+    assert all(stacked(layer.mixer, "_input_rows" if layer.is_linear else "_qkv_rows") is not None
+               for layer in layers)
+    x = mx.random.normal((1, WINDOW_ROWS, next_model.config.hidden_size), key=mx.random.key(3))
+    for layer in layers:
+        mixer = layer.mixer
+        for T in (1, 3, WINDOW_ROWS):
+            together = mixer.head(x[:, :T])
+            rows = mixer.__dict__.pop("_input_rows" if layer.is_linear else "_qkv_rows")
+            apart = mixer.head(x[:, :T])
+            mixer.__dict__["_input_rows" if layer.is_linear else "_qkv_rows"] = rows
+            # the same values (a stacked GDN head leaves z as its projection gives it, (B, T, Hv·Dv))
+            assert all(mx.array_equal(a.reshape(-1), b.reshape(-1)).item()
+                       for (_, a), (_, b) in zip(tree_flatten(together), tree_flatten(apart)))
+            if layer.is_linear:  # and the gated norm takes either z to the same bits
+                y = mx.random.normal((1, T, mixer.num_v_heads, mixer.head_v_dim), key=mx.random.key(T))
+                (z_flat,), (z_heads,) = together[1], apart[1]
+                assert z_flat.ndim == 3 and z_heads.ndim == 4
+                assert mx.array_equal(mixer.tail_input(y, z_flat), mixer.tail_input(y, z_heads)).item()
+    assert_rows_equal_serial(next_model, "gpu forms")
+
+
+def assert_rows_equal_serial(model, label):
     rng = random.Random(7)
     tokens = [rng.randrange(model.config.vocab_size) for _ in range(PREFIX + WINDOW_ROWS)]
     serial = WindowEngine(model)
@@ -51,7 +83,7 @@ def test_every_row_of_a_window_equals_its_serial_logits(next_model, row_split):
         out = np.array(engine.run(tokens[PREFIX : PREFIX + T], PREFIX).logits)
         engine.commit(1)
         for i in range(T):
-            np.testing.assert_array_equal(out[i], alone[i], err_msg=f"T={T} row {i} ({row_split})")
+            np.testing.assert_array_equal(out[i], alone[i], err_msg=f"T={T} row {i} ({label})")
 
 
 def test_row_split_applies_to_windows_only(monkeypatch):

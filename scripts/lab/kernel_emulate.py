@@ -764,7 +764,7 @@ def main() -> int:
     qw, qs, qb = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(6)) * K**-0.5, 64, 4)
 
     def run_gather(i0, i1):
-        return emu.launch("gather", [np.array([i1 - i0, K, N], np.int32), _f32(xg[i0:i1]), np.array(qw), _f32(qs),
+        return emu.launch("gather", [np.array([i1 - i0, K, N, 1], np.int32), _f32(xg[i0:i1]), np.array(qw), _f32(qs),
                                      _f32(qb), np.array(experts[i0:i1])],
                           rows=kernels.MAX_ROWS if i1 - i0 > 1 else 1, blocks_y=i1 - i0, N=N, out_rows=i1 - i0, bits=4, gs=64)
 

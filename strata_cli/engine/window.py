@@ -186,7 +186,7 @@ class WindowEngine:
         mode = Mode.PARTIAL if self.options.partial else Mode.WINDOW
         rows = self.window_rows(T, pos0)
         ids = list(tokens) + [tokens[-1]] * (rows - T)  # padded rows: never kept (commit checks keep <= T)
-        logits = self._forward(mx.array([ids]), pos0, mode)[0].astype(mx.float32)
+        logits = self._forward(mx.array([ids]), pos0, mode).squeeze(0).astype(mx.float32)  # [0] would be 2 ops
         greedy = mx.argmax(logits, axis=-1)
         mx.eval(logits, greedy)
         self.warm_rows.add(rows)
@@ -218,7 +218,7 @@ class WindowEngine:
         else:
             self._check_window([token], pos0)
             ids = mx.array([[token]])
-        logits = self._forward(ids, pos0, Mode.WINDOW)[0].astype(mx.float32)
+        logits = self._forward(ids, pos0, Mode.WINDOW).squeeze(0).astype(mx.float32)  # [0] would be 2 ops
         greedy = mx.argmax(logits, axis=-1, keepdims=True)
         mx.async_eval(greedy)
         self.warm_rows.add(1)

@@ -21,13 +21,17 @@ from .compiled import traced_on_host
 from .layer_state import AttentionState
 from .layers import (
     PREFILL_MIN_ROWS,
+    WINDOW_ROWS,
     CpuShortCalls,
     RMSNorm,
     RowLinear,
     RowSplit,
+    host_window,
     project,
     prompt_streams,
     sigmoid_gate,
+    stack,
+    stacked,
 )
 
 QUERY_BLOCK = 128  # prompt rows per attention block on the CPU (64 ties it, 512 unblocked is 1.2-2x slower)
@@ -150,9 +154,21 @@ class GatedAttention(nn.Module):
 
     # A layer call is head (pure), core (the state's part), tail (pure): decoder_layer.py
     # compiles head and tail for decode windows.
+    def stack_linears(self) -> None:
+        """Stack q, k and v where their forms allow (`layers.stack_rows`, at load)."""
+        stack(self, "_qkv_rows", "q_proj", "k_proj", "v_proj")
+
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
-        """x (B, T, H) -> the core's inputs (q, k, v (B, heads, T, D)) and the tail's (the gate)."""
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        """x (B, T, H) -> the core's inputs (q, k, v (B, heads, T, D)) and the tail's (the gate).
+
+        A decode window's q, k and v (at most WINDOW_ROWS rows) come from one stacked projection
+        where they stack (`layers.StackedRows`): one matmul (and one bias add) instead of three,
+        every column the same sum as its own projection's. Not on the CPU's host path, where numpy
+        reads x once for the three anyway, nor for prompt chunks, whose matmuls are not
+        launch-bound (and a wider BLAS call may block its sums otherwise).
+        """
+        rows = None if host_window(x) or x.size // x.shape[-1] > WINDOW_ROWS else stacked(self, "_qkv_rows")
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj) if rows is None else rows(x)
         return traced_on_host(self, "_head_rest", self.head_rest, x.size // x.shape[-1], x.dtype)(q, k, v)
 
     def head_rest(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[tuple, tuple]:

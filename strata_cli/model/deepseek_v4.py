@@ -31,7 +31,7 @@ import mlx.nn as nn
 
 from .compressed_attention import Attention, per_row, unit_rms
 from .config import ConfigError, ModelConfig
-from .layers import RMSNorm, RowLinear, by_row
+from .layers import RMSNorm, RowLinear, by_row, tied_logits
 from .moe import SparseMoeBlock, SwitchGLU, weighted_sum
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -367,7 +367,7 @@ class Model(nn.Module):
             streams = streams[:, -1:]
         h = self.model.norm(self.model.hc_head(streams))
         if self.config.tie_word_embeddings:
-            return by_row(self.model.embed_tokens.as_linear, h)
+            return tied_logits(self.model.embed_tokens, h)
         return self.lm_head(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -23,7 +23,7 @@ from metal_shaders import gdn_window
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_scan_over_streams
 from .layer_state import GDNRows, RecurrentState
 from .compiled import LayerCompile, traced_on_host
-from .layers import GatedRMSNorm, RowLinear, RowSplit, project
+from .layers import WINDOW_ROWS, GatedRMSNorm, RowLinear, RowSplit, host_window, project, stack, stacked
 
 l2_normalize = gdn_window.reference_l2_normalize
 
@@ -106,6 +106,20 @@ def projection_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[mx.array, ..
     return columns
 
 
+@lru_cache
+def stacked_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[tuple[mx.array, ...], list[int]]:
+    """Column indices that take, from the stacked projection [qkvz | ba] (`layers.StackedRows`),
+    [conv inputs | z | b | a] in one gather, and the split points between the four. Index
+    arrays for T = 1..WINDOW_ROWS rows, each (1, T, n) and contiguous (index T-1): a window's
+    `take_along_axis` then needs no broadcast op (a B > 1 call broadcasts)."""
+    raw, z, b, a = (c.reshape(-1) for c in projection_columns(nk, nv, dk, dv))
+    width = 2 * nk * dk + 2 * nv * dv  # in_proj_qkvz's columns; in_proj_ba's follow them
+    cols = mx.concatenate([raw, z, b + width, a + width])
+    by_rows = tuple(mx.contiguous(mx.broadcast_to(cols, (1, T, cols.size))) for T in range(1, WINDOW_ROWS + 1))
+    mx.eval(by_rows)
+    return by_rows, [int(e) for e in (raw.size, raw.size + z.size, raw.size + z.size + b.size)]
+
+
 class CausalConv1d(nn.Module):
     """Depthwise causal conv without bias; `weight` is (C, K)."""
 
@@ -150,15 +164,50 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = RowLinear(self.value_dim, hidden_size, bias=False)
 
+    def stack_linears(self) -> None:
+        """Stack the two input projections where their forms allow (`layers.stack_rows`, at load)."""
+        stack(self, "_input_rows", "in_proj_qkvz", "in_proj_ba")
+        self.tile_norm_weight()
+
+    def tile_norm_weight(self) -> None:
+        """Keep the gated norm's weight tiled over the value heads (made at load, never inside a
+        trace): a decode window's z then stays as its projection gives it (`gated_norm`)."""
+        tiled = mx.tile(self.norm.weight, self.num_v_heads)
+        mx.eval(tiled)
+        self.__dict__["_norm_by_channel"] = (self.norm.weight, tiled)
+
+    def norm_by_channel(self) -> mx.array | None:
+        """The tiled norm weight of `tile_norm_weight`, while the norm still holds the weight it
+        was made from; else None (z is then reshaped to heads, as before)."""
+        held = self.__dict__.get("_norm_by_channel")
+        return held[1] if held is not None and held[0] is self.norm.weight else None
+
     def project(self, x: mx.array):
         """Split the fused projections; the checkpoint groups them per key head.
 
         Each output is one gather of columns (`projection_columns`): the same values as
         splitting per head and concatenating, in 5-9 ops instead of 13 (on the H200 each op costs
-        ~10 µs of host dispatch, docs/benchmarks.md, "Ops per decode step").
+        ~10 µs of host dispatch, docs/benchmarks.md, "Ops per decode step"). A decode window
+        (T <= WINDOW_ROWS) whose two projections stack (`layers.StackedRows`) takes one matmul
+        and one gather of all four outputs, then a split: the same values. Not on the CPU's host
+        path (numpy reads x once for both anyway), nor for prompt chunks, whose matmuls are not
+        launch-bound (and a wider BLAS call may block its sums otherwise).
         """
-        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
-        return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
+        B, T, _ = x.shape
+        rows = None if host_window(x) or B * T > WINDOW_ROWS else stacked(self, "_input_rows")
+        if rows is None:
+            qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
+            return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
+        by_rows, bounds = stacked_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        raw, z, b, a = mx.split(mx.take_along_axis(rows.fused(x), by_rows[T - 1], axis=-1), bounds, axis=-1)
+        return raw, self.gate_by_heads(z), b, a
+
+    def gate_by_heads(self, z: mx.array) -> mx.array:
+        """z (B, T, Hv·Dv) from stacked projections: as it is where the norm's tiled weight is
+        kept (`gated_norm` takes it so), else reshaped to (B, T, Hv, Dv)."""
+        if self.norm_by_channel() is not None:
+            return z
+        return z.reshape(*z.shape[:2], self.num_v_heads, self.head_v_dim)
 
     def split(self, qkvz: mx.array, ba: mx.array) -> tuple[mx.array, ...]:
         """The fused projections' outputs -> conv inputs, z, b, a (see `project`)."""
@@ -178,7 +227,8 @@ class GatedDeltaNet(nn.Module):
     # A layer call is head (pure), core (the state's part), tail (pure): decoder_layer.py
     # compiles head and tail for decode windows.
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
-        """x (B, T, H) -> the core's inputs (conv inputs, b, a) and the tail's (z)."""
+        """x (B, T, H) -> the core's inputs (conv inputs, b, a) and the tail's (z: (B, T, Hv, Dv),
+        or (B, T, Hv·Dv) from stacked projections, `gate_by_heads`)."""
         raw, z, b, a = self.project(x)
         return (raw, b, a), (z,)
 
@@ -215,6 +265,11 @@ class GatedDeltaNet(nn.Module):
 
     def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
         B, T = y.shape[:2]
+        if z.ndim == 3:  # a decode window's z as its projection gave it (`gate_by_heads`)
+            tiled = self.norm_by_channel()
+            if tiled is not None:
+                return self.norm.over_heads(y, z, tiled)
+            z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
         return self.norm(y, z).reshape(B, T, -1)  # float32 rows, rounded to the model dtype inside (z's)
 
     @property

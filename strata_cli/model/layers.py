@@ -250,6 +250,23 @@ class RowLinear(nn.Linear):
         return RowQuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
+def tied_logits(embed: nn.Module, h: mx.array) -> mx.array:
+    """Logits through a tied embedding (`embed.as_linear`) with a window's rows kept serial, as
+    `RowLinear` keeps an untied head's: the row-invariant kernel where it takes the embedding's
+    form (one launch for a window's rows, where `by_row` makes a matmul, a slice and a
+    concatenation per row), else `by_row`."""
+    K = h.shape[-1]
+    if kernel_rows(h):
+        if type(embed) is nn.Embedding and kernels.supports(K):
+            return kernels.rows_matvec(h, embed.weight)
+        if (type(embed) is nn.QuantizedEmbedding and getattr(embed, "mode", "affine") == "affine"
+                and embed.get("biases") is not None
+                and kernels.supports(K, group_size=embed.group_size, bits=embed.bits)):
+            return kernels.rows_qmatvec(h, embed.weight, embed.scales, embed.biases, group_size=embed.group_size,
+                                        bits=embed.bits)
+    return by_row(embed.as_linear, h)
+
+
 class RowQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose window rows keep their serial arithmetic (see `RowLinear`)."""
 
@@ -392,6 +409,13 @@ class GatedRMSNorm(nn.Module):
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         return silu_gate_f32(rms_norm(rounded_f32(x, gate), None, self.eps), self.weight, gate)
 
+    def over_heads(self, x: mx.array, gate: mx.array, weight: mx.array) -> mx.array:
+        """`self(x, gate)` flattened over heads: x (..., heads, dims), gate (..., heads·dims) as its
+        projection gives it, `weight` this norm's weight tiled over the heads -> (..., heads·dims).
+        The same values, one reshape fewer (the gate is never reshaped to heads)."""
+        normed = rms_norm(rounded_f32(x, gate), None, self.eps)
+        return silu_gate_f32(normed.reshape(gate.shape), weight, gate)
+
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
@@ -455,7 +479,7 @@ class DecoderStack(nn.Module):
             embed = self.model.embed_tokens
             if host_window(h) and type(embed) is nn.Embedding and embed.weight.dtype == mx.float32:
                 return host_blas.rows_linears(h, [(host_weight(embed), None)])[0]
-            return by_row(embed.as_linear, h)
+            return tied_logits(embed, h)
         return self.lm_head(h)
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:

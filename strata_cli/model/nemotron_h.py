@@ -19,7 +19,7 @@ import mlx.nn as nn
 from .attention import GatedAttention
 from .compiled import Compiled, LayerCompile
 from .config import ConfigError, ModelConfig
-from .layers import WINDOW_ROWS, RMSNorm, RowLinear, by_row, is_cpu_prompt, transposed
+from .layers import WINDOW_ROWS, RMSNorm, RowLinear, is_cpu_prompt, tied_logits, transposed
 from .layout import stack_experts
 from . import moe
 from .mamba2 import Mamba2Mixer
@@ -328,7 +328,7 @@ class Model(nn.Module):
             h = h[:, -1:]
         h = self.backbone.norm_f(h)
         if self.config.tie_word_embeddings:
-            return by_row(self.backbone.embeddings.as_linear, h)
+            return tied_logits(self.backbone.embeddings, h)
         return self.lm_head(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

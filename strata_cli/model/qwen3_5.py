@@ -146,9 +146,11 @@ class SplitGatedDeltaNet(GatedDeltaNet):
     def stack_linears(self) -> None:
         """Stack the four projections where their forms allow (`layers.stack_rows`, at load)."""
         stack(self, "_input_rows", *PROJECTIONS)
+        self.tile_norm_weight()
 
     def project(self, x: mx.array):
-        """x (B, T, H) -> conv inputs (B, T, C), z (B, T, Hv, Dv), b and a (B, T, Hv)."""
+        """x (B, T, H) -> conv inputs (B, T, C), z (B, T, Hv, Dv) (or (B, T, Hv·Dv) from the
+        stack, `gate_by_heads`), b and a (B, T, Hv)."""
         B, T, _ = x.shape
         parts = [self[name] for name in PROJECTIONS]
         # The CPU's short calls run each row as numpy matrix-vector products, which read the
@@ -157,9 +159,9 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         rows = None if host_window(x) else stacked(self, "_input_rows")
         if rows is None:  # also projections of different kinds (a mixed quantization)
             qkv, z, b, a = project(x, *parts)
-        else:
-            qkv, z, b, a = rows(x)
-        return qkv, z.reshape(B, T, self.num_v_heads, self.head_v_dim), b, a
+            return qkv, z.reshape(B, T, self.num_v_heads, self.head_v_dim), b, a
+        qkv, z, b, a = rows(x)
+        return qkv, self.gate_by_heads(z), b, a
 
 
 def feed_forward(config: Qwen3_5Config) -> nn.Module:

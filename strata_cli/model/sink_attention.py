@@ -23,9 +23,8 @@ import numpy as np
 from metal_shaders import attention_window
 
 from .attention import GatedAttention, causal_attention_cpu
-from .compiled import traced_on_host
 from .config import ConfigError
-from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RowSplit, stack, stacked
+from .layers import PREFILL_MIN_ROWS, WINDOW_ROWS, RowSplit
 
 YARN_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
              "truncate", "mscale", "mscale_all_dim", "attention_factor", "rope_theta"}
@@ -93,20 +92,6 @@ class SinkAttention(GatedAttention):
         periods, factor = rope_periods(head_dim, rope_theta, rope_scaling)
         self._periods = None if periods is None else mx.array(periods)  # not a parameter: never loaded or cast
         self.scale = head_dim**-0.5 * factor * factor
-
-    def stack_linears(self) -> None:
-        """Stack q, k and v where their forms allow (`layers.stack_rows`, at load)."""
-        stack(self, "_qkv_rows", "q_proj", "k_proj", "v_proj")
-
-    def head(self, x: mx.array) -> tuple[tuple, tuple]:
-        """`GatedAttention.head`, with q, k and v from one stacked projection where they stack
-        (`layers.StackedRows`): one matmul and one bias add instead of three each, every column
-        the same sum as its own projection's."""
-        rows = stacked(self, "_qkv_rows")
-        if rows is None:
-            return super().head(x)
-        q, k, v = rows(x)
-        return traced_on_host(self, "_head_rest", self.head_rest, x.size // x.shape[-1], x.dtype)(q, k, v)
 
     def takes_kernel(self, rows: int, dtype=None) -> bool:
         """Whether a window of `rows` rows attends through the sink kernel (a GPU where it passed
