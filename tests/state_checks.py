@@ -8,6 +8,14 @@ import mlx.core as mx
 
 from strata_cli.engine.window import WindowEngine
 
+# Where the forced-rejection windows start, for states with neither a ring nor blocks (KV, latent
+# KV, GDN, KDA, Mamba-2): none of them branches on pos0. A window writes at pos0 into one buffer
+# (KV_STEP = 256 cells, far past these), and a prefill of fewer than PREFILL_MIN_ROWS = 16 rows
+# takes the per-row path (scans and attention), so pos0 = 8..11 ran the same code on other data;
+# the two ends are kept. Ring and block states (sliding_state, compressed_state) branch on
+# pos0 % capacity or % rate, and their tests keep every offset.
+REJECTION_OFFSETS = (8, 11)
+
 
 def max_state_diff(a: list[dict], b: list[dict]) -> float:
     """The largest absolute difference between two `engine.state_tensors()` (same layers, same

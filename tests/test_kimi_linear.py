@@ -4,7 +4,7 @@ tests/hybrid_parity.py checks for every family, plus the KDA state:
 
 - the chunked KDA scan within 1e-4 of the step recurrence at lengths 1, 63, 64, 65 and 1000, from
   zero and from a restored state, with fast-forgetting channels (a chunk's decay far past exp(-88));
-- forced rejection at every keep of T = 2..8 at pos0 % 4 = 0..3, lazy and eager fold, partial on
+- forced rejection at every keep of T = 2..8 at pos0 = 8 and 11, lazy and eager fold, partial on
   and off: KDA state, conv history, latent KV and next logits equal serial decoding;
 - sessions round-trip it.
 """
@@ -28,7 +28,7 @@ from hybrid_parity import (
     mlx_lm_reference,
     strata_logits,
 )
-from state_checks import check_checkpoint_round_trip, check_forced_rejections, serial_decode
+from state_checks import REJECTION_OFFSETS, check_checkpoint_round_trip, check_forced_rejections, serial_decode
 
 from strata_cli.engine.state import GDNState, LatentKVState
 from strata_cli.engine.window import WindowEngine
@@ -170,13 +170,13 @@ def test_the_model_has_both_state_kinds(model):
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 @pytest.mark.parametrize("fold", ["lazy", "eager"])
-@pytest.mark.parametrize("pos0", [8, 9, 10, 11], ids=lambda p: f"pos0%4={p % 4}")
+@pytest.mark.parametrize("pos0", REJECTION_OFFSETS, ids=lambda p: f"pos0={p}")
 def test_forced_rejection_matches_serial(model, serial, fold, partial, pos0):
     options = EngineOptions(fold=fold, partial=partial)
     assert check_forced_rejections(model, options, serial, pos0, TOL) == sum(range(2, 9))
 
 
-@pytest.mark.parametrize("pos0", [8, 11], ids=lambda p: f"pos0%4={p % 4}")
+@pytest.mark.parametrize("pos0", REJECTION_OFFSETS, ids=lambda p: f"pos0={p}")
 def test_forced_rejection_with_rows_split(model, serial, pos0, monkeypatch):
     """Every window row's projections and attention alone, as on a GPU (`RowSplit` "always")."""
     monkeypatch.setattr(RowSplit, "mode", "always")

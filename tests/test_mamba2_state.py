@@ -3,11 +3,11 @@ the chunked SSD prefill against the per-row recurrence, snapshots, prefix checkp
 session files.
 
 Forced rejection, as tests/test_window_rollback.py does for GDN: for T = 2..8, every keep in
-1..T, pos0 % 4 in 0..3, lazy and eager fold, partial mode on and off, the window's inputs are
-the true sequence up to `keep` and wrong tokens after it; after commit(keep) every SSM state,
-conv history and KV cache and the next row's logits must equal serial decoding's. The model is
-the tiny random Nemotron-H of hf_checkpoints.py (Mamba-2, attention, MLP and MoE blocks),
-loaded from its Hugging Face layout.
+1..T, pos0 = 8 and 11 (state_checks.REJECTION_OFFSETS), lazy and eager fold, partial mode on
+and off, the window's inputs are the true sequence up to `keep` and wrong tokens after it;
+after commit(keep) every SSM state, conv history and KV cache and the next row's logits must
+equal serial decoding's. The model is the tiny random Nemotron-H of hf_checkpoints.py (Mamba-2,
+attention, MLP and MoE blocks), loaded from its Hugging Face layout.
 """
 
 import random
@@ -15,7 +15,13 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from state_checks import check_checkpoint_round_trip, check_forced_rejections, max_state_diff, serial_decode
+from state_checks import (
+    REJECTION_OFFSETS,
+    check_checkpoint_round_trip,
+    check_forced_rejections,
+    max_state_diff,
+    serial_decode,
+)
 from hf_checkpoints import checkpoint_root, hybrid_hf_checkpoint
 
 from strata_cli.engine.state import Mamba2State, Mode
@@ -53,7 +59,7 @@ def test_the_model_has_every_state_kind(model):
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 @pytest.mark.parametrize("fold", ["lazy", "eager"])
-@pytest.mark.parametrize("pos0", [8, 9, 10, 11], ids=lambda p: f"pos0%4={p % 4}")
+@pytest.mark.parametrize("pos0", REJECTION_OFFSETS, ids=lambda p: f"pos0={p}")
 def test_forced_rejection_matches_serial(model, serial, fold, partial, pos0):
     options = EngineOptions(fold=fold, partial=partial)
     assert check_forced_rejections(model, options, serial, pos0, TOL) == sum(range(2, 9))

@@ -22,7 +22,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from state_checks import max_state_diff, serial_decode
+from state_checks import REJECTION_OFFSETS, max_state_diff, serial_decode
 import torch
 from hf_checkpoints import (
     QWEN3_5_FAMILIES,
@@ -203,7 +203,7 @@ def test_forced_rejection_matches_serial(serial, fold, partial):
     vocab = model.config.vocab_size
     engine = WindowEngine(model, EngineOptions(fold=fold, partial=partial))
     checked = 0
-    for pos0 in (8, 9, 10, 11):  # pos0 % 4 = 0..3: every offset against the 3:1 layer rhythm's windows
+    for pos0 in REJECTION_OFFSETS:  # no branch on pos0 (state_checks.py); layer types go by layer, not position
         engine.reset()
         engine.prefill(seq[:pos0])
         start = engine.snapshot()
@@ -222,7 +222,7 @@ def test_forced_rejection_matches_serial(serial, fold, partial):
                 engine.commit(1)
                 assert max_state_diff(engine.state_tensors(), serial_states[nxt]) <= STATE_TOL, (pos0, T, keep)
                 checked += 1
-    assert checked == 4 * sum(range(2, 9))
+    assert checked == len(REJECTION_OFFSETS) * sum(range(2, 9))
 
 
 def test_wrong_rows_would_be_detected(serial):

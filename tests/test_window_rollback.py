@@ -1,8 +1,8 @@
 """Forced rejection at every position: after commit(keep), state and next logits equal serial decoding.
 
-For T = 2..8, every keep in 1..T, pos0 % 4 in 0..3, lazy and eager fold, partial mode on and off:
-the window's inputs are the true sequence up to `keep` and wrong tokens after it, so every row
-past the rejection point must leave no trace.
+For T = 2..8, every keep in 1..T, pos0 = 8 and 11 (state_checks.REJECTION_OFFSETS), lazy and
+eager fold, partial mode on and off: the window's inputs are the true sequence up to `keep` and
+wrong tokens after it, so every row past the rejection point must leave no trace.
 """
 
 import random
@@ -10,7 +10,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from state_checks import check_forced_rejections, max_state_diff, serial_decode
+from state_checks import REJECTION_OFFSETS, check_forced_rejections, max_state_diff, serial_decode
 
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.host_blas import HostBlas
@@ -28,7 +28,7 @@ def serial(tiny_model):
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 @pytest.mark.parametrize("fold", ["lazy", "eager"])
-@pytest.mark.parametrize("pos0", [8, 9, 10, 11], ids=lambda p: f"pos0%4={p % 4}")
+@pytest.mark.parametrize("pos0", REJECTION_OFFSETS, ids=lambda p: f"pos0={p}")
 def test_forced_rejection_matches_serial(tiny_model, serial, fold, partial, pos0):
     options = EngineOptions(fold=fold, partial=partial)
     assert check_forced_rejections(tiny_model, options, serial, pos0, TOL) == sum(range(2, 9))
