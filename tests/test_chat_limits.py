@@ -74,11 +74,11 @@ ATTACKS = [
 def render_measured(source, **kwargs):
     """(error, seconds, peak bytes) of compiling and rendering `source`."""
     tracemalloc.start()
-    started = time.monotonic()
+    started = time.process_time()  # CPU, not wall: a loaded CI host must not fail a fast refusal
     try:
         with pytest.raises(ChatTemplateError) as error:
             ChatTemplate(source, {}).render(MESSAGES, **kwargs)
-        return error.value, time.monotonic() - started, tracemalloc.get_traced_memory()[1]
+        return error.value, time.process_time() - started, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
 
@@ -88,7 +88,7 @@ def test_a_template_that_would_build_a_huge_value_fails_fast_and_small(source):
     error, seconds, peak = render_measured(source)
     assert error.code == "template_error"
     assert "would build a value" in str(error) or "in all" in str(error), error
-    assert seconds < 0.5, (seconds, error)
+    assert seconds < 1.0, (seconds, error)  # building the value would take minutes and gigabytes
     # the template's own 10 M-character seed, and for the last two the render's total budget
     assert peak < (200 << 20 if "map(" in source or "sum(" in source else 40 << 20), (peak, error)
 
