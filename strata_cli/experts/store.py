@@ -647,21 +647,12 @@ class ExpertStore:
                 os.close(old)
 
     def to_arrays(self, path: str, payload: memoryview, dtypes: Mapping[str, mx.Dtype]) -> dict[str, mx.array]:
-        """One record's tensors as MLX arrays (copied out of `payload`), cast to `dtypes[name]`."""
-        out = {}
-        for t in self.blocks[path].tensors:
-            np_dtype, mx_dtype = DTYPES[t.dtype]
-            host = np.frombuffer(payload, dtype=np_dtype, count=t.nbytes // np.dtype(np_dtype).itemsize, offset=t.offset)
-            array = mx.array(host.reshape(t.shape))
-            if mx_dtype == mx.bfloat16:
-                array = array.view(mx.bfloat16)
-            want = dtypes.get(t.name, mx_dtype)
-            out[t.name] = array if want == mx_dtype else array.astype(want)
-        return out
+        """One record's tensors as MLX arrays (copied out of `payload` at once), cast to `dtypes[name]`."""
+        return self.tensor_views(path, mx.array(np.frombuffer(payload, dtype=np.uint8)), dtypes)
 
     def tensor_views(self, path: str, record: mx.array, dtypes: Mapping[str, mx.Dtype]) -> dict[str, mx.array]:
         """One record's tensors as views of `record` (the record's bytes as an MLX uint8 array,
-        experts/staging.py), cast to `dtypes[name]`: what `to_arrays` gives, without a host copy."""
+        experts/staging.py, or `to_arrays`' copy of a payload), cast to `dtypes[name]`."""
         out = {}
         for t in self.blocks[path].tensors:
             mx_dtype = DTYPES[t.dtype][1]
