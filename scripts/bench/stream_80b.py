@@ -248,7 +248,7 @@ def measure_row(engine: WindowEngine, prompt: list[int], *, tokens: int, spec: S
     run["bytes_read_per_token"] = read = run.pop("bytes_per_token")
     bound = disk_gbps * 1e9 / read if read else None
     return {**run, "disk_bound_tokens_per_s": bound, "of_disk_bound": run["tokens_per_s"] / bound if bound else None,
-            "io_mode": engine.expert_cache.store.io_mode}
+            "io_mode": engine.expert_cache.store.io_mode, "staging": engine.expert_cache.staging()}
 
 
 def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptions], *, E: int, dtype,

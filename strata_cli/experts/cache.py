@@ -246,6 +246,12 @@ class ExpertCache:
             layers=layers,
         )
 
+    def staging(self) -> dict:
+        """Staging slots made, over every record size, and how many of their chunks the GPU reads
+        in place (CUDA advice taken; 0 elsewhere)."""
+        areas = self._staging.values()
+        return {"slots": sum(a.size for a in areas), "advised_chunks": sum(a.advised for a in areas)}
+
     def resident(self, path: str) -> list[int]:
         """Experts now resident in block `path`, least recently used first."""
         return list(self._blocks[self._position[path]].lru)
