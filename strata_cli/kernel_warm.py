@@ -265,8 +265,8 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
         announce: called with the one line before the workers start, and with each warning.
         timeout: seconds to wait for every worker (default `STRATA_PARALLEL_WARM_TIMEOUT`, else 600).
     """
-    if kernel_dir is None or os.environ.get(ENV, "").strip() == "0" or engine.expert_cache is not None:
-        return None
+    if kernel_dir is None or worker_count(1) < 1 or engine.expert_cache is not None:
+        return None  # off (the default): no plan, no hashing of sources
     units = plan_units(model, engine, max_T=max_T)
     options = engine_options(engine)
     keys = signature(path, str(dtype), units, options)

@@ -97,6 +97,8 @@ def test_no_workers_off_cuda_or_when_turned_off(demo, tmp_path, monkeypatch):
     assert warm_in_parallel(demo.path, None, demo.model, demo.engine, None, max_T=2) is None
     monkeypatch.setenv(kernel_warm.ENV, "0")
     assert warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2) is None
+    monkeypatch.delenv(kernel_warm.ENV)  # opt-in: unset is off
+    assert warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2) is None
     assert plan_units(object(), demo.engine, max_T=2) == []  # no embed / run_layers / head: whole models only
     monkeypatch.setenv(kernel_warm.ENV, "")
     assert kernel_warm.worker_count(30, env="") == 0  # opt-in
