@@ -144,7 +144,7 @@ def worker_count(num_units: int, env: str | None = None) -> int:
     """Workers to launch: `STRATA_PARALLEL_WARM` when it is a number, one core left to the
     parent (min(cores - 1, units)) when it is "auto", else none: off until the H200 has measured
     that workers bring a fresh machine's first token forward."""
-    env = (os.environ.get(ENV) if env is None else env or "").strip()
+    env = (os.environ.get(ENV, "") if env is None else env).strip()
     if env.isdigit():
         return min(int(env), num_units)
     return max(0, min(available_cores() - 1, num_units)) if env == "auto" else 0
