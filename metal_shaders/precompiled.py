@@ -340,15 +340,18 @@ def is_dry_run() -> bool:
     return getattr(_dry, "calls", None) is not None
 
 
+def available_cores() -> int:
+    """The cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def threads() -> int:
     """Compiles `compile_ahead` runs at once: `STRATA_NVRTC_THREADS`, else the cores this process may use."""
     env = os.environ.get(THREADS_ENV, "").strip()
-    if env.isdigit():
-        return max(1, int(env))
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return max(1, int(env)) if env.isdigit() else available_cores()
 
 
 def compile_ahead(run) -> int:

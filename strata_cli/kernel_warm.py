@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from metal_shaders import kept
+from metal_shaders.precompiled import available_cores
 
 ENV = "STRATA_PARALLEL_WARM"  # unset or "0": off; "auto": cores - 1; a number: that many workers
 TIMEOUT_ENV = "STRATA_PARALLEL_WARM_TIMEOUT"
@@ -131,13 +132,6 @@ def assign(units: list[Unit], workers: int) -> list[list[Unit]]:
         groups.append(units[start:stop])
         start = stop
     return groups
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def worker_count(num_units: int, env: str | None = None) -> int:

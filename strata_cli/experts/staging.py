@@ -13,8 +13,8 @@ GPU (`cuMemAdvise`), so the host writes locally and the GPU reads over the bus: 
 there, and less when the disk writes the slot itself.
 
 Reuse rule: MLX does not know the host writes into a chunk, so a slot is taken again only once
-every install that read it has run. An install names the banks it wrote (`release(slot, banks)`);
-taking that slot again evaluates their current arrays first, which is free when the layer's compute
+every install that read it has run. An install gives back the banks it wrote
+(`release(slot, readers)`); taking that slot again evaluates their current arrays first, which is free when the layer's compute
 has already run them (the usual case, slots are reused oldest first) and a sync otherwise.
 """
 
