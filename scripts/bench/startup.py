@@ -64,10 +64,13 @@ def checkpoint(args) -> Path:
 
 
 def clean_env(cache: Path) -> dict:
-    """The environment of a timed process: its own cache directory and no strata or MLX cache
+    """The environment of a timed process: its own cache directories and no strata or MLX cache
     setting from the caller's shell."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_") and k != "MLX_PTX_CACHE_DIR"}
     env["XDG_CACHE_HOME"] = str(cache)
+    # the CUDA driver's compute cache (PTX JIT-compiled to the GPU's code) goes with the rest: a
+    # fresh machine's has nothing in it
+    env["CUDA_CACHE_PATH"] = str(cache / "nv-compute")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
