@@ -25,9 +25,10 @@ CODE = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fi
 
 
 def launch(ranks: int = 2) -> list[str]:
+    """`mlx.launch ...`: mlx's launcher, less its busy loops (mlx_launch_quiet.py says why)."""
     port = random.randrange(20000, 60000, 16)  # tests may run beside other launches
-    return [str(Path(sys.executable).with_name("mlx.launch")), "--hosts", "127.0.0.1", "-n", str(ranks),
-            "--backend", "ring", "--starting-port", str(port), "--"]
+    return [sys.executable, str(Path(__file__).with_name("mlx_launch_quiet.py")), "--hosts", "127.0.0.1",
+            "-n", str(ranks), "--backend", "ring", "--starting-port", str(port), "--"]
 
 
 def env(**extra):
