@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import host_tail
+from . import host_layer, host_tail
 from .compiled import Compiled, LayerCompile
 from .layers import host_window
 
@@ -41,6 +41,8 @@ class PreNormLayer(nn.Module):
     def __call__(self, x: mx.array, state) -> mx.array:
         head, tail = self.head, self.tail
         if host_window(x) and type(self).tail is PreNormLayer.tail and host_tail.applies(self, x):
+            if type(self).head is PreNormLayer.head and host_layer.applies(self, x):
+                return host_layer.call(self, x, state)
             tail = partial(host_tail.tail, self)
         elif LayerCompile.applies(x) and getattr(self.ffn, "compilable", True):
             compiled = self.__dict__.get("_compiled")
