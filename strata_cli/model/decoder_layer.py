@@ -4,7 +4,8 @@ The mixer (attention or GDN) splits its call into `head` (projections: pure), `c
 touches the layer's state) and `tail` (output projection: pure). Decode windows run the layer's
 pure ends compiled (compiled.py): the input norm and the mixer's head in one trace; the mixer's
 tail, the residual adds, the post norm and the feed-forward block in another. On the CPU, where
-short calls' linears run in numpy, the tail runs on the host instead (host_tail.py).
+short calls' linears run in numpy, the tail runs on the host instead (host_tail.py), and the whole
+layer where its mixer has a numpy form (host_layer.py).
 """
 
 from __future__ import annotations

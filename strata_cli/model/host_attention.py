@@ -24,9 +24,10 @@ from .layer_state import AttentionState
 from .layers import RMSNorm, RowLinear
 
 
-def applies(mixer) -> bool:
-    """Whether `mixer` is a float32 `GatedAttention` (no sinks, no other subclass) computed here."""
-    if type(mixer) is not GatedAttention:
+def applies(mixer, rows: int) -> bool:
+    """Whether `mixer` is a float32 `GatedAttention` (no sinks, no other subclass) computed here
+    for a call of `rows` rows: not where the attention window kernel takes it."""
+    if type(mixer) is not GatedAttention or mixer.takes_kernel(rows, mx.float32):
         return False
     norms = [mixer[name] for name in ("q_norm", "k_norm") if name in mixer]
     return (all(type(linear) is RowLinear and linear.weight.dtype == mx.float32

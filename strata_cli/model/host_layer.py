@@ -20,9 +20,10 @@ from .layers import RMSNorm, host_weight
 def applies(layer, x: mx.array) -> bool:
     """Whether `layer` (a `PreNormLayer` whose tail `host_tail` takes) runs here for one
     sequence's rows `x`: a plain RMSNorm input norm and a mixer host_gdn or host_attention computes."""
+    rows = x.shape[1]
     return (x.shape[0] == 1 and type(layer.input_layernorm) is RMSNorm
             and layer.input_layernorm.weight.dtype == mx.float32
-            and (host_gdn.applies(layer.mixer) or host_attention.applies(layer.mixer)))
+            and (host_gdn.applies(layer.mixer, rows) or host_attention.applies(layer.mixer, rows)))
 
 
 def call(layer, x: mx.array, state) -> mx.array:
