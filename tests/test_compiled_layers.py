@@ -14,7 +14,7 @@ import pytest
 
 from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
-from strata_cli.model import gdn
+from strata_cli.model import gdn, host_gdn
 from strata_cli.model.compiled import Compiled, LayerCompile
 from strata_cli.model.host_blas import HostBlas
 from strata_cli.model.layers import WINDOW_ROWS, RowSplit, host_window
@@ -117,7 +117,9 @@ def test_routing_that_consults_the_cache_is_never_traced(monkeypatch):
 @pytest.mark.parametrize("fold", ["lazy", "eager"])
 def test_host_path_compiled_recurrence_computes_the_eager_bits(next_model, fold, monkeypatch):
     """CPU windows with numpy linears: the GDN recurrence's compiled steps (one `scan_row` call
-    a row, folds included) give the eager ops' bits, window by window and in the state."""
+    a row, folds included) give the eager ops' bits, window by window and in the state. Layers
+    that run whole on the host (model/host_layer.py: the float32 model's) take the numpy
+    recurrence instead, whatever LayerCompile says."""
     from strata_cli.options import EngineOptions
 
     model = next_model
@@ -136,13 +138,14 @@ def test_host_path_compiled_recurrence_computes_the_eager_bits(next_model, fold,
             pos += keep
         return out, [np.array(a) for state in engine.state_tensors() for a in state.values()]
 
-    calls = []
-    real = gdn.scan_row
+    calls, host_calls = [], []
+    real, real_host = gdn.scan_row, host_gdn.scan
     monkeypatch.setattr(gdn, "scan_row", lambda t: calls.append(t) or real(t))
+    monkeypatch.setattr(host_gdn, "scan", lambda rows, S: host_calls.append(1) or real_host(rows, S))
     eager, eager_state = run("never")
     assert not calls
     compiled, compiled_state = run("always")
-    assert calls
+    assert bool(calls) != bool(host_calls)  # the 4-bit model's layers trace scan rows, the float32 model's run in numpy
     for i, (a, b) in enumerate(zip(eager, compiled)):
         np.testing.assert_array_equal(a, b, err_msg=f"window {i}")
     for a, b in zip(eager_state, compiled_state):

@@ -4,7 +4,8 @@ The mixer (attention or GDN) splits its call into `head` (projections: pure), `c
 touches the layer's state) and `tail` (output projection: pure). Decode windows run the layer's
 pure ends compiled (compiled.py): the input norm and the mixer's head in one trace; the mixer's
 tail, the residual adds, the post norm and the feed-forward block in another. On the CPU, where
-short calls' linears run in numpy, the tail runs on the host instead (host_tail.py).
+short calls' linears run in numpy, the tail runs on the host instead (host_tail.py), and the whole
+layer where its mixer has a numpy form (host_layer.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import host_tail
+from . import host_layer, host_tail
 from .compiled import Compiled, LayerCompile
 from .layers import host_window
 
@@ -41,6 +42,8 @@ class PreNormLayer(nn.Module):
     def __call__(self, x: mx.array, state) -> mx.array:
         head, tail = self.head, self.tail
         if host_window(x) and type(self).tail is PreNormLayer.tail and host_tail.applies(self, x):
+            if type(self).head is PreNormLayer.head and host_layer.applies(self, x):
+                return host_layer.call(self, x, state)
             tail = partial(host_tail.tail, self)
         elif LayerCompile.applies(x) and getattr(self.ffn, "compilable", True):
             compiled = self.__dict__.get("_compiled")

@@ -131,6 +131,24 @@ class HostView:
         return self.value
 
 
+def rms_norm_rows(rows: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMS norm over the last axis times `weight`, float32: each row reduced alone along its
+    contiguous axis (the ufunc's reduce: np.mean's sum and division without its Python wrapper)."""
+    mean = np.add.reduce(rows * rows, axis=-1, keepdims=True) / np.float32(rows.shape[-1])
+    return rows * (np.float32(1.0) / np.sqrt(mean + np.float32(eps))) * weight
+
+
+def matvecs(rows: np.ndarray, weights: list[np.ndarray]) -> list[np.ndarray]:
+    """rows (N, K) @ weight (M, K)ᵀ for each weight, one matrix-vector product a row (see `rows_linears`)."""
+    outs = []
+    for w in weights:
+        y = np.empty((rows.shape[0], w.shape[0]), dtype=np.float32)
+        for i, row in enumerate(rows):
+            np.dot(w, row, out=y[i])
+        outs.append(y)
+    return outs
+
+
 def rows_linears(x: mx.array, weights: list[tuple[np.ndarray | mx.array, mx.array | None]]) -> list[mx.array]:
     """x (..., K) @ weight (N, K)ᵀ (+ bias) for each (weight, bias), each row of x its own
     matrix-vector product: a decode window's linears.
@@ -144,12 +162,8 @@ def rows_linears(x: mx.array, weights: list[tuple[np.ndarray | mx.array, mx.arra
     K = x.shape[-1]
     rows = np.asarray(x).reshape(-1, K)
     outs = []
-    for weight, bias in weights:
-        w = np.asarray(weight)
-        y = np.empty((rows.shape[0], w.shape[0]), dtype=np.float32)
-        for i, row in enumerate(rows):
-            np.dot(w, row, out=y[i])
+    for (weight, bias), y in zip(weights, matvecs(rows, [np.asarray(weight) for weight, _ in weights])):
         if bias is not None:
             y += np.asarray(bias)
-        outs.append(mx.array(y).reshape(*x.shape[:-1], w.shape[0]))
+        outs.append(mx.array(y).reshape(*x.shape[:-1], y.shape[-1]))
     return outs

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import host_blas
+from .host_blas import matvecs
 from .layers import RMSNorm, RowLinear, host_weight
 from .moe import SparseMoeBlock, add_gated
 
@@ -36,23 +37,6 @@ def applies(layer, x: mx.array) -> bool:
                     for linear in linears))
 
 
-def matvecs(rows: np.ndarray, weights: list[np.ndarray]) -> list[np.ndarray]:
-    """rows (N, K) @ weight (M, K)ᵀ for each weight, one matrix-vector product a row."""
-    outs = []
-    for w in weights:
-        y = np.empty((rows.shape[0], w.shape[0]), dtype=np.float32)
-        for i, row in enumerate(rows):
-            np.dot(w, row, out=y[i])
-        outs.append(y)
-    return outs
-
-
-def rms_norm(rows: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """Row-wise RMS norm in float32 (numpy reduces each row alone along its contiguous axis)."""
-    scale = 1.0 / np.sqrt(np.mean(rows * rows, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
-    return (rows * scale).astype(np.float32) * weight
-
-
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) · up, elementwise (exp overflows to inf for very negative gates: silu -> -0)."""
     with np.errstate(over="ignore"):
@@ -61,17 +45,22 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 def tail(layer, x: mx.array, mixed: mx.array, *tail_in: mx.array) -> mx.array:
     """`PreNormLayer.tail(x, mixed, *tail_in)` with its stateless rows in numpy (see above)."""
-    mixer, ffn = layer.mixer, layer.ffn
-    shared = ffn.shared_expert
-    pre = mixer.tail_input(mixed, *tail_in)
+    pre = layer.mixer.tail_input(mixed, *tail_in)
     mx.eval(pre, x)
     host_blas.one_thread()
-    shape = x.shape
-    rows_x = np.asarray(x).reshape(-1, shape[-1])
-    [out] = matvecs(np.asarray(pre).reshape(rows_x.shape[0], -1), [host_weight(mixer.out_projection)])
+    rows_x = np.asarray(x).reshape(-1, x.shape[-1])
+    return finish(layer, rows_x, np.asarray(pre).reshape(rows_x.shape[0], -1), x.shape)
+
+
+def finish(layer, rows_x: np.ndarray, pre: np.ndarray, shape: tuple) -> mx.array:
+    """The tail from the output projection's input `pre` (N, ·) and the layer's input rows
+    `rows_x` (N, H), both numpy -> the layer's output (`shape`), its routed experts in MLX."""
+    mixer, ffn = layer.mixer, layer.ffn
+    shared = ffn.shared_expert
+    [out] = matvecs(pre, [host_weight(mixer.out_projection)])
     h = rows_x + out
     norm = layer.post_attention_layernorm
-    normed = rms_norm(h, host_weight(norm), norm.eps)
+    normed = host_blas.rms_norm_rows(h, host_weight(norm), norm.eps)
     logits, gate, up, shared_gate = matvecs(normed, [host_weight(ffn.gate), host_weight(shared.gate_proj),
                                                      host_weight(shared.up_proj), host_weight(ffn.shared_expert_gate)])
     [shared_out] = matvecs(silu_mul(gate, up), [host_weight(shared.down_proj)])
