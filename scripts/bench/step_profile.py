@@ -22,8 +22,9 @@ Kinds: embed, norm (input/post/final RMSNorm), gdn.head (projections and their s
 attn.core (rope, KV write, attention), attn.tail, router (the router linear), moe.glue (softmax,
 top-k, weights, the weighted sum, the shared-expert gate), experts (routed experts), shared (the
 shared expert's MLP and gate linear), residual (the layer's adds), lm_head, rest (argmax, casts);
-host_tail: on the CPU's host path (model/host_tail.py) the layer's tail after its mixer, less
-the routed experts (its time only: its ops are counted in the eager pass, by their kinds).
+host_tail / host_layer: on the CPU's host path (model/host_tail.py, model/host_layer.py) the
+layer's tail after its mixer, or the whole layer, less the routed experts (their time only: their
+ops are counted in the eager pass, by their kinds).
 
 Models: the demo model (`--model demo`, its own dtype on a GPU, float32 on the CPU) and the
 8-layer Qwen3-Next-80B-A3B-shaped 4-bit checkpoint that scripts/bench/compare_mlx_lm.py builds
@@ -59,10 +60,14 @@ from strata_cli.bench.runner import git_commit
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import host_blas
 
-try:  # trees before the CPU host path have no host tail (the script also profiles those)
+try:  # trees before the CPU host path have no host tail or layer (the script also profiles those)
     from strata_cli.model import host_tail
 except ImportError:
     host_tail = None
+try:
+    from strata_cli.model import host_layer
+except ImportError:
+    host_layer = None
 from strata_cli.model.compiled import LayerCompile
 from strata_cli.model.host_blas import HostBlas
 from strata_cli.options import EngineOptions
@@ -277,10 +282,8 @@ def kind_times(w: Windows, model, T: int, n: int, warmup: int) -> dict:
             stack[-1][0] += end - start
         return out
 
-    real_tail = host_tail.tail if host_tail else None
-    tail_timed = (mock.patch.object(host_tail, "tail", lambda layer, *a: timing("host_tail", real_tail, layer, a, {}))
-                  if host_tail else nullcontext())
-    with wrapped_parts(model, timing), mock.patch.object(LayerCompile, "mode", "never"), tail_timed:
+    with (wrapped_parts(model, timing), mock.patch.object(LayerCompile, "mode", "never"),
+          timed_host(host_tail, "tail", "host_tail", timing), timed_host(host_layer, "call", "host_layer", timing)):
         for i in range(warmup + n):
             window.clear()
             window_eval.clear()
@@ -295,6 +298,14 @@ def kind_times(w: Windows, model, T: int, n: int, warmup: int) -> dict:
                     evals[kind].append(seconds)
     return {"ms_by_kind": {k: round(1e3 * statistics.median(v), 4) for k, v in sorted(totals.items())},
             "eval_ms_by_kind": {k: round(1e3 * statistics.median(v), 4) for k, v in sorted(evals.items())}}
+
+
+def timed_host(module, name: str, kind: str, timing):
+    """`module.name(layer, ...)` timed as `kind` while the context is open (nothing if the tree lacks it)."""
+    if module is None:
+        return nullcontext()
+    real = getattr(module, name)
+    return mock.patch.object(module, name, lambda layer, *a: timing(kind, real, layer, a, {}))
 
 
 # -- models ---------------------------------------------------------------------------------------

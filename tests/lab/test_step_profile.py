@@ -18,5 +18,8 @@ def test_step_profile_demo_on_the_cpu(tmp_path, capsys):
         assert window["ops_eager"] > window["ops"]
         assert sum(window["ops_by_kind"].values()) == window["ops_eager"]
         assert {"gdn.core", "attn.core", "experts", "lm_head"} <= set(window["ops_by_kind"])
-        assert {"host_tail", "experts"} <= set(window["ms_by_kind"])
+        # the demo's layers run whole on the host (host_layer); the tail alone where a mixer cannot
+        kinds = set(window["ms_by_kind"])
+        assert "experts" in kinds and kinds & {"host_layer", "host_tail"}
+        assert window["ms_by_kind"].get("host_layer", 0) > 0
     assert "ops per layer" in capsys.readouterr().out
