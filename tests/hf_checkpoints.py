@@ -326,15 +326,13 @@ def hybrid_mlx_checkpoint(root: Path, family: str, bits: int | None) -> Path:
 
     mlx-lm 0.32 cannot read two things transformers 5 writes, so its copy of config.json spells
     them as the published checkpoints do: `time_step_limit` as numbers (transformers writes
-    infinity as {"__float__": "Infinity"}; the value Nemotron-H's transformers code uses,
-    (time_step_min, inf), which mlx-lm reads from here), and Granite's legacy layer names.
+    infinity as {"__float__": "Infinity"}), and Granite's legacy layer names.
     """
 
     def source(out: Path) -> None:
         shutil.copytree(hybrid_hf_checkpoint(root, family), out)
         config = json.loads((out / "config.json").read_text())
-        low = config.get("time_step_min", 0.0) if family == "nemotron_h" else 0.0
-        config["time_step_limit"] = [low, math.inf]
+        config["time_step_limit"] = [0.0, math.inf]
         if family == "granitemoehybrid":
             legacy = {"linear_attention": "mamba", "full_attention": "attention"}
             config["layer_types"] = [legacy[t] for t in config["layer_types"]]

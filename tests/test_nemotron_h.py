@@ -85,31 +85,55 @@ def test_mlx_layout_matches_mlx_lm(root, prompt_ids, bits):
 
 
 def test_dt_limit_clamps_as_transformers_does(model):
-    """Nemotron-H clamps dt at time_step_min (transformers' mixer; the test checkpoints never reach
-    it): one Mamba-2 layer against transformers' with dt_bias pushed far below it."""
+    """dt is clamped to the config's time_step_limit after the softplus (transformers' mixer, as the
+    CUDA scan kernels and mlx-lm do; the test checkpoints' (0, inf) never bites): one Mamba-2
+    layer against transformers' with dt_bias pushed far below a lower limit of 0.001."""
     from strata_cli.engine.state import Mamba2State, Mode
 
     hf = hybrid_hf_model(FAMILY).model.layers[0].mixer
     mixer = model.layers[0].mixer
     x = np.random.RandomState(3).standard_normal((1, 40, 64)).astype(np.float32)
     low = torch.full_like(hf.dt_bias, -12.0)  # softplus(-12 + dt) is far below 0.001 for every row
-    saved = hf.dt_bias.detach().clone()
+    limit = (0.001, float("inf"))
+    saved = hf.dt_bias.detach().clone(), hf.time_step_limit
     try:
         with torch.no_grad():
             hf.dt_bias.copy_(low)
+            hf.time_step_limit = limit
             expected = hf(torch.tensor(x)).numpy()
+            hf.time_step_limit = saved[1]
+            unclamped = hf(torch.tensor(x)).numpy()
     finally:
         with torch.no_grad():
-            hf.dt_bias.copy_(saved)
-    original = mixer.dt_bias
-    mixer.dt_bias = mx.array(low.numpy())
+            hf.dt_bias.copy_(saved[0])
+        hf.time_step_limit = saved[1]
+    original = mixer.dt_bias, mixer.dt_min
+    mixer.dt_bias, mixer.dt_min = mx.array(low.numpy()), limit[0]
     try:
         state = Mamba2State(4, lazy=True)
         state.begin(0, 40, Mode.COMMIT_ALL)
         got = np.array(mixer(mx.array(x), state))
     finally:
-        mixer.dt_bias = original
+        mixer.dt_bias, mixer.dt_min = original
+    assert np.abs(expected - unclamped).max() > 1e-3  # the clamp changes the output
     assert np.abs(got - expected).max() <= 1e-5
+
+
+def test_config_reads_time_step_limit():
+    """time_step_limit as transformers writes it ({"__float__": "Infinity"}), as JSON's Infinity, under
+    its config alias mamba_dt_limit, and (0, inf) when absent; time_step_min is an init parameter only."""
+    from strata_cli.model.nemotron_h import NemotronHConfig
+
+    base = {"model_type": "nemotron_h", "max_position_embeddings": 64, "hidden_size": 64, "vocab_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 2,
+            "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1, "conv_kernel": 4,
+            "intermediate_size": 128, "hybrid_override_pattern": "M-", "rms_norm_eps": 1e-5, "time_step_min": 0.01}
+    limit = NemotronHConfig.from_dict
+    assert limit(base).time_step_limit == (0.0, float("inf"))
+    assert limit({**base, "time_step_limit": [0.001, {"__float__": "Infinity"}]}).time_step_limit == (0.001, float("inf"))
+    assert limit({**base, "mamba_dt_limit": json.loads("[0.0, Infinity]")}).time_step_limit == (0.0, float("inf"))
+    with pytest.raises(ConfigError, match="time_step_limit holds 'soon'"):
+        limit({**base, "time_step_limit": [0.0, "soon"]})
 
 
 def test_config_reads_every_spelling_of_the_pattern(root):

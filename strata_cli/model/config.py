@@ -140,6 +140,21 @@ def _shown(value: Any) -> str:
     return f"{text} ({kind})" if kind else text
 
 
+def time_step_limit(params: dict[str, Any]) -> tuple[float, float]:
+    """A Mamba-2 config's (min, max) clamp of dt after the softplus, (0, inf) when absent; transformers
+    writes infinity as {"__float__": "Infinity"}."""
+    return tuple(_number("time_step_limit", v) for v in params.get("time_step_limit") or (0.0, math.inf))
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} holds {value!r}, not a number") from None
+
+
 def lift_rope_parameters(params: dict[str, Any], keys: tuple[str, ...] = ("rope_theta",)) -> dict[str, Any]:
     """A copy of config.json's dict with transformers 5's nested `rope_parameters` keys lifted to
     the top level (where older configs keep them).

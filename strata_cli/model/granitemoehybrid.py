@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import GatedAttention
-from .config import ConfigError, ModelConfig, lift_rope_parameters
+from .config import ConfigError, ModelConfig, lift_rope_parameters, time_step_limit
 from .decoder_layer import PreNormLayer
 from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, swiglu
 from .layout import stack_experts
@@ -69,7 +69,7 @@ class GraniteMoeHybridConfig(ModelConfig):
         params["layer_types"] = tuple(LAYER_NAMES[name] for name in names)
         if params.get("mamba_d_head", "auto") == "auto":  # transformers' default
             params["mamba_d_head"] = params.get("mamba_expand", 2) * params["hidden_size"] // params["mamba_n_heads"]
-        params["time_step_limit"] = tuple(_float(v) for v in params.get("time_step_limit") or (0.0, math.inf))
+        params["time_step_limit"] = time_step_limit(params)
         config = super().from_dict(params)
         if len(config.layer_types) != config.num_hidden_layers:
             raise ConfigError(f"layer_types lists {len(config.layer_types)} layers, num_hidden_layers is "
@@ -78,16 +78,6 @@ class GraniteMoeHybridConfig(ModelConfig):
             raise ConfigError(f"mamba_n_heads ({config.mamba_n_heads}) x mamba_d_head ({config.mamba_d_head}) must "
                               f"equal mamba_expand x hidden_size ({config.mamba_expand * config.hidden_size})")
         return config
-
-
-def _float(value) -> float:
-    """A number of config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
-    if isinstance(value, dict) and set(value) == {"__float__"}:
-        value = value["__float__"]
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"time_step_limit holds {value!r}, not a number") from None
 
 
 Config = GraniteMoeHybridConfig

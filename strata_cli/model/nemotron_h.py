@@ -10,6 +10,7 @@ hold state, so the engine's states follow them in order. Module names are mlx-lm
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
 
@@ -18,7 +19,7 @@ import mlx.nn as nn
 
 from .attention import GatedAttention
 from .compiled import Compiled, LayerCompile
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, time_step_limit
 from .layers import WINDOW_ROWS, RMSNorm, RowLinear, is_cpu_prompt, tied_logits, transposed
 from .layout import stack_experts
 from . import moe
@@ -30,7 +31,7 @@ MAMBA, ATTENTION, MLP_BLOCK, MOE = "M", "*", "-", "E"
 BLOCK_NAMES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
                "mlp": MLP_BLOCK, "moe": MOE}
 # config.json spellings transformers accepts for these fields (its __post_init__)
-ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_min": "time_step_min",
+ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_dt_limit": "time_step_limit",
            "mamba_conv_bias": "use_conv_bias", "num_local_experts": "n_routed_experts",
            "layer_norm_epsilon": "rms_norm_eps"}
 
@@ -58,7 +59,7 @@ class NemotronHConfig(ModelConfig):
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    time_step_min: float = 0.001
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
     use_bias: bool = False
     use_conv_bias: bool = True
     mlp_bias: bool = False
@@ -71,6 +72,7 @@ class NemotronHConfig(ModelConfig):
             if alias in params and name not in params:
                 params[name] = params[alias]
         params["layer_types"] = _pattern(params)
+        params["time_step_limit"] = time_step_limit(params)
         params["num_hidden_layers"] = len(params["layer_types"])
         config = super().from_dict(params)
         if config.head_dim is None:
@@ -241,9 +243,9 @@ class NemotronBlock(nn.Module):
             self.mixer = Mamba2Mixer(
                 hidden_size=config.hidden_size, num_heads=config.mamba_num_heads, head_dim=config.mamba_head_dim,
                 state_size=config.ssm_state_size, n_groups=config.n_groups, conv_kernel=config.conv_kernel,
-                eps=config.rms_norm_eps, time_step_limit=(config.time_step_min, float("inf")),
+                eps=config.rms_norm_eps, time_step_limit=config.time_step_limit,
                 use_bias=config.use_bias, use_conv_bias=config.use_conv_bias,
-            )  # transformers clamps dt at time_step_min only (its `time_step_limit` is unused here)
+            )
         elif block_type == ATTENTION:
             self.mixer = GatedAttention(
                 hidden_size=config.hidden_size, num_heads=config.num_attention_heads,

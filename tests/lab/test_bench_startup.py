@@ -28,7 +28,8 @@ def test_startup_tiny_writes_every_field(tmp_path):
     for mode in ("serial", "auto"):  # a later process, phase by phase, adds up to its first token
         p = data["later_phases"][mode]
         assert {"import_strata_s", "open_model_s", "prompt_s", "first_window_shape_warm_s", "first_window_s"} <= set(p["phases_s"])
-        assert ("calibration_s" in p["phases_s"]) == (mode == "auto") and abs(p["unaccounted_s"]) < 0.5 < p["ttft_s"]
+        assert ("calibration_s" in p["phases_s"]) == (mode == "auto") and p["ttft_s"] > 0
+        assert abs(p["unaccounted_s"]) < 0.05 + 0.2 * p["ttft_s"], p  # a fast host's first token can take < 0.5 s
     assert all(0 < r["ttft_s"] < r["process_s"] for r in data["runs"])
     assert not any(r["announced_compile"] for r in data["runs"])  # the CPU compiles nothing per machine
     assert data["identical"]
