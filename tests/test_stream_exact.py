@@ -140,7 +140,10 @@ def test_window_passes_keep_the_window_form(checkpoints, monkeypatch):
     prompt's sorted form, whose kernels on a GPU give other bits than the window's (issue 38's
     H200 run: drafts at a 5% cache left serial's tokens)."""
     from strata_cli.experts.switch import StreamedSwitchGLU
+    from strata_cli.model.host_blas import HostBlas
 
+    # The MLX form a GPU runs: on the CPU, short calls' experts take numpy (model/host_experts.py).
+    monkeypatch.setattr(HostBlas, "windows", False)
     calls = []
     matmul_of = StreamedSwitchGLU._matmul
 

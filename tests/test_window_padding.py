@@ -16,6 +16,7 @@ from state_checks import check_forced_rejections, max_state_diff, serial_decode
 
 from strata_cli.decode import generate
 from strata_cli.engine.window import WINDOW_BUCKETS, WindowEngine, row_bucket
+from strata_cli.model.host_blas import HostBlas
 from strata_cli.model.layers import RowSplit
 from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
 from strata_cli.telemetry import DecodeStats
@@ -134,8 +135,8 @@ def _count_compiled_shapes(monkeypatch, pad: bool, keeps) -> dict:
     seen: dict[str, set] = {}
     real = mx.compile
 
-    def counting(fn):
-        compiled = real(fn)
+    def counting(fn, **options):
+        compiled = real(fn, **options)
         name = f"{id(getattr(fn, '__self__', fn))}.{fn.__name__}"
 
         def call(*args):
@@ -145,6 +146,8 @@ def _count_compiled_shapes(monkeypatch, pad: bool, keeps) -> dict:
         return call
 
     monkeypatch.setattr(mx, "compile", counting)
+    # The compiled layer ends a GPU runs: on the CPU short calls take the numpy host path instead.
+    monkeypatch.setattr(HostBlas, "windows", False)
     engine = WindowEngine(_fresh_model(), EngineOptions(pad_windows=pad))
     engine.prefill([5, 6, 7, 8])
     start = engine.snapshot()

@@ -22,9 +22,9 @@ Kinds: embed, norm (input/post/final RMSNorm), gdn.head (projections and their s
 attn.core (rope, KV write, attention), attn.tail, router (the router linear), moe.glue (softmax,
 top-k, weights, the weighted sum, the shared-expert gate), experts (routed experts), shared (the
 shared expert's MLP and gate linear), residual (the layer's adds), lm_head, rest (argmax, casts);
-host_tail / host_layer: on the CPU's host path (model/host_tail.py, model/host_layer.py) the
-layer's tail after its mixer, or the whole layer, less the routed experts (their time only: their
-ops are counted in the eager pass, by their kinds).
+host_tail / host_layer / host_experts: on the CPU's host path (model/host_tail.py, host_layer.py,
+host_experts.py) the layer's tail after its mixer, the whole layer, and the routed experts where
+they run in numpy (their time only: their ops are counted in the eager pass, by their kinds).
 
 Models: the demo model (`--model demo`, its own dtype on a GPU, float32 on the CPU) and the
 8-layer Qwen3-Next-80B-A3B-shaped 4-bit checkpoint that scripts/bench/compare_mlx_lm.py builds
@@ -68,6 +68,10 @@ try:
     from strata_cli.model import host_layer
 except ImportError:
     host_layer = None
+try:
+    from strata_cli.model import host_experts
+except ImportError:
+    host_experts = None
 from strata_cli.model.compiled import LayerCompile
 from strata_cli.model.host_blas import HostBlas
 from strata_cli.options import EngineOptions
@@ -283,7 +287,8 @@ def kind_times(w: Windows, model, T: int, n: int, warmup: int) -> dict:
         return out
 
     with (wrapped_parts(model, timing), mock.patch.object(LayerCompile, "mode", "never"),
-          timed_host(host_tail, "tail", "host_tail", timing), timed_host(host_layer, "call", "host_layer", timing)):
+          timed_host(host_tail, "tail", "host_tail", timing), timed_host(host_layer, "call", "host_layer", timing),
+          timed_host(host_experts, "routed", "host_experts", timing)):
         for i in range(warmup + n):
             window.clear()
             window_eval.clear()

@@ -166,7 +166,7 @@ class ExpertCache:
         E = store.num_experts
         if not 1 <= num_slots <= E:
             raise ValueError(f"num_slots must be in 1..{E}, got {num_slots}")
-        self.store, self.options, self.num_slots = store, options, num_slots
+        self.store, self.options, self.num_slots, self.dtype = store, options, num_slots, dtype
         self.paths = [path for path, _ in blocks]
         self.layers = [layer_of(path) for path in self.paths]
         if self.layers != sorted(self.layers):  # prefetch reads for the next block in this order

@@ -13,11 +13,13 @@ import math
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..model import host_experts
 from ..model.biased_experts import add_bias
 from ..model.layers import WINDOW_ROWS, swiglu
 from ..model.moe import gather_matmul, gather_qmatmul, glu_by_expert
@@ -98,6 +100,47 @@ class StreamedSwitchGLU(nn.Module):
             served.append(picks)
         order = np.argsort(np.concatenate(served))
         return mx.concatenate(parts)[mx.array(order)].reshape(N, k, -1)
+
+
+    def host_forms(self) -> dict[str, host_experts.Form] | None:
+        """The projections' forms where model/host_experts.py computes these experts (plain
+        SwiGLU records in float32 or affine-quantized; what resident stacks of the same
+        checkpoint would say), else None."""
+        if self.kind != "glu" or self.by_expert is not glu_by_expert or self.cache.dtype != mx.float32:
+            return None
+        shapes = {t.name: t.shape for t in self.cache.store.blocks[self.path].tensors}
+        forms = {}
+        for proj in host_experts.PROJECTIONS:
+            q = self.quantization.get(proj)
+            if f"{proj}.bias" in shapes:
+                return None
+            if q is None:
+                forms[proj] = host_experts.Form(*shapes[self.plain[proj]])
+            elif q.get("mode", "affine") == "affine" and f"{proj}.biases" in shapes:
+                out, packed = shapes[f"{proj}.weight"]
+                forms[proj] = host_experts.Form(out, packed * 32 // q["bits"], q["bits"], q["group_size"])
+            else:
+                return None
+        return forms
+
+    def host_picks(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """model/host_experts.py's picks: x (N, H), expert ids (N, k) -> (N, k, H), each pick's
+        matrices read from the slot the cache serves it in, pass by pass."""
+        N, k = ids.shape
+        out = np.empty((N, k, x.shape[-1]), dtype=np.float32)
+        for picks, slots, banks in self.cache.serve(self.path, mx.array(x), mx.array(ids)):
+            views = host_experts.host_views([
+                banks[self.plain[proj]] if proj not in self.quantization
+                else SimpleNamespace(weight=banks[f"{proj}.weight"], scales=banks[f"{proj}.scales"],
+                                     biases=banks[f"{proj}.biases"], **self.quantization[proj])
+                for proj in host_experts.PROJECTIONS])
+            if picks is None:
+                served = ((n, j, s) for n, row in enumerate(slots.tolist()) for j, s in enumerate(row))
+            else:
+                served = ((p // k, p % k, s) for p, s in zip(picks.tolist(), slots.tolist()))
+            for n, j, s in served:
+                out[n, j] = host_experts.glu(x[n], host_experts.expert_matrices(views, s))
+        return out
 
 
 def resolve_slots(options: StreamOptions, *, num_experts: int, bytes_per_expert: int, num_blocks: int) -> int:

@@ -18,8 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .attention import GatedAttention
-from .host_blas import matvecs, rms_norm_rows
-from .host_gdn import sigmoid
+from .host_blas import matvecs, rms_norm_rows, sigmoid
 from .layer_state import AttentionState
 from .layers import RMSNorm, RowLinear
 

@@ -131,6 +131,17 @@ class HostView:
         return self.value
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x: sigmoid -> 0
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) · up, elementwise (exp overflows to inf for very negative gates: silu -> -0)."""
+    with np.errstate(over="ignore"):
+        return gate / (np.float32(1.0) + np.exp(-gate)) * up
+
+
 def rms_norm_rows(rows: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMS norm over the last axis times `weight`, float32: each row reduced alone along its
     contiguous axis (the ufunc's reduce: np.mean's sum and division without its Python wrapper)."""

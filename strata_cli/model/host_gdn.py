@@ -25,7 +25,7 @@ import numpy as np
 from metal_shaders.gdn_window import L2_EPS
 
 from .gdn import GatedDeltaNet, projection_columns
-from .host_blas import matvecs
+from .host_blas import matvecs, sigmoid
 from .layer_state import GDNRows, RecurrentState
 from .layers import GatedRMSNorm, RowLinear
 
@@ -69,11 +69,6 @@ def constants(mixer: GatedDeltaNet) -> Constants:
         mx.eval(sources)
         held = mixer.__dict__["_host_constants"] = Constants(mixer, sources)
     return held
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x: sigmoid -> 0
-        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A whole pre-norm decoder layer on the CPU's host path: input norm, mixer and tail in numpy,
-only the routed experts (and the sums that join them) in MLX.
+the routed experts too where host_experts.py takes them (else in MLX).
 
 host_tail.py moved a layer's tail to numpy; its mixer's head, core and tail ends stayed MLX ops
 (~90 of the ~95 MLX ops a layer of a one-row step), each costing several times the numpy op

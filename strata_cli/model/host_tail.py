@@ -5,9 +5,9 @@ On the CPU backend a short call's linears run as numpy matrix-vector products (l
 `host_window`), and every read of an MLX array into numpy is a hand-off to MLX's CPU stream
 thread and back. The layer's tail — output projection, residual add, post norm, the router's
 and the shared expert's projections, the shared expert's SwiGLU and down projection — has no
-state and nothing but rows, so it all runs here after one read: the routed experts (and the
-sums that join them) stay in MLX, where streamed experts are served bit-identical to resident
-ones. Every step is per row (matrix-vector products, row-wise norms, elementwise), so a row
+state and nothing but rows, so it all runs here after one read; the routed experts too where
+host_experts.py takes them (small experts, resident or streamed alike), else in MLX on its
+stream thread while this one computes the shared expert. Every step is per row (matrix-vector products, row-wise norms, elementwise), so a row
 computes what it computes alone (row invariance, docs/design.md).
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import host_blas
-from .host_blas import matvecs
+from . import host_blas, host_experts
+from .host_blas import matvecs, sigmoid, silu_mul
 from .layers import RMSNorm, RowLinear, host_weight
 from .moe import SparseMoeBlock, add_gated
 
@@ -35,12 +35,6 @@ def applies(layer, x: mx.array) -> bool:
     return (type(layer.post_attention_layernorm) is RMSNorm
             and all(type(linear) is RowLinear and "bias" not in linear and linear.weight.dtype == mx.float32
                     for linear in linears))
-
-
-def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) · up, elementwise (exp overflows to inf for very negative gates: silu -> -0)."""
-    with np.errstate(over="ignore"):
-        return gate / (np.float32(1.0) + np.exp(-gate)) * up
 
 
 def tail(layer, x: mx.array, mixed: mx.array, *tail_in: mx.array) -> mx.array:
@@ -61,8 +55,18 @@ def finish(layer, rows_x: np.ndarray, pre: np.ndarray, shape: tuple) -> mx.array
     h = rows_x + out
     norm = layer.post_attention_layernorm
     normed = host_blas.rms_norm_rows(h, host_weight(norm), norm.eps)
-    logits, gate, up, shared_gate = matvecs(normed, [host_weight(ffn.gate), host_weight(shared.gate_proj),
-                                                     host_weight(shared.up_proj), host_weight(ffn.shared_expert_gate)])
+    # The router first: routed experts left to MLX then run on its stream thread while this
+    # one computes the shared expert; each product is the same matrix-vector call either way.
+    [logits] = matvecs(normed, [host_weight(ffn.gate)])
+    on_host = host_experts.applies(ffn)
+    if on_host:
+        y = host_experts.routed(ffn, normed, logits)
+    else:
+        y = ffn.routed_rows(mx.array(normed), mx.array(logits))
+        mx.async_eval(y)
+    gate, up, shared_gate = matvecs(normed, [host_weight(shared.gate_proj), host_weight(shared.up_proj),
+                                             host_weight(ffn.shared_expert_gate)])
     [shared_out] = matvecs(silu_mul(gate, up), [host_weight(shared.down_proj)])
-    y = ffn.routed_rows(mx.array(normed), mx.array(logits))
+    if on_host:
+        return mx.array((h + (y + shared_out * sigmoid(shared_gate))).reshape(shape))
     return (mx.array(h) + add_gated(y, mx.array(shared_out), mx.array(shared_gate))).reshape(shape)
