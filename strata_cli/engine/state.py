@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from ..model.layer_state import GDNRows, Scan, SSMRows
 
@@ -135,6 +136,21 @@ class KVState:
         elif mode is Mode.COMMIT_ALL:
             self.length = end
         return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def update_and_fetch_host(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`update_and_fetch` for numpy rows (B, H_kv, T, D), float32, as the CPU's host path
+        computes: the same cells, the committed ones read from the buffers and the window's joined
+        to them here, so the call never waits for its own write, which MLX's stream thread runs
+        meanwhile (the buffers' views are dropped first, so MLX may still write in place)."""
+        pos0 = self._window[0]
+        if pos0:
+            keys_all = np.concatenate([np.asarray(self.keys)[:, :, :pos0], keys], axis=2)
+            values_all = np.concatenate([np.asarray(self.values)[:, :, :pos0], values], axis=2)
+        else:
+            keys_all, values_all = keys, values
+        self.update_and_fetch(mx.array(keys), mx.array(values))
+        mx.async_eval(self.keys, self.values)
+        return keys_all, values_all
 
     def _reserve(self, end: int, like: mx.array) -> None:
         capacity = 0 if self.keys is None else self.keys.shape[2]
@@ -275,6 +291,7 @@ class GDNState:
         self._pending_scan: Scan | None = None  # the scan of the window `pending` came from
         self._window: tuple[int, int, Mode] | None = None
         self._joined: mx.array | None = None  # (B, K-1+T, C): history then the window's raw inputs
+        self._joined_host: np.ndarray | None = None  # the same, where `conv_window_host` made it
         self._rows: GDNRows | None = None
         self._final: mx.array | None = None
 
@@ -286,17 +303,33 @@ class GDNState:
         B, T, C = raw.shape
         if self.history is None:
             self.history = mx.zeros((B, self.num_history, C), dtype=raw.dtype)
-        self._joined = mx.concatenate([self.history, raw], axis=1)
+        self._joined, self._joined_host = mx.concatenate([self.history, raw], axis=1), None
+        self._slide_history(T)
+        return self._joined
+
+    def conv_window_host(self, raw: np.ndarray) -> np.ndarray:
+        """`conv_window` for numpy rows (B, T, C), float32, as the CPU's host path computes: the
+        same cells, joined in numpy; the history kept as arrays made from them, so that reading it
+        back never waits on MLX's stream thread."""
+        B, T, C = raw.shape
+        if self.history is None:
+            self.history = mx.array(np.zeros((B, self.num_history, C), dtype=raw.dtype))
+        self._joined, self._joined_host = None, np.concatenate([np.asarray(self.history), raw], axis=1)
+        self._slide_history(T)
+        return self._joined_host
+
+    def _slide_history(self, T: int) -> None:
         mode = self._window[2]
         if mode is Mode.COMMIT_ALL:
             self.history = self._history_after(T)
         elif mode is Mode.PARTIAL:
             self.history = self._history_after(1)
-        return self._joined
 
     def _history_after(self, n: int) -> mx.array:
         # The K-1 inputs before row n of the window: one slice of the joined window (one op;
-        # concatenating history and kept rows again would be three).
+        # concatenating history and kept rows again would be three), or a copy of the host's.
+        if self._joined_host is not None:
+            return mx.array(self._joined_host[:, n : n + self.num_history])
         return self._joined[:, n : n + self.num_history]
 
     def recur(self, rows: GDNRows, scan: Scan) -> mx.array:
@@ -341,11 +374,11 @@ class GDNState:
                 self.pending, self._pending_scan = kept, self._scan  # folded as the window ran them
             else:
                 _, self.S = self._scan(kept, self.S)
-        self._rows = self._final = self._joined = None
+        self._rows = self._final = self._joined = self._joined_host = None
 
     def abandon(self) -> None:
         self._window = None
-        self._rows = self._final = self._joined = None
+        self._rows = self._final = self._joined = self._joined_host = None
 
     def flush(self) -> None:
         if self.pending is not None:

@@ -89,9 +89,8 @@ def mix(mixer: GatedAttention, normed: np.ndarray, state: AttentionState) -> np.
         theta = (np.arange(offset, offset + N, dtype=np.int64).astype(np.float32)[:, None] * c.inv_freq)[:, None]
         cos, sin = np.cos(theta), np.sin(theta)
         q, k = rotate(q, cos, sin, mixer.rotary_dim), rotate(k, cos, sin, mixer.rotary_dim)
-    keys, values = state.update_and_fetch(*(mx.array(np.ascontiguousarray(a.transpose(1, 0, 2))[None]) for a in (k, v)))
-    mx.eval(keys, values)
-    keys, values = np.asarray(keys)[0], np.asarray(values)[0]  # (Hkv, L, D) views of the state's buffers
+    keys, values = state.update_and_fetch_host(*(np.ascontiguousarray(a.transpose(1, 0, 2))[None] for a in (k, v)))
+    keys, values = keys[0], values[0]  # (Hkv, L, D)
     start = keys.shape[1] - N  # row i sees cells 0..start+i
     r = heads // kv_heads
     queries = (q * np.float32(mixer.scale)).reshape(N, kv_heads, r, D)

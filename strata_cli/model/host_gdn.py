@@ -84,8 +84,8 @@ def mix(mixer: GatedDeltaNet, normed: np.ndarray, state: RecurrentState) -> np.n
     Hk, Hv, Dk, Dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
     raw_cols, z_cols, b_cols, a_cols = columns(Hk, Hv, Dk, Dv)
     qkvz, ba = matvecs(normed, [c.qkvz, c.ba])
-    # The conv history is the state's: one read of the joined window back (B = 1).
-    joined = np.asarray(state.conv_window(mx.array(qkvz[None, :, raw_cols])))[0]  # (K-1+N, C)
+    # The conv history is the state's, joined here (B = 1).
+    joined = state.conv_window_host(qkvz[None, :, raw_cols])[0]  # (K-1+N, C)
     taps = c.conv
     conv = joined[0:N] * taps[0]
     for j in range(1, taps.shape[0]):

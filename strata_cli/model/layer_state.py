@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 
 class AttentionState(Protocol):
@@ -25,6 +26,9 @@ class AttentionState(Protocol):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write the window's (B, H_kv, T, D) keys and values; return every cell up to its end."""
+
+    def update_and_fetch_host(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`update_and_fetch` for numpy rows (the CPU's host path): the same cells, in numpy."""
 
 
 class SlidingAttentionState(Protocol):
@@ -79,6 +83,9 @@ class RecurrentState(Protocol):
 
     def conv_window(self, raw: mx.array) -> mx.array:
         """Prepend the committed history to the window's raw conv inputs (B, T, C)."""
+
+    def conv_window_host(self, raw: np.ndarray) -> np.ndarray:
+        """`conv_window` for numpy rows (the CPU's host path): the same cells, in numpy."""
 
     def recur(self, rows: GDNRows, scan: Scan) -> mx.array:
         """Run `scan` over the window's rows from committed state; return the outputs."""
