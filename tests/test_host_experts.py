@@ -64,6 +64,10 @@ def test_only_small_exact_affine_or_float_experts_take_the_host():
     approximate = moe_block(4)
     approximate.routing_policy = lambda probs, k: None  # cache-aware routing keeps MLX's form
     assert not host_experts.applies(approximate)
+    recast = moe_block(8)
+    assert host_experts.applies(recast)
+    recast.set_dtype(mx.bfloat16)  # scales no longer float32: found again, and refused
+    assert not host_experts.applies(recast)
 
 
 @pytest.fixture(scope="module")

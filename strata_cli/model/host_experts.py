@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from .host_blas import one_thread, silu_mul
@@ -71,11 +72,19 @@ def applies(ffn) -> bool:
     """Whether a `SparseMoeBlock`'s routed experts run here: exact routing, `forms` found."""
     if ffn.routing_policy is not None:
         return False
-    held = ffn.__dict__.get("_host_forms")
     experts = ffn[ffn.experts_attribute]
-    if held is None or held[0] is not experts:
-        held = ffn.__dict__["_host_forms"] = (experts, forms(experts))
-    return held[1] is not None
+    arrays = _form_arrays(experts)  # found again when these change (loading, `set_dtype`)
+    held = ffn.__dict__.get("_host_forms")
+    if held is None or held[0] is not experts or any(a is not b for a, b in zip(held[1], arrays)):
+        held = ffn.__dict__["_host_forms"] = (experts, arrays, forms(experts))
+    return held[2] is not None
+
+
+def _form_arrays(experts) -> tuple:
+    if hasattr(experts, "host_forms") or not isinstance(experts, nn.Module):
+        return ()
+    parts = [experts.get(name) for name in PROJECTIONS]
+    return tuple(p.get("scales") if isinstance(p, nn.Module) else p for p in parts)
 
 
 def dequantize(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> np.ndarray:
