@@ -101,7 +101,6 @@ class StreamedSwitchGLU(nn.Module):
         order = np.argsort(np.concatenate(served))
         return mx.concatenate(parts)[mx.array(order)].reshape(N, k, -1)
 
-
     def host_forms(self) -> dict[str, host_experts.Form] | None:
         """The projections' forms where model/host_experts.py computes these experts (plain
         SwiGLU records in float32 or affine-quantized; what resident stacks of the same

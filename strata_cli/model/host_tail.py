@@ -7,8 +7,9 @@ thread and back. The layer's tail — output projection, residual add, post norm
 and the shared expert's projections, the shared expert's SwiGLU and down projection — has no
 state and nothing but rows, so it all runs here after one read; the routed experts too where
 host_experts.py takes them (small experts, resident or streamed alike), else in MLX on its
-stream thread while this one computes the shared expert. Every step is per row (matrix-vector products, row-wise norms, elementwise), so a row
-computes what it computes alone (row invariance, docs/design.md).
+stream thread while this one computes the shared expert. Every step is per row (matrix-vector
+products, row-wise norms, elementwise), so a row computes what it computes alone (row
+invariance, docs/design.md).
 """
 
 from __future__ import annotations
