@@ -70,6 +70,21 @@ def test_only_small_exact_affine_or_float_experts_take_the_host():
     assert not host_experts.applies(recast)
 
 
+def test_experts_kept_dequantized_follow_their_scales():
+    """A round trip through bfloat16 rounds the scales: the experts dequantized before it are
+    dropped, not reused (the weights, unchanged by `set_dtype`, cannot tell)."""
+    block = moe_block(8)
+    rng = np.random.default_rng(2)
+    x, logits = rng.standard_normal((2, 64)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32)
+    host_experts.routed(block, x, logits)
+    block.set_dtype(mx.bfloat16)
+    block.set_dtype(mx.float32)
+    assert host_experts.applies(block)
+    got = host_experts.routed(block, x, logits)
+    expected = np.asarray(block.routed(mx.array(x), mx.array(logits)))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return build_pair(tmp_path_factory.mktemp("host-experts"), bits=8, group_size=32)

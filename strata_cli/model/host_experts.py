@@ -73,18 +73,21 @@ def applies(ffn) -> bool:
     if ffn.routing_policy is not None:
         return False
     experts = ffn[ffn.experts_attribute]
-    arrays = _form_arrays(experts)  # found again when these change (loading, `set_dtype`)
+    arrays = stack_arrays(experts)  # found again when these change (loading, `set_dtype`)
     held = ffn.__dict__.get("_host_forms")
     if held is None or held[0] is not experts or any(a is not b for a, b in zip(held[1], arrays)):
         held = ffn.__dict__["_host_forms"] = (experts, arrays, forms(experts))
     return held[2] is not None
 
 
-def _form_arrays(experts) -> tuple:
+def stack_arrays(experts) -> tuple:
+    """A resident stack's arrays (each projection's matrices, or its weight, scales and biases),
+    by which what was found or kept from them is known to be current; () for streamed experts."""
     if hasattr(experts, "host_forms") or not isinstance(experts, nn.Module):
         return ()
     parts = [experts.get(name) for name in PROJECTIONS]
-    return tuple(p.get("scales") if isinstance(p, nn.Module) else p for p in parts)
+    return tuple(a for p in parts
+                 for a in ((p.get("weight"), p.get("scales"), p.get("biases")) if isinstance(p, nn.Module) else (p,)))
 
 
 def dequantize(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> np.ndarray:
@@ -162,11 +165,10 @@ class Kept:
 
     @classmethod
     def of_stacks(cls, experts) -> Kept:
-        projections = [experts[name] for name in PROJECTIONS]
-        sources = tuple(p if isinstance(p, mx.array) else p.weight for p in projections)
+        sources = stack_arrays(experts)  # scales too: `set_dtype` replaces them, not the weights
         held = experts.__dict__.get("_host_kept")
         if held is None or any(a is not b for a, b in zip(held.sources, sources)):
-            held = experts.__dict__["_host_kept"] = cls(sources, projections)
+            held = experts.__dict__["_host_kept"] = cls(sources, [experts[name] for name in PROJECTIONS])
         return held
 
     def matrices(self, e: int) -> tuple[np.ndarray, ...]:
