@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
@@ -186,14 +187,19 @@ class WindowEngine:
         mode = Mode.PARTIAL if self.options.partial else Mode.WINDOW
         rows = self.window_rows(T, pos0)
         ids = list(tokens) + [tokens[-1]] * (rows - T)  # padded rows: never kept (commit checks keep <= T)
-        logits = self._forward(mx.array([ids]), pos0, mode).squeeze(0).astype(mx.float32)  # [0] would be 2 ops
-        greedy = mx.argmax(logits, axis=-1)
-        mx.eval(logits, greedy)
+        logits = self._forward(mx.array([ids]), pos0, mode).squeeze(0)  # [0] would be 2 ops
+        if self._host_logits(rows):
+            greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
+        else:
+            logits = logits.astype(mx.float32)
+            greedy = mx.argmax(logits, axis=-1)
+            mx.eval(logits, greedy)
+            greedy = greedy.tolist()
         self.warm_rows.add(rows)
         self._open = (pos0, T, mode)
         if mode is Mode.PARTIAL:
             self.length = pos0 + 1
-        return WindowOutput(logits=logits[:T] if rows > T else logits, tokens=greedy.tolist()[:T])
+        return WindowOutput(logits=logits[:T] if rows > T else logits, tokens=greedy[:T])
 
     def window_rows(self, T: int, pos0: int) -> int:
         """Rows a window of T tokens at pos0 runs: its bucket when padding is on and the bucket
@@ -218,9 +224,12 @@ class WindowEngine:
         else:
             self._check_window([token], pos0)
             ids = mx.array([[token]])
-        logits = self._forward(ids, pos0, Mode.WINDOW).squeeze(0).astype(mx.float32)  # [0] would be 2 ops
-        greedy = mx.argmax(logits, axis=-1, keepdims=True)
-        mx.async_eval(greedy)
+        logits = self._forward(ids, pos0, Mode.WINDOW)
+        if self._host_logits(1):  # computed already: the token too, so the next step never waits on MLX
+            greedy = mx.array(np.argmax(np.asarray(logits)[0], axis=-1, keepdims=True).astype(np.uint32))
+        else:
+            greedy = mx.argmax(logits.squeeze(0).astype(mx.float32), axis=-1, keepdims=True)  # [0] would be 2 ops
+            mx.async_eval(greedy)
         self.warm_rows.add(1)
         self._open = (pos0, 1, Mode.WINDOW)
         return PendingToken(greedy)
@@ -461,6 +470,12 @@ class WindowEngine:
         if mode is Mode.COMMIT_ALL:
             self.prefill_expert_bytes += stats.bytes_read + stats.prefetched_bytes
         return out
+
+    def _host_logits(self, rows: int) -> bool:
+        """Whether the model's head computes a window of `rows` rows' logits in numpy (layers.py:
+        `DecoderStack.host_logits`), float32 and ready: the greedy tokens are then taken there."""
+        host_logits = getattr(self.model, "host_logits", None)
+        return host_logits is not None and host_logits(rows)
 
     def _committed_arrays(self) -> list[mx.array]:
         return [a for state in self.states for a in state.snapshot() if isinstance(a, mx.array)]

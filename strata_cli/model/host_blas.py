@@ -149,6 +149,11 @@ def rms_norm_rows(rows: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarra
     return rows * (np.float32(1.0) / np.sqrt(mean + np.float32(eps))) * weight
 
 
+def logits(rows: np.ndarray, norm_weight: np.ndarray, eps: float, weight: np.ndarray) -> np.ndarray:
+    """A decoder's head on numpy rows (N, H): the final RMS norm, then each row's logits (N, V)."""
+    return matvecs(rms_norm_rows(rows, norm_weight, eps), [weight])[0]
+
+
 def matvecs(rows: np.ndarray, weights: list[np.ndarray]) -> list[np.ndarray]:
     """rows (N, K) @ weight (M, K)ᵀ for each weight, one matrix-vector product a row (see `rows_linears`)."""
     outs = []

@@ -461,8 +461,12 @@ class DecoderStack(nn.Module):
         return slice(start, stop)
 
     def embed(self, tokens: mx.array) -> mx.array:
-        """tokens (B, T) -> the first layer's input (B, T, D)."""
-        return self.model.embed_tokens(tokens)
+        """tokens (B, T) -> the first layer's input (B, T, D): on the host path rows taken in
+        numpy (the same values), so the first layer reads them without waiting on MLX's stream."""
+        embed = self.model.embed_tokens
+        if type(embed) is nn.Embedding and embed.weight.dtype == mx.float32 and host_rows(tokens.size, mx.float32):
+            return mx.array(host_weight(embed)[np.asarray(tokens)])
+        return embed(tokens)
 
     def run_layers(self, h: mx.array, states: list, start: int = 0, stop: int | None = None) -> mx.array:
         """Layers start..stop-1 over h, with their states (`states[state_span(start, stop)]`)."""
@@ -470,16 +474,32 @@ class DecoderStack(nn.Module):
             h = layer(h, state)
         return h
 
+    def logits_linear(self) -> nn.Module:
+        """The module whose weight makes the logits: the tied embedding or `lm_head`."""
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+
+    def host_logits(self, rows: int) -> bool:
+        """Whether `head` computes the logits of `rows` float32 rows in numpy, so that they are
+        ready without MLX's stream (`WindowEngine` then takes the greedy token there too): a
+        float32 RMSNorm and a float32 tied embedding or bias-free `RowLinear` on the host path."""
+        norm, linear = self.model.norm, self.logits_linear()
+        form = nn.Embedding if self.config.tie_word_embeddings else RowLinear
+        return (host_rows(rows, mx.float32) and type(norm) is RMSNorm and norm.weight.dtype == mx.float32
+                and type(linear) is form and "bias" not in linear and linear.weight.dtype == mx.float32)
+
     def head(self, h: mx.array, *, last_only: bool = False) -> mx.array:
         """The last layer's output (B, T, D) -> logits (B, T, V), or (B, 1, V) for the last row only."""
+        if h.dtype == mx.float32 and self.host_logits(h.shape[0] if last_only else h.size // h.shape[-1]):
+            rows = np.asarray(h)[:, -1:] if last_only else np.asarray(h)
+            norm = self.model.norm
+            logits = host_blas.logits(rows.reshape(-1, rows.shape[-1]), host_weight(norm), norm.eps,
+                                      host_weight(self.logits_linear()))
+            return mx.array(logits.reshape(*rows.shape[:-1], -1))
         if last_only:
             h = h[:, -1:]
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
-            embed = self.model.embed_tokens
-            if host_window(h) and type(embed) is nn.Embedding and embed.weight.dtype == mx.float32:
-                return host_blas.rows_linears(h, [(host_weight(embed), None)])[0]
-            return tied_logits(embed, h)
+            return tied_logits(self.model.embed_tokens, h)
         return self.lm_head(h)
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
