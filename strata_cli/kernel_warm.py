@@ -12,6 +12,13 @@ one layer of each kind, and the head, at each window shape the engine warms and 
 sizes), launches worker processes (`python -m strata_cli.kernel_warm_worker`) that each load
 only the layers their units need and run them on scratch state, waits for them, then goes on.
 
+The parent waits only for what a first token needs: the units of every window shape and of
+window-sized prompt chunks (`Unit.first`). Until the rest (the prompt path's quantized-matmul
+tiles, 22-44 s of NVRTC each on the H200) is compiled by the workers left running in the
+background, the engine runs prompts in window-sized chunks (`WindowEngine.cap_prompt_chunks`),
+so no window and no prompt of this process waits on those compiles; the process waits for
+the background workers before it exits, so their modules are kept.
+
 Each worker compiles into a private directory, seeded with hard links to what is kept already;
 the parent moves a worker's new modules into the kept directory only after that worker exited
 0, each file renamed into place and the `.ptx` last, because MLX writes its files in place and
@@ -23,6 +30,7 @@ parent) or `=N` workers turns it on.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -69,6 +77,12 @@ class Unit:
     prompt: bool
 
     @property
+    def first(self) -> bool:
+        """Whether a first token needs it: a window, or a prompt chunk no larger than one (the
+        prompt's chunks while the background workers compile the rest)."""
+        return not self.prompt or self.rows <= first_prompt_rows()
+
+    @property
     def name(self) -> str:
         where = f"layer{self.layer}" if self.piece == LAYER else self.piece
         return f"{where}:{'prompt' if self.prompt else 'window'}{self.rows}"
@@ -101,12 +115,21 @@ def layer_kinds(model) -> dict[int, list[int]]:
     return kinds
 
 
+def first_prompt_rows() -> int:
+    """A prompt chunk's rows while the background workers compile: the largest window bucket,
+    whose kernels the windows need anyway."""
+    from .engine.window import WINDOW_BUCKETS
+
+    return max(WINDOW_BUCKETS)
+
+
 def prompt_shapes(engine, chunk: int | None = None) -> list[int]:
-    """The prompt rows warmed: PROMPT_ROWS and the engine's prefill chunk, within its context."""
+    """The prompt rows warmed: PROMPT_ROWS, a window-sized chunk and the engine's prefill chunk,
+    within its context."""
     from .engine.window import default_prefill_chunk
 
     chunk = chunk or default_prefill_chunk()
-    return sorted({engine.prompt_rows(min(r, chunk)) for r in (*PROMPT_ROWS, chunk)})
+    return sorted({engine.prompt_rows(min(r, chunk)) for r in (first_prompt_rows(), *PROMPT_ROWS, chunk)})
 
 
 def plan_units(model, engine, *, max_T: int, chunk: int | None = None) -> list[Unit]:
@@ -216,7 +239,8 @@ def remove_stale(kernel_dir: Path) -> None:
 
 @dataclass
 class WarmReport:
-    """What the parallel warm-up did: workers launched, units run, seconds, modules kept."""
+    """What the parallel warm-up did: workers launched, units run, seconds (the parent's wait),
+    modules kept; of them, what the background workers did (`background_*`, filled when they end)."""
 
     workers: int
     units: int
@@ -225,9 +249,20 @@ class WarmReport:
     modules_kept: int = 0
     failed: list[str] = field(default_factory=list)
     timed_out: bool = False
+    background_workers: int = 0
+    background_units: int = 0
+    background_seconds: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background workers (at once when there are none); whether all ended."""
+        thread = getattr(self, "_background", None)  # not a field: as_dict leaves it out
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
 
 
 def worker_command(path: Path, dtype: str | None, options: dict, units: list[Unit]) -> list[str]:
@@ -244,12 +279,26 @@ def engine_options(engine) -> dict:
             "compressed_rollback": o.compressed_rollback}
 
 
+def split_groups(units: list[Unit], workers: int) -> tuple[list[list[Unit]], list[list[Unit]]]:
+    """The first units' groups (`Unit.first`) and the rest's, `workers` groups in all, shared in
+    proportion to the units; everything first with one worker or nothing to leave for later."""
+    first = [u for u in units if u.first]
+    later = [u for u in units if not u.first]
+    if workers < 2 or not first or not later:
+        return assign(units, workers), []
+    n_first = max(1, min(workers - 1, round(workers * len(first) / len(units))))
+    return assign(first, n_first), assign(later, workers - n_first)
+
+
 def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: Path | None, *,
                      max_T: int, announce: Callable[[str], None] | None = None,
                      timeout: float | None = None) -> WarmReport | None:
     """Compile this model's kernels in worker processes when this machine has not yet (see the
     module docstring); None when nothing was launched (not CUDA, off, warmed already, streamed
     experts, a model that does not split by layer, fewer than one worker).
+
+    Returns once the first units' workers ended; the others go on in the background, the engine's
+    prompt chunks capped at a window's rows until they end (and this process's exit waits for them).
 
     Args:
         path: the checkpoint directory; dtype: the `--dtype` the parent loaded with.
@@ -274,75 +323,128 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
     timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S) if timeout is None else timeout
     report = WarmReport(workers=workers, units=len(units))
     start = time.perf_counter()
+    deadline = time.monotonic() + timeout
     remove_stale(kernel_dir)
     scratch = kernel_dir / f".warm-{os.getpid()}"
+    first, later = split_groups(units, workers)
+    background = None
     try:
-        _run_workers(path, dtype, options, assign(units, workers), kernel_dir, scratch, timeout, report, say)
+        if later:  # launched first: they run longest
+            background = WorkerSet(path, dtype, options, later, kernel_dir, scratch, first_index=len(first))
+        foreground = WorkerSet(path, dtype, options, first, kernel_dir, scratch)
     except OSError as e:  # an unwritable kernel directory, no interpreter to start: the old path
+        if background is not None:
+            background.kill()
+        shutil.rmtree(scratch, ignore_errors=True)
         report.failed.append(f"{type(e).__name__}: {e}")
         say(f"strata: warning: kernel workers could not start ({e}); kernels compile in this process")
         return report
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    foreground.collect(deadline, timeout, report, say, show=sys.stderr.isatty())
     report.seconds = time.perf_counter() - start
-    if not report.timed_out:  # every worker ended: what failed, the parent builds now and MLX keeps
-        kept.write(MARKERS, "model", keys, {"report": report.as_dict()})
+    if background is None:
+        _finish(scratch, keys, report)
+        return report
+    report.background_workers, report.background_units = len(later), sum(map(len, later))
+    engine.cap_prompt_chunks(first_prompt_rows())
+
+    def finish_background() -> None:
+        try:
+            background.collect(deadline, timeout, report, say, show=False)
+            report.background_seconds = time.perf_counter() - start
+        finally:
+            engine.cap_prompt_chunks(None)  # the prompt path's modules are kept now (or compile here)
+            _finish(scratch, keys, report)
+
+    thread = report._background = threading.Thread(target=finish_background, name="strata-kernel-workers",
+                                                   daemon=True)
+    thread.start()
+    atexit.register(_await, thread, say)
     return report
 
 
-def _run_workers(path, dtype, options, groups, kernel_dir, scratch, timeout, report, say) -> None:
-    """Launch a worker per group, count their units on `report` as they finish, publish what
-    each worker that exited 0 compiled; a failure or the timeout is a warning through `say`."""
-    env = {**os.environ, ENV: "0"}
-    lines: queue.Queue = queue.Queue()
-    procs, readers = [], []
+def _finish(scratch: Path, keys: dict, report: WarmReport) -> None:
+    """Every worker ended: remove the scratch and, unless one ran out of time, mark the model
+    warmed (what failed, the parent builds itself and MLX keeps)."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    if not report.timed_out:
+        kept.write(MARKERS, "model", keys, {"report": report.as_dict()})
 
-    def read(proc) -> None:
+
+def _await(thread: threading.Thread, say: Callable[[str], None]) -> None:
+    """At exit: wait for the background workers, so that what they compile is kept."""
+    if thread.is_alive():
+        say("strata: waiting for the kernel workers to finish (once per machine; stopping them now "
+            "leaves the rest to the next run)")
+        thread.join()
+
+
+class WorkerSet:
+    """Worker processes, one per group of units, each compiling into its own directory under
+    `scratch` (`first_index` numbers them apart from another set's)."""
+
+    def __init__(self, path: Path, dtype: str | None, options: dict, groups: list[list[Unit]], kernel_dir: Path,
+                 scratch: Path, *, first_index: int = 0):
+        env = {**os.environ, ENV: "0"}
+        self.kernel_dir, self.scratch = kernel_dir, scratch
+        self.lines: queue.Queue = queue.Queue()
+        self.procs: list[tuple[int, subprocess.Popen, Path]] = []
+        self.readers: list[threading.Thread] = []
+        for i, group in enumerate(groups, first_index):
+            private = scratch / str(i)
+            private.mkdir(parents=True)
+            seed(private, kernel_dir, kept.directory())
+            with open(scratch / f"{i}.stderr", "w") as err:  # a file: a full pipe would stall the worker
+                proc = subprocess.Popen(worker_command(path, dtype, options, group),
+                                        env={**env, "MLX_PTX_CACHE_DIR": str(private)}, stdout=subprocess.PIPE,
+                                        stderr=err, text=True)
+            self.readers.append(threading.Thread(target=self._read, args=(proc,), daemon=True))
+            self.readers[-1].start()
+            self.procs.append((i, proc, private))
+
+    def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
-            lines.put(line)
+            self.lines.put(line)
 
-    for i, group in enumerate(groups):
-        private = scratch / str(i)
-        private.mkdir(parents=True)
-        seed(private, kernel_dir, kept.directory())
-        with open(scratch / f"{i}.stderr", "w") as err:  # a file: a full pipe would stall the worker
-            proc = subprocess.Popen(worker_command(path, dtype, options, group),
-                                    env={**env, "MLX_PTX_CACHE_DIR": str(private)}, stdout=subprocess.PIPE,
-                                    stderr=err, text=True)
-        readers.append(threading.Thread(target=read, args=(proc,), daemon=True))
-        readers[-1].start()
-        procs.append((proc, private))
-    deadline = time.monotonic() + timeout
-    show = sys.stderr.isatty()
-    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
-        try:
-            lines.get(timeout=0.5)
-            report.done += 1
-        except queue.Empty:
-            pass
-        if show:
-            print(f"\rstrata: GPU kernels: {report.done}/{report.units} units", end="", file=sys.stderr, flush=True)
-    for (proc, _), reader in zip(procs, readers):
-        if proc.poll() is not None:
-            reader.join(timeout=5)  # its last lines, read to the end of its output
-    while not lines.empty():
-        lines.get()
-        report.done += 1
-    if show:
-        print(f"\rstrata: GPU kernels: {report.done}/{report.units} units", file=sys.stderr, flush=True)
-    for i, (proc, private) in enumerate(procs):
-        if proc.poll() is None:
-            report.timed_out = True
+    def kill(self) -> None:
+        for _, proc, _ in self.procs:
             proc.kill()
             proc.wait()
-            report.failed.append(f"worker {i}: no answer within {timeout:.0f} s")
-            say(f"strata: warning: kernel worker {i} gave no answer within {timeout:.0f} s; "
-                "the rest compiles in this process")
-            continue
-        if proc.returncode != 0:
-            tail = (scratch / f"{i}.stderr").read_text(errors="replace").strip().splitlines()[-1:] or ["no message"]
-            report.failed.append(f"worker {i}: exit {proc.returncode}: {tail[0][:300]}")
-            say(f"strata: warning: kernel worker {i} failed (exit {proc.returncode}: {tail[0][:300]}); "
-                "the rest compiles in this process")
-            continue
-        report.modules_kept += publish(private, kernel_dir)
+
+    def collect(self, deadline: float, timeout: float, report: WarmReport, say: Callable[[str], None], *,
+                show: bool) -> None:
+        """Wait until every worker ended or `deadline` (time.monotonic, `timeout` s after the start), counting units done on
+        `report` (a units-done line on stderr with `show`); publish what each worker that exited 0
+        compiled; a failure or the deadline is a warning through `say`."""
+        procs = [proc for _, proc, _ in self.procs]
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            try:
+                self.lines.get(timeout=0.5)
+                report.done += 1
+            except queue.Empty:
+                pass
+            if show:
+                print(f"\rstrata: GPU kernels: {report.done}/{report.units} units", end="", file=sys.stderr, flush=True)
+        for proc, reader in zip(procs, self.readers):
+            if proc.poll() is not None:
+                reader.join(timeout=5)  # its last lines, read to the end of its output
+        while not self.lines.empty():
+            self.lines.get()
+            report.done += 1
+        if show:
+            print(f"\rstrata: GPU kernels: {report.done}/{report.units} units", file=sys.stderr, flush=True)
+        for i, proc, private in self.procs:
+            if proc.poll() is None:
+                report.timed_out = True
+                proc.kill()
+                proc.wait()
+                report.failed.append(f"worker {i}: no answer within {timeout:.0f} s")
+                say(f"strata: warning: kernel worker {i} gave no answer within {timeout:.0f} s; "
+                    "the rest compiles in this process")
+                continue
+            if proc.returncode != 0:
+                tail = (self.scratch / f"{i}.stderr").read_text(errors="replace").strip().splitlines()[-1:] or ["no message"]
+                report.failed.append(f"worker {i}: exit {proc.returncode}: {tail[0][:300]}")
+                say(f"strata: warning: kernel worker {i} failed (exit {proc.returncode}: {tail[0][:300]}); "
+                    "the rest compiles in this process")
+                continue
+            report.modules_kept += publish(private, self.kernel_dir)

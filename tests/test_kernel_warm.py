@@ -67,6 +67,31 @@ def test_the_plan_covers_every_call_of_the_engines_warm_up_and_units_are_disjoin
     assert engine.length == 0
 
 
+def test_the_first_token_waits_only_for_windows_and_window_sized_prompt_chunks(demo):
+    from strata_cli.engine.window import WINDOW_BUCKETS, WindowEngine
+
+    engine = WindowEngine(demo.model, EngineOptions(max_context=64))
+    units = plan_units(demo.model, engine, max_T=8, chunk=512)
+    first, later = kernel_warm.split_groups(units, 6)
+    assert len(first) + len(later) == 6 and all(first) and all(later)
+    assert all(u.first for g in first for u in g) and not any(u.first for g in later for u in g)
+    assert sorted(u for g in first + later for u in g) == sorted(units)
+    assert {u.rows for g in first for u in g if u.prompt} == {max(WINDOW_BUCKETS)}
+    assert kernel_warm.split_groups(units, 1) == ([units], [])  # one worker: everything awaited
+    # while the background runs, a prompt runs in window-sized chunks
+    chunks = []
+    forward = engine._forward
+    engine._forward = lambda ids, *a, **k: chunks.append(ids.shape[1]) or forward(ids, *a, **k)
+    engine.cap_prompt_chunks(max(WINDOW_BUCKETS))
+    engine.prefill(list(range(20)))
+    assert chunks == [8, 8, 4] and engine.length == 20
+    engine.reset()
+    engine.cap_prompt_chunks(None)
+    chunks.clear()
+    engine.prefill(list(range(20)))
+    assert chunks == [20]
+
+
 def test_a_worker_on_the_cpu_runs_its_units_and_exits_0():
     units = [Unit("layer", 1, 16, True), Unit("layer", 0, 2, False), Unit("head", -1, 1, False)]
     proc = subprocess.run([sys.executable, "-m", "strata_cli.kernel_warm_worker", "--model", str(embedded_model_path()),
@@ -82,7 +107,11 @@ def test_workers_warm_once_and_a_warmed_model_is_not_warmed_again(demo, tmp_path
         monkeypatch.setenv(kernel_warm.ENV, "2")
         lines = []
         report = warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2, announce=lines.append)
-        assert report.workers == 2 and report.done == report.units > 0 and not report.failed
+        # one worker for the first token's units, awaited; one for the prompt path's, in the background
+        assert report.workers == 2 and report.background_workers == 1 and 0 < report.background_units < report.units
+        assert report.wait(120) and report.background_seconds >= report.seconds > 0
+        assert demo.engine.prompt_rows_cap is None  # capped while the background ran
+        assert report.done == report.units > 0 and not report.failed
         assert lines == [f"strata: compiling GPU kernels for this machine, once: 2 workers (kept in {tmp_path})"]
         assert not any(p.name.startswith(".warm-") for p in tmp_path.iterdir())  # scratch removed
         assert warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2) is None
@@ -186,7 +215,9 @@ def test_open_model_on_a_fresh_cuda_machine_runs_the_workers_once(tmp_path, monk
                           f"strata: compiling GPU kernels for this machine, once: 2 workers (kept in {tmp_path / 'ptx'})",
                           (0, 1), (1, 1)]
         report = first.kernel_workers
-        assert report.units == 3 * 7 and report.done == report.units and not report.failed  # 3 pieces, 4 + 3 shapes
+        assert report.units == 3 * 8  # 3 pieces; windows of 1, 2, 4, 8 rows, prompts of 8, 16, 32, 63
+        assert report.wait(120) and report.done == report.units and not report.failed
+        assert first.engine.prompt_rows_cap is None
         assert first.warmup_seconds >= report.seconds > 0
         second = open_model(LoadOptions(), EngineOptions(max_context=64))
         assert second.kernel_workers is None

@@ -26,6 +26,7 @@ that first needs it (`ensure_warm`), on scratch state.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -175,6 +176,7 @@ class WindowEngine:
         # Warm each window shape before first use, off the window's clock (EngineOptions.warm_shapes).
         self.warms_on_first_use = self.options.warm_shapes is None and on_gpu()
         self.warm_rows: set[int] = set()  # window row counts this process has run
+        self.prompt_rows_cap: int | None = None  # `cap_prompt_chunks`
 
     # -- the window contract -------------------------------------------------------------------
 
@@ -200,6 +202,13 @@ class WindowEngine:
         if mode is Mode.PARTIAL:
             self.length = pos0 + 1
         return WindowOutput(logits=logits[:T] if rows > T else logits, tokens=greedy[:T])
+
+    def cap_prompt_chunks(self, rows: int | None) -> None:
+        """Run prompts in chunks of at most `rows` rows (None: as asked): while a fresh GPU
+        machine's workers compile the prompt path's kernels in the background (kernel_warm.py),
+        a prompt runs on the kernels its windows use. Any chunking commits the same states,
+        up to the rounding of the kernels that run (the window contract leaves prompts open)."""
+        self.prompt_rows_cap = rows
 
     def window_rows(self, T: int, pos0: int) -> int:
         """Rows a window of T tokens at pos0 runs: its bucket when padding is on and the bucket
@@ -281,7 +290,7 @@ class WindowEngine:
             raise WindowError("prefill() while a run awaits commit()")
         logits = None
         self.prefill_expert_bytes = 0
-        chunk = chunk or default_prefill_chunk()
+        chunk = min(chunk or default_prefill_chunk(), self.prompt_rows_cap or math.inf)
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             self._check_window(piece, self.length)
