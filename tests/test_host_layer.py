@@ -38,3 +38,39 @@ def test_host_layers_run_and_match_the_mlx_forms(tiny_model, monkeypatch):
     mlx_forms = window_logits(tiny_model, tokens, sizes)
     for i, (a, b) in enumerate(zip(host, mlx_forms)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"window {i}")
+
+
+def test_the_kv_states_host_copies_follow_rollback_restore_growth_and_mlx_writes():
+    """`KVState.update_and_fetch_host` keeps numpy copies of the buffers: every call returns
+    exactly the cells the MLX buffers hold after its write, whatever happened in between."""
+    import mlx.core as mx
+
+    from strata_cli.engine.state import KV_STEP, KVState, Mode
+
+    rng = np.random.default_rng(0)
+    state = KVState()
+
+    def rows(T):
+        return rng.normal(size=(1, 2, T, 4)).astype(np.float32), rng.normal(size=(1, 2, T, 4)).astype(np.float32)
+
+    def host(T, keep=None, mode=Mode.WINDOW):
+        state.begin(state.length, T, mode)
+        keys, values = state.update_and_fetch_host(*rows(T))
+        end = state._window[0] + T
+        assert np.array_equal(keys, np.asarray(state.keys)[:, :, :end])
+        assert np.array_equal(values, np.asarray(state.values)[:, :, :end])
+        state.commit(T if keep is None else keep)
+
+    host(5, mode=Mode.COMMIT_ALL)
+    host(4, keep=1)  # rejected drafts: their cells are overwritten next
+    saved = state.snapshot()
+    host(3, keep=3)
+    state.begin(state.length, 2, Mode.WINDOW)  # an MLX-path write the copies did not see
+    state.update_and_fetch(*(mx.array(a) for a in rows(2)))
+    state.commit(2)
+    host(1)
+    state.restore(saved)  # back to 6 positions: the copies hold later cells, the arrays do not
+    host(2, keep=1)
+    for _ in range(KV_STEP // 5 + 2):  # past the first buffer's capacity
+        host(8, keep=5)
+    assert state.length > KV_STEP

@@ -112,6 +112,8 @@ class KVState:
         self.values: mx.array | None = None
         self.length = 0
         self._window: tuple[int, int, Mode] | None = None
+        # The CPU's host path: numpy copies of the buffers, with the arrays they copy (`_host_buffers`).
+        self._host: tuple[mx.array, mx.array, np.ndarray, np.ndarray] | None = None
 
     @property
     def offset(self) -> int:
@@ -139,18 +141,34 @@ class KVState:
 
     def update_and_fetch_host(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`update_and_fetch` for numpy rows (B, H_kv, T, D), float32, as the CPU's host path
-        computes: the same cells, the committed ones read from the buffers and the window's joined
-        to them here, so the call never waits for its own write, which MLX's stream thread runs
-        meanwhile (the buffers' views are dropped first, so MLX may still write in place)."""
+        computes: the same cells, from numpy copies of the buffers that the window's rows are
+        written into as well (no copy of the committed cells a step), so the call never waits
+        for its own write to the buffers, which MLX's stream thread runs meanwhile."""
         pos0 = self._window[0]
-        if pos0:
-            keys_all = np.concatenate([np.asarray(self.keys)[:, :, :pos0], keys], axis=2)
-            values_all = np.concatenate([np.asarray(self.values)[:, :, :pos0], values], axis=2)
-        else:
-            keys_all, values_all = keys, values
+        end = pos0 + keys.shape[2]
+        host_keys, host_values = self._host_buffers(pos0, end, keys)
+        host_keys[:, :, pos0:end] = keys
+        host_values[:, :, pos0:end] = values
         self.update_and_fetch(mx.array(keys), mx.array(values))
         mx.async_eval(self.keys, self.values)
-        return keys_all, values_all
+        self._host = (self.keys, self.values, host_keys, host_values)
+        return host_keys[:, :, :end], host_values[:, :, :end]
+
+    def _host_buffers(self, pos0: int, end: int, like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Numpy buffers holding cells 0..pos0-1 with room for `end`: the ones the last host call
+        left while the state still holds the arrays it wrote (any other write, a restore or a
+        reset replaces them), else the committed cells read back from the arrays once."""
+        held = self._host
+        valid = held is not None and held[0] is self.keys and held[1] is self.values
+        if valid and held[2].shape[2] >= end:
+            return held[2], held[3]
+        B, H, _, D = like.shape
+        capacity = -(-end // KV_STEP) * KV_STEP
+        host_keys, host_values = np.empty((B, H, capacity, D), like.dtype), np.empty((B, H, capacity, D), like.dtype)
+        if pos0:
+            source = held[2:] if valid else (np.asarray(self.keys), np.asarray(self.values))
+            host_keys[:, :, :pos0], host_values[:, :, :pos0] = source[0][:, :, :pos0], source[1][:, :, :pos0]
+        return host_keys, host_values
 
     def _reserve(self, end: int, like: mx.array) -> None:
         capacity = 0 if self.keys is None else self.keys.shape[2]
