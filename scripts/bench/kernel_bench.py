@@ -38,6 +38,14 @@ against its rows' 1-row calls and against the default setting; its last table su
 down per setting and R (the layer's expert time), which decides the default.
 
     python -m scripts.bench.kernel_bench --mxfp4 --out kernel_bench_mxfp4.json  # GPU, under 2 minutes
+
+`--dense` times only GPT-OSS-20B's bfloat16 linears (stacked q/k/v, o_proj, the router and the
+201,088-column head, 1.16 GB a step): `rows_matvec` against MLX's own matmul (mlx-lm's gemv at
+one row). strata's one-row window on GPT-OSS is 9% slower than mlx-lm's step while its op count
+is lower (docs/families.md); the head is the largest read of a step, so this says whether the
+dense kernel is the gap.
+
+    python -m scripts.bench.kernel_bench --dense --out kernel_bench_dense.json  # GPU, about a minute
 """
 
 from __future__ import annotations
@@ -58,6 +66,11 @@ ROWS = (1, 2, 4, 8)
 SHAPES = {"q_proj": (2048, 4096), "o_proj/in_proj": (2048, 2048), "shared_expert": (2048, 512),
           "lm_head": (2048, 151936)}  # name: (K, N)
 SMALL_SHAPES = {"a": (256, 512), "b": (256, 256), "c": (256, 64), "lm_head": (256, 1000)}
+# GPT-OSS-20B's dense linears, bfloat16 as published: q, k and v stacked (64 + 2 × 8 heads of 64),
+# the output projection, the router and the 201,088-column head (1.16 GB read a step).
+GPT_OSS_DENSE = {"gpt_oss_qkv": (2880, 5120), "gpt_oss_o_proj": (4096, 2880), "gpt_oss_router": (2880, 32),
+                 "gpt_oss_lm_head": (2880, 201088)}
+SMALL_GPT_OSS_DENSE = {"gpt_oss_qkv": (256, 320), "gpt_oss_lm_head": (256, 2000)}
 BITS, GROUP_SIZE = 4, 64
 
 
@@ -72,25 +85,38 @@ def _median_ms(fn, *, repeats: int, inner: int) -> float:
 
 
 def bench_shape(name: str, K: int, N: int, *, use_kernel: bool, repeats: int, inner: int, peak_gbs: float,
-                cols: tuple[int, ...], seed: int = 0) -> list[dict]:
-    """One weight shape: a record per row count (and per extra columns-per-warp setting)."""
+                cols: tuple[int, ...], seed: int = 0, dense: bool = False) -> list[dict]:
+    """One weight shape, 4-bit (or bfloat16 with `dense`): a record per row count (and per extra
+    columns-per-warp setting)."""
     w = (mx.random.normal((N, K), key=mx.random.key(seed)) * K**-0.5).astype(mx.bfloat16)
-    qw, qs, qb = mx.quantize(w, GROUP_SIZE, BITS)
-    del w
     x8 = mx.random.normal((max(ROWS), K), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
-    mx.eval(qw, qs, qb, x8)
-    weight_bytes = qw.nbytes + qs.nbytes + qb.nbytes
+    if dense:
+        mx.eval(w, x8)
+        weight_bytes = w.nbytes
 
-    def ours(x, c=kernels.COLS):
-        if use_kernel:
-            return kernels.rows_qmatvec(x, qw, qs, qb, group_size=GROUP_SIZE, bits=BITS, cols=c)
-        return kernels.reference_qmatvec(x, qw, qs, qb, group_size=GROUP_SIZE, bits=BITS)
+        def ours(x, c=kernels.COLS):
+            return kernels.rows_matvec(x, w, cols=c) if use_kernel else kernels.reference_matvec(x, w)
 
-    def theirs(x):
-        return mx.quantized_matmul(x, qw, qs, qb, transpose=True, group_size=GROUP_SIZE, bits=BITS)
+        def theirs(x):
+            return x @ w.T  # MLX's own matmul (gemv at one row): mlx-lm's path
 
+        expected = kernels.reference_matvec(x8.astype(mx.float32), w)
+    else:
+        qw, qs, qb = mx.quantize(w, GROUP_SIZE, BITS)
+        del w
+        mx.eval(qw, qs, qb, x8)
+        weight_bytes = qw.nbytes + qs.nbytes + qb.nbytes
+
+        def ours(x, c=kernels.COLS):
+            if use_kernel:
+                return kernels.rows_qmatvec(x, qw, qs, qb, group_size=GROUP_SIZE, bits=BITS, cols=c)
+            return kernels.reference_qmatvec(x, qw, qs, qb, group_size=GROUP_SIZE, bits=BITS)
+
+        def theirs(x):
+            return mx.quantized_matmul(x, qw, qs, qb, transpose=True, group_size=GROUP_SIZE, bits=BITS)
+
+        expected = kernels.reference_qmatvec(x8.astype(mx.float32), qw, qs, qb, group_size=GROUP_SIZE, bits=BITS)
     alone = [ours(x8[i : i + 1]) for i in range(max(ROWS))]
-    expected = kernels.reference_qmatvec(x8.astype(mx.float32), qw, qs, qb, group_size=GROUP_SIZE, bits=BITS)
     mx.eval(alone, expected)
     records = []
     for R in ROWS:
@@ -414,6 +440,20 @@ def bench_attention(name: str, Hq: int, Hkv: int, D: int, cells: int, *, use_ker
     return records
 
 
+def run_dense(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[int, ...]) -> dict:
+    """`--dense`: GPT-OSS-20B's bfloat16 linears, `rows_matvec` against MLX's own matmul."""
+    use_kernel = kernels.kernels_usable(mx.bfloat16)
+    records = []
+    for name, (K, N) in (SMALL_GPT_OSS_DENSE if small else GPT_OSS_DENSE).items():
+        records += bench_shape(name, K, N, use_kernel=use_kernel, repeats=repeats, inner=inner,
+                               peak_gbs=peak_gbs, cols=cols, dense=True)
+    identical = all(r.get("identical_to_1_row", True) and r.get("identical_to_default_cols", True) for r in records)
+    return {"device": str(mx.default_device()), "machine": platform.node(), "mlx": mx.__version__,
+            "kernels": kernels.status(), "path": "kernel" if use_kernel else "reference", "mode": "dense",
+            "dtype": "bfloat16", "repeats": repeats, "inner": inner, "all_rows_identical": identical,
+            "records": records}
+
+
 def run(*, small: bool, repeats: int, inner: int, peak_gbs: float, cols: tuple[int, ...]) -> dict:
     use_kernel = kernels.kernels_usable()
     shapes = SMALL_SHAPES if small else SHAPES
@@ -475,6 +515,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cols", default="2,8", help="extra columns-per-warp settings timed at R = 1 and 8")
     parser.add_argument("--mxfp4", action="store_true",
                         help="only GPT-OSS-20B's MXFP4 experts: each setting of the MXFP4 kernel against MLX")
+    parser.add_argument("--dense", action="store_true",
+                        help="only GPT-OSS-20B's bfloat16 linears (its 201,088-column head among them): "
+                             "rows_matvec against MLX's matmul")
     args = parser.parse_args(argv)
     small = args.small or mx.default_device() == mx.cpu
     cols = tuple(int(c) for c in args.cols.split(",") if c.strip())
@@ -483,6 +526,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mxfp4:
         result = run_mxfp4(small=small, repeats=repeats, inner=inner, peak_gbs=args.peak_gbs)
         print(render(result), render_mxfp4(result["summary"]), sep="\n", flush=True)
+    elif args.dense:
+        result = run_dense(small=small, repeats=repeats, inner=inner, peak_gbs=args.peak_gbs, cols=cols)
+        print(render(result), flush=True)
     else:
         result = run(small=small, repeats=repeats, inner=inner, peak_gbs=args.peak_gbs, cols=cols)
         print(render(result), flush=True)
