@@ -74,3 +74,17 @@ def test_the_kv_states_host_copies_follow_rollback_restore_growth_and_mlx_writes
     for _ in range(KV_STEP // 5 + 2):  # past the first buffer's capacity
         host(8, keep=5)
     assert state.length > KV_STEP
+
+
+def test_the_hosts_greedy_token_breaks_ties_and_nans_as_mlx_argmax():
+    """WindowEngine takes the host path's greedy tokens with np.argmax and the others with
+    mx.argmax: the two must agree wherever logits tie or hold NaN, or serial and speculative
+    decoding could part on such a row."""
+    import mlx.core as mx
+
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, 3.0, 3.0, 2.0], [1.0, nan, 3.0, nan], [-inf] * 4, [nan] * 4, [1.0, inf, inf, 0.0], [0.0] * 4]
+    rng = np.random.default_rng(0)
+    rows += rng.integers(0, 3, (64, 4)).astype(np.float32).tolist()  # many ties
+    logits = np.array(rows, dtype=np.float32)
+    assert np.argmax(logits, axis=-1).tolist() == mx.argmax(mx.array(logits), axis=-1).tolist()

@@ -190,7 +190,7 @@ class WindowEngine:
         rows = self.window_rows(T, pos0)
         ids = list(tokens) + [tokens[-1]] * (rows - T)  # padded rows: never kept (commit checks keep <= T)
         logits = self._forward(mx.array([ids]), pos0, mode).squeeze(0)  # [0] would be 2 ops
-        if self._host_logits(rows):
+        if logits.dtype == mx.float32 and self._host_logits(rows):
             greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
         else:
             logits = logits.astype(mx.float32)
@@ -234,7 +234,8 @@ class WindowEngine:
             self._check_window([token], pos0)
             ids = mx.array([[token]])
         logits = self._forward(ids, pos0, Mode.WINDOW)
-        if self._host_logits(1):  # computed already: the token too, so the next step never waits on MLX
+        # Logits the host computed: the token too, so that the next step never waits on MLX.
+        if logits.dtype == mx.float32 and self._host_logits(1):
             greedy = mx.array(np.argmax(np.asarray(logits)[0], axis=-1, keepdims=True).astype(np.uint32))
         else:
             greedy = mx.argmax(logits.squeeze(0).astype(mx.float32), axis=-1, keepdims=True)  # [0] would be 2 ops
