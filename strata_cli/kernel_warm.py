@@ -389,17 +389,21 @@ class WorkerSet:
         self.lines: queue.Queue = queue.Queue()
         self.procs: list[tuple[int, subprocess.Popen, Path]] = []
         self.readers: list[threading.Thread] = []
-        for i, group in enumerate(groups, first_index):
-            private = scratch / str(i)
-            private.mkdir(parents=True)
-            seed(private, kernel_dir, kept.directory())
-            with open(scratch / f"{i}.stderr", "w") as err:  # a file: a full pipe would stall the worker
-                proc = subprocess.Popen(worker_command(path, dtype, options, group),
-                                        env={**env, "MLX_PTX_CACHE_DIR": str(private)}, stdout=subprocess.PIPE,
-                                        stderr=err, text=True)
-            self.readers.append(threading.Thread(target=self._read, args=(proc,), daemon=True))
-            self.readers[-1].start()
-            self.procs.append((i, proc, private))
+        try:
+            for i, group in enumerate(groups, first_index):
+                private = scratch / str(i)
+                private.mkdir(parents=True)
+                seed(private, kernel_dir, kept.directory())
+                with open(scratch / f"{i}.stderr", "w") as err:  # a file: a full pipe would stall the worker
+                    proc = subprocess.Popen(worker_command(path, dtype, options, group),
+                                            env={**env, "MLX_PTX_CACHE_DIR": str(private)}, stdout=subprocess.PIPE,
+                                            stderr=err, text=True)
+                self.readers.append(threading.Thread(target=self._read, args=(proc,), daemon=True))
+                self.readers[-1].start()
+                self.procs.append((i, proc, private))
+        except OSError:
+            self.kill()  # the ones started: none left compiling for a set that is given up
+            raise
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:

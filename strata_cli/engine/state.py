@@ -202,6 +202,8 @@ class KVState:
     def restore(self, snap: tuple) -> None:
         self.keys, self.values, self.length = snap
         self._window = None
+        if self._host is not None and self._host[0] is not self.keys:
+            self._host = None  # copies of other arrays: not held for nothing
 
     @staticmethod
     def check_snapshot(snap: tuple, like: tuple, length: int) -> str | None:
