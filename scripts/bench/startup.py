@@ -114,6 +114,8 @@ def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (
         "windows_by_T": stats["window_T_histogram"],
         "announced_compile": "compiling GPU kernels" in proc.stderr,
         "kernel_workers": kernel_workers(proc.stderr),
+        # the prompt path's workers still compiling at the first token: the exit waited for them
+        "exit_waited_for_workers": "waiting for the kernel workers" in proc.stderr,
         "worker_warnings": [line for line in proc.stderr.splitlines() if "warning: kernel worker" in line],
         "token_ids": record["token_ids"],
     }
@@ -247,7 +249,8 @@ def fresh_machine(runs: list[dict]) -> dict:
             out["with_kernel_workers" if r["parallel_warm"] else "without_kernel_workers"] = {
                 "ttft_s": r.get("ttft_s"), "timed_out_after_s": r["process_s"] if r.get("timed_out") else None,
                 "kernel_workers": r.get("kernel_workers"), "load_warmup_s": r.get("load_warmup_s"),
-                "prefill_s": r.get("prefill_s"), "kept_modules_after": r["kept_modules_after"]}
+                "prefill_s": r.get("prefill_s"), "kept_modules_after": r["kept_modules_after"],
+                "process_s": r["process_s"], "exit_waited_for_workers": r.get("exit_waited_for_workers")}
     return out
 
 
