@@ -43,7 +43,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import attention_window, backends, gdn_window, mamba2_window
+from metal_shaders import attention_window, backends, gdn_window, mamba2_window, router_window
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -509,7 +509,10 @@ int main(int argc, char** argv) {
     std::vector<std::vector<char>> in;
     for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
     const int gx = atoi(argv[1 + NUM_INPUTS]), tx = atoi(argv[2 + NUM_INPUTS]);
-    std::vector<float> out(atol(argv[3 + NUM_INPUTS]), NAN);
+    // NUM_OUTPUTS outputs of 4-byte words (size, then path, each), NaN until written
+    std::vector<std::vector<float>> outs(NUM_OUTPUTS);
+    for (int o = 0; o < NUM_OUTPUTS; ++o) outs[o].assign(atol(argv[3 + NUM_INPUTS + 2 * o]), NAN);
+    std::vector<float>& out = outs[0];
     blockDim.x = tx;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     for (int w = 0; w < tx / 32; ++w) warps.emplace_back(new std::barrier<>(32)), warp_barriers[w] = warps.back().get();
@@ -519,7 +522,9 @@ int main(int argc, char** argv) {
         for (int bx = 0; bx < gx; ++bx) { threadIdx.x = i; blockIdx.x = bx; CALL; block.arrive_and_wait(); }
     });
     for (auto& t : threads) t.join();
-    FILE* f = fopen(argv[4 + NUM_INPUTS], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+    for (int o = 0; o < NUM_OUTPUTS; ++o) {
+        FILE* f = fopen(argv[4 + NUM_INPUTS + 2 * o], "wb"); fwrite(outs[o].data(), 4, outs[o].size(), f); fclose(f);
+    }
 }
 """
 # (parameter, file) pairs as MLX passes them with ensure_row_contiguous=False: an input, then its strides
@@ -544,7 +549,7 @@ class AttentionEmulator:
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(self.params)] + ["out.data()"]
             source = (program(SHIM_BLOCK, self.backend, attention_window.HEADER, [*self.params, "float* out"],
                               consts, self.source)
-                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(self.params)))
+                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(self.params))).replace("NUM_OUTPUTS", "1")
                       .replace("CALL", f"kernel({', '.join(args)})"))
             path = self.dir / f"attention_{D}_{len(self.built)}"
             compile_program(path, source)
@@ -647,6 +652,79 @@ def check_attention(emu: AttentionEmulator, B: int, Hq: int, Hkv: int, D: int, c
                                                                v[:, :, : P + T], scale)
         same = np.array_equal(got, alone[:, :T])
         ok &= _report(f"attention B={B} Hq={Hq} Hkv={Hkv} D={D} L={cells}", T, same, _relative(got, _f32(expected)), tol)
+    return ok
+
+
+ROUTER_PARAMS = ["const int32_t* dims", "const float* logits", "const int64_t* logits_strides"]
+
+
+class RouterEmulator:
+    """router_window's kernel on the CPU (float32 logits), a block (row) at a time, its two
+    outputs (inds, weights) as MLX declares them, the logits read through strides as MLX passes a view."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple[int, int], Path] = {}
+        self.source = router_window.SOURCE
+
+    def _binary(self, per: int, ndim: int) -> Path:
+        if (per, ndim) not in self.built:
+            consts = f"using T_IN = float; constexpr int PER = {per}; constexpr int NDIM = {ndim};"
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(ROUTER_PARAMS)]
+            args += ["(uint32_t*)outs[0].data()", "outs[1].data()"]
+            source = (program(SHIM_BLOCK, self.backend, router_window.HEADER,
+                              [*ROUTER_PARAMS, "uint32_t* inds", "float* weights"], consts, self.source)
+                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(ROUTER_PARAMS))).replace("NUM_OUTPUTS", "2")
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"router_{per}_{ndim}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[per, ndim] = path
+        return self.built[per, ndim]
+
+    def run(self, buffer: np.ndarray, E: int, k: int, *, ndim: int = 2) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel over the rows of `buffer` (R, W >= E), reading each row's first E values:
+        as an (R, E) view (ndim 2) or a (1, R, E) view (ndim 3) with row stride W, as a column
+        slice of the stacked router's output is passed. Returns inds (R, k) uint32, weights (R, k)."""
+        buffer = np.ascontiguousarray(buffer, np.float32)
+        R, W = buffer.shape
+        strides = [W, 1] if ndim == 2 else [R * W, W, 1]
+        inputs = [np.array([R, E, k, R], np.int32), buffer, np.array(strides, np.int64)]
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"rin{i}"))
+            Path(names[-1]).write_bytes(a.tobytes())
+        config = router_window.launch(R)
+        threads = config["threadgroup"][0]
+        outs = [self.dir / "rout0", self.dir / "rout1"]
+        subprocess.run([str(self._binary(router_window.per_thread(E), ndim)), *names,
+                        str(config["grid"][0] // threads), str(threads), str(R * k), str(outs[0]), str(R * k),
+                        str(outs[1])], check=True)
+        return np.fromfile(outs[0], np.uint32).reshape(R, k), np.fromfile(outs[1], np.float32).reshape(R, k)
+
+
+def check_router(emu: RouterEmulator, E: int, k: int, *, rows=range(1, 9), dtype=mx.float32, tol=1e-6,
+                 seed: int = 0) -> bool:
+    """For each R in `rows`: every row of an R-row call (as a plain (R, E) array and as a strided
+    (1, R, E) view) equals its 1-row call bit for bit; the picks equal the reference's
+    (descending, ties to the lower index; the probe's rows include exact ties) and every weight is
+    within `tol` (relative) of the float32 reference. `dtype`: the logits' values (bfloat16 ones
+    tie often) given to the kernel as float32."""
+    R_max = max(rows)
+    logits = router_window.probe_logits(E, rows=R_max, dtype=dtype, seed=seed).astype(mx.float32)
+    plain = _f32(logits)
+    padded = np.concatenate([plain, np.full((R_max, 3), 7.0, np.float32)], axis=1)  # rows E + 3 apart
+    alone = [emu.run(plain[t : t + 1], E, k) for t in range(R_max)]
+    alone = [np.concatenate(parts) for parts in zip(*alone)]
+    ok = True
+    for R in rows:
+        inds, weights = emu.run(plain[:R], E, k)
+        viewed = emu.run(padded[:R], E, k, ndim=3)
+        ref_inds, ref_weights = (np.array(a) for a in router_window.reference_router_window(logits[:R], k))
+        same = (np.array_equal(inds, alone[0][:R]) and np.array_equal(weights, alone[1][:R])
+                and np.array_equal(viewed[0], inds) and np.array_equal(viewed[1], weights))
+        picks_match = np.array_equal(inds, ref_inds)
+        diff = float(np.max(np.abs(weights - ref_weights) / np.abs(ref_weights))) if picks_match else float("inf")
+        ok &= _report(f"router E={E} k={k} {str(dtype).split('.')[-1]}", R, same, diff, tol)
     return ok
 
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from metal_shaders import router_window
 from metal_shaders import rows_matvec as kernels
 
 from .compiled import traced_on_host
@@ -393,7 +394,11 @@ class SparseMoeBlock(nn.Module):
     def picks(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """The router's logits (..., E) -> expert ids (..., k) and their softmax probabilities
         (..., k), float32, not yet renormalised (`route_logits` divides by their sum;
-        `routed` folds that division into its weighted sum, the same arithmetic)."""
+        `routed` folds that division into its weighted sum, the same arithmetic). Exact routing of
+        a window on a GPU runs all of it in one kernel (`router_kernel_takes`), the picks then in
+        descending probability; elsewhere in MLX ops, the picks in argpartition's order."""
+        if self.routing_policy is None and router_kernel_takes(logits, self.top_k):
+            return router_window.router_window(logits, self.top_k)
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         if self.routing_policy is None:
             # The k largest at the end of an ascending partition: one op fewer than negating.
@@ -450,6 +455,15 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:  # k = 1: no shapeless sum over a length-1 axis (see weighted_sum)
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return weighted_sum(picks, weights)
+
+
+def router_kernel_takes(logits: mx.array, top_k: int) -> bool:
+    """Whether a window's router logits (..., E) go to the router kernel (metal_shaders/router_window.py:
+    softmax and top-k in one launch, each row alone) on this device: a window's rows, a shape it
+    takes, a dtype whose probe passed. Serial 1-row steps go there too, so they share its arithmetic."""
+    rows = logits.size // logits.shape[-1] if logits.ndim else 0
+    return (RowSplit.kernel_may_take(rows) and router_window.takes(logits, top_k)
+            and router_window.usable(logits.dtype))
 
 
 def weighted_sum(picks: mx.array, weights: mx.array) -> mx.array:
