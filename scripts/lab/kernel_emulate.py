@@ -797,6 +797,13 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
             kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.HEADER,
                                 params + [f"{t}* out"], f"using TQ = {t}; using TK = {t}; using TV = {t}; "
                                 f"constexpr int DH = {D};", attention_window.SOURCE))
+        for E, ndim in ((512, 3), (48, 2)):  # Qwen3-Next-80B's router (PER 4) and the demo model's (PER 1)
+            per = router_window.per_thread(E)
+            kernels_out.append((f"router_window_{E}_{tn}", ATTENTION_NVCC_HEADER + router_window.HEADER,
+                                ["const int32_t* dims", f"const {t}* logits",
+                                 "const __grid_constant__ Strides logits_strides", "uint32_t* inds", "float* weights"],
+                                f"using T_IN = {t}; constexpr int PER = {per}; constexpr int NDIM = {ndim};",
+                                router_window.SOURCE))
     for dk in (64, 128, 256):
         kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
                             ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
