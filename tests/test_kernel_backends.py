@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_shaders import attention_window, backends, gdn_window, mamba2_window, probe
+from metal_shaders import attention_window, backends, gdn_window, mamba2_window, probe, router_window
 from metal_shaders import rows_matvec as kernels
 
 BODIES = {
@@ -25,6 +25,7 @@ BODIES = {
     "mamba2_window.PREPARE": mamba2_window.PREPARE,
     "mamba2_window.SCAN": mamba2_window.SCAN,
     "attention_window.SOURCE": attention_window.SOURCE,
+    "router_window.SOURCE": router_window.SOURCE,
 }
 
 
@@ -211,3 +212,12 @@ def test_the_attention_body_is_row_invariant_behind_the_metal_prelude(emulate, t
     """(The CUDA prelude's run is tests/test_attention_window.py's.) 300 cells: warps take two
     chunks each, so the block-shared partials and both barriers are exercised."""
     assert emulate.check_attention(emulate.AttentionEmulator(tmp_path, backends.METAL), 1, 4, 2, 32, 300, rows=(1, 3))
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_the_router_body_is_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
+    """Qwen3-Next-80B's router (512 experts, top 10: four a thread, every barrier and the
+    shared slots' alternation over ten picks) and the demo model's (48, top 2), with exact ties."""
+    emu = emulate.RouterEmulator(tmp_path, backend)
+    assert emulate.check_router(emu, 512, 10, rows=(1, 3))
+    assert emulate.check_router(emu, 48, 2, rows=(2,))

@@ -17,7 +17,12 @@ Granite-like single group without a conv bias, and a batch of 2. The attention w
 (metal_shaders/attention_window.py) runs a whole block at a time (its warps share memory): for
 T = 1..8 each row of a T-row call equals its 1-row call over the same cache buffer bit for bit
 and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
-L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2. Not a speed figure; needs
+L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2. The router window kernel
+(metal_shaders/router_window.py) runs a block per row too: for R = 1..8 each row of an R-row call
+(plain, and as a strided view) equals its 1-row call bit for bit, picks the reference's experts
+(descending, ties to the lower index: the logits include exact ties) and weighs them within 1e-6
+(relative) of it, at E = 512, k = 10 (Qwen3-Next-80B), E = 48, k = 2 (the demo model), 1024/16
+and 130/8, with float32 and bfloat16-valued logits. Not a speed figure; needs
 g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
@@ -914,6 +919,10 @@ def main() -> int:
     for B, Hq, Hkv, D, cells, window, pos0 in ((1, 64, 8, 64, 135, 128, 3000), (1, 64, 8, 64, 135, 128, 4),
                                                (1, 8, 2, 64, 300, 0, 0), (2, 4, 2, 64, 11, 4, 37)):
         results.append(check_sink_attention(sinks, B, Hq, Hkv, D, cells, window, pos0=pos0))
+    router = RouterEmulator(emu.dir, args.backend)
+    for E, k, dtype in ((512, 10, mx.float32), (512, 10, mx.bfloat16), (48, 2, mx.float32), (48, 2, mx.bfloat16),
+                        (1024, 16, mx.float32), (130, 8, mx.float32)):
+        results.append(check_router(router, E, k, dtype=dtype))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 
