@@ -15,6 +15,8 @@ def test_selftest_reports_identity_and_window_costs():
     assert report["passed"] and report["backend"].startswith("Device(cpu")
     assert report["gdn_kernels"] == {"usable": False, "probed": True, "error": None}  # the CPU runs the GDN window as MLX ops
     assert report["attention_kernel"] == {"usable": False, "probed": True, "error": None}
+    router = report["router_kernel"]  # probed or not: the CPU's host path may route without asking
+    assert router["usable"] is False and router["error"] is None
     assert report["mamba2_kernels"] == {"usable": False, "probed": True, "error": None}  # asked by the hybrid's layers
     assert {(r["model"], r["mode"], r["dtype"]) for r in report["results"]} == {
         (model, mode, "float32") for model in ("demo", "mamba2-hybrid") for mode in ("3", "auto")}
