@@ -6,5 +6,6 @@ reference that the tests hold it to and that runs where no kernel can (the CPU).
 `rows_matvec`: matrix × up to 8 rows, each row reduced in a fixed order whatever the row count.
 `gdn_window`: the GDN layer's decode window in two kernels. `mamba2_window`: the Mamba-2 layer's
 decode window in two kernels. `attention_window`: a window's query
-rows over the KV cache in one kernel, a block per row.
+rows over the KV cache in one kernel, a block per row. `router_window`: a MoE router's softmax
+and top-k in one kernel, a block per row.
 """
