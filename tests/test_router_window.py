@@ -191,3 +191,36 @@ def test_a_failing_probe_turns_the_kernel_off_and_picks_fall_back(monkeypatch, c
     assert mx.array_equal(inds, expected).item()
     b.picks(logits)
     assert len(made) == 1  # decided once per process
+
+
+def test_gpt_oss_routes_a_window_through_the_kernel_and_folds_its_softmax_into_the_sum(monkeypatch, emulator):
+    """GPT-OSS's softmax over each row's top-k logits is the kernel's top-k probabilities over
+    their sum: the block's output with the (emulated) kernel equals its MLX ops' within float32
+    rounding, and a top-1 router keeps MLX's ops."""
+    from types import SimpleNamespace
+
+    from strata_cli.model.gpt_oss import GptOssMoe
+
+    config = SimpleNamespace(num_experts_per_tok=4, hidden_size=64, num_local_experts=32, intermediate_size=32,
+                             swiglu_alpha=1.702, swiglu_limit=7.0)
+    block = GptOssMoe(config)
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = tree_flatten(block.parameters())
+    block.update(tree_unflatten([(name, 0.1 * mx.random.normal(p.shape, key=mx.random.key(i)))
+                                 for i, (name, p) in enumerate(params)]))
+    # small logits: the top 4 hold well under all the probability, so the renormalisation shows
+    block.router.weight = 0.02 * mx.random.normal(block.router.weight.shape, key=mx.random.key(99))
+    mx.eval(block.parameters())
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
+    expected = block(x)  # the CPU: MLX's ops
+    assert mx.abs(expected).max().item() > 1e-2
+    calls = []
+    monkeypatch.setattr(router_window, "usable", lambda dtype=None: True)
+    monkeypatch.setattr(router_window, "gpu_kernel", emulated_kernel(emulator, calls))
+    got = block(x)
+    assert calls == [5]
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+    block.top_k = 1  # one pick: its weight is 1 either way, and normalized_picks_sum needs k > 1
+    mx.eval(block(x))
+    assert calls == [5]

@@ -18,12 +18,14 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from metal_shaders import router_window
+
 from .biased_experts import ClampedSwitchGLU
 from .config import ConfigError, ModelConfig
 from .decoder_layer import PreNormLayer
 from .layers import DecoderStack, RMSNorm, RowLinear
 from .layout import LayoutError
-from .moe import weighted_sum
+from .moe import normalized_picks_sum, router_kernel_takes, weighted_sum
 from .quant import MXFP4, MXFP4_BITS, MXFP4_GROUP_SIZE, ROUTER_BITS, Quantization
 from .sink_attention import SinkAttention, rope_periods
 
@@ -125,14 +127,23 @@ class GptOssMoe(nn.Module):
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x (N, H) -> expert ids (N, k) and their weights (N, k)."""
-        logits = self.router(x)
+        return self.route_logits(self.router(x))
+
+    def route_logits(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The router's logits (N, E) -> expert ids (N, k) and their weights (N, k)."""
         inds = mx.argpartition(-logits, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
         return inds, mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        inds, weights = self.route(x)
+        logits = self.router(x)
+        if self.top_k > 1 and router_kernel_takes(logits, self.top_k):
+            # A GPU window's routing in one launch: the top k logits are the top k probabilities, and
+            # their softmax is those probabilities over their sum, a division the weighted sum takes.
+            inds, probs = router_window.router_window(logits, self.top_k)
+            return normalized_picks_sum(self.experts(x, inds), probs).reshape(shape)
+        inds, weights = self.route_logits(logits)
         return weighted_sum(self.experts(x, inds), weights).reshape(shape)
 
 
