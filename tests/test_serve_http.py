@@ -4,6 +4,7 @@ completions and chat, streamed and not, usage, stop strings, seeds, greedy text 
 Prometheus text, a client gone mid-stream, the queue bound, concurrent clients, the API key,
 SIGTERM's drain, and --session (saved at exit, restored at start, a corrupt file refused)."""
 
+import asyncio
 import json
 import os
 import signal
@@ -15,12 +16,15 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from strata_cli.options import GenerateOptions, ServeOptions, SpecOptions
 from strata_cli.runtime import embedded_model_path
+from strata_cli.serve.http import END, Job, Worker
 
 STRATA = [sys.executable, "-m", "strata_cli.cli"]
 START_SECONDS = 120
@@ -337,6 +341,37 @@ def test_concurrent_clients_get_their_own_answers(cache):
         assert server.stop() == 0
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_client_with_its_answer_sees_the_worker_free():
+    """The done frame reaches the client only after the worker has let the job go, so /health
+    polled right after an answer never says a request is running (the worker lingers here)."""
+    runtime = SimpleNamespace(engine=None, tokenizer=None, spec_for=lambda spec: spec)
+    worker = Worker(runtime, chat=None, serve_options=ServeOptions(), defaults=GenerateOptions(),
+                    spec=SpecOptions(), max_queue=1)
+    done = {"done": True, "finish_reason": "length", "stats": {},
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}}
+
+    def handle(line: bytes) -> None:
+        worker._deliver({"delta": "x"})
+        worker._deliver(done)
+        time.sleep(0.3)  # what remains of `Server.handle` after its done frame
+
+    worker.server.handle = handle
+
+    async def client() -> list:
+        job = Job(b"{}", stream=True, min_match=None, deadline=None)
+        thread = threading.Thread(target=worker._answer, args=(job,))
+        thread.start()
+        seen = []
+        while (frame := await job.frames.get()) is not END:
+            seen.append((frame, worker.current is None))
+        await asyncio.to_thread(thread.join)
+        return seen
+
+    seen = asyncio.run(client())
+    assert [f for f, _ in seen] == [{"delta": "x"}, done]
+    assert seen[-1][1], "the done frame came while the worker still held the job"
 
 
 def test_api_key_and_sigterm_drain(cache):

@@ -99,6 +99,7 @@ class Job:
         self.arrived = time.perf_counter()
         self.started: float | None = None  # the worker took it
         self.last_delta: float | None = None
+        self.done: dict | None = None  # the done frame, held until the worker lets the job go
         self._cancel = threading.Event()
 
     def cancel(self) -> None:
@@ -209,10 +210,13 @@ class Worker:
             self.server.handle(job.line)
         except Exception as e:  # Server.handle answers every error itself; this is a last resort
             log.exception("the worker failed")
-            job.put(error_frame(None, INTERNAL_ERROR, f"{type(e).__name__}: {e}"))
+            if job.done is None:  # an answer already given stands
+                job.put(error_frame(None, INTERNAL_ERROR, f"{type(e).__name__}: {e}"))
         finally:
-            self.current = None
+            self.current = None  # before the done frame, so a client that has its answer sees the worker free
             self.server.spec = self.spec
+            if job.done is not None:
+                job.put(job.done)
             job.put(END)
 
     def _deliver(self, frame: dict) -> None:
@@ -237,6 +241,8 @@ class Worker:
             self.metrics.request_seconds.observe(now - job.arrived)
             if job.is_client_gone:
                 self.metrics.cancelled_by_client.inc()
+            job.done = frame
+            return
         job.put(frame)
 
 
