@@ -48,7 +48,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import attention_window, backends, gdn_window, mamba2_window, router_window
+from metal_shaders import add_norm, attention_window, backends, gdn_window, mamba2_window, router_window
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -730,6 +730,99 @@ def check_router(emu: RouterEmulator, E: int, k: int, *, rows=range(1, 9), dtype
         picks_match = np.array_equal(inds, ref_inds)
         diff = float(np.max(np.abs(weights - ref_weights) / np.abs(ref_weights))) if picks_match else float("inf")
         ok &= _report(f"router E={E} k={k} {str(dtype).split('.')[-1]}", R, same, diff, tol)
+    return ok
+
+
+# bfloat16 in software for the add-norm kernel, whose rounding to the dtype is the point: a float
+# rounds to nearest even (a NaN stays a quiet NaN), a bfloat16 widens exactly. As __nv_bfloat16
+# and Metal's bfloat16_t convert.
+BF16_SHIM = r"""
+struct strata_bf16 {
+    uint16_t bits;
+    strata_bf16() = default;
+    explicit strata_bf16(float f) {
+        uint32_t u; std::memcpy(&u, &f, 4);
+        bits = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
+                                               : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    explicit operator float() const { const uint32_t u = static_cast<uint32_t>(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+"""
+ADD_NORM_TYPES = {mx.float32: ("float", np.uint32), mx.bfloat16: ("strata_bf16", np.uint16)}
+
+
+def raw_bits(a: mx.array) -> np.ndarray:
+    """a's bits as unsigned integers of its width (float32 or bfloat16)."""
+    return np.array(a.view(mx.uint32 if a.dtype == mx.float32 else mx.uint16))
+
+
+class AddNormEmulator:
+    """add_norm's kernel on the CPU, a block (row) at a time, in float32 or in bfloat16 (in
+    software, BF16_SHIM), its two outputs (h, normed) as MLX declares them."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+        self.source = add_norm.SOURCE
+
+    def _binary(self, per: int, dtype) -> Path:
+        if (per, dtype) not in self.built:
+            t = ADD_NORM_TYPES[dtype][0]
+            params = ["const int32_t* dims", "const float* eps", f"const {t}* x", f"const {t}* y", f"const {t}* weight"]
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
+            args += [f"({t}*)outs[0].data()", f"({t}*)outs[1].data()"]
+            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, add_norm.HEADER, [*params, f"{t}* h", f"{t}* normed"],
+                              f"using T = {t}; constexpr int PER = {per};", self.source)
+                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", "2")
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"add_norm_{per}_{t}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[per, dtype] = path
+        return self.built[per, dtype]
+
+    def run(self, x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+        """The kernel over the rows of x, y (R, H) (one dtype, float32 or bfloat16) with `weight`
+        (H,): h and normed (R, H) in that dtype, their bits as the kernel wrote them."""
+        R, H = x.shape
+        bits = ADD_NORM_TYPES[x.dtype][1]
+        inputs = [np.array([R, H], np.int32), np.array([eps], np.float32), raw_bits(x), raw_bits(y), raw_bits(weight)]
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"nin{i}"))
+            Path(names[-1]).write_bytes(np.ascontiguousarray(a).tobytes())
+        config = add_norm.launch(R)
+        threads = config["threadgroup"][0]
+        words = -(-R * H * np.dtype(bits).itemsize // 4)  # the emulator's outputs are 4-byte words
+        outs = [self.dir / "nout0", self.dir / "nout1"]
+        subprocess.run([str(self._binary(add_norm.per_thread(H), x.dtype)), *names,
+                        str(config["grid"][0] // threads), str(threads), str(words), str(outs[0]), str(words),
+                        str(outs[1])], check=True)
+        return tuple(mx.array(np.fromfile(out, bits)[: R * H].reshape(R, H)).view(x.dtype) for out in outs)
+
+
+def check_add_norm(emu: AddNormEmulator, H: int, *, rows=range(1, 9), dtype=mx.float32, seed: int = 0,
+                   eps: float = 1e-6) -> bool:
+    """For each R in `rows`: every row of an R-row call equals its 1-row call bit for bit (h and
+    normed), h equals MLX's x + y bit for bit, and normed is within add_norm.TOLERANCE of the
+    reference (mx.fast.rms_norm's CPU form); also printed: how many normed values equal
+    mx.fast.rms_norm's bits."""
+    x, y, weight = add_norm.probe_inputs(H, rows=max(rows), dtype=dtype, seed=seed)
+    alone = [emu.run(x[t : t + 1], y[t : t + 1], weight, eps) for t in range(max(rows))]
+    alone = [np.concatenate([raw_bits(a[i]) for a in alone]) for i in range(2)]
+    ok = True
+    for R in rows:
+        h, normed = emu.run(x[:R], y[:R], weight, eps)
+        ref_h, ref = add_norm.reference_add_norm(x[:R], y[:R], weight, eps)
+        same = np.array_equal(raw_bits(h), alone[0][:R]) and np.array_equal(raw_bits(normed), alone[1][:R])
+        exact_h = np.array_equal(raw_bits(h), raw_bits(x[:R] + y[:R]))
+        got, expected = _f32(normed), _f32(ref)
+        err = np.abs(got - expected)
+        diff = float(np.max(np.where(expected == 0, err, err / np.maximum(np.abs(expected), 1e-30))))
+        fast = raw_bits(mx.fast.rms_norm(x[:R] + y[:R], weight, eps))
+        name = f"add_norm H={H} {str(dtype).split('.')[-1]}"
+        ok &= _report(name, R, same and exact_h, diff if exact_h else float("inf"), add_norm.TOLERANCE[dtype])
+        print(f"{'':34s} h == MLX's x + y: {exact_h}  normed bits == mx.fast.rms_norm's (CPU): "
+              f"{int(np.sum(raw_bits(normed) == fast))} of {fast.size}", flush=True)
     return ok
 
 
