@@ -5,7 +5,8 @@ Each kernel body, behind the prelude of the backend chosen (`--backend cuda`, th
 `metal`: exactly what `mx.fast.cuda_kernel` / `mx.fast.metal_kernel` are handed), is compiled by
 g++ with a small shim for that backend's names: a warp (SIMD group) is 32 threads, a shuffle
 trades values through a barrier, `__ldg`, `uint4` and Metal's address spaces are plain C++, and
-Metal's math is the C library's. float32 only (bf16 needs the backends' headers). It checks, per kernel,
+Metal's math is the C library's. float32 only (bf16 needs the backends' headers), but for the
+add-norm kernel, whose bfloat16 is emulated in software. It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
 rows than one block takes (affine, and MXFP4 in each decode form). The GDN window kernels (metal_shaders/gdn_window.py) run the same
@@ -22,7 +23,11 @@ L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2. The router w
 (plain, and as a strided view) equals its 1-row call bit for bit, picks the reference's experts
 (descending, ties to the lower index: the logits include exact ties) and weighs them within 1e-6
 (relative) of it, at E = 512, k = 10 (Qwen3-Next-80B), E = 48, k = 2 (the demo model), 1024/16
-and 130/8, with float32 and bfloat16-valued logits. Not a speed figure; needs
+and 130/8, with float32 and bfloat16-valued logits. The add-norm kernel (metal_shaders/add_norm.py)
+runs a block per row, in float32 and in bfloat16 (in software): for R = 1..8 each row of an
+R-row call equals its 1-row call bit for bit (h and the normed h), h equals MLX's x + y bit for
+bit and the normed h stays within add_norm.TOLERANCE of the reference, at H = 2048
+(Qwen3-Next-80B) and 130. Not a speed figure; needs
 g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
@@ -902,6 +907,11 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                  "const __grid_constant__ Strides logits_strides", "uint32_t* inds", "float* weights"],
                                 f"using T_IN = {t}; constexpr int PER = {per}; constexpr int NDIM = {ndim};",
                                 router_window.SOURCE))
+        for H in (2048, 130):  # Qwen3-Next-80B's hidden size (PER 8) and an odd one (PER 1)
+            kernels_out.append((f"add_norm_{H}_{tn}", add_norm.HEADER,
+                                ["const int32_t* dims", "const float* eps", f"const {t}* x", f"const {t}* y",
+                                 f"const {t}* weight", f"{t}* h", f"{t}* normed"],
+                                f"using T = {t}; constexpr int PER = {add_norm.per_thread(H)};", add_norm.SOURCE))
     for dk in (64, 128, 256):
         kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
                             ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
@@ -1016,6 +1026,9 @@ def main() -> int:
     for E, k, dtype in ((512, 10, mx.float32), (512, 10, mx.bfloat16), (48, 2, mx.float32), (48, 2, mx.bfloat16),
                         (1024, 16, mx.float32), (130, 8, mx.float32)):
         results.append(check_router(router, E, k, dtype=dtype))
+    add_norms = AddNormEmulator(emu.dir, args.backend)
+    for H, dtype in ((2048, mx.float32), (2048, mx.bfloat16), (130, mx.float32), (130, mx.bfloat16)):
+        results.append(check_add_norm(add_norms, H, dtype=dtype))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 
