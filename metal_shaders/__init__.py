@@ -7,5 +7,6 @@ reference that the tests hold it to and that runs where no kernel can (the CPU).
 `gdn_window`: the GDN layer's decode window in two kernels. `mamba2_window`: the Mamba-2 layer's
 decode window in two kernels. `attention_window`: a window's query
 rows over the KV cache in one kernel, a block per row. `router_window`: a MoE router's softmax
-and top-k in one kernel, a block per row.
+and top-k in one kernel, a block per row. `add_norm`: a pre-norm layer's residual add and the
+RMSNorm after it in one kernel, a block per row.
 """

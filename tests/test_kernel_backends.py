@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_shaders import attention_window, backends, gdn_window, mamba2_window, probe, router_window
+from metal_shaders import add_norm, attention_window, backends, gdn_window, mamba2_window, probe, router_window
 from metal_shaders import rows_matvec as kernels
 
 BODIES = {
@@ -26,6 +26,7 @@ BODIES = {
     "mamba2_window.SCAN": mamba2_window.SCAN,
     "attention_window.SOURCE": attention_window.SOURCE,
     "router_window.SOURCE": router_window.SOURCE,
+    "add_norm.SOURCE": add_norm.SOURCE,
 }
 
 
@@ -221,3 +222,12 @@ def test_the_router_body_is_row_invariant_behind_each_prelude(emulate, backend, 
     emu = emulate.RouterEmulator(tmp_path, backend)
     assert emulate.check_router(emu, 512, 10, rows=(1, 3))
     assert emulate.check_router(emu, 48, 2, rows=(2,))
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_the_add_norm_body_is_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
+    """Qwen3-Next-80B's hidden size in bfloat16 (eight values a thread, every warp's partial) and
+    an odd one in float32 (threads past H idle)."""
+    emu = emulate.AddNormEmulator(tmp_path, backend)
+    assert emulate.check_add_norm(emu, 2048, rows=(1, 3), dtype=mx.bfloat16)
+    assert emulate.check_add_norm(emu, 130, rows=(2,))

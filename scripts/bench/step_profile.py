@@ -98,6 +98,7 @@ def part_methods(model) -> dict[tuple[int, str], str]:
         kinds[(id(layer), "__call__")] = "residual"
         for norm in ("input_layernorm", "post_attention_layernorm"):
             kinds[(id(layer[norm]), "__call__")] = "norm"
+        kinds[(id(layer.post_attention_layernorm), "add_and_norm")] = "norm"  # the add before it too
         mixer = layer.mixer
         prefix = "gdn" if "linear_attn" in layer else "attn"
         for method in ("head", "core", "tail"):

@@ -3,7 +3,8 @@
 The mixer (attention or GDN) splits its call into `head` (projections: pure), `core` (what
 touches the layer's state) and `tail` (output projection: pure). Decode windows run the layer's
 pure ends compiled (compiled.py): the input norm and the mixer's head in one trace; the mixer's
-tail, the residual adds, the post norm and the feed-forward block in another. On the CPU, where
+tail, the residual adds, the post norm and the feed-forward block in another (on a GPU the first
+add and the post norm in one kernel, RMSNorm.add_and_norm). On the CPU, where
 short calls' linears run in numpy, the tail runs on the host instead (host_tail.py), and the whole
 layer where its mixer has a numpy form (host_layer.py).
 """
@@ -36,8 +37,8 @@ class PreNormLayer(nn.Module):
         return self.mixer.head(self.input_layernorm(x))
 
     def tail(self, x: mx.array, mixed: mx.array, *tail_in: mx.array) -> mx.array:
-        h = x + self.mixer.tail(mixed, *tail_in)
-        return h + self.ffn(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.add_and_norm(x, self.mixer.tail(mixed, *tail_in))
+        return h + self.ffn(normed)
 
     def __call__(self, x: mx.array, state) -> mx.array:
         head, tail = self.head, self.tail

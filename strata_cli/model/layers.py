@@ -11,6 +11,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from metal_shaders import add_norm
 from metal_shaders import rows_matvec as kernels
 
 from . import host_blas
@@ -395,6 +396,18 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: mx.array, y: mx.array) -> tuple[mx.array, mx.array]:
+        """h = x + y and self(h): a pre-norm layer's residual add and this norm after it. A window
+        on a GPU (serial 1-row steps too, so they share its arithmetic) runs both in one kernel
+        (metal_shaders/add_norm.py) where the operands are a shape and dtype it takes and its
+        probe passed; elsewhere (the CPU, prompt chunks, a subclass) MLX's two ops."""
+        rows = x.size // x.shape[-1] if x.ndim else 0
+        if (type(self) is RMSNorm and RowSplit.kernel_may_take(rows) and add_norm.takes(x, y, self.weight)
+                and add_norm.usable(x.dtype)):
+            return add_norm.add_norm(x, y, self.weight, self.eps)
+        h = x + y
+        return h, self(h)
 
 
 class GatedRMSNorm(nn.Module):
