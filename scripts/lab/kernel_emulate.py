@@ -6,7 +6,7 @@ Each kernel body, behind the prelude of the backend chosen (`--backend cuda`, th
 g++ with a small shim for that backend's names: a warp (SIMD group) is 32 threads, a shuffle
 trades values through a barrier, `__ldg`, `uint4` and Metal's address spaces are plain C++, and
 Metal's math is the C library's. float32 only (bf16 needs the backends' headers), but for the
-add-norm kernel, whose bfloat16 is emulated in software. It checks, per kernel,
+add-norm and MoE combine kernels, whose bfloat16 is emulated in software. It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
 rows than one block takes (affine, and MXFP4 in each decode form). The GDN window kernels (metal_shaders/gdn_window.py) run the same
@@ -27,8 +27,12 @@ and 130/8, with float32 and bfloat16-valued logits. The add-norm kernel (metal_s
 runs a block per row, in float32 and in bfloat16 (in software): for R = 1..8 each row of an
 R-row call equals its 1-row call bit for bit (h and the normed h), h equals MLX's x + y bit for
 bit and the normed h stays within add_norm.TOLERANCE of the reference, at H = 2048
-(Qwen3-Next-80B) and 130. Not a speed figure; needs
-g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
+(Qwen3-Next-80B) and 130. The MoE combine kernel
+(metal_shaders/moe_combine.py) runs a thread at a time (its threads never meet), with float32 and
+bfloat16 picks (bfloat16 emulated as the GPUs round it): for R = 1..8 each row equals its 1-row
+call bit for bit and stays within one output rounding plus 1e-6 (of the row's largest) of the
+reference, at H = 2048, 131 and 1000, k = 1, 4, 10 and 16, renormalising or not, with a shared
+expert's gated term or without. Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
 it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
@@ -53,7 +57,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import add_norm, attention_window, backends, gdn_window, mamba2_window, router_window
+from metal_shaders import add_norm, attention_window, backends, gdn_window, mamba2_window, moe_combine, router_window
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -738,7 +742,7 @@ def check_router(emu: RouterEmulator, E: int, k: int, *, rows=range(1, 9), dtype
     return ok
 
 
-# bfloat16 in software for the add-norm kernel, whose rounding to the dtype is the point: a float
+# bfloat16 in software for the add-norm and combine kernels, whose rounding to the dtype is the point: a float
 # rounds to nearest even (a NaN stays a quiet NaN), a bfloat16 widens exactly. As __nv_bfloat16
 # and Metal's bfloat16_t convert.
 BF16_SHIM = r"""
@@ -753,7 +757,7 @@ struct strata_bf16 {
     explicit operator float() const { const uint32_t u = static_cast<uint32_t>(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 };
 """
-ADD_NORM_TYPES = {mx.float32: ("float", np.uint32), mx.bfloat16: ("strata_bf16", np.uint16)}
+EMULATED_TYPES = {mx.float32: ("float", np.uint32), mx.bfloat16: ("strata_bf16", np.uint16)}
 
 
 def raw_bits(a: mx.array) -> np.ndarray:
@@ -772,7 +776,7 @@ class AddNormEmulator:
 
     def _binary(self, per: int, dtype) -> Path:
         if (per, dtype) not in self.built:
-            t = ADD_NORM_TYPES[dtype][0]
+            t = EMULATED_TYPES[dtype][0]
             params = ["const int32_t* dims", "const float* eps", f"const {t}* x", f"const {t}* y", f"const {t}* weight"]
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
             args += [f"({t}*)outs[0].data()", f"({t}*)outs[1].data()"]
@@ -789,7 +793,7 @@ class AddNormEmulator:
         """The kernel over the rows of x, y (R, H) (one dtype, float32 or bfloat16) with `weight`
         (H,): h and normed (R, H) in that dtype, their bits as the kernel wrote them."""
         R, H = x.shape
-        bits = ADD_NORM_TYPES[x.dtype][1]
+        bits = EMULATED_TYPES[x.dtype][1]
         inputs = [np.array([R, H], np.int32), np.array([eps], np.float32), raw_bits(x), raw_bits(y), raw_bits(weight)]
         names = []
         for i, a in enumerate(inputs):
@@ -828,6 +832,103 @@ def check_add_norm(emu: AddNormEmulator, H: int, *, rows=range(1, 9), dtype=mx.f
         ok &= _report(name, R, same and exact_h, diff if exact_h else float("inf"), add_norm.TOLERANCE[dtype])
         print(f"{'':34s} h == MLX's x + y: {exact_h}  normed bits == mx.fast.rms_norm's (CPU): "
               f"{int(np.sum(raw_bits(normed) == fast))} of {fast.size}", flush=True)
+    return ok
+
+
+# A thread at a time, block after block (x within y): for bodies whose threads never meet (no
+# barrier, no shuffle). NUM_INPUTS inputs, then the grid's blocks (x, y), the block's threads,
+# the output's element count and path; the output is OUT_T, unwritten elements all-ones (NaN).
+MAIN_SERIAL = SLURP + r"""
+int main(int argc, char** argv) {
+    std::vector<std::vector<char>> in;
+    for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
+    const int gx = atoi(argv[1 + NUM_INPUTS]), gy = atoi(argv[2 + NUM_INPUTS]), tx = atoi(argv[3 + NUM_INPUTS]);
+    const long n = atol(argv[4 + NUM_INPUTS]);
+    std::vector<OUT_T> out(n);
+    std::memset(out.data(), 0xFF, n * sizeof(OUT_T));
+    blockDim.x = tx;
+    for (int by = 0; by < gy; ++by) for (int bx = 0; bx < gx; ++bx) for (int t = 0; t < tx; ++t) {
+        threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; CALL;
+    }
+    FILE* f = fopen(argv[5 + NUM_INPUTS], "wb"); fwrite(out.data(), sizeof(OUT_T), n, f); fclose(f);
+}
+"""
+class CombineEmulator:
+    """moe_combine's kernels on the CPU, float32 or bfloat16 picks (each element rounded as the
+    GPU rounds it), with moe_combine's launch: a thread at a time (its threads never meet)."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+        self.sources = {shared: body for shared, (_, _, body) in moe_combine.KERNELS.items()}
+
+    def _binary(self, dtype, has_shared: bool) -> Path:
+        key = (dtype, has_shared)
+        if key not in self.built:
+            t = EMULATED_TYPES[dtype][0]
+            _, inputs, body = moe_combine.KERNELS[has_shared]
+            types = {"dims": "const int32_t*", "weights": "const float*"}
+            params = [f"{types.get(name, f'const {t}*')} {name}" for name in inputs]
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
+            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, f"{t}* out"], f"using T_P = {t};",
+                              self.sources[has_shared])
+                      + MAIN_SERIAL.replace("NUM_INPUTS", str(len(inputs))).replace("OUT_T", t)
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"combine_{t}_{int(has_shared)}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[key] = path
+        return self.built[key]
+
+    def run(self, picks: mx.array, weights: mx.array, *, normalize: bool = False, shared: mx.array | None = None,
+            gates: mx.array | None = None, gate_column: int = 0) -> mx.array:
+        """moe_combine's call, emulated: picks (R, k, H) float32 or bfloat16, weights (R, k)
+        float32, shared (R, H) and gates (R, G) of the picks' dtype or None. Returns (R, H)."""
+        R, k, H = picks.shape
+        has_shared = shared is not None
+        G = gates.shape[-1] if has_shared else 1
+        inputs = [np.array([R, k, H, int(normalize), G, gate_column], np.int32).tobytes(), raw_bits(picks).tobytes(),
+                  raw_bits(weights.astype(mx.float32)).tobytes()]
+        if has_shared:
+            inputs += [raw_bits(shared).tobytes(), raw_bits(gates).tobytes()]
+        names = []
+        for i, raw in enumerate(inputs):
+            names.append(str(self.dir / f"cin{i}"))
+            Path(names[-1]).write_bytes(raw)
+        config = moe_combine.launch(R, H)
+        threads = config["threadgroup"][0]
+        out = self.dir / "cout"
+        subprocess.run([str(self._binary(picks.dtype, has_shared)), *names, str(config["grid"][0] // threads),
+                        str(config["grid"][1]), str(threads), str(R * H), str(out)], check=True)
+        if picks.dtype == mx.bfloat16:
+            return mx.array(np.fromfile(out, np.uint16).reshape(R, H)).view(mx.bfloat16)
+        return mx.array(np.fromfile(out, np.float32).reshape(R, H))
+
+
+def check_combine(emu: CombineEmulator, H: int, k: int, *, dtype=mx.float32, normalize: bool = True,
+                  has_shared: bool = True, rows=range(1, 9), tol=1e-6, seed: int = 0) -> bool:
+    """For each R in `rows`: every row of an R-row call equals its 1-row call bit for bit, and
+    the result is within one rounding of `dtype` (bfloat16; none for float32) plus `tol` of the
+    row's largest value of the reference (moe_combine.reference_moe_combine)."""
+    picks, weights, shared, gates = moe_combine.probe_inputs(H, k, rows=max(rows), dtype=dtype, seed=seed)
+    extra = {"shared": shared, "gates": gates, "gate_column": 1} if has_shared else {}
+
+    def call(lo: int, hi: int) -> mx.array:
+        part = {**extra, "shared": shared[lo:hi], "gates": gates[lo:hi]} if has_shared else {}
+        return emu.run(picks[lo:hi], weights[lo:hi], normalize=normalize, **part)
+
+    alone = mx.concatenate([call(t, t + 1) for t in range(max(rows))])
+    ok = True
+    for R in rows:
+        got = call(0, R)
+        expected = moe_combine.reference_moe_combine(picks[:R], weights[:R], normalize=normalize,
+                                                     **({**extra, "shared": shared[:R], "gates": gates[:R]}
+                                                        if has_shared else {}))
+        same = mx.array_equal(got, alone[:R]).item() and not mx.isnan(got).any().item()
+        g, e = _f32(got), _f32(expected)
+        excess = np.abs(g - e) - moe_combine.tolerance(dtype) * np.abs(e)  # beyond one output rounding
+        diff = float(np.max(excess / np.abs(e).max(axis=-1, keepdims=True)))
+        name = f"combine H={H} k={k} {str(dtype).split('.')[-1]}{' norm' if normalize else ''}"
+        ok &= _report(name + (" shared" if has_shared else ""), R, same, max(diff, 0.0), tol)
     return ok
 
 
@@ -912,6 +1013,11 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                 ["const int32_t* dims", "const float* eps", f"const {t}* x", f"const {t}* y",
                                  f"const {t}* weight", f"{t}* h", f"{t}* normed"],
                                 f"using T = {t}; constexpr int PER = {add_norm.per_thread(H)};", add_norm.SOURCE))
+        for has_shared, (_, inputs, body) in moe_combine.KERNELS.items():  # row-major inputs: no strides
+            types = {"dims": "const int32_t*", "weights": "const float*"}
+            kernels_out.append((f"moe_combine{'_shared' if has_shared else ''}_{tn}", "",
+                                [f"{types.get(name, f'const {t}*')} {name}" for name in inputs] + [f"{t}* out"],
+                                f"using T_P = {t};", body))
     for dk in (64, 128, 256):
         kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
                             ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
@@ -1029,6 +1135,11 @@ def main() -> int:
     add_norms = AddNormEmulator(emu.dir, args.backend)
     for H, dtype in ((2048, mx.float32), (2048, mx.bfloat16), (130, mx.float32), (130, mx.bfloat16)):
         results.append(check_add_norm(add_norms, H, dtype=dtype))
+    combine = CombineEmulator(emu.dir, args.backend)
+    for H, k, dtype in ((2048, 10, mx.float32), (2048, 10, mx.bfloat16), (2048, 4, mx.bfloat16), (131, 4, mx.float32),
+                        (131, 1, mx.bfloat16), (1000, 16, mx.float32)):
+        for normalize, has_shared in ((True, True), (False, False), (True, False), (False, True)):
+            results.append(check_combine(combine, H, k, dtype=dtype, normalize=normalize, has_shared=has_shared))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 
