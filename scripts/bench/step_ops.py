@@ -13,7 +13,7 @@ built eagerly (`ops_eager`), since a compiled trace hides its parts. Build time 
 host time between one step's eval and the next, the eval itself excluded (medians).
 
 --path gpu (default) counts what a CUDA device runs, on any backend: strata's CUDA kernels
-(rows_matvec, gdn_window, attention_window, router_window, add_norm) become one stand-in primitive each (`mx.depends` on zeros: evaluable,
+(rows_matvec, gdn_window, attention_window, router_window, add_norm, moe_combine) become one stand-in primitive each (`mx.depends` on zeros: evaluable,
 so the step runs, with meaningless values), `mx.fast` rms_norm/rope/sdpa and `mx.dequantize` become one
 primitive each (the CPU builds them from ~10-30 ops), RowSplit splits windows as on a GPU and the decode
 loop overlaps its steps. What still differs from the H200: the stand-ins' Python cost is not the
@@ -40,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from metal_shaders import add_norm, attention_window, gdn_window, router_window, rows_matvec
+from metal_shaders import add_norm, attention_window, gdn_window, moe_combine, router_window, rows_matvec
 from scripts.bench import compare_mlx_lm as compare
 from scripts.bench.graph_ops import count_step
 from strata_cli.bench.peers import MlxLmPeer, require_mlx_lm
@@ -129,6 +129,8 @@ def gpu_shaped(stand_ins: StandIns):
                 mock.patch.object(router_window, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(add_norm, "usable", lambda dtype=None: True), \
                 mock.patch.object(add_norm, "gpu_kernel", stand_ins.kernel), \
+                mock.patch.object(moe_combine, "usable", lambda dtype=None: True), \
+                mock.patch.object(moe_combine, "gpu_kernel", stand_ins.kernel), \
                 mock.patch.object(mx.fast, "rms_norm", stand_ins.rms_norm), \
                 mock.patch.object(mx.fast, "rope", stand_ins.rope), \
                 mock.patch.object(mx, "dequantize", stand_ins.dequantize), \

@@ -25,7 +25,7 @@ from .config import ConfigError, ModelConfig
 from .decoder_layer import PreNormLayer
 from .layers import DecoderStack, RMSNorm, RowLinear
 from .layout import LayoutError
-from .moe import normalized_picks_sum, router_kernel_takes, weighted_sum
+from .moe import picks_sum, router_kernel_takes, weighted_sum
 from .quant import MXFP4, MXFP4_BITS, MXFP4_GROUP_SIZE, ROUTER_BITS, Quantization
 from .sink_attention import SinkAttention, rope_periods
 
@@ -140,9 +140,10 @@ class GptOssMoe(nn.Module):
         logits = self.router(x)
         if self.top_k > 1 and router_kernel_takes(logits, self.top_k):
             # A GPU window's routing in one launch: the top k logits are the top k probabilities, and
-            # their softmax is those probabilities over their sum, a division the weighted sum takes.
+            # their softmax is those probabilities over their sum, a division the weighted sum takes
+            # (the combine kernel's renormalisation, where it runs).
             inds, probs = router_window.router_window(logits, self.top_k)
-            return normalized_picks_sum(self.experts(x, inds), probs).reshape(shape)
+            return picks_sum(self.experts(x, inds), probs, normalize=True).reshape(shape)
         inds, weights = self.route_logits(logits)
         return weighted_sum(self.experts(x, inds), weights).reshape(shape)
 

@@ -356,7 +356,13 @@ class StackedRows:
         return len(now) == len(self.sources) and all(a is b for a, b in zip(now, self.sources))
 
     def __call__(self, x: mx.array) -> tuple[mx.array, ...]:
-        return tuple(mx.split(self.fused(x), self.bounds, axis=-1))
+        return self.outputs(x)[1]
+
+    def outputs(self, x: mx.array) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """The stacked output (..., the linears' widths summed), and it split back: for a kernel
+        that reads one linear's columns from the stacked rows (no copy of a strided view)."""
+        out = self.fused(x)
+        return out, tuple(mx.split(out, self.bounds, axis=-1))
 
 
 def stack(owner: nn.Module, name: str, *paths: str) -> None:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from metal_shaders import router_window
+from metal_shaders import moe_combine, router_window
 from metal_shaders import rows_matvec as kernels
 
 from .compiled import traced_on_host
@@ -420,9 +420,16 @@ class SparseMoeBlock(nn.Module):
             if router is not None and inputs is not None:
                 if not self.compilable:  # streamed experts and routing policies take (N, H) rows
                     x = x.reshape(-1, shape[-1])
-                logits, shared_gate = router(x)
-                y = self.routed(x, logits)
-                out = add_gated(y, shared.down_proj(swiglu(*inputs(x))), shared_gate)
+                both, (logits, shared_gate) = router.outputs(x)
+                inds, weights = self.picks(logits)
+                picks = self.switch_mlp(x, inds)
+                shared_out = shared.down_proj(swiglu(*inputs(x)))
+                gate_column = router.bounds[0]  # the gate's column of the stacked output: after the E logits
+                if combine_kernel_takes(picks, weights, shared_out, both, gate_column):
+                    out = moe_combine.moe_combine(picks, weights, normalize=self.norm_topk_prob, shared=shared_out,
+                                                  gates=both, gate_column=gate_column)
+                else:
+                    out = add_gated(picks_sum(picks, weights, normalize=self.norm_topk_prob), shared_out, shared_gate)
                 return out if out.shape == shape else out.reshape(shape)
         # The router and the shared expert's input projections read x together (`project`).
         x = x.reshape(-1, shape[-1])
@@ -449,12 +456,7 @@ class SparseMoeBlock(nn.Module):
     def routed(self, x: mx.array, logits: mx.array) -> mx.array:
         """x (..., H) and the router's logits (..., E) -> the routed experts' weighted sum (..., H)."""
         inds, weights = self.picks(logits)
-        picks = self.switch_mlp(x, inds)
-        if self.norm_topk_prob and picks.shape[-2] > 1:
-            return normalized_picks_sum(picks, weights)
-        if self.norm_topk_prob:  # k = 1: no shapeless sum over a length-1 axis (see weighted_sum)
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        return weighted_sum(picks, weights)
+        return picks_sum(self.switch_mlp(x, inds), weights, normalize=self.norm_topk_prob)
 
 
 def router_kernel_takes(logits: mx.array, top_k: int) -> bool:
@@ -466,13 +468,39 @@ def router_kernel_takes(logits: mx.array, top_k: int) -> bool:
             and router_window.usable(logits.dtype))
 
 
+def combine_kernel_takes(picks: mx.array, weights: mx.array, shared: mx.array | None = None,
+                         gates: mx.array | None = None, gate_column: int = 0) -> bool:
+    """Whether a window's picks (..., k, H) are combined by the combine kernel
+    (metal_shaders/moe_combine.py: the weighted sum, its renormalisation and a shared expert's
+    gated output in one launch, each row alone) on this device: a window's rows, arrays it takes,
+    a dtype whose probe passed. Serial 1-row steps go there too, so they share its arithmetic."""
+    rows = picks.size // (picks.shape[-2] * picks.shape[-1]) if picks.ndim >= 2 else 0
+    return (RowSplit.kernel_may_take(rows) and moe_combine.takes(picks, weights, shared, gates, gate_column)
+            and moe_combine.usable(picks.dtype))
+
+
+def picks_sum(picks: mx.array, weights: mx.array, *, normalize: bool = False) -> mx.array:
+    """picks (..., k, H) weighted by weights (..., k), over their sum where `normalize`, summed
+    over k: the combine kernel where it takes the window, else MLX's compiled ops."""
+    if normalize and combine_kernel_takes(picks, weights):
+        return moe_combine.moe_combine(picks, weights, normalize=True)
+    if normalize and picks.shape[-2] > 1:
+        return normalized_picks_sum(picks, weights)
+    if normalize:  # k = 1: no shapeless sum over a length-1 axis (see weighted_sum)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weighted_sum(picks, weights)
+
+
 def weighted_sum(picks: mx.array, weights: mx.array) -> mx.array:
-    """picks (..., k, H) weighted by weights (..., k) and summed over k, in one compiled kernel.
+    """picks (..., k, H) weighted by weights (..., k) and summed over k: the combine kernel
+    where it takes the window (a GPU's decode rows, float32 weights), else one compiled kernel.
 
     With k = 1 the sum is the one weighted pick, taken without a reduction: MLX 0.32.4 crashes on
     a shapeless-compiled sum over a length-1 axis (docs/mlx-bugs.md). Summing one value adds
     nothing, so both forms give the same bits.
     """
+    if combine_kernel_takes(picks, weights):
+        return moe_combine.moe_combine(picks, weights)
     if picks.shape[-2] == 1:
         return scaled(picks.reshape(*picks.shape[:-2], picks.shape[-1]), weights)
     return weighted_picks_sum(picks, weights)
