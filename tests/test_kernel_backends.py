@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_shaders import add_norm, attention_window, backends, gdn_window, mamba2_window, probe, router_window
+from metal_shaders import add_norm, attention_window, backends, gdn_window, mamba2_window, moe_combine, probe, router_window
 from metal_shaders import rows_matvec as kernels
 
 BODIES = {
@@ -27,6 +27,8 @@ BODIES = {
     "attention_window.SOURCE": attention_window.SOURCE,
     "router_window.SOURCE": router_window.SOURCE,
     "add_norm.SOURCE": add_norm.SOURCE,
+    "moe_combine.SOURCE": moe_combine.SOURCE,
+    "moe_combine.SOURCE_SHARED": moe_combine.SOURCE_SHARED,
 }
 
 
@@ -231,3 +233,11 @@ def test_the_add_norm_body_is_row_invariant_behind_each_prelude(emulate, backend
     emu = emulate.AddNormEmulator(tmp_path, backend)
     assert emulate.check_add_norm(emu, 2048, rows=(1, 3), dtype=mx.bfloat16)
     assert emulate.check_add_norm(emu, 130, rows=(2,))
+
+
+def test_the_combine_bodies_are_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
+    """Qwen3-Next-80B's combine (H 2048, top 10, renormalised, a gated shared expert) in
+    bfloat16, and an odd width's column tail with one pick, in float32."""
+    emu = emulate.CombineEmulator(tmp_path, backend)
+    assert emulate.check_combine(emu, 2048, 10, dtype=mx.bfloat16, rows=(1, 3))
+    assert emulate.check_combine(emu, 131, 1, normalize=False, has_shared=False, rows=(2,))

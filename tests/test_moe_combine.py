@@ -1,0 +1,301 @@
+"""metal_shaders/moe_combine.py: a MoE layer's combine (weighted picks, renormalised or not, plus
+a shared expert's gated output) in one kernel, its reference, and where the MoE blocks use it.
+
+There is no GPU here: the body runs through scripts/lab/kernel_emulate.py (g++, bfloat16 rounded
+as the GPUs round it; tests/test_kernel_backends.py runs it behind the Metal prelude too). Each
+row of an R-row call must equal its 1-row call bit for bit and stay within one output rounding
+(plus 1e-6 of the row's largest value) of the reference.
+"""
+
+import logging
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from metal_shaders import backends, moe_combine, probe, router_window
+from strata_cli.model import layers, moe
+
+ROUTED_ONLY, WITH_SHARED = (moe_combine.KERNELS[False][0], moe_combine.KERNELS[True][0])
+
+
+@pytest.fixture(scope="module")
+def emulator(emulate, tmp_path_factory):
+    return emulate.CombineEmulator(tmp_path_factory.mktemp("combine-emulate"))
+
+
+def test_the_reference_is_the_weighted_sum_renormalised_plus_the_gated_shared_output():
+    picks = mx.array([[[1.0, 2.0], [3.0, -4.0]]])  # (1, k=2, H=2)
+    weights = mx.array([[0.1, 0.3]])
+    shared, gates = mx.array([[2.0, 1.0]]), mx.array([[5.0, 0.0, -1.0]])
+    plain = moe_combine.reference_moe_combine(picks, weights)
+    assert np.allclose(np.array(plain), [[1.0, -1.0]], rtol=1e-6)
+    normed = moe_combine.reference_moe_combine(picks, weights, normalize=True)
+    assert np.allclose(np.array(normed), [[2.5, -2.5]], rtol=1e-6)
+    gated = moe_combine.reference_moe_combine(picks, weights, normalize=True, shared=shared, gates=gates,
+                                              gate_column=1)  # sigmoid(0) = 1/2
+    assert np.allclose(np.array(gated), [[3.5, -2.0]], rtol=1e-6)
+    assert moe_combine.reference_moe_combine(picks.astype(mx.bfloat16), weights).dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_reference_matches_the_blocks_mlx_ops(normalize):
+    picks, weights, shared, gates = moe_combine.probe_inputs(64, 4, rows=3)
+    routed = moe.picks_sum(picks, weights, normalize=normalize)  # the CPU: MLX's compiled ops
+    expected = moe.add_gated(routed, shared, gates[:, 2:])
+    got = moe_combine.reference_moe_combine(picks, weights, normalize=normalize, shared=shared, gates=gates,
+                                            gate_column=2)
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("H, k, dtype, normalize, has_shared", [
+    (2048, 10, mx.float32, True, True),  # Qwen3-Next-80B's width and top 10, a shared expert
+    (2048, 10, mx.bfloat16, True, True),
+    (131, 4, mx.bfloat16, False, False),  # an odd width: a column tail in the last block
+    (131, 1, mx.float32, True, False),  # one pick: its weight over itself
+    (1000, 16, mx.bfloat16, False, True),
+])
+def test_emulated_kernel_is_row_invariant_and_matches_the_reference(emulate, emulator, H, k, dtype, normalize,
+                                                                    has_shared):
+    """(kernel_emulate.py runs R = 1..8 and more shapes.)"""
+    assert emulate.check_combine(emulator, H, k, dtype=dtype, normalize=normalize, has_shared=has_shared,
+                                 rows=(1, 3, 8))
+
+
+def test_bfloat16_rounds_once_from_the_float32_sum(emulator):
+    """The bfloat16 result is the float32 sum rounded once: equal to the float32 kernel's output
+    rounded, bit for bit (the same float32 arithmetic on the same, bfloat16-valued, inputs)."""
+    picks, weights, shared, gates = moe_combine.probe_inputs(300, 10, rows=4, dtype=mx.bfloat16, seed=2)
+    extra = {"normalize": True, "shared": shared, "gates": gates, "gate_column": 0}
+    low = emulator.run(picks, weights, **extra)
+    wide = emulator.run(picks.astype(mx.float32), weights, **{**extra, "shared": shared.astype(mx.float32),
+                                                                "gates": gates.astype(mx.float32)})
+    assert low.dtype == mx.bfloat16 and mx.array_equal(low, wide.astype(mx.bfloat16)).item()
+
+
+def test_the_emulator_notices_a_row_count_dependent_body(emulate, tmp_path):
+    drifting = emulate.CombineEmulator(tmp_path)
+    drifting.sources[True] = moe_combine.SOURCE_SHARED.replace("float acc = 0.0f;", "float acc = 1e-7f * block_y;")
+    assert drifting.sources[True] != moe_combine.SOURCE_SHARED
+    assert not emulate.check_combine(drifting, 131, 4, rows=(3,))
+
+
+@pytest.mark.parametrize("broken, has_shared", [
+    ("normalise ? weights[r * K + j] / total : weights[r * K + j]", False),  # the renormalisation dropped
+    ("1.0f / (1.0f + expf(-g))", True),  # the gate dropped: the shared output added whole
+])
+def test_the_checks_notice_a_dropped_renormalisation_or_gate(emulate, tmp_path, broken, has_shared):
+    body = moe_combine.KERNELS[has_shared][2]
+    assert broken in body
+    wrong = emulate.CombineEmulator(tmp_path)
+    wrong.sources[has_shared] = body.replace(broken, "weights[r * K + j]" if "normalise" in broken else "1.0f")
+    assert not emulate.check_combine(wrong, 131, 4, rows=(2,), has_shared=has_shared)
+
+
+def test_takes_and_launch():
+    picks, weights, shared, gates = moe_combine.probe_inputs(64, 4, rows=2)
+    assert moe_combine.takes(picks, weights) and moe_combine.takes(picks, weights, shared, gates, 2)
+    assert moe_combine.takes(picks[None], weights[None], shared[None], gates[None])  # (B, T, ...) windows
+    assert not moe_combine.takes(picks, weights, shared, gates, 3)  # a column past the gates' rows
+    assert not moe_combine.takes(picks, weights.astype(mx.bfloat16))  # float32 weights only
+    assert not moe_combine.takes(picks.astype(mx.float16), weights)  # float32 and bfloat16 picks only
+    assert not moe_combine.takes(picks, weights, shared.astype(mx.bfloat16), gates)  # MLX would widen: its ops
+    assert not moe_combine.takes(picks, weights, shared)  # a shared output without its gate
+    assert not moe_combine.takes(picks, weights[:, :3])
+    threads = moe_combine.THREADS
+    assert moe_combine.launch(3, 2048) == {"grid": (2048, 3, 1), "threadgroup": (threads, 1, 1)}
+    assert moe_combine.launch(1, threads + 1) == {"grid": (2 * threads, 1, 1), "threadgroup": (threads, 1, 1)}
+    assert not moe_combine.usable(mx.float16)
+
+
+def emulated_kernel(emu, calls):
+    """A stand-in for `gpu_kernel` that runs the g++ emulation of the body with the launch the
+    module asks for (its grid, the dtype as a template value, sizes as data)."""
+    def make(name, inputs, outputs, source, header="", *, ensure_row_contiguous=True):
+        has_shared = name == WITH_SHARED
+        assert (name, inputs, source) == moe_combine.KERNELS[has_shared]
+        assert outputs == ["out"] and header == "" and ensure_row_contiguous
+
+        def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            R, k, H, normalize, G, column = np.array(inputs[0]).tolist()
+            picks = inputs[1]
+            assert dict(template) == {"T_P": picks.dtype} and output_dtypes == [picks.dtype]
+            assert (grid, threadgroup) == tuple(moe_combine.launch(R, H).values())
+            calls.append((R, bool(normalize), has_shared))
+            extra = ({"shared": inputs[3].reshape(R, H), "gates": inputs[4].reshape(R, G), "gate_column": column}
+                     if has_shared else {})
+            out = emu.run(picks.reshape(R, k, H), inputs[2].reshape(R, k), normalize=bool(normalize), **extra)
+            return [out.reshape(output_shapes[0])]
+        return launch
+    return make
+
+
+def randomized(module, seed: int, scale: float = 0.1):
+    params = tree_flatten(module.parameters())
+    module.update(tree_unflatten([(name, scale * mx.random.normal(p.shape, key=mx.random.key(seed + i)))
+                                  for i, (name, p) in enumerate(params)]))
+    mx.eval(module.parameters())
+    return module
+
+
+def shared_block(E=48, k=4, H=64):
+    b = moe.SparseMoeBlock(hidden_size=H, expert_size=32, num_experts=E, top_k=k, norm_topk_prob=True,
+                           shared_expert_size=32)
+    randomized(b, 10)
+    b.gate.weight = 0.02 * mx.random.normal(b.gate.weight.shape, key=mx.random.key(99))  # top 4 of 48: a small sum
+    b.shared_expert_gate.weight = 0.3 * mx.random.normal(b.shared_expert_gate.weight.shape, key=mx.random.key(98))
+    mx.eval(b.parameters())
+    b.stack_linears()
+    return b
+
+
+@pytest.fixture
+def gpu_forms(monkeypatch):
+    """The MLX forms a GPU runs (no numpy host path for short calls)."""
+    monkeypatch.setattr(layers.CpuShortCalls, "mode", "never")
+
+
+def run_block_through(monkeypatch, emu, block, x):
+    """The block's output with the (emulated) combine kernel usable, and the kernel's calls."""
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(moe_combine, "usable", lambda dtype=None: True)
+        m.setattr(moe_combine, "gpu_kernel", emulated_kernel(emu, calls))
+        return block(x), calls
+
+
+def test_a_shared_expert_window_is_combined_by_the_kernel_as_mlx_ops_combine_it(monkeypatch, emulator, gpu_forms):
+    """A Qwen3-Next-style block (renormalised top k, a sigmoid-gated shared expert, its gate a
+    column of the stacked router's output) combines a 5-row window in one kernel call, within
+    float32 rounding of MLX's ops; a kernel that dropped the renormalisation or the gate would
+    not be (both change the output far beyond that)."""
+    b = shared_block()
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
+    expected = b(x)  # the CPU: MLX's ops
+    got, calls = run_block_through(monkeypatch, emulator, b, x)
+    assert calls == [(5, True, True)] and got.shape == x.shape
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+    inds, weights = b.picks(b.gate(x))
+    assert (weights.sum(axis=-1) < 0.5).all().item()  # renormalising changes every weight
+    routed = moe.weighted_sum(b.switch_mlp(x, inds), weights / weights.sum(axis=-1, keepdims=True))
+    shared = b.shared_expert(x)
+    assert not mx.allclose(routed + shared, expected, rtol=1e-2, atol=1e-3).item()  # what a dropped gate gives
+    assert not mx.allclose(moe.weighted_sum(b.switch_mlp(x, inds), weights) + shared * mx.sigmoid(
+        b.shared_expert_gate(x)), expected, rtol=1e-2, atol=1e-3).item()  # what a dropped renormalisation gives
+
+
+@pytest.mark.parametrize("broken", ["normalise ? weights[r * K + j] / total : weights[r * K + j]",
+                                    "1.0f / (1.0f + expf(-g))"])
+def test_the_block_test_fails_a_kernel_that_drops_the_renormalisation_or_the_gate(monkeypatch, emulate, tmp_path,
+                                                                                  gpu_forms, broken):
+    b = shared_block()
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
+    expected = b(x)
+    wrong = emulate.CombineEmulator(tmp_path)
+    wrong.sources[True] = moe_combine.SOURCE_SHARED.replace(broken, "weights[r * K + j]" if "normalise" in broken
+                                                            else "1.0f")
+    got, calls = run_block_through(monkeypatch, wrong, b, x)
+    assert calls == [(5, True, True)]
+    assert not mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+
+
+def test_a_bfloat16_window_rounds_once(monkeypatch, emulator, gpu_forms):
+    """In bfloat16 MLX's ops round every product and sum; the kernel rounds once, so it is within
+    a few roundings of them and within one of the float32 block's output."""
+    b = shared_block()
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(4))
+    wide = b(x)
+    b.set_dtype(mx.bfloat16)
+    b.stack_linears()  # set_dtype replaced the stacked linears' arrays
+    x16 = x.astype(mx.bfloat16)
+    expected = b(x16)
+    got, calls = run_block_through(monkeypatch, emulator, b, x16)
+    assert calls == [(3, True, True)] and got.dtype == mx.bfloat16
+    scale = mx.abs(wide).max().item()
+    assert (mx.abs(got.astype(mx.float32) - expected.astype(mx.float32)) <= 2**-5 * scale).all().item()
+    assert (mx.abs(got.astype(mx.float32) - wide) <= 2**-6 * scale).all().item()
+
+
+def test_a_block_without_a_shared_expert_and_other_families_take_the_kernel(monkeypatch, emulator, gpu_forms):
+    """weighted_sum takes the kernel for every family that calls it (its weights as given)."""
+    b = moe.SparseMoeBlock(hidden_size=64, expert_size=32, num_experts=16, top_k=4, norm_topk_prob=False)
+    randomized(b, 20)
+    x = mx.random.normal((1, 4, 64), key=mx.random.key(5))
+    expected = b(x)
+    got, calls = run_block_through(monkeypatch, emulator, b, x)
+    assert calls == [(4, False, False)]
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+
+
+def test_gpt_oss_renormalises_the_router_kernels_top_k_in_the_combine_kernel(monkeypatch, emulator, gpu_forms):
+    """GPT-OSS's softmax over the top k logits is the router kernel's probabilities over their
+    sum (here the router kernel's MLX reference stands in for it): the combine kernel is asked to
+    renormalise, and the block's output equals its MLX ops' within float32 rounding."""
+    from strata_cli.model.gpt_oss import GptOssMoe
+
+    config = SimpleNamespace(num_experts_per_tok=4, hidden_size=64, num_local_experts=32, intermediate_size=32,
+                             swiglu_alpha=1.702, swiglu_limit=7.0)
+    block = randomized(GptOssMoe(config), 0)
+    block.router.weight = 0.02 * mx.random.normal(block.router.weight.shape, key=mx.random.key(99))
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
+    expected = block(x)  # the CPU: MLX's ops
+    monkeypatch.setattr(router_window, "usable", lambda dtype=None: True)
+    monkeypatch.setattr(router_window, "router_window", router_window.reference_router_window)
+    got, calls = run_block_through(monkeypatch, emulator, block, x)
+    assert calls == [(5, True, False)]
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+
+
+def test_mlx_ops_combine_prompt_chunks_unusable_dtypes_and_never_mode(monkeypatch):
+    monkeypatch.setattr(moe_combine, "usable", lambda dtype=None: dtype == mx.float32)
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("the combine kernel was called")
+
+    monkeypatch.setattr(moe_combine, "moe_combine", unexpected)
+    picks, weights, shared, gates = moe_combine.probe_inputs(64, 4, rows=9)
+    mx.eval(moe.picks_sum(picks, weights, normalize=True))  # more rows than a window
+    mx.eval(moe.weighted_sum(picks[:2].astype(mx.float16), weights[:2]))  # a dtype whose probe did not pass
+    monkeypatch.setattr(moe.RowSplit, "mode", "never")
+    mx.eval(moe.weighted_sum(picks[:2], weights[:2]))
+    monkeypatch.setattr(moe.RowSplit, "mode", "auto")
+    assert moe.combine_kernel_takes(picks[:2], weights[:2], shared[:2], gates[:2], 1)
+
+
+def test_off_the_gpu_the_kernel_is_never_usable():
+    assert probe.backend() is None
+    picks, weights, _, _ = moe_combine.probe_inputs(64, 4, rows=2)
+    assert not moe.combine_kernel_takes(picks, weights)
+    assert moe_combine.status() == {"usable": False, "probed": True, "error": None}
+
+
+def test_a_failing_probe_turns_the_kernel_off_and_the_block_falls_back(monkeypatch, caplog):
+    """Stand-in Metal makers return zeros: the probe disagrees with the reference, the kernel is
+    turned off (logged once) and the block combines with MLX's ops."""
+    made = []
+
+    def make(**spec):
+        made.append(spec)
+
+        def launch(**kw):
+            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return launch
+
+    monkeypatch.setattr(mx.fast, "metal_kernel", make)
+    monkeypatch.setattr(probe, "_kernels", {})
+    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
+    monkeypatch.setattr(moe_combine, "_probe", probe.Probe("MoE combine kernel", "MLX ops"))
+    picks, weights, _, _ = moe_combine.probe_inputs(64, 4, rows=3)
+    with caplog.at_level(logging.WARNING, logger="strata.kernels"):
+        got = moe.picks_sum(picks, weights, normalize=True)
+    assert "MoE combine kernel disabled" in caplog.text
+    assert moe_combine.status()["error"] == ("moe_combine differs from the reference (H=2048, k=10, mlx.core.float32, "
+                                            "normalize=True, shared=True)")
+    assert made[0]["source"] == backends.source(backends.METAL, moe_combine.SOURCE_SHARED)
+    assert made[0]["ensure_row_contiguous"] is True
+    assert mx.allclose(got, moe.normalized_picks_sum(picks, weights)).item()
+    count = len(made)
+    moe.picks_sum(picks, weights, normalize=True)
+    assert len(made) == count  # decided once per process
