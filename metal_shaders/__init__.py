@@ -8,5 +8,6 @@ reference that the tests hold it to and that runs where no kernel can (the CPU).
 decode window in two kernels. `attention_window`: a window's query
 rows over the KV cache in one kernel, a block per row. `router_window`: a MoE router's softmax
 and top-k in one kernel, a block per row. `add_norm`: a pre-norm layer's residual add and the
-RMSNorm after it in one kernel, a block per row.
+RMSNorm after it in one kernel, a block per row. `moe_combine`: a MoE layer's weighted sum of its picks
+(renormalised or not, plus a shared expert's gated output) in one kernel, a thread an element.
 """

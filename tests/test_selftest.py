@@ -19,6 +19,8 @@ def test_selftest_reports_identity_and_window_costs():
     assert router["usable"] is False and router["error"] is None
     add_norm = report["add_norm_kernel"]  # probed or not: the CPU's host tail may add and norm without asking
     assert add_norm["usable"] is False and add_norm["error"] is None
+    combine = report["combine_kernel"]  # likewise: the host path combines without asking
+    assert combine["usable"] is False and combine["error"] is None
     assert report["mamba2_kernels"] == {"usable": False, "probed": True, "error": None}  # asked by the hybrid's layers
     assert {(r["model"], r["mode"], r["dtype"]) for r in report["results"]} == {
         (model, mode, "float32") for model in ("demo", "mamba2-hybrid") for mode in ("3", "auto")}

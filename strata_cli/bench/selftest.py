@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from metal_shaders import add_norm, attention_window, gdn_window, mamba2_window, router_window
+from metal_shaders import add_norm, attention_window, gdn_window, mamba2_window, moe_combine, router_window
 from metal_shaders import rows_matvec as kernels
 
 from ..calibrate import measure_curve
@@ -96,7 +96,8 @@ def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_wind
     report = {"backend": str(mx.default_device()), "kernels": kernels.status(),
               "gdn_kernels": gdn_window.status(), "mamba2_kernels": mamba2_window.status(),
               "attention_kernel": attention_window.status(), "router_kernel": router_window.status(),
-              "add_norm_kernel": add_norm.status(), "results": results,
+              "add_norm_kernel": add_norm.status(), "combine_kernel": moe_combine.status(),
+              "results": results,
               "passed": all(r["identical"] for r in results)}
     if with_window_costs:
         report["window_ms"] = costs
