@@ -235,6 +235,7 @@ def test_the_add_norm_body_is_row_invariant_behind_each_prelude(emulate, backend
     assert emulate.check_add_norm(emu, 130, rows=(2,))
 
 
+@pytest.mark.parametrize("backend", backends.BACKENDS)
 def test_the_combine_bodies_are_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
     """Qwen3-Next-80B's combine (H 2048, top 10, renormalised, a gated shared expert) in
     bfloat16, and an odd width's column tail with one pick, in float32."""
