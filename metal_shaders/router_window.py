@@ -33,25 +33,25 @@ THREADS = WARPS * 32
 MAX_EXPERTS = 1024  # a thread keeps its E / THREADS (<= 8) probabilities in registers
 MAX_PICKS = 16
 
-# One block per row, THREADS threads. The logits are read through their strides: the router's
-# output is a column slice of a stacked linear's (layers.StackedRows), and a copy would be one
-# more launch. NDIM (2 or 3) is the logits' rank; dims: R, E, k, T (rows per leading index).
+# One block per row, THREADS threads. The logits are row-major rows of W values, the router's
+# E first: a stacked router's output (layers.StackedRows) is passed whole, its other linears'
+# columns after the router's, so the body needs no strides (and strata's CUDA build keeps its
+# cubin across processes, precompiled.py) and no copy of a column slice. dims: R, E, k, W.
 # NEG_BIG (not -inf) starts the max: a row with any finite logit reaches its true max.
 SOURCE = """
     constexpr float NEG_BIG = -3.402823466e38f;
-    const int E = dims[1], K = dims[2], T = dims[3];
+    const int E = dims[1], K = dims[2], W = dims[3];
     const int r = block_x, lane = thread_x & 31, warp = thread_x >> 5;
     STRATA_SHARED float part_s[WARPS];
     STRATA_SHARED float key_s[2][WARPS];
     STRATA_SHARED float index_s[2][WARPS];
-    const auto row0 = NDIM == 3 ? (r / T) * logits_strides[0] + (r % T) * logits_strides[1] : r * logits_strides[0];
-    const auto column = logits_strides[NDIM - 1];
+    const auto row = logits + r * W;  // auto: keeps Metal's address space
     float p[PER];
     float m = NEG_BIG;
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int e = thread_x + j * THREADS;
-        p[j] = e < E ? static_cast<float>(logits[row0 + e * column]) : NEG_BIG;
+        p[j] = e < E ? static_cast<float>(row[e]) : NEG_BIG;
         m = fmaxf(m, p[j]);
     }
     #pragma unroll
@@ -136,9 +136,11 @@ def supports(num_experts: int, top_k: int) -> bool:
     return 0 < top_k <= min(num_experts, MAX_PICKS) and num_experts <= MAX_EXPERTS
 
 
-def takes(logits: mx.array, top_k: int) -> bool:
-    """Whether the kernel takes these logits' shape: rank 2 or 3, a supported (E, k)."""
-    return logits.ndim in (2, 3) and supports(logits.shape[-1], top_k)
+def takes(logits: mx.array, top_k: int, experts: int | None = None) -> bool:
+    """Whether the kernel takes these logits' shape: rank 2 or 3, a supported (E, k), the
+    router's `experts` columns (all when None) within each row."""
+    E = logits.shape[-1] if experts is None else experts
+    return logits.ndim in (2, 3) and E <= logits.shape[-1] and supports(E, top_k)
 
 
 def per_thread(num_experts: int) -> int:
@@ -151,36 +153,37 @@ def launch(rows: int) -> dict:
     return {"grid": (rows * THREADS, 1, 1), "threadgroup": (THREADS, 1, 1)}
 
 
-def router_window(logits: mx.array, top_k: int) -> tuple[mx.array, mx.array]:
+def router_window(logits: mx.array, top_k: int, *, experts: int | None = None) -> tuple[mx.array, mx.array]:
     """The router's softmax top-k of every row of `logits`, on a GPU, one call.
 
     Args:
-        logits: (N, E) or (B, T, E), float32 or bfloat16, any strides.
+        logits: (N, W) or (B, T, W), float32 or bfloat16, row-major (a view is copied first):
+            the router's logits are each row's first `experts` columns, all W when None (a
+            stacked router's output is passed whole).
         top_k: k, the experts a row picks.
 
     Returns:
         inds (..., k) uint32, in descending probability (ties to the lower expert), and weights
         (..., k) float32: their softmax probabilities, not renormalised.
     """
-    E = logits.shape[-1]
-    R = logits.size // E
-    kernel = gpu_kernel("strata_router_window_v1", ["dims", "logits"], ["inds", "weights"], SOURCE, HEADER,
-                        ensure_row_contiguous=False)
+    W = logits.shape[-1]
+    E = W if experts is None else experts
+    R = logits.size // W
+    kernel = gpu_kernel("strata_router_window_v2", ["dims", "logits"], ["inds", "weights"], SOURCE, HEADER)
     # The dtype is a template value too (MLX caches a compile by name and template alone).
-    template = [("T_IN", logits.dtype), ("PER", per_thread(E)), ("NDIM", logits.ndim)]
+    template = [("T_IN", logits.dtype), ("PER", per_thread(E))]
     lead = logits.shape[:-1]
-    T = lead[-1]
-    inds, weights = kernel(inputs=[dims(R, E, top_k, T), logits], template=template,
+    inds, weights = kernel(inputs=[dims(R, E, top_k, W), logits], template=template,
                            output_shapes=[(*lead, top_k)] * 2, output_dtypes=[mx.uint32, mx.float32], **launch(R))
     return inds, weights
 
 
-def reference_router_window(logits: mx.array, top_k: int) -> tuple[mx.array, mx.array]:
+def reference_router_window(logits: mx.array, top_k: int, *, experts: int | None = None) -> tuple[mx.array, mx.array]:
     """What `router_window` computes, in plain MLX: the float32 softmax as the kernel spells it,
     exp(x - max) / sum (MLX's softmax op takes a fast exp on GPUs), then k times the largest
     probability not yet picked (a NaN below every number; of equals, the lowest index: the
     minimum of the tied indices, exact on every backend)."""
-    x = logits.astype(mx.float32)
+    x = logits[..., : logits.shape[-1] if experts is None else experts].astype(mx.float32)
     numerators = mx.exp(x - x.max(axis=-1, keepdims=True))
     probs = numerators / numerators.sum(axis=-1, keepdims=True)
     E = probs.shape[-1]
@@ -227,8 +230,8 @@ PROBE_CASES = ((512, mx.float32, 10), (48, mx.bfloat16, 2), (512, mx.bfloat16, 1
 
 
 def check(cases=PROBE_CASES, dtypes=None) -> str | None:
-    """None when the kernel passes on this device, else what failed: for 8 and 3 rows (and a
-    3-D view with strides, as the stacked router hands it over), each row equals its 1-row call
+    """None when the kernel passes on this device, else what failed: for 8 and 3 rows (and the
+    rows of a 3-D stacked output, W = E + 1, and a view of its router columns), each row equals its 1-row call
     bit for bit; the picks equal the reference's, the weights within 1e-5 of the row's largest
     (sums in another order, the device's exp: kernel_emulate.py holds the body to 1e-6)."""
     for E, dtype, k in (cases if dtypes is None else cases_at(cases, dtypes)):
@@ -236,14 +239,15 @@ def check(cases=PROBE_CASES, dtypes=None) -> str | None:
         alone = [router_window(logits[t : t + 1], k) for t in range(8)]
         together = router_window(logits, k)
         three = router_window(logits[5:], k)
-        wide = mx.concatenate([logits, logits[:, :1]], axis=-1)[None, :, :E]  # (1, 8, E), rows E + 1 apart
-        viewed = router_window(wide, k)
+        wide = mx.concatenate([logits, logits[:, :1]], axis=-1)[None]  # (1, 8, E + 1): a stacked output
+        viewed = router_window(wide, k, experts=E)
+        sliced = router_window(wide[..., :E], k)  # a strided view, copied first
         expected = reference_router_window(logits, k)
-        mx.eval(alone, together, three, viewed, expected)
+        mx.eval(alone, together, three, viewed, sliced, expected)
         alone = [mx.concatenate(parts) for parts in zip(*alone)]
-        for got, one, part, view in zip(together, alone, three, viewed):
+        for got, one, part, view, cut in zip(together, alone, three, viewed, sliced):
             if not (mx.array_equal(got, one).item() and mx.array_equal(part, one[5:]).item()
-                    and mx.array_equal(view[0], one).item()):
+                    and mx.array_equal(view[0], one).item() and mx.array_equal(cut[0], one).item()):
                 return f"router_window rows differ with the row count (E={E}, {dtype})"
         if not mx.array_equal(together[0], expected[0]).item():
             return f"router_window picks differ from the reference (E={E}, {dtype})"

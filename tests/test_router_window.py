@@ -88,22 +88,21 @@ def test_supported_shapes_and_launch():
 
 def emulated_kernel(emu, calls):
     """A stand-in for `gpu_kernel` that runs the g++ emulation of the body with the launch the
-    module asks for (grid, compiled PER and NDIM, shapes as data)."""
+    module asks for (grid, compiled PER, shapes as data); `rows` records each call's logits."""
     def make(name, inputs, outputs, source, header, *, ensure_row_contiguous=True):
         assert (source, inputs, outputs, ensure_row_contiguous) == (router_window.SOURCE, ["dims", "logits"],
-                                                                     ["inds", "weights"], False)
+                                                                     ["inds", "weights"], True)
 
         def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            R, E, k, T = np.array(inputs[0]).tolist()
+            R, E, k, W = np.array(inputs[0]).tolist()
             logits = inputs[1]
             values = dict(template)
-            assert values["PER"] == router_window.per_thread(E) and values["NDIM"] == logits.ndim
-            assert values["T_IN"] == logits.dtype and T == logits.shape[-2]
+            assert values == {"PER": router_window.per_thread(E), "T_IN": logits.dtype} and W == logits.shape[-1]
             assert (grid, threadgroup) == tuple(router_window.launch(R).values())
             assert output_dtypes == [mx.uint32, mx.float32]
             calls.append(R)
-            buffer = np.array(logits.astype(mx.float32)).reshape(R, E)
-            inds, weights = emu.run(buffer, E, k, ndim=logits.ndim)
+            buffer = np.array(logits.astype(mx.float32)).reshape(R, W)
+            inds, weights = emu.run(buffer, E, k)
             return [mx.array(inds).reshape(output_shapes[0]), mx.array(weights).reshape(output_shapes[1])]
         return launch
     return make
@@ -120,14 +119,17 @@ def test_a_window_routes_through_the_kernel_row_invariantly(monkeypatch, emulato
     equal the 1-row calls' bit for bit; the picked set and its weights are those of MLX's ops."""
     calls = []
     b = block()
-    logits = mx.concatenate([router_window.probe_logits(48, seed=6), mx.zeros((8, 1))], axis=-1)[None, :, :48]
+    stacked = mx.concatenate([router_window.probe_logits(48, seed=6), mx.ones((8, 1))], axis=-1)[None]
+    logits = stacked[..., :48]  # (1, 8, E): the router's columns of the stacked router's output
     expected = b.picks(logits)  # the CPU: MLX's ops
     monkeypatch.setattr(router_window, "usable", lambda dtype=None: True)
     monkeypatch.setattr(router_window, "gpu_kernel", emulated_kernel(emulator, calls))
-    inds, weights = b.picks(logits)  # (1, 8, E): a strided view, as the stacked router passes it
+    inds, weights = b.picks(logits, stacked)  # read in place, the gate's column beside them
     assert calls == [8] and inds.shape == (1, 8, 4) and weights.shape == (1, 8, 4)
-    alone = [b.picks(logits[:, t : t + 1]) for t in range(8)]
+    alone = [b.picks(logits[:, t : t + 1], stacked[:, t : t + 1]) for t in range(8)]
     assert calls == [8] + [1] * 8
+    viewed = b.picks(logits)  # the slice alone: copied, the same rows
+    assert mx.array_equal(viewed[0], inds).item() and mx.array_equal(viewed[1], weights).item()
     assert mx.array_equal(inds, mx.concatenate([a[0] for a in alone], axis=1)).item()
     assert mx.array_equal(weights, mx.concatenate([a[1] for a in alone], axis=1)).item()
     # Rows 3.. have no ties among their top k: one set, whoever picks. (Of tied experts
@@ -186,7 +188,7 @@ def test_a_failing_probe_turns_the_kernel_off_and_picks_fall_back(monkeypatch, c
     assert "router window kernel disabled" in caplog.text
     assert router_window.status()["error"] == "router_window picks differ from the reference (E=512, mlx.core.float32)"
     assert made[0]["source"] == backends.source(backends.METAL, router_window.SOURCE)
-    assert made[0]["ensure_row_contiguous"] is False
+    assert made[0]["ensure_row_contiguous"] is True  # rows read in place: a view is copied first
     expected = mx.argpartition(mx.softmax(logits, axis=-1), kth=44, axis=-1)[..., 44:]
     assert mx.array_equal(inds, expected).item()
     b.picks(logits)

@@ -20,7 +20,7 @@ T = 1..8 each row of a T-row call equals its 1-row call over the same cache buff
 and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
 L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2. The router window kernel
 (metal_shaders/router_window.py) runs a block per row too: for R = 1..8 each row of an R-row call
-(plain, and as a strided view) equals its 1-row call bit for bit, picks the reference's experts
+(plain, and as the router's columns of wider rows) equals its 1-row call bit for bit, picks the reference's experts
 (descending, ties to the lower index: the logits include exact ties) and weighs them within 1e-6
 (relative) of it, at E = 512, k = 10 (Qwen3-Next-80B), E = 48, k = 2 (the demo model), 1024/16
 and 130/8, with float32 and bfloat16-valued logits. The add-norm kernel (metal_shaders/add_norm.py)
@@ -669,40 +669,38 @@ def check_attention(emu: AttentionEmulator, B: int, Hq: int, Hkv: int, D: int, c
     return ok
 
 
-ROUTER_PARAMS = ["const int32_t* dims", "const float* logits", "const int64_t* logits_strides"]
+ROUTER_PARAMS = ["const int32_t* dims", "const float* logits"]
 
 
 class RouterEmulator:
     """router_window's kernel on the CPU (float32 logits), a block (row) at a time, its two
-    outputs (inds, weights) as MLX declares them, the logits read through strides as MLX passes a view."""
+    outputs (inds, weights) as MLX declares them, the logits rows of W values, the router's E first."""
 
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         self.dir, self.backend = workdir, backend
-        self.built: dict[tuple[int, int], Path] = {}
+        self.built: dict[int, Path] = {}
         self.source = router_window.SOURCE
 
-    def _binary(self, per: int, ndim: int) -> Path:
-        if (per, ndim) not in self.built:
-            consts = f"using T_IN = float; constexpr int PER = {per}; constexpr int NDIM = {ndim};"
+    def _binary(self, per: int) -> Path:
+        if per not in self.built:
+            consts = f"using T_IN = float; constexpr int PER = {per};"
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(ROUTER_PARAMS)]
             args += ["(uint32_t*)outs[0].data()", "outs[1].data()"]
             source = (program(SHIM_BLOCK, self.backend, router_window.HEADER,
                               [*ROUTER_PARAMS, "uint32_t* inds", "float* weights"], consts, self.source)
                       + MAIN_BLOCK.replace("NUM_INPUTS", str(len(ROUTER_PARAMS))).replace("NUM_OUTPUTS", "2")
                       .replace("CALL", f"kernel({', '.join(args)})"))
-            path = self.dir / f"router_{per}_{ndim}_{len(self.built)}"
+            path = self.dir / f"router_{per}_{len(self.built)}"
             compile_program(path, source)
-            self.built[per, ndim] = path
-        return self.built[per, ndim]
+            self.built[per] = path
+        return self.built[per]
 
-    def run(self, buffer: np.ndarray, E: int, k: int, *, ndim: int = 2) -> tuple[np.ndarray, np.ndarray]:
-        """The kernel over the rows of `buffer` (R, W >= E), reading each row's first E values:
-        as an (R, E) view (ndim 2) or a (1, R, E) view (ndim 3) with row stride W, as a column
-        slice of the stacked router's output is passed. Returns inds (R, k) uint32, weights (R, k)."""
+    def run(self, buffer: np.ndarray, E: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel over the rows of `buffer` (R, W >= E), reading each row's first E values, as
+        the stacked router's output is passed. Returns inds (R, k) uint32, weights (R, k)."""
         buffer = np.ascontiguousarray(buffer, np.float32)
         R, W = buffer.shape
-        strides = [W, 1] if ndim == 2 else [R * W, W, 1]
-        inputs = [np.array([R, E, k, R], np.int32), buffer, np.array(strides, np.int64)]
+        inputs = [np.array([R, E, k, W], np.int32), buffer]
         names = []
         for i, a in enumerate(inputs):
             names.append(str(self.dir / f"rin{i}"))
@@ -710,7 +708,7 @@ class RouterEmulator:
         config = router_window.launch(R)
         threads = config["threadgroup"][0]
         outs = [self.dir / "rout0", self.dir / "rout1"]
-        subprocess.run([str(self._binary(router_window.per_thread(E), ndim)), *names,
+        subprocess.run([str(self._binary(router_window.per_thread(E))), *names,
                         str(config["grid"][0] // threads), str(threads), str(R * k), str(outs[0]), str(R * k),
                         str(outs[1])], check=True)
         return np.fromfile(outs[0], np.uint32).reshape(R, k), np.fromfile(outs[1], np.float32).reshape(R, k)
@@ -718,8 +716,8 @@ class RouterEmulator:
 
 def check_router(emu: RouterEmulator, E: int, k: int, *, rows=range(1, 9), dtype=mx.float32, tol=1e-6,
                  seed: int = 0) -> bool:
-    """For each R in `rows`: every row of an R-row call (as a plain (R, E) array and as a strided
-    (1, R, E) view) equals its 1-row call bit for bit; the picks equal the reference's
+    """For each R in `rows`: every row of an R-row call (as a plain (R, E) array and as the first
+    E columns of rows E + 3 wide) equals its 1-row call bit for bit; the picks equal the reference's
     (descending, ties to the lower index; the probe's rows include exact ties) and every weight is
     within `tol` (relative) of the float32 reference. `dtype`: the logits' values (bfloat16 ones
     tie often) given to the kernel as float32."""
@@ -732,7 +730,7 @@ def check_router(emu: RouterEmulator, E: int, k: int, *, rows=range(1, 9), dtype
     ok = True
     for R in rows:
         inds, weights = emu.run(plain[:R], E, k)
-        viewed = emu.run(padded[:R], E, k, ndim=3)
+        viewed = emu.run(padded[:R], E, k)
         ref_inds, ref_weights = (np.array(a) for a in router_window.reference_router_window(logits[:R], k))
         same = (np.array_equal(inds, alone[0][:R]) and np.array_equal(weights, alone[1][:R])
                 and np.array_equal(viewed[0], inds) and np.array_equal(viewed[1], weights))
@@ -1001,12 +999,11 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
             kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.HEADER,
                                 params + [f"{t}* out"], f"using TQ = {t}; using TK = {t}; using TV = {t}; "
                                 f"constexpr int DH = {D};", attention_window.SOURCE))
-        for E, ndim in ((512, 3), (48, 2)):  # Qwen3-Next-80B's router (PER 4) and the demo model's (PER 1)
+        for E in (512, 48):  # Qwen3-Next-80B's router (PER 4) and the demo model's (PER 1)
             per = router_window.per_thread(E)
-            kernels_out.append((f"router_window_{E}_{tn}", ATTENTION_NVCC_HEADER + router_window.HEADER,
-                                ["const int32_t* dims", f"const {t}* logits",
-                                 "const __grid_constant__ Strides logits_strides", "uint32_t* inds", "float* weights"],
-                                f"using T_IN = {t}; constexpr int PER = {per}; constexpr int NDIM = {ndim};",
+            kernels_out.append((f"router_window_{E}_{tn}", router_window.HEADER,
+                                ["const int32_t* dims", f"const {t}* logits", "uint32_t* inds", "float* weights"],
+                                f"using T_IN = {t}; constexpr int PER = {per};",
                                 router_window.SOURCE))
         for H in (2048, 130):  # Qwen3-Next-80B's hidden size (PER 8) and an odd one (PER 1)
             kernels_out.append((f"add_norm_{H}_{tn}", add_norm.HEADER,

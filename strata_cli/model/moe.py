@@ -391,14 +391,17 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return inds, weights
 
-    def picks(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+    def picks(self, logits: mx.array, stacked: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """The router's logits (..., E) -> expert ids (..., k) and their softmax probabilities
         (..., k), float32, not yet renormalised (`route_logits` divides by their sum;
         `routed` folds that division into its weighted sum, the same arithmetic). Exact routing of
         a window on a GPU runs all of it in one kernel (`router_kernel_takes`), the picks then in
-        descending probability; elsewhere in MLX ops, the picks in argpartition's order."""
+        descending probability; elsewhere in MLX ops, the picks in argpartition's order.
+        `stacked`: the stacked router's whole output whose first E columns `logits` are; the
+        kernel reads them there (the slice is a strided view, which it would copy first)."""
         if self.routing_policy is None and router_kernel_takes(logits, self.top_k):
-            return router_window.router_window(logits, self.top_k)
+            rows = logits if stacked is None else stacked
+            return router_window.router_window(rows, self.top_k, experts=logits.shape[-1])
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         if self.routing_policy is None:
             # The k largest at the end of an ascending partition: one op fewer than negating.
@@ -421,7 +424,7 @@ class SparseMoeBlock(nn.Module):
                 if not self.compilable:  # streamed experts and routing policies take (N, H) rows
                     x = x.reshape(-1, shape[-1])
                 both, (logits, shared_gate) = router.outputs(x)
-                inds, weights = self.picks(logits)
+                inds, weights = self.picks(logits, both)
                 picks = self.switch_mlp(x, inds)
                 shared_out = shared.down_proj(swiglu(*inputs(x)))
                 gate_column = router.bounds[0]  # the gate's column of the stacked output: after the E logits
