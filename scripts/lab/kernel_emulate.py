@@ -6,7 +6,7 @@ Each kernel body, behind the prelude of the backend chosen (`--backend cuda`, th
 g++ with a small shim for that backend's names: a warp (SIMD group) is 32 threads, a shuffle
 trades values through a barrier, `__ldg`, `uint4` and Metal's address spaces are plain C++, and
 Metal's math is the C library's. float32 only (bf16 needs the backends' headers), but for the
-add-norm and MoE combine kernels, whose bfloat16 is emulated in software. It checks, per kernel,
+add-norm, gated-norm and MoE combine kernels, whose bfloat16 is emulated in software. It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
 rows than one block takes (affine, and MXFP4 in each decode form). The GDN window kernels (metal_shaders/gdn_window.py) run the same
@@ -27,7 +27,12 @@ and 130/8, with float32 and bfloat16-valued logits. The add-norm kernel (metal_s
 runs a block per row, in float32 and in bfloat16 (in software): for R = 1..8 each row of an
 R-row call equals its 1-row call bit for bit (h and the normed h), h equals MLX's x + y bit for
 bit and the normed h stays within add_norm.TOLERANCE of the reference, at H = 2048
-(Qwen3-Next-80B) and 130. The MoE combine kernel
+(Qwen3-Next-80B) and 130. The gated-norm kernel (metal_shaders/gated_norm.py) runs a block per
+(row, group), the gate, weight and output in float32 and in bfloat16 (in software): for R = 1..8
+each row of an R-row call equals its 1-row call bit for bit and stays within gated_norm.TOLERANCE
+of the layers' own ops, in GDN's form at Qwen3-Next-80B's heads (Hv 32, Dv 128, the weight (Dv,)
+and tiled), 3 x 130 and 1 x 37, and in Mamba-2's (the gate first) at Nemotron-H's groups
+(8 x 1024) and 2 x 1000. The MoE combine kernel
 (metal_shaders/moe_combine.py) runs a thread at a time (its threads never meet), with float32 and
 bfloat16 picks (bfloat16 emulated as the GPUs round it): for R = 1..8 each row equals its 1-row
 call bit for bit and stays within one output rounding plus 1e-6 (of the row's largest) of the
@@ -57,7 +62,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import add_norm, attention_window, backends, gdn_window, mamba2_window, moe_combine, router_window
+from metal_shaders import (add_norm, attention_window, backends, gated_norm, gdn_window, mamba2_window, moe_combine,
+                           router_window)
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -836,6 +842,79 @@ def check_add_norm(emu: AddNormEmulator, H: int, *, rows=range(1, 9), dtype=mx.f
 # A thread at a time, block after block (x within y): for bodies whose threads never meet (no
 # barrier, no shuffle). NUM_INPUTS inputs, then the grid's blocks (x, y), the block's threads,
 # the output's element count and path; the output is OUT_T, unwritten elements all-ones (NaN).
+class GatedNormEmulator:
+    """gated_norm's kernel on the CPU, a block (a row's group) at a time, the gate, weight and
+    output in float32 or in bfloat16 (in software, BF16_SHIM), y in float32."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+        self.source = gated_norm.SOURCE
+
+    def _binary(self, group_size: int, dtype, gate_first: bool) -> Path:
+        key = (group_size, dtype, gate_first)
+        if key not in self.built:
+            t = EMULATED_TYPES[dtype][0]
+            params = ["const int32_t* dims", "const float* eps", "const float* y", f"const {t}* z", f"const {t}* weight"]
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + [f"({t}*)outs[0].data()"]
+            consts = (f"using T = {t}; constexpr int PER = {gated_norm.per_thread(group_size)}; "
+                      f"constexpr int WARPS = {gated_norm.warps(group_size)}; "
+                      f"constexpr bool GATE_FIRST = {str(gate_first).lower()};")
+            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, f"{t}* out"], consts, self.source)
+                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", "1")
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"gated_norm_{group_size}_{t}_{int(gate_first)}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[key] = path
+        return self.built[key]
+
+    def run(self, y: mx.array, z: mx.array, weight: mx.array, eps: float, *, groups: int, group_size: int,
+            gate_first: bool = False) -> mx.array:
+        """gated_norm's call, emulated: y float32 of z's size, z (..., C) float32 or bfloat16, the
+        weight (group_size,) or (C,) in z's dtype. Returns z's shape and dtype, the kernel's bits."""
+        R = z.size // (groups * group_size)
+        step = 0 if weight.size == group_size else group_size
+        bits = EMULATED_TYPES[z.dtype][1]
+        inputs = [np.array([R, groups, group_size, step], np.int32), np.array([eps], np.float32),
+                  raw_bits(y.astype(mx.float32)), raw_bits(z), raw_bits(weight)]
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"gin{i}"))
+            Path(names[-1]).write_bytes(np.ascontiguousarray(a).tobytes())
+        config = gated_norm.launch(R, groups, group_size)
+        threads = config["threadgroup"][0]
+        words = -(-z.size * np.dtype(bits).itemsize // 4)  # the emulator's outputs are 4-byte words
+        out = self.dir / "gout0"
+        subprocess.run([str(self._binary(group_size, z.dtype, gate_first)), *names, str(config["grid"][0] // threads),
+                        str(threads), str(words), str(out)], check=True)
+        return mx.array(np.fromfile(out, bits)[: z.size].reshape(z.shape)).view(z.dtype)
+
+
+def check_gated_norm(emu: GatedNormEmulator, groups: int, group_size: int, *, rows=range(1, 9), dtype=mx.float32,
+                     gate_first: bool = False, tiled: bool = False, seed: int = 0, eps: float = 1e-6) -> bool:
+    """For each R in `rows`: every row of an R-row call equals its 1-row call bit for bit, and
+    the output is within gated_norm.TOLERANCE of the reference (the layers' own MLX ops); also
+    printed: how many values equal the reference's bits (MLX's ops on the CPU)."""
+    y, z, weight = gated_norm.probe_inputs(groups, group_size, rows=max(rows), dtype=dtype, tiled=tiled, seed=seed)
+    spec = {"groups": groups, "group_size": group_size, "gate_first": gate_first}
+    alone = np.concatenate([raw_bits(emu.run(y[t : t + 1], z[t : t + 1], weight, eps, **spec))
+                            for t in range(max(rows))])
+    ok = True
+    for R in rows:
+        out = emu.run(y[:R], z[:R], weight, eps, **spec)
+        ref = gated_norm.reference_gated_norm(y[:R], z[:R], weight, eps, **spec)
+        same = np.array_equal(raw_bits(out), alone[:R]) and not np.isnan(_f32(out)).any()
+        got, expected = _f32(out), _f32(ref)
+        err = np.abs(got - expected)
+        diff = float(np.max(np.where(expected == 0, err, err / np.maximum(np.abs(expected), 1e-30))))
+        name = (f"gated_norm {groups}x{group_size} {str(dtype).split('.')[-1]}"
+                f"{' gate first' if gate_first else ''}{' tiled' if tiled else ''}")
+        ok &= _report(name, R, same, diff, gated_norm.TOLERANCE[dtype])
+        print(f"{'':34s} bits == MLX's ops (CPU): {int(np.sum(raw_bits(out) == raw_bits(ref)))} of {ref.size}",
+              flush=True)
+    return ok
+
+
 MAIN_SERIAL = SLURP + r"""
 int main(int argc, char** argv) {
     std::vector<std::vector<char>> in;
@@ -1010,6 +1089,13 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                 ["const int32_t* dims", "const float* eps", f"const {t}* x", f"const {t}* y",
                                  f"const {t}* weight", f"{t}* h", f"{t}* normed"],
                                 f"using T = {t}; constexpr int PER = {add_norm.per_thread(H)};", add_norm.SOURCE))
+        for G, D, gate_first in ((32, 128, False), (8, 1024, True), (3, 130, False)):  # 80B's GDN, Nemotron-H's groups
+            kernels_out.append((f"gated_norm_{G}x{D}{'_gate_first' if gate_first else ''}_{tn}", "",
+                                ["const int32_t* dims", "const float* eps", "const float* y", f"const {t}* z",
+                                 f"const {t}* weight", f"{t}* out"],
+                                f"using T = {t}; constexpr int PER = {gated_norm.per_thread(D)}; "
+                                f"constexpr int WARPS = {gated_norm.warps(D)}; "
+                                f"constexpr bool GATE_FIRST = {str(gate_first).lower()};", gated_norm.SOURCE))
         for has_shared, (_, inputs, body) in moe_combine.KERNELS.items():  # row-major inputs: no strides
             types = {"dims": "const int32_t*", "weights": "const float*"}
             kernels_out.append((f"moe_combine{'_shared' if has_shared else ''}_{tn}", "",
@@ -1132,6 +1218,12 @@ def main() -> int:
     add_norms = AddNormEmulator(emu.dir, args.backend)
     for H, dtype in ((2048, mx.float32), (2048, mx.bfloat16), (130, mx.float32), (130, mx.bfloat16)):
         results.append(check_add_norm(add_norms, H, dtype=dtype))
+    gated_norms = GatedNormEmulator(emu.dir, args.backend)
+    for G, D, dtype, gate_first, tiled in ((32, 128, mx.float32, False, False), (32, 128, mx.bfloat16, False, False),
+                                           (32, 128, mx.bfloat16, False, True), (3, 130, mx.float32, False, True),
+                                           (3, 130, mx.bfloat16, False, False), (8, 1024, mx.bfloat16, True, True),
+                                           (2, 1000, mx.float32, True, True), (1, 37, mx.float32, False, False)):
+        results.append(check_gated_norm(gated_norms, G, D, dtype=dtype, gate_first=gate_first, tiled=tiled))
     combine = CombineEmulator(emu.dir, args.backend)
     for H, k, dtype in ((2048, 10, mx.float32), (2048, 10, mx.bfloat16), (2048, 4, mx.bfloat16), (131, 4, mx.float32),
                         (131, 1, mx.bfloat16), (1000, 16, mx.float32)):
