@@ -10,4 +10,6 @@ rows over the KV cache in one kernel, a block per row. `router_window`: a MoE ro
 and top-k in one kernel, a block per row. `add_norm`: a pre-norm layer's residual add and the
 RMSNorm after it in one kernel, a block per row. `moe_combine`: a MoE layer's weighted sum of its picks
 (renormalised or not, plus a shared expert's gated output) in one kernel, a thread an element.
+`gated_norm`: a recurrent layer's gated RMSNorm over groups of channels (GDN's heads, Mamba-2's
+groups) in one kernel, a block per row's group.
 """

@@ -125,10 +125,11 @@ def launch(rows: int, groups: int, group_size: int) -> dict:
 
 
 def takes(y: mx.array, z: mx.array, weight: mx.array, *, groups: int, group_size: int) -> bool:
-    """Whether the kernel takes these operands: y float32 of z's size, z's last axis groups ·
-    group_size channels, a weight in z's dtype of group_size or of z's channels, a supported size."""
+    """Whether the kernel takes these operands: y float32 of z's size, z (..., C) or (..., G, D),
+    a weight in z's dtype of D or of C values, a supported size D."""
     C = groups * group_size
-    return (z.ndim >= 1 and z.shape[-1] == C and y.dtype == mx.float32 and y.size == z.size
+    z_ok = z.ndim >= 1 and z.shape[-1] == C or z.ndim >= 2 and z.shape[-2:] == (groups, group_size)
+    return (z_ok and y.dtype == mx.float32 and y.size == z.size
             and weight.dtype == z.dtype and weight.shape in ((group_size,), (C,)) and supports(group_size))
 
 
@@ -144,13 +145,13 @@ def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float, *, groups
 
     Args:
         y: float32, z's size (GDN: (..., G, D)).
-        z: (..., C), C = groups · group_size, float32 or bfloat16.
+        z: (..., C), C = groups · group_size, or (..., groups, group_size); float32 or bfloat16.
         weight: (group_size,) or (C,), z's dtype.
         eps: the norm's epsilon.
         gate_first: Mamba-2's form (the gate before the norm, the weight after); else GDN's.
 
     Returns:
-        (..., C) in z's dtype (the module docstring says how each value is rounded).
+        z's shape in z's dtype (the module docstring says how each value is rounded).
     """
     R = z.size // (groups * group_size)
     step = 0 if weight.size == group_size else group_size
@@ -172,7 +173,8 @@ def reference_gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float,
     """What `gated_norm` computes, in plain MLX: the layers' own ops (GDN: `GatedRMSNorm`'s cast
     of y to T and back, `mx.fast.rms_norm`, then T(weight · T(normed)) · silu(z) in float32;
     Mamba-2: `GroupedGatedRMSNorm`'s y · silu(z), the norm, then weight · normed in float32)."""
-    grouped = (*z.shape[:-1], groups, group_size)
+    lead = z.shape[:-1] if z.shape[-1] == groups * group_size else z.shape[:-2]
+    grouped = (*lead, groups, group_size)
     w = weight.reshape(-1, group_size)  # (1, D) or (G, D): broadcast over the groups or one each
     if gate_first:
         h = y.reshape(grouped) * _silu_f32(z.reshape(grouped))

@@ -13,7 +13,8 @@ built eagerly (`ops_eager`), since a compiled trace hides its parts. Build time 
 host time between one step's eval and the next, the eval itself excluded (medians).
 
 --path gpu (default) counts what a CUDA device runs, on any backend: strata's CUDA kernels
-(rows_matvec, gdn_window, attention_window, router_window, add_norm, moe_combine) become one stand-in primitive each (`mx.depends` on zeros: evaluable,
+(rows_matvec, gdn_window, attention_window, router_window, add_norm, moe_combine,
+gated_norm) become one stand-in primitive each (`mx.depends` on zeros: evaluable,
 so the step runs, with meaningless values), `mx.fast` rms_norm/rope/sdpa and `mx.dequantize` become one
 primitive each (the CPU builds them from ~10-30 ops), RowSplit splits windows as on a GPU and the decode
 loop overlaps its steps. What still differs from the H200: the stand-ins' Python cost is not the
@@ -31,7 +32,7 @@ import json
 import platform
 import statistics
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from functools import lru_cache
 from pathlib import Path
 from unittest import mock
@@ -40,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from metal_shaders import add_norm, attention_window, gdn_window, moe_combine, router_window, rows_matvec
+from metal_shaders import add_norm, attention_window, gated_norm, gdn_window, moe_combine, router_window, rows_matvec
 from scripts.bench import compare_mlx_lm as compare
 from scripts.bench.graph_ops import count_step
 from strata_cli.bench.peers import MlxLmPeer, require_mlx_lm
@@ -118,24 +119,31 @@ def gpu_shaped(stand_ins: StandIns):
     RowSplit.mode = LayerCompile.mode = "always"
     CpuShortCalls.mode = "never"  # the MLX forms a GPU runs, not the CPU's numpy linears
     try:
-        with mock.patch.object(rows_matvec, "kernels_usable", lambda dtype=None: True), \
-                mock.patch.object(rows_matvec, "gpu_kernel", stand_ins.kernel), \
-                mock.patch.object(gdn_window, "usable", lambda dtype=None: True), \
-                mock.patch.object(gdn_window, "gpu_kernel", stand_ins.kernel), \
-                mock.patch.object(attention_window, "usable", lambda dtype=None: True), \
-                mock.patch.object(attention_window, "sinks_usable", lambda dtype=None: True), \
-                mock.patch.object(attention_window, "gpu_kernel", stand_ins.kernel), \
-                mock.patch.object(router_window, "usable", lambda dtype=None: True), \
-                mock.patch.object(router_window, "gpu_kernel", stand_ins.kernel), \
-                mock.patch.object(add_norm, "usable", lambda dtype=None: True), \
-                mock.patch.object(add_norm, "gpu_kernel", stand_ins.kernel), \
-                mock.patch.object(moe_combine, "usable", lambda dtype=None: True), \
-                mock.patch.object(moe_combine, "gpu_kernel", stand_ins.kernel), \
-                mock.patch.object(mx.fast, "rms_norm", stand_ins.rms_norm), \
-                mock.patch.object(mx.fast, "rope", stand_ins.rope), \
-                mock.patch.object(mx, "dequantize", stand_ins.dequantize), \
-                mock.patch.object(mx.fast, "scaled_dot_product_attention", stand_ins.sdpa), \
-                mock.patch.object(WindowEngine, "can_overlap", property(lambda self: True)):
+        patches = [
+            (rows_matvec, "kernels_usable", lambda dtype=None: True),
+            (rows_matvec, "gpu_kernel", stand_ins.kernel),
+            (gdn_window, "usable", lambda dtype=None: True),
+            (gdn_window, "gpu_kernel", stand_ins.kernel),
+            (attention_window, "usable", lambda dtype=None: True),
+            (attention_window, "sinks_usable", lambda dtype=None: True),
+            (attention_window, "gpu_kernel", stand_ins.kernel),
+            (router_window, "usable", lambda dtype=None: True),
+            (router_window, "gpu_kernel", stand_ins.kernel),
+            (add_norm, "usable", lambda dtype=None: True),
+            (add_norm, "gpu_kernel", stand_ins.kernel),
+            (moe_combine, "usable", lambda dtype=None: True),
+            (moe_combine, "gpu_kernel", stand_ins.kernel),
+            (gated_norm, "usable", lambda dtype=None: True),
+            (gated_norm, "gpu_kernel", stand_ins.kernel),
+            (mx.fast, "rms_norm", stand_ins.rms_norm),
+            (mx.fast, "rope", stand_ins.rope),
+            (mx, "dequantize", stand_ins.dequantize),
+            (mx.fast, "scaled_dot_product_attention", stand_ins.sdpa),
+            (WindowEngine, "can_overlap", property(lambda self: True)),
+        ]
+        with ExitStack() as stack:  # more patches than one `with` statement may nest
+            for target, name, value in patches:
+                stack.enter_context(mock.patch.object(target, name, value))
             yield
     finally:
         RowSplit.mode, LayerCompile.mode, CpuShortCalls.mode = mode, compiled, short

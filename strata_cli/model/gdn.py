@@ -7,7 +7,8 @@ committed state.
 
 The math between the projections lives in metal_shaders/gdn_window.py: its `reference_*` are
 this layer's MLX ops, and on CUDA a decode window (T <= WINDOW_ROWS) takes its two
-row-invariant kernels instead (`gdn_prepare`, `gdn_scan`): ~37 tiny ops become two calls.
+row-invariant kernels instead (`gdn_prepare`, `gdn_scan`): ~37 tiny ops become two calls; its
+gated norm takes metal_shaders/gated_norm.py's kernel there (`GatedRMSNorm`).
 """
 
 from __future__ import annotations
@@ -264,6 +265,9 @@ class GatedDeltaNet(nn.Module):
         return traced_on_host(self, "_gated_norm", self.gated_norm, y.shape[0] * y.shape[1], z.dtype)(y, z)
 
     def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
+        """rms_norm(y) · weight · silu(z) over each value head -> (B, T, Hv·Dv) in z's dtype. On a
+        GPU a decode window (serial steps too) takes one kernel (`GatedRMSNorm.takes_kernel`) for
+        the cast, norm, reshape and gate product of MLX's ops."""
         B, T = y.shape[:2]
         if z.ndim == 3:  # a decode window's z as its projection gave it (`gate_by_heads`)
             tiled = self.norm_by_channel()

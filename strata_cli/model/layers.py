@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from metal_shaders import add_norm
+from metal_shaders import add_norm, gated_norm
 from metal_shaders import rows_matvec as kernels
 
 from . import host_blas
@@ -418,7 +418,10 @@ class RMSNorm(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """rms_norm(x) * weight * silu(gate), computed in float32 as the reference does, x rounded
-    to gate's (the model's) dtype first: the casts share kernels with their neighbours."""
+    to gate's (the model's) dtype first: the casts share kernels with their neighbours. A window
+    on a GPU (serial 1-row steps too, so they share its arithmetic) runs it in one kernel
+    (metal_shaders/gated_norm.py) where the operands are shapes and dtypes it takes and its probe
+    passed; elsewhere (the CPU, prompt chunks, a subclass) MLX's ops."""
 
     def __init__(self, dims: int, eps: float):
         super().__init__()
@@ -426,14 +429,28 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        if self.takes_kernel(x, gate, self.weight):
+            return gated_norm.gated_norm(x, gate, self.weight, self.eps, groups=x.shape[-2], group_size=x.shape[-1])
         return silu_gate_f32(rms_norm(rounded_f32(x, gate), None, self.eps), self.weight, gate)
 
     def over_heads(self, x: mx.array, gate: mx.array, weight: mx.array) -> mx.array:
         """`self(x, gate)` flattened over heads: x (..., heads, dims), gate (..., heads·dims) as its
         projection gives it, `weight` this norm's weight tiled over the heads -> (..., heads·dims).
         The same values, one reshape fewer (the gate is never reshaped to heads)."""
+        if self.takes_kernel(x, gate, weight):
+            return gated_norm.gated_norm(x, gate, weight, self.eps, groups=x.shape[-2], group_size=x.shape[-1])
         normed = rms_norm(rounded_f32(x, gate), None, self.eps)
         return silu_gate_f32(normed.reshape(gate.shape), weight, gate)
+
+    def takes_kernel(self, x: mx.array, gate: mx.array, weight: mx.array) -> bool:
+        """Whether the gated-norm kernel runs this call: x (..., heads, dims) float32 of 1..8 rows,
+        gate (..., heads·dims) or x's shape and the weight (dims,) or tiled, in gate's dtype."""
+        if type(self) is not GatedRMSNorm or x.ndim < 2:
+            return False
+        heads, dims = x.shape[-2:]
+        gate_ok = gate.shape == x.shape or gate.shape == (*x.shape[:-2], heads * dims)
+        return (gate_ok and RowSplit.kernel_may_take(x.size // (heads * dims))
+                and gated_norm.takes(x, gate, weight, groups=heads, group_size=dims) and gated_norm.usable(gate.dtype))
 
 
 class MLP(nn.Module):

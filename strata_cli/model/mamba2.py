@@ -25,7 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from metal_shaders import mamba2_window
+from metal_shaders import gated_norm, mamba2_window
 
 from .layer_state import SSMRows, SSMState
 from .layers import RowLinear, RowSplit
@@ -114,7 +114,9 @@ class Mamba2Conv(nn.Module):
 
 class GroupedGatedRMSNorm(nn.Module):
     """weight · rms_norm(y · silu(z)) over each group of `dims / groups` channels, in float32
-    (the gate applied before the norm: transformers' `RMSNormGated` with `group_size`)."""
+    (the gate applied before the norm: transformers' `RMSNormGated` with `group_size`). A window
+    on a GPU (serial steps too) runs it in one kernel (metal_shaders/gated_norm.py, its
+    `gate_first` form) where its probe passed; elsewhere MLX's ops."""
 
     def __init__(self, dims: int, groups: int, eps: float):
         super().__init__()
@@ -122,8 +124,23 @@ class GroupedGatedRMSNorm(nn.Module):
         self.group_size = dims // groups
         self.eps = eps
 
+    @property
+    def groups(self) -> int:
+        return self.weight.shape[0] // self.group_size
+
+    def takes_kernel(self, y: mx.array, gate: mx.array) -> bool:
+        """Whether the gated-norm kernel runs this call: 1..8 rows, y float32 and the gate and
+        weight in one dtype the probe passed."""
+        rows = gate.size // gate.shape[-1] if gate.ndim else 0
+        return (type(self) is GroupedGatedRMSNorm and RowSplit.kernel_may_take(rows)
+                and gated_norm.takes(y, gate, self.weight, groups=self.groups, group_size=self.group_size)
+                and gated_norm.usable(gate.dtype))
+
     def __call__(self, y: mx.array, gate: mx.array) -> mx.array:
         """y (..., I) float32, gate (..., I) in the model dtype -> (..., I) in the model dtype."""
+        if self.takes_kernel(y, gate):
+            return gated_norm.gated_norm(y, gate, self.weight, self.eps, groups=self.groups, group_size=self.group_size,
+                                         gate_first=True)
         h = y.astype(mx.float32) * nn.silu(gate.astype(mx.float32))
         h = mx.fast.rms_norm(h.reshape(*h.shape[:-1], -1, self.group_size), None, self.eps).reshape(h.shape)
         return (self.weight.astype(mx.float32) * h).astype(gate.dtype)
