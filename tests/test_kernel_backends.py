@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_shaders import add_norm, attention_window, backends, gdn_window, mamba2_window, moe_combine, probe, router_window
+from metal_shaders import (add_norm, attention_window, backends, gated_norm, gdn_window, mamba2_window, moe_combine, probe,
+                           router_window)
 from metal_shaders import rows_matvec as kernels
 
 BODIES = {
@@ -29,6 +30,7 @@ BODIES = {
     "add_norm.SOURCE": add_norm.SOURCE,
     "moe_combine.SOURCE": moe_combine.SOURCE,
     "moe_combine.SOURCE_SHARED": moe_combine.SOURCE_SHARED,
+    "gated_norm.SOURCE": gated_norm.SOURCE,
 }
 
 
@@ -242,3 +244,14 @@ def test_the_combine_bodies_are_row_invariant_behind_each_prelude(emulate, backe
     emu = emulate.CombineEmulator(tmp_path, backend)
     assert emulate.check_combine(emu, 2048, 10, dtype=mx.bfloat16, rows=(1, 3))
     assert emulate.check_combine(emu, 131, 1, normalize=False, has_shared=False, rows=(2,))
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_the_gated_norm_body_is_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
+    """Qwen3-Next-80B's GDN heads in bfloat16 (a value a thread, four warps), Mamba-2's form over
+    Nemotron-H's groups in bfloat16 (four values a thread, eight warps) and an odd size in float32
+    (threads past D idle, a tiled weight)."""
+    emu = emulate.GatedNormEmulator(tmp_path, backend)
+    assert emulate.check_gated_norm(emu, 32, 128, rows=(1, 3), dtype=mx.bfloat16)
+    assert emulate.check_gated_norm(emu, 8, 1024, rows=(2,), dtype=mx.bfloat16, gate_first=True, tiled=True)
+    assert emulate.check_gated_norm(emu, 3, 130, rows=(2,), tiled=True)

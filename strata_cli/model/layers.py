@@ -443,13 +443,13 @@ class GatedRMSNorm(nn.Module):
         return silu_gate_f32(normed.reshape(gate.shape), weight, gate)
 
     def takes_kernel(self, x: mx.array, gate: mx.array, weight: mx.array) -> bool:
-        """Whether the gated-norm kernel runs this call: x (..., heads, dims) float32 of 1..8 rows,
-        gate (..., heads·dims) or x's shape and the weight (dims,) or tiled, in gate's dtype."""
-        if type(self) is not GatedRMSNorm or x.ndim < 2:
+        """Whether the gated-norm kernel runs this call: x (B, T, heads, dims) float32, B·T <= 8
+        rows, gate (B, T, heads·dims) or x's shape and the weight (dims,) or tiled, in gate's dtype."""
+        if type(self) is not GatedRMSNorm or x.ndim != 4:
             return False
-        heads, dims = x.shape[-2:]
-        gate_ok = gate.shape == x.shape or gate.shape == (*x.shape[:-2], heads * dims)
-        return (gate_ok and RowSplit.kernel_may_take(x.size // (heads * dims))
+        B, T, heads, dims = x.shape
+        gate_ok = gate.shape == x.shape or gate.shape == (B, T, heads * dims)
+        return (gate_ok and RowSplit.kernel_may_take(B * T)
                 and gated_norm.takes(x, gate, weight, groups=heads, group_size=dims) and gated_norm.usable(gate.dtype))
 
 
