@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .backends import block_reduce
 from .probe import PROBE_DTYPES, Probe, cases_at, dims, gpu_kernel
 
 WARPS = 8
@@ -59,14 +60,7 @@ SOURCE = """
             s = fmaf(v[j], v[j], s);
         }
     }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += strata_xor(s, off);
-    if (lane == 0) part_s[warp] = s;
-    strata_sync();
-    float total = part_s[0];
-    #pragma unroll
-    for (int w = 1; w < WARPS; ++w) total += part_s[w];
-    const float inv = rsqrtf(total / static_cast<float>(H) + eps[0]);
+""" + block_reduce("s", "total") + """    const float inv = rsqrtf(total / static_cast<float>(H) + eps[0]);
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = thread_x + j * THREADS;

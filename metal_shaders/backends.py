@@ -118,6 +118,23 @@ METAL_ONLY = ("thread_position_in", "threadgroup_position_in", "threads_per_thre
               "device ", "constant ", "metal::", "as_type")
 
 
+def block_reduce(value: str, result: str, *, op: str = "sum") -> str:
+    """Body lines that reduce each thread's float `value` over the block into `result` (declared
+    here), in one fixed order: a xor butterfly in each warp, then the warps' partials in order
+    0..WARPS-1, so every thread ends with the same bits, whatever the block's rows are. `op`:
+    "sum" or "max". Needs `lane`, `warp`, WARPS and `STRATA_SHARED float part_s[WARPS]`; ends
+    after the barrier the partials need (write part_s again only after another)."""
+    step = {"sum": "{a} += {b}", "max": "{a} = fmaxf({a}, {b})"}[op]
+    return f"""    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {step.format(a=value, b=f"strata_xor({value}, off)")};
+    if (lane == 0) part_s[warp] = {value};
+    strata_sync();
+    float {result} = part_s[0];
+    #pragma unroll
+    for (int w = 1; w < WARPS; ++w) {step.format(a=result, b="part_s[w]")};
+"""
+
+
 def header(backend: str, extra: str = "") -> str:
     """What precedes the kernel function: the backend's prelude, then the kernel's own `extra`."""
     return _HEADERS[backend] + extra

@@ -43,6 +43,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .backends import block_reduce
 from .probe import PROBE_DTYPES, Probe, cases_at, dims, gpu_kernel
 
 MAX_WARPS = 8
@@ -74,14 +75,7 @@ SOURCE = """
             s = fmaf(v[j], v[j], s);
         }
     }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += strata_xor(s, off);
-    if (lane == 0) part_s[warp] = s;
-    strata_sync();
-    float total = part_s[0];
-    #pragma unroll
-    for (int w = 1; w < WARPS; ++w) total += part_s[w];
-    const float inv = rsqrtf(total / static_cast<float>(D) + eps[0]);
+""" + block_reduce("s", "total") + """    const float inv = rsqrtf(total / static_cast<float>(D) + eps[0]);
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = thread_x + j * THREADS;

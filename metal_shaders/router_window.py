@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .backends import block_reduce
 from .probe import PROBE_DTYPES, Probe, cases_at, dims, gpu_kernel
 
 WARPS = 4
@@ -54,14 +55,7 @@ SOURCE = """
         p[j] = e < E ? static_cast<float>(row[e]) : NEG_BIG;
         m = fmaxf(m, p[j]);
     }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, strata_xor(m, off));
-    if (lane == 0) part_s[warp] = m;
-    strata_sync();
-    float M = part_s[0];
-    #pragma unroll
-    for (int w = 1; w < WARPS; ++w) M = fmaxf(M, part_s[w]);
-    strata_sync();  // part_s takes the sums next
+""" + block_reduce("m", "M", op="max") + """    strata_sync();  // part_s takes the sums next
     float s = 0.0f;
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
@@ -70,14 +64,7 @@ SOURCE = """
             s += p[j];
         }
     }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += strata_xor(s, off);
-    if (lane == 0) part_s[warp] = s;
-    strata_sync();
-    float total = part_s[0];
-    #pragma unroll
-    for (int w = 1; w < WARPS; ++w) total += part_s[w];
-    unsigned int taken = 0;  // bit j: expert thread_x + j * THREADS picked (or past E)
+""" + block_reduce("s", "total") + """    unsigned int taken = 0;  // bit j: expert thread_x + j * THREADS picked (or past E)
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         if (thread_x + j * THREADS < E) p[j] = p[j] / total;

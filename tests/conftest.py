@@ -43,3 +43,28 @@ def emulate():
     from scripts.lab import kernel_emulate
 
     return kernel_emulate
+
+
+@pytest.fixture
+def failing_metal(monkeypatch):
+    """Metal as the backend, its kernels stand-ins that return zeros, so a probe fails:
+    `failing_metal(module, what)` gives `module` a fresh probe named `what` and returns the
+    list of the specs the kernels were made with."""
+    import mlx.core as mx
+
+    from metal_shaders import backends, probe
+
+    made = []
+
+    def make(**spec):
+        made.append(spec)
+        return lambda **kw: [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(mx.fast, "metal_kernel", make)
+    monkeypatch.setattr(probe, "_kernels", {})
+    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
+
+    def arm(module, what: str) -> list:
+        monkeypatch.setattr(module, "_probe", probe.Probe(what, "MLX ops"))
+        return made
+    return arm

@@ -183,22 +183,10 @@ def test_off_the_gpu_the_kernel_is_never_usable():
     assert add_norm.status() == {"usable": False, "probed": True, "error": None}
 
 
-def test_a_failing_probe_turns_the_kernel_off_and_the_norm_falls_back(monkeypatch, caplog):
+def test_a_failing_probe_turns_the_kernel_off_and_the_norm_falls_back(caplog, failing_metal):
     """Stand-in Metal makers return zeros: the probe disagrees with the reference, the kernel is
     turned off (logged once) and the norm adds and normalises with MLX's ops."""
-    made = []
-
-    def make(**spec):
-        made.append(spec)
-
-        def launch(**kw):
-            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-        return launch
-
-    monkeypatch.setattr(mx.fast, "metal_kernel", make)
-    monkeypatch.setattr(probe, "_kernels", {})
-    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
-    monkeypatch.setattr(add_norm, "_probe", probe.Probe("add-norm kernel", "MLX ops"))
+    made = failing_metal(add_norm, "add-norm kernel")
     norm = RMSNorm(130, 1e-6)
     x, y, _ = add_norm.probe_inputs(130, rows=3)
     with caplog.at_level(logging.WARNING, logger="strata.kernels"):

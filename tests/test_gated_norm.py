@@ -262,22 +262,10 @@ def test_off_the_gpu_the_kernel_is_never_usable():
     assert gated_norm.status() == {"usable": False, "probed": True, "error": None}
 
 
-def test_a_failing_probe_turns_the_kernel_off_and_the_norm_falls_back(monkeypatch, caplog):
+def test_a_failing_probe_turns_the_kernel_off_and_the_norm_falls_back(caplog, failing_metal):
     """Stand-in Metal makers return zeros: the probe disagrees with the reference, the kernel is
     turned off (logged once) and the norm runs MLX's ops."""
-    made = []
-
-    def make(**spec):
-        made.append(spec)
-
-        def launch(**kw):
-            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-        return launch
-
-    monkeypatch.setattr(mx.fast, "metal_kernel", make)
-    monkeypatch.setattr(probe, "_kernels", {})
-    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
-    monkeypatch.setattr(gated_norm, "_probe", probe.Probe("gated-norm kernel", "MLX ops"))
+    made = failing_metal(gated_norm, "gated-norm kernel")
     norm = GatedRMSNorm(130, EPS)
     y, z, _ = gated_norm.probe_inputs(3, 130, rows=3)
     y, z = y[None], z[None]  # a 3-row window

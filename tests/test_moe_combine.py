@@ -271,22 +271,10 @@ def test_off_the_gpu_the_kernel_is_never_usable():
     assert moe_combine.status() == {"usable": False, "probed": True, "error": None}
 
 
-def test_a_failing_probe_turns_the_kernel_off_and_the_block_falls_back(monkeypatch, caplog):
+def test_a_failing_probe_turns_the_kernel_off_and_the_block_falls_back(caplog, failing_metal):
     """Stand-in Metal makers return zeros: the probe disagrees with the reference, the kernel is
     turned off (logged once) and the block combines with MLX's ops."""
-    made = []
-
-    def make(**spec):
-        made.append(spec)
-
-        def launch(**kw):
-            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-        return launch
-
-    monkeypatch.setattr(mx.fast, "metal_kernel", make)
-    monkeypatch.setattr(probe, "_kernels", {})
-    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
-    monkeypatch.setattr(moe_combine, "_probe", probe.Probe("MoE combine kernel", "MLX ops"))
+    made = failing_metal(moe_combine, "MoE combine kernel")
     picks, weights, _, _ = moe_combine.probe_inputs(64, 4, rows=3)
     with caplog.at_level(logging.WARNING, logger="strata.kernels"):
         got = moe.picks_sum(picks, weights, normalize=True)

@@ -165,22 +165,10 @@ def test_off_the_gpu_the_kernel_is_never_usable():
     assert router_window.status() == {"usable": False, "probed": True, "error": None}
 
 
-def test_a_failing_probe_turns_the_kernel_off_and_picks_fall_back(monkeypatch, caplog):
+def test_a_failing_probe_turns_the_kernel_off_and_picks_fall_back(caplog, failing_metal):
     """Stand-in Metal makers return zeros: the probe disagrees with the reference, the kernel is
     turned off (logged once) and the block routes with MLX's ops."""
-    made = []
-
-    def make(**spec):
-        made.append(spec)
-
-        def launch(**kw):
-            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-        return launch
-
-    monkeypatch.setattr(mx.fast, "metal_kernel", make)
-    monkeypatch.setattr(probe, "_kernels", {})
-    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
-    monkeypatch.setattr(router_window, "_probe", probe.Probe("router window kernel", "MLX ops"))
+    made = failing_metal(router_window, "router window kernel")
     b = block()
     logits = router_window.probe_logits(48, rows=3)
     with caplog.at_level(logging.WARNING, logger="strata.kernels"):
