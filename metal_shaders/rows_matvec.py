@@ -268,7 +268,79 @@ MXFP4_DECODES = {"f16": 0, "lut": 1, "bits": 2}
 MXFP4_ORDERS = {"picks": 1, "columns": 0}  # the grid's fast axis: PICKS_X
 MXFP4_HEADER = f"#define E2M1_BITS(C) {_E2M1_BITS}\n"
 
+# GLU forms (issue 37): one launch computes, for its columns n, gate_n·x and up_n·x of two
+# matrices of one form and writes act(gate) · up. A warp's COLS accumulators hold HALF = COLS / 2
+# columns of each: accumulator c < HALF sums gate row n0 + c, accumulator HALF + c up row n0 + c,
+# each with the very loads, fused multiply-adds and butterfly of the plain body (the order is
+# still a function of K alone), so each sum is the plain kernel's float32 value bit for bit. Lane
+# c then rounds both sums to T, as the plain kernels' outputs are, and writes
+# T(STRATA_GLU(gate, up)): silu(gate) · up in float32, rounded once (today's compiled `swiglu`
+# rounds its sigmoid, product and result to T on their own; MLX's sigmoid differs by backend).
+GLU_COLS = 2  # output columns per warp: HALF, so a warp holds as many accumulators as the plain forms
+GLU_HEADER = "#define STRATA_GLU(G, U) ((G) / (1.0f + expf(-(G))) * (U))\n"
+_GLU_TAIL = """
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (r >= R) break;
+        #pragma unroll
+        for (int c = 0; c < HALF; ++c) {
+            float g = acc[r][c], v = acc[r][HALF + c];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) g += strata_xor(g, off);
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += strata_xor(v, off);
+            if (lane == c && n0 + c < N) {
+                const float gate = static_cast<float>(static_cast<T>(g)), up = static_cast<float>(static_cast<T>(v));
+                out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(STRATA_GLU(gate, up));
+            }
+        }
+    }
+"""
+
+
+def _glu(body: str, swaps: dict[str, str]) -> str:
+    """The GLU form of a plain body: HALF columns a warp, accumulator c's row from the gate's
+    arrays below HALF and from the up's (`<name>_up`) above, `swaps` (each text once) saying how
+    the body reads them; the plain tail replaced by the GLU's."""
+    assert body.endswith(_TAIL)
+    body = body[: -len(_TAIL)] + _GLU_TAIL
+    swaps = {"(thread_x >> 5)) * COLS;": "(thread_x >> 5)) * HALF;",
+             "const int n = n0 + c < N ? n0 + c : n0;": "const int n = n0 + c % HALF < N ? n0 + c % HALF : n0;",
+             **swaps}
+    for old, new in swaps.items():
+        assert body.count(old) == 1, old
+        body = body.replace(old, new)
+    return "    constexpr int HALF = COLS / 2;\n" + body
+
+
+_QUANTIZED_GLU_SWAPS = {
+    "strata_aligned16(wq, static_cast<size_t>(KW) * 4)":
+        "strata_aligned16(wq, static_cast<size_t>(KW) * 4) && strata_aligned16(wq_up, static_cast<size_t>(KW) * 4)",
+    "strata_words(wq + ": "strata_words((c < HALF ? wq : wq_up) + ",
+    "static_cast<float>(sq[g])": "static_cast<float>((c < HALF ? sq : sq_up)[g])",
+    "static_cast<float>(bq[g])": "static_cast<float>((c < HALF ? bq : bq_up)[g])",
+}
+DENSE_GLU = _glu(DENSE, {
+    "strata_aligned16(w, static_cast<size_t>(K) * sizeof(TW))":
+        "strata_aligned16(w, static_cast<size_t>(K) * sizeof(TW)) && strata_aligned16(w_up, static_cast<size_t>(K) * sizeof(TW))",
+    "strata_load<TW, CHUNK>(w + ": "strata_load<TW, CHUNK>((c < HALF ? w : w_up) + ",
+})
+# The up's arrays beside the gate's: as they stand (plain rows), or at expert e (routed experts).
+_PLAIN_POINTERS = "    auto bq = biases;\n"
+_GATHER_POINTERS = "    auto bq = biases + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);\n"
+_GATHER_UP_POINTERS = """    auto wq_up = w_up + static_cast<size_t>(e) * dims[2] * (dims[1] / (32 / BITS));
+    auto sq_up = scales_up + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
+    auto bq_up = biases_up + static_cast<size_t>(e) * dims[2] * (dims[1] / GS);
+"""
+assert QUANTIZED.count(_PLAIN_POINTERS) == GATHER_QUANTIZED.count(_GATHER_POINTERS) == 1
+QUANTIZED_GLU = _glu(QUANTIZED.replace(_PLAIN_POINTERS, _PLAIN_POINTERS + "    auto wq_up = w_up;\n"
+                                       "    auto sq_up = scales_up;\n    auto bq_up = biases_up;\n"),
+                     _QUANTIZED_GLU_SWAPS)
+GATHER_QUANTIZED_GLU = _glu(GATHER_QUANTIZED.replace(_GATHER_POINTERS, _GATHER_POINTERS + _GATHER_UP_POINTERS),
+                            _QUANTIZED_GLU_SWAPS)
+
 _probe = Probe("row-invariant matrix kernels", "decode windows run row by row")
+_glu_probe = Probe("row-invariant GLU kernels", "decode windows run gate, up and the activation apart")
 
 
 def launch_config(rows: int, N: int, *, cols: int = COLS) -> dict:
@@ -362,6 +434,62 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     return out
 
 
+def glu_launch_config(rows: int, N: int, *, cols: int = GLU_COLS) -> dict:
+    """`launch_config` of a GLU form: `cols` output columns a warp, two accumulators each (COLS)."""
+    config = launch_config(rows, N, cols=cols)
+    return {**config, "template": [("ROWS", row_capacity(rows)), ("COLS", 2 * cols)]}
+
+
+def _glu_launch(kernel, inputs, template, shape: tuple[int, ...], rows: int, N: int, dtype, cols: int, *,
+                grid_y: int = 1):
+    config = glu_launch_config(rows, N, cols=cols)
+    (out,) = kernel(inputs=inputs, template=template + config["template"], grid=(config["grid"][0], grid_y, 1),
+                    threadgroup=config["threadgroup"], output_shapes=[shape], output_dtypes=[dtype])
+    return out
+
+
+def rows_glu_matvec(x: mx.array, w_gate: mx.array, w_up: mx.array, *, cols: int = GLU_COLS) -> mx.array:
+    """silu(x @ w_gateᵀ) · (x @ w_upᵀ), w_gate and w_up (N, K) of one dtype, -> (..., N) in x's
+    dtype, at most 8 rows, on a GPU, in one launch: each product the bits of `rows_matvec`'s,
+    joined as GLU_HEADER says."""
+    R, K = rows(x)
+    N = w_gate.shape[0]
+    kernel = _kernel("strata_rows_glu_matvec_v1", ["dims", "x", "w", "w_up"], DENSE_GLU, GLU_HEADER)
+    template = [("T", x.dtype), ("TW", w_gate.dtype)]
+    return _glu_launch(kernel, [dims(R, K, N), x, w_gate, w_up], template, (*x.shape[:-1], N), R, N, x.dtype, cols)
+
+
+def rows_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array], up: tuple[mx.array, mx.array, mx.array],
+                     *, group_size: int, bits: int, cols: int = GLU_COLS) -> mx.array:
+    """`rows_glu_matvec` over affine-quantized gate and up, each (weight, scales, biases) of
+    one quantization: each product the bits of `rows_qmatvec`'s."""
+    R, K = rows(x)
+    N = gate[0].shape[0]
+    kernel = _kernel("strata_rows_glu_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
+                                                    "biases_up"], QUANTIZED_GLU, GLU_HEADER)
+    template = [("T", x.dtype), ("TS", gate[1].dtype), ("BITS", bits), ("GS", group_size)]
+    return _glu_launch(kernel, [dims(R, K, N), x, *gate, *up], template, (*x.shape[:-1], N), R, N, x.dtype, cols)
+
+
+def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array],
+                            up: tuple[mx.array, mx.array, mx.array], experts: mx.array, *, group_size: int, bits: int,
+                            share: int | None = None, cols: int = GLU_COLS) -> mx.array:
+    """`rows_gather_qmatvec`'s routed experts, gate and up (each (weight (E, N, K·bits/32),
+    scales, biases) of one quantization) in one launch: -> silu(gate) · up, each product the
+    bits of `rows_gather_qmatvec`'s, picks that share rows as there."""
+    R, K = rows(x)
+    M = experts.size
+    if M > MAX_PICKS or M % R:
+        raise ValueError(f"rows_gather_glu_qmatvec takes at most {MAX_PICKS} picks, a multiple of its {R} rows; got {M}")
+    N, per = gate[0].shape[1], M // R
+    kernel = _kernel("strata_rows_gather_glu_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
+                                                           "biases_up", "idx"], GATHER_QUANTIZED_GLU, GLU_HEADER)
+    template = [("T", x.dtype), ("TS", gate[1].dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
+    shape = (*x.shape[:-1], N) if per == 1 else (*x.shape[:-1], per, N)
+    return _glu_launch(kernel, [dims(M, K, N, per), x, *gate, *up, experts], template, shape, share or 1, N, x.dtype,
+                       cols, grid_y=M)
+
+
 def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts: mx.array, *,
                             share: int | None = None, cols: int = COLS, decode: str = "f16",
                             order: str = "picks") -> mx.array:
@@ -409,6 +537,13 @@ def reference_gather_qmatvec(x, w, scales, biases, experts, *, group_size: int, 
     return (dense @ x.astype(mx.float32)[:, :, None])[..., 0].astype(x.dtype)
 
 
+def reference_glu(gate: mx.array, up: mx.array) -> mx.array:
+    """What the GLU forms compute from their two products (each as its plain kernel rounds it):
+    silu(gate) · up in float32, rounded once to their dtype."""
+    g = gate.astype(mx.float32)
+    return (g * mx.sigmoid(g) * up.astype(mx.float32)).astype(gate.dtype)
+
+
 def reference_matvec(x: mx.array, w: mx.array) -> mx.array:
     """What `rows_matvec` computes, in plain MLX (float32 accumulation)."""
     return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(x.dtype)
@@ -437,6 +572,16 @@ def kernels_usable(dtype=None) -> bool:
 def status() -> dict:
     """Whether the kernels are in use, and why not (for selftest and benchmarks)."""
     return _probe.status()
+
+
+def glu_usable(dtype=None) -> bool:
+    """`kernels_usable` for the GLU forms (`rows_glu_matvec`, `rows_glu_qmatvec`,
+    `rows_gather_glu_qmatvec`): their own probe, so a failure turns off only them."""
+    return _glu_probe.usable(_check_glu, dtype)
+
+
+def glu_status() -> dict:
+    return _glu_probe.status()
 
 
 def _check(dtypes=PROBE_DTYPES) -> str | None:
@@ -511,3 +656,52 @@ def _picks_alone(kernel, reference, x, experts, dtype, what: str, **together_kw)
     if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
         return f"{what} kernel and reference disagree ({dtype})"
     return None
+
+
+def _check_glu(dtypes=PROBE_DTYPES) -> str | None:
+    """None when the GLU forms pass on this device, else what failed: each row (pick) equals its
+    1-row call bit for bit, and silu(gate) · up of the reference's products within tolerance."""
+    K, N = 512, 200
+    for dtype in dtypes:
+        x = mx.random.normal((MAX_ROWS, K), key=mx.random.key(13)).astype(dtype)
+        wg, wu = ((mx.random.normal((N, K), key=mx.random.key(s)) * K**-0.5).astype(dtype) for s in (14, 15))
+        qg, qu = mx.quantize(wg, 64, 4), mx.quantize(wu, 64, 4)
+        quantized = partial(reference_qmatvec, group_size=64, bits=4)
+        cases = (
+            (lambda a: rows_glu_matvec(a, wg, wu), lambda a: reference_glu(reference_matvec(a, wg), reference_matvec(a, wu))),
+            (lambda a: rows_glu_qmatvec(a, qg, qu, group_size=64, bits=4),
+             lambda a: reference_glu(quantized(a, *qg), quantized(a, *qu))),
+        )
+        for kernel, reference in cases:
+            together = kernel(x)
+            alone = mx.concatenate([kernel(x[i : i + 1]) for i in range(MAX_ROWS)])
+            expected = reference(x)
+            partial_rows = [kernel(x[:T]) for T in (2, 3)]
+            mx.eval(together, alone, expected, partial_rows)
+            if not all(mx.array_equal(y, alone[: y.shape[0]]).item() for y in [together, *partial_rows]):
+                return f"GLU rows differ with the row count ({dtype})"
+            tol = 5e-3 if dtype == mx.float32 else 3e-2
+            if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
+                return f"GLU kernel and reference disagree ({dtype})"
+        error = _check_gather_glu(dtype)
+        if error:
+            return error
+    return None
+
+
+def _check_gather_glu(dtype) -> str | None:
+    K, N = 512, 200
+    experts = mx.array([3, 1, 3, 0, 3, 5, 1, 3, 3, 3, 3, 3], dtype=mx.uint32)
+    x = mx.random.normal((experts.shape[0], K), key=mx.random.key(16)).astype(dtype)
+    gate, up = (mx.quantize((mx.random.normal((6, N, K), key=mx.random.key(s)) * K**-0.5).astype(dtype), 64, 4)
+                for s in (17, 18))
+    kernel = partial(rows_gather_glu_qmatvec, gate=gate, up=up, group_size=64, bits=4)
+
+    def reference(x, experts):
+        return reference_glu(*(reference_gather_qmatvec(x, *p, experts, group_size=64, bits=4) for p in (gate, up)))
+
+    error = _picks_alone(kernel, reference, x, experts, dtype, "routed-expert GLU", share=MAX_ROWS)
+    shared, copied = kernel(x=x[::3], experts=experts), kernel(x=mx.repeat(x[::3], 3, axis=0), experts=experts)
+    if error is None and not mx.array_equal(shared.reshape(copied.shape), copied).item():
+        error = f"routed-expert GLU picks sharing rows differ from copied rows ({dtype})"
+    return error

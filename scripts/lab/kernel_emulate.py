@@ -168,7 +168,8 @@ int main(int argc, char** argv) {
     std::vector<std::vector<char>> in;
     for (int i = 0; i < NUM_INPUTS; ++i) in.push_back(slurp(argv[1 + i]));
     const int gx = atoi(argv[1 + NUM_INPUTS]), gy = atoi(argv[2 + NUM_INPUTS]), tx = atoi(argv[3 + NUM_INPUTS]);
-    std::vector<float> out(atol(argv[4 + NUM_INPUTS]), NAN);
+    std::vector<OUT_T> out(atol(argv[4 + NUM_INPUTS]));
+    std::memset(out.data(), 0xFF, out.size() * sizeof(OUT_T));  // NaN until written
     blockDim.x = tx;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     for (int w = 0; w < tx / 32; ++w) warps.emplace_back(new std::barrier<>(32)), warp_barriers[w] = warps.back().get();
@@ -181,10 +182,11 @@ int main(int argc, char** argv) {
         }
     });
     for (auto& t : threads) t.join();
-    FILE* f = fopen(argv[5 + NUM_INPUTS], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);
+    FILE* f = fopen(argv[5 + NUM_INPUTS], "wb"); fwrite(out.data(), sizeof(OUT_T), out.size(), f); fclose(f);
 }
 """
-# name: (kernel parameters as MLX generates them for float32 inputs, body, extra template lines)
+# name: (kernel parameters as MLX generates them for float32 inputs, body, extra template lines); at
+# bfloat16 every float array but the gather's is the model's dtype (x, dense weights, scales, biases).
 KINDS = {
     "dense": (["const int32_t* dims", "const float* x", "const float* w"], kernels.DENSE, "using TW = float;"),
     "quantized": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
@@ -194,8 +196,17 @@ KINDS = {
                "using TS = float; using TI = uint32_t;"),
     "gather_mxfp4": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const uint8_t* scales",
                       "const uint32_t* idx"], kernels.GATHER_MXFP4, "using TI = uint32_t;"),
+    "dense_glu": (["const int32_t* dims", "const float* x", "const float* w", "const float* w_up"], kernels.DENSE_GLU,
+                  "using TW = float;"),
+    "quantized_glu": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
+                       "const float* biases", "const uint32_t* w_up", "const float* scales_up", "const float* biases_up"],
+                      kernels.QUANTIZED_GLU, "using TS = float;"),
+    "gather_glu": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
+                    "const float* biases", "const uint32_t* w_up", "const float* scales_up", "const float* biases_up",
+                    "const uint32_t* idx"], kernels.GATHER_QUANTIZED_GLU, "using TS = float; using TI = uint32_t;"),
 }
-KIND_HEADERS = {"gather_mxfp4": kernels.HEADER + kernels.MXFP4_HEADER}  # else kernels.HEADER
+KIND_HEADERS = {"gather_mxfp4": kernels.HEADER + kernels.MXFP4_HEADER}  # else kernels.HEADER (the GLU kinds: + Emulator.glu)
+GLU_KINDS = {"dense_glu": "dense", "quantized_glu": "quantized", "gather_glu": "gather"}  # each with its plain kind
 
 
 GXX = ["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread"]
@@ -233,33 +244,49 @@ def compile_program(path: Path, source: str) -> None:
 
 
 class Emulator:
+    """The matrix kernels of rows_matvec on the CPU, in float32 or bfloat16 (in software, BF16_SHIM:
+    x, dense weights, scales, biases and the output in the dtype). `glu`: the GLU kinds' joining
+    of gate and up (kernels.GLU_HEADER; a check may swap in one that writes the gate or the up alone)."""
+
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
+        self.glu = kernels.GLU_HEADER
 
-    def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int, more: tuple = ()) -> Path:
-        key = (kind, rows, cols, bits, gs, *more)
+    def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int, more: tuple = (), dtype=mx.float32) -> Path:
+        header = KIND_HEADERS.get(kind, kernels.HEADER) + (self.glu if kind in GLU_KINDS else "")
+        key = (kind, rows, cols, bits, gs, *more, dtype, header)
         if key not in self.built:
+            t = EMULATED_TYPES[dtype][0]
             params, body, extra = KINDS[kind]
-            consts = f"using T = float; {extra} constexpr int ROWS = {rows}; constexpr int COLS = {cols};"
-            if kind != "dense":
+            params = [p.replace("const float* ", f"const {t}* ") for p in params]
+            consts = f"using T = {t}; {extra.replace('float', t)} constexpr int ROWS = {rows}; constexpr int COLS = {cols};"
+            if kind not in ("dense", "dense_glu"):
                 consts += f" constexpr int BITS = {bits}; constexpr int GS = {gs};"
             consts += "".join(f" constexpr int {name} = {value};" for name, value in more)
             args = ", ".join(f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params))
-            header = KIND_HEADERS.get(kind, kernels.HEADER)
-            source = (program(SHIM_BLOCK, self.backend, header, [*params, "float* out"], consts, body)
-                      + MAIN.replace("NUM_INPUTS", str(len(params))).replace("CALL", f"kernel({args}, out.data())"))
-            path = self.dir / "_".join(str(k) for k in key if not isinstance(k, tuple))
-            path = path.with_name(path.name + "".join(f"_{name}{value}" for name, value in more))
+            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, header, [*params, f"{t}* out"], consts, body)
+                      + MAIN.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", t)
+                      .replace("CALL", f"kernel({args}, out.data())"))
+            path = self.dir / "_".join(str(k) for k in key[:5])
+            path = path.with_name(path.name + "".join(f"_{name}{value}" for name, value in more)
+                                  + f"_{t}_{len(self.built)}")
             compile_program(path, source)
             self.built[key] = path
         return self.built[key]
 
     def launch(self, kind: str, inputs: list, *, rows: int, blocks_y: int, N: int, out_rows: int, bits: int = 0,
-               gs: int = 0, cols: int = kernels.COLS, more: dict | None = None) -> np.ndarray:
-        """`more`: further template values (name: int), e.g. the MXFP4 kernel's DECODE."""
-        config = kernels.launch_config(rows, N, cols=cols)
-        binary = self._binary(kind, kernels.row_capacity(rows), cols, bits, gs, tuple(sorted((more or {}).items())))
+               gs: int = 0, cols: int | None = None, more: dict | None = None, dtype=mx.float32) -> np.ndarray:
+        """`more`: further template values (name: int), e.g. the MXFP4 kernel's DECODE. `cols`:
+        output columns a warp (default kernels.COLS, the GLU kinds' kernels.GLU_COLS). At
+        bfloat16 the inputs are raw bits (`raw_bits`); the output comes widened to float32 (exact)."""
+        if kind in GLU_KINDS:
+            config = kernels.glu_launch_config(rows, N, cols=cols or kernels.GLU_COLS)
+        else:
+            config = kernels.launch_config(rows, N, cols=cols or kernels.COLS)
+        compiled = dict(config["template"])
+        binary = self._binary(kind, compiled["ROWS"], compiled["COLS"], bits, gs, tuple(sorted((more or {}).items())),
+                              dtype)
         names = []
         for i, a in enumerate(inputs):
             names.append(str(self.dir / f"in{i}"))
@@ -270,6 +297,8 @@ class Emulator:
             grid = grid[::-1]
         out = self.dir / "out"
         subprocess.run([str(binary), *names, *map(str, grid), str(threads), str(out_rows * N), str(out)], check=True)
+        if dtype == mx.bfloat16:
+            return _f32(mx.array(np.fromfile(out, np.uint16).reshape(out_rows, N)).view(mx.bfloat16))
         return np.fromfile(out, np.float32).reshape(out_rows, N)
 
 
@@ -1009,6 +1038,86 @@ def check_combine(emu: CombineEmulator, H: int, k: int, *, dtype=mx.float32, nor
     return ok
 
 
+GLU_TOLERANCE = {mx.float32: 1e-5, mx.bfloat16: 2**-6}  # of the largest value: sum order, then a product rounding
+GLU_PICKS = mx.array([3, 1, 3, 0, 3, 5, 3, 3], dtype=mx.uint32)  # expert 3: five of eight picks, shared blocks
+
+
+def glu_case(kind: str, dtype, *, K: int, N: int, bits: int = 4, gs: int = 64, rows: int = 8, seed: int = 0):
+    """Random operands of GLU kind `kind` at `dtype` for `rows` rows (picks): `inputs(i0, i1, which)`
+    the launch's arrays over rows i0..i1-1 for "glu" or the plain kind's over "gate" or "up",
+    `plain` the plain kind, `expected` the reference (kernels.reference_glu of the plain references)
+    and the two plain references."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    x = mx.random.normal((rows, K), key=keys[0]).astype(dtype)
+    gather = kind == "gather_glu"
+    shape = (6, N, K) if gather else (N, K)
+    gate, up = ((mx.random.normal(shape, key=k) * K**-0.5).astype(dtype) for k in keys[1:])
+    experts = GLU_PICKS[:rows]
+    if kind == "dense_glu":
+        weights = {"gate": [gate], "up": [up]}
+        refs = [kernels.reference_matvec(x, w) for w in (gate, up)]
+    else:
+        weights = {"gate": list(mx.quantize(gate, gs, bits)), "up": list(mx.quantize(up, gs, bits))}
+        reference = kernels.reference_gather_qmatvec if gather else kernels.reference_qmatvec
+        extra = (experts,) if gather else ()
+        refs = [reference(x, *weights[w], *extra, group_size=gs, bits=bits) for w in ("gate", "up")]
+
+    def arrays(a):
+        return np.array(a) if a.dtype == mx.uint32 else raw_bits(a)
+
+    def inputs(i0: int, i1: int, which: str) -> list:
+        shapes = np.array([i1 - i0, K, N, 1] if gather else [i1 - i0, K, N], np.int32)
+        ws = weights["gate"] + weights["up"] if which == "glu" else weights[which]
+        return [shapes, raw_bits(x[i0:i1]), *map(arrays, ws), *([np.array(experts[i0:i1])] if gather else [])]
+
+    return inputs, GLU_KINDS[kind], kernels.reference_glu(*refs), refs
+
+
+def check_glu(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N: int = 37, bits: int = 4, gs: int = 64,
+              rows=range(1, 9)) -> bool:
+    """For each R in `rows`: every row (pick) of an R-row call of GLU kind `kind` equals its
+    1-row call bit for bit and stays within GLU_TOLERANCE (of the largest value) of the
+    reference; at the largest R the call with the joining swapped for the gate alone, then the up
+    alone, equals the plain kind's call bit for bit (each product is the plain kernel's float32
+    sum, rounded as it rounds it). Printed too: how many values equal today's path's bits (the
+    plain kernels' gate and up through MLX's compiled swiglu, here on the CPU)."""
+    from strata_cli.model.layers import swiglu
+
+    R_max = max(rows)
+    inputs, plain, expected, _ = glu_case(kind, dtype, K=K, N=N, bits=bits, gs=gs, rows=R_max)
+    gather = kind == "gather_glu"
+
+    def run(i0: int, i1: int, which: str = "glu") -> np.ndarray:
+        share = kernels.MAX_ROWS if gather and i1 - i0 > 1 else 1 if gather else i1 - i0
+        return emu.launch(kind if which == "glu" else plain, inputs(i0, i1, which), rows=share,
+                          blocks_y=i1 - i0 if gather else 1, N=N, out_rows=i1 - i0, bits=bits, gs=gs, dtype=dtype)
+
+    alone = np.concatenate([run(i, i + 1) for i in range(R_max)])
+    name = f"{kind} {bits if kind != 'dense_glu' else ''}{'-bit ' if kind != 'dense_glu' else ''}K={K} N={N} " \
+           f"{str(dtype).split('.')[-1]}"
+    ok = True
+    for R in rows:
+        got = run(0, R)
+        e = _f32(expected[:R])
+        ok &= _report(name, R, np.array_equal(got, alone[:R]), float(np.abs(got - e).max() / np.abs(e).max()),
+                      GLU_TOLERANCE[dtype])
+    glu, products = emu.glu, {}
+    try:
+        for which, joining in (("gate", "(G)"), ("up", "(U)")):
+            emu.glu = f"#define STRATA_GLU(G, U) {joining}\n"
+            products[which] = run(0, R_max, which)
+            same = np.array_equal(run(0, R_max), products[which])
+            print(f"{'':34s} {which} alone == the plain {plain} kernel's bits: {same}", flush=True)
+            ok &= same
+    finally:
+        emu.glu = glu
+    today = _f32(swiglu(*(mx.array(products[w]).astype(dtype) for w in ("gate", "up"))))
+    got = run(0, R_max)
+    print(f"{'':34s} bits == today's path (plain kernels, MLX's CPU swiglu): {int(np.sum(got == today))} of "
+          f"{got.size}", flush=True)
+    return ok
+
+
 def _report(name: str, rows: int, same: bool, diff: float, tol: float) -> bool:
     ok = same and diff < tol
     print(f"{name:34s} rows {rows:2d}  identical to 1-row calls: {same!s:5s}  max rel diff {diff:.1e}  "
@@ -1058,6 +1167,14 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                f"using T = {t}; using TI = uint32_t; constexpr int ROWS = {rows_}; constexpr int COLS = {kernels.COLS}; "
                f"constexpr int DECODE = {value}; constexpr int PICKS_X = 1;", kernels.GATHER_MXFP4)
               for decode, value in kernels.MXFP4_DECODES.items() for rows_ in ((1, 8) if value == 0 else (1,))),
+            *((f"{kind}_r{rows_}_{tn}", kernels.HEADER + kernels.GLU_HEADER,
+               ["const int32_t* dims", x, *[p.replace("const float* ", f"const {t}* ") for p in KINDS[kind][0][2:]],
+               f"{t}* out"],
+              f"using T = {t}; {KINDS[kind][2].replace('float', t)} constexpr int ROWS = {rows_}; "
+              f"constexpr int COLS = {2 * kernels.GLU_COLS};" + ("" if kind == "dense_glu" else
+                                                                 " constexpr int BITS = 4; constexpr int GS = 64;"),
+              KINDS[kind][1])
+              for kind in GLU_KINDS for rows_ in (1, 8)),
             (f"gdn_prepare_{tn}", gdn_window.HEADER,
              ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
               f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
@@ -1196,6 +1313,11 @@ def main() -> int:
                               more={"DECODE": value, "PICKS_X": value % 2})  # both grid orders
 
         results.append(check(f"rows_gather_mxfp4matvec {decode} K={K} N={N}", run_mxfp4, M, expected, (0, 5, 8, 11)))
+    for kind, dtype, bits, gs in (("dense_glu", mx.float32, 4, 64), ("dense_glu", mx.bfloat16, 4, 64),
+                                  ("quantized_glu", mx.float32, 4, 64), ("quantized_glu", mx.bfloat16, 4, 64),
+                                  ("quantized_glu", mx.float32, 8, 32), ("gather_glu", mx.float32, 4, 64),
+                                  ("gather_glu", mx.bfloat16, 4, 64)):
+        results.append(check_glu(emu, kind, dtype=dtype, bits=bits, gs=gs))
     gdn = GDNEmulator(emu.dir, args.backend)
     for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
         results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
