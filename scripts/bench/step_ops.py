@@ -13,7 +13,7 @@ built eagerly (`ops_eager`), since a compiled trace hides its parts. Build time 
 host time between one step's eval and the next, the eval itself excluded (medians).
 
 --path gpu (default) counts what a CUDA device runs, on any backend: strata's CUDA kernels
-(rows_matvec, gdn_window, attention_window, router_window, add_norm, moe_combine,
+(rows_matvec and its GLU forms, gdn_window, attention_window, router_window, add_norm, moe_combine,
 gated_norm) become one stand-in primitive each (`mx.depends` on zeros: evaluable,
 so the step runs, with meaningless values), `mx.fast` rms_norm/rope/sdpa and `mx.dequantize` become one
 primitive each (the CPU builds them from ~10-30 ops), RowSplit splits windows as on a GPU and the decode
@@ -121,6 +121,7 @@ def gpu_shaped(stand_ins: StandIns):
     try:
         patches = [
             (rows_matvec, "kernels_usable", lambda dtype=None: True),
+            (rows_matvec, "glu_usable", lambda dtype=None: True),
             (rows_matvec, "gpu_kernel", stand_ins.kernel),
             (gdn_window, "usable", lambda dtype=None: True),
             (gdn_window, "gpu_kernel", stand_ins.kernel),

@@ -453,6 +453,28 @@ class GatedRMSNorm(nn.Module):
                 and gated_norm.takes(x, gate, weight, groups=heads, group_size=dims) and gated_norm.usable(gate.dtype))
 
 
+def gate_up_kernel(x: mx.array, gate: nn.Module, up: nn.Module) -> mx.array | None:
+    """swiglu(gate(x), up(x)) in one launch of the row-invariant GLU kernel
+    (metal_shaders/rows_matvec.py) where it takes a window's rows (serial 1-row steps too, so
+    they share its arithmetic): two bias-free linears of one form (`RowLinear`s of one dtype, or
+    `RowQuantizedLinear`s of one affine quantization) and a dtype whose GLU probe passed. None
+    elsewhere (the CPU, prompt chunks): the caller runs the linears and `swiglu`."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    form = _row_form(gate)
+    if (not RowSplit.kernel_may_take(rows) or form is None or form != _row_form(up) or "bias" in gate
+            or gate.weight.shape != up.weight.shape):
+        return None
+    if type(gate) is RowQuantizedLinear:
+        if not (kernels.supports(x.shape[-1], group_size=gate.group_size, bits=gate.bits)
+                and kernels.glu_usable(x.dtype)):
+            return None
+        return kernels.rows_glu_qmatvec(x, (gate.weight, gate.scales, gate.biases), (up.weight, up.scales, up.biases),
+                                        group_size=gate.group_size, bits=gate.bits)
+    if not (kernels.supports(x.shape[-1]) and kernels.glu_usable(x.dtype)):
+        return None
+    return kernels.rows_glu_matvec(x, gate.weight, up.weight)
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
@@ -463,7 +485,15 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(hidden_dims, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(*project(x, self.gate_proj, self.up_proj)))
+        return self.down_proj(self.activated(x))
+
+    def activated(self, x: mx.array, gate_up: StackedRows | None = None) -> mx.array:
+        """silu(gate(x)) * up(x): the GLU kernel's one launch where it takes x (`gate_up_kernel`),
+        else the two linears (as one `gate_up` stack where the caller has it) and `swiglu`."""
+        h = gate_up_kernel(x, self.gate_proj, self.up_proj)
+        if h is not None:
+            return h
+        return swiglu(*(gate_up(x) if gate_up is not None else project(x, self.gate_proj, self.up_proj)))
 
 
 class DecoderStack(nn.Module):
