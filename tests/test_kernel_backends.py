@@ -21,6 +21,9 @@ BODIES = {
     "rows_matvec.QUANTIZED": kernels.QUANTIZED,
     "rows_matvec.GATHER_QUANTIZED": kernels.GATHER_QUANTIZED,
     "rows_matvec.GATHER_MXFP4": kernels.GATHER_MXFP4,
+    "rows_matvec.DENSE_GLU": kernels.DENSE_GLU,
+    "rows_matvec.QUANTIZED_GLU": kernels.QUANTIZED_GLU,
+    "rows_matvec.GATHER_QUANTIZED_GLU": kernels.GATHER_QUANTIZED_GLU,
     "gdn_window.PREPARE": gdn_window.PREPARE,
     "gdn_window.SCAN": gdn_window.SCAN,
     "mamba2_window.PREPARE": mamba2_window.PREPARE,
@@ -201,6 +204,16 @@ def test_matrix_bodies_are_row_invariant_behind_each_prelude(emulate, backend, t
         default = gather_mxfp4(0, 5)
         for decode in set(kernels.MXFP4_DECODES) - {"f16"}:
             assert np.array_equal(gather_mxfp4(0, 5, decode=decode, share=1, order="columns"), default), decode
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_the_glu_bodies_are_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
+    """The routed experts' GLU form in bfloat16 (five picks of one expert, one block) and the
+    dense one's column tail in float32: rows as their 1-row calls, each product the plain
+    kernel's bits (tests/test_glu_kernels.py runs more forms behind the CUDA prelude)."""
+    emu = emulate.Emulator(tmp_path, backend)
+    assert emulate.check_glu(emu, "gather_glu", dtype=mx.bfloat16, rows=(1, 8))
+    assert emulate.check_glu(emu, "dense_glu", rows=(3,))
 
 
 def test_gdn_bodies_are_row_invariant_behind_the_metal_prelude(emulate, tmp_path):
