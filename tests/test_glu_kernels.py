@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from metal_shaders import backends, probe
+from metal_shaders import backends, precompiled, probe
 from metal_shaders import rows_matvec as kernels
 from strata_cli.model import layers, moe
 from strata_cli.model.quant import quantize
@@ -101,6 +101,8 @@ def test_glu_bodies_reduce_in_an_order_set_by_k_alone():
         assert source.count("if (r >= R) break;") == 2 and "atomic" not in source
         assert source.count("strata_xor(") == 2 and "STRATA_GLU(gate, up)" in source
         assert "(c < HALF ? " in source and "n0 + c % HALF" in source
+        inputs = ["dims", "x", "w", "scales", "biases", "w_up", "scales_up", "biases_up", "idx"]
+        assert not precompiled.reads_shapes(source, inputs)  # strata's CUDA build keeps its cubin
 
 
 # -- the model's use ----------------------------------------------------------------------------

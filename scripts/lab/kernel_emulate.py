@@ -5,11 +5,15 @@ Each kernel body, behind the prelude of the backend chosen (`--backend cuda`, th
 `metal`: exactly what `mx.fast.cuda_kernel` / `mx.fast.metal_kernel` are handed), is compiled by
 g++ with a small shim for that backend's names: a warp (SIMD group) is 32 threads, a shuffle
 trades values through a barrier, `__ldg`, `uint4` and Metal's address spaces are plain C++, and
-Metal's math is the C library's. float32 only (bf16 needs the backends' headers), but for the
-add-norm, gated-norm and MoE combine kernels, whose bfloat16 is emulated in software. It checks, per kernel,
+Metal's math is the C library's. float32, and bfloat16 emulated in software (as the GPUs round it)
+for the add-norm, gated-norm, MoE combine and GLU kernels. It checks, per kernel,
 that the R-row call equals each row's 1-row call bit for bit and stays within 1e-4 of the
 float32 reference, including column tails, 8-bit packing and a routed expert picked by more
-rows than one block takes (affine, and MXFP4 in each decode form). The GDN window kernels (metal_shaders/gdn_window.py) run the same
+rows than one block takes (affine, and MXFP4 in each decode form). The GLU forms of the matrix
+kernels (gate and up in one launch, silu(gate)·up written; dense, affine 4 and 8 bits, routed
+experts) run in float32 and bfloat16: for R = 1..8 each row (pick) equals its 1-row call bit for
+bit and stays within GLU_TOLERANCE of the reference, and each product, written alone, is the
+plain kernel's bits. The GDN window kernels (metal_shaders/gdn_window.py) run the same
 way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
 (relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
 model's (2, 4, 64, 64) and a batch of 2; so do the Mamba-2 window kernels
