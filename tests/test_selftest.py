@@ -23,6 +23,8 @@ def test_selftest_reports_identity_and_window_costs():
     assert combine["usable"] is False and combine["error"] is None
     gated = report["gated_norm_kernel"]  # likewise: the host path norms the GDN tail without asking
     assert gated["usable"] is False and gated["error"] is None
+    glu = report["glu_kernels"]  # likewise: CPU windows join gate and up with MLX's ops
+    assert glu["usable"] is False and glu["error"] is None
     assert report["mamba2_kernels"] == {"usable": False, "probed": True, "error": None}  # asked by the hybrid's layers
     assert {(r["model"], r["mode"], r["dtype"]) for r in report["results"]} == {
         (model, mode, "float32") for model in ("demo", "mamba2-hybrid") for mode in ("3", "auto")}

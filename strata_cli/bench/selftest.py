@@ -98,7 +98,7 @@ def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_wind
               "gdn_kernels": gdn_window.status(), "mamba2_kernels": mamba2_window.status(),
               "attention_kernel": attention_window.status(), "router_kernel": router_window.status(),
               "add_norm_kernel": add_norm.status(), "combine_kernel": moe_combine.status(),
-              "gated_norm_kernel": gated_norm.status(),
+              "gated_norm_kernel": gated_norm.status(), "glu_kernels": kernels.glu_status(),
               "results": results,
               "passed": all(r["identical"] for r in results)}
     if with_window_costs:
