@@ -19,8 +19,8 @@ derived pointers, templates on pointer types), and names only what every prelude
   scale byte, 2^(s - 127)), `strata_f16lo(h)` / `strata_f16hi(h)` (the fp16 in h's low / high
   half as a float, exact);
 - the float math of CUDA's spelling (`expf`, `fmaf`, `fmaxf`, `fabsf`, `sqrtf`, `rsqrtf`,
-  `log1pf`), which Metal spells `metal::exp`, ... (MLX compiles Metal with fast math off, so
-  `fma` stays one rounding and no sum is reassociated).
+  `log1pf`, `sinf`, `cosf`), which Metal spells `metal::exp`, ... (MLX compiles Metal with fast
+  math off, so `fma` stays one rounding and no sum is reassociated).
 
 Row invariance is a property of the body (a fixed order of float32 operations per row), so it
 holds on both backends by construction; each kernel's probe checks it on the running device
@@ -99,6 +99,8 @@ inline float fmaxf(float a, float b) { return metal::fmax(a, b); }
 inline float fabsf(float x) { return metal::fabs(x); }
 inline float sqrtf(float x) { return metal::sqrt(x); }
 inline float rsqrtf(float x) { return metal::rsqrt(x); }
+inline float sinf(float x) { return metal::sin(x); }
+inline float cosf(float x) { return metal::cos(x); }
 inline float log1pf(float x) {  // Metal has no log1p: the classic exact-quotient form
     const float u = 1.0f + x;
     return u == 1.0f ? x : metal::log(u) * (x / (u - 1.0f));

@@ -41,7 +41,12 @@ and tiled), 3 x 130 and 1 x 37, and in Mamba-2's (the gate first) at Nemotron-H'
 bfloat16 picks (bfloat16 emulated as the GPUs round it): for R = 1..8 each row equals its 1-row
 call bit for bit and stays within one output rounding plus 1e-6 (of the row's largest) of the
 reference, at H = 2048, 131 and 1000, k = 1, 4, 10 and 16, renormalising or not, with a shared
-expert's gated term or without. Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
+expert's gated term or without. The attention-prep kernel (metal_shaders/attention_prep.py) runs
+a block per (row, head), in float32 and in bfloat16 (in software): for R = 1..8 at window offsets
+0 and 4093 each row t equals its 1-row call at offset p + t bit for bit (q, k, v and the gate)
+and stays within attention_prep.TOLERANCE of the head's own ops and cpu_rope, at Qwen3-Next-80B's
+attention (16 q heads, 2 kv heads, D 256, output gate, partial rotary 64, q/k norm), a plain
+layout (no gate, full rotary, no norm), 3/1 x 130 and 2/1 x 512. Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
 it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
@@ -66,8 +71,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import (add_norm, attention_window, backends, gated_norm, gdn_window, mamba2_window, moe_combine,
-                           router_window)
+from metal_shaders import (add_norm, attention_prep, attention_window, backends, gated_norm, gdn_window, mamba2_window,
+                           moe_combine, router_window)
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -131,6 +136,8 @@ METAL_SHIM = r"""
 #define sqrtf strata_metal_sqrtf
 #define rsqrtf strata_metal_rsqrtf
 #define log1pf strata_metal_log1pf
+#define sinf strata_metal_sinf
+#define cosf strata_metal_cosf
 using ushort = unsigned short;
 struct half { unsigned short bits; operator float() const { return strata_emulated_f16(bits); } };
 template <typename To, typename From> inline To as_type(From v) { To t; std::memcpy(&t, &v, sizeof t); return t; }
@@ -143,6 +150,8 @@ inline float fabs(float x) { return std::fabs(x); }
 inline float sqrt(float x) { return std::sqrt(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline float log(float x) { return std::log(x); }
+inline float sin(float x) { return std::sin(x); }
+inline float cos(float x) { return std::cos(x); }
 inline float ldexp(float x, int e) { return std::ldexp(x, e); }
 inline float simd_shuffle_xor(float v, ushort offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
 inline void threadgroup_barrier(mem_flags) { __syncthreads(); }
@@ -1125,6 +1134,97 @@ def check_glu(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N: in
     return ok
 
 
+class AttentionPrepEmulator:
+    """attention_prep's kernel on the CPU, a block (a row's head) at a time, the stacked projection,
+    the norms' weights and the outputs in float32 or in bfloat16 (in software, BF16_SHIM)."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+        self.sources = {gate: body for gate, (_, _, body) in attention_prep.KERNELS.items()}
+
+    def _binary(self, head_dim: int, dtype, gate: bool, norm: bool) -> Path:
+        key = (head_dim, dtype, gate, norm, self.sources[gate])
+        if key not in self.built:
+            t = EMULATED_TYPES[dtype][0]
+            params = ["const int32_t* dims", "const float* eps", "const int32_t* offset", f"const {t}* qkv",
+                      f"const {t}* q_weight", f"const {t}* k_weight", "const float* inv_freq"]
+            outputs = attention_prep.KERNELS[gate][1]
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
+            args += [f"({t}*)outs[{i}].data()" for i in range(len(outputs))]
+            consts = (f"using T = {t}; constexpr int PER = {attention_prep.per_thread(head_dim)}; "
+                      f"constexpr int WARPS = {attention_prep.warps(head_dim)}; "
+                      f"constexpr bool NORM = {str(norm).lower()};")
+            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, *(f"{t}* {o}" for o in outputs)],
+                              consts, self.sources[gate])
+                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", str(len(outputs)))
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"attention_prep_{head_dim}_{t}_{int(gate)}{int(norm)}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[key] = path
+        return self.built[key]
+
+    def run(self, qkv: mx.array, offset: int, *, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
+            base: float, gate: bool, q_weight: mx.array | None = None, k_weight: mx.array | None = None,
+            eps: float = 0.0) -> tuple[mx.array, ...]:
+        """attention_prep's call, emulated (its arguments): q, k, v (and the gate) in qkv's dtype,
+        the kernel's bits."""
+        B, T, _ = qkv.shape
+        D, dtype = head_dim, qkv.dtype
+        bits = EMULATED_TYPES[dtype][1]
+        norm = q_weight is not None
+        unused = mx.zeros((1,), dtype=dtype)
+        inputs = [np.array([T, num_heads, num_kv_heads, D, rotary_dim], np.int32), np.array([eps], np.float32),
+                  np.full((B,), offset, np.int32), raw_bits(qkv), raw_bits(q_weight if norm else unused),
+                  raw_bits(k_weight if norm else unused), _f32(attention_prep.inv_freq(rotary_dim, base))]
+        names = []
+        for i, a in enumerate(inputs):
+            names.append(str(self.dir / f"ain{i}"))
+            Path(names[-1]).write_bytes(np.ascontiguousarray(a).tobytes())
+        shapes = [(B, num_heads, T, D), (B, num_kv_heads, T, D), (B, num_kv_heads, T, D)]
+        shapes += [(B, T, num_heads * D)] if gate else []
+        config = attention_prep.launch(B * T, num_heads, num_kv_heads, D)
+        threads = config["threadgroup"][0]
+        sizes = []
+        for i, shape in enumerate(shapes):
+            words = -(-int(np.prod(shape)) * np.dtype(bits).itemsize // 4)  # the emulator's outputs are 4-byte words
+            sizes += [str(words), str(self.dir / f"aout{i}")]
+        subprocess.run([str(self._binary(D, dtype, gate, norm)), *names, str(config["grid"][0] // threads),
+                        str(threads), *sizes], check=True)
+        return tuple(mx.array(np.fromfile(self.dir / f"aout{i}", bits)[: int(np.prod(shape))].reshape(shape)).view(dtype)
+                     for i, shape in enumerate(shapes))
+
+
+def check_attention_prep(emu: AttentionPrepEmulator, num_heads: int, num_kv_heads: int, head_dim: int,
+                         rotary_dim: int, *, gate: bool, norm: bool, rows=range(1, 9), dtype=mx.float32,
+                         base: float = 1e7, offsets=(0, 4093), seed: int = 0, eps: float = 1e-6) -> bool:
+    """For each R in `rows` and window offset p: every row t of an R-row call equals its 1-row call
+    at offset p + t bit for bit, and every output is within attention_prep.TOLERANCE of the
+    reference (relative to each head's largest value)."""
+    qkv, qw, kw = attention_prep.probe_inputs(num_heads, num_kv_heads, head_dim, gate=gate, norm=norm,
+                                              rows=max(rows), dtype=dtype, seed=seed)
+    spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "rotary_dim": rotary_dim,
+            "base": base, "gate": gate, "q_weight": qw, "k_weight": kw, "eps": eps}
+    name = (f"attention_prep {num_heads}/{num_kv_heads}x{head_dim} rd {rotary_dim}{' gate' if gate else ''}"
+            f"{' norm' if norm else ''} {str(dtype).split('.')[-1]}")
+    ok = True
+    for p in offsets:
+        alone = [emu.run(qkv[:, t : t + 1], p + t, **spec) for t in range(max(rows))]
+        for R in rows:
+            outs = emu.run(qkv[:, :R], p, **spec)
+            ref = attention_prep.reference_attention_prep(qkv[:, :R], p, **spec)
+            same, diff = True, 0.0
+            for i, (out, expected) in enumerate(zip(outs, ref)):
+                axis = 1 if i == 3 else 2  # the gate is (B, T, Hq·D)
+                rows_alone = np.concatenate([raw_bits(a[i]) for a in alone[:R]], axis=axis)
+                same &= np.array_equal(raw_bits(out), rows_alone) and not np.isnan(_f32(out)).any()
+                got, want = _f32(out), _f32(expected)
+                largest = np.maximum(np.max(np.abs(want), axis=-1, keepdims=True), 1e-30)
+                diff = max(diff, float(np.max(np.abs(got - want) / largest)))
+            ok &= _report(f"{name} @{p}", R, same, diff, attention_prep.TOLERANCE[dtype])
+    return ok
+
+
 def _report(name: str, rows: int, same: bool, diff: float, tol: float) -> bool:
     ok = same and diff < tol
     print(f"{name:34s} rows {rows:2d}  identical to 1-row calls: {same!s:5s}  max rel diff {diff:.1e}  "
@@ -1220,6 +1320,15 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                 f"using T = {t}; constexpr int PER = {gated_norm.per_thread(D)}; "
                                 f"constexpr int WARPS = {gated_norm.warps(D)}; "
                                 f"constexpr bool GATE_FIRST = {str(gate_first).lower()};", gated_norm.SOURCE))
+        for D, gate, norm in ((256, True, True), (64, False, False), (512, False, True)):  # 80B's, a plain one, PER 2
+            outputs = attention_prep.KERNELS[gate][1]
+            kernels_out.append((f"attention_prep_{D}{'_gate' if gate else ''}{'_norm' if norm else ''}_{tn}", "",
+                                ["const int32_t* dims", "const float* eps", "const int32_t* offset", f"const {t}* qkv",
+                                 f"const {t}* q_weight", f"const {t}* k_weight", "const float* inv_freq"]
+                                + [f"{t}* {o}" for o in outputs],
+                                f"using T = {t}; constexpr int PER = {attention_prep.per_thread(D)}; "
+                                f"constexpr int WARPS = {attention_prep.warps(D)}; "
+                                f"constexpr bool NORM = {str(norm).lower()};", attention_prep.KERNELS[gate][2]))
         for has_shared, (_, inputs, body) in moe_combine.KERNELS.items():  # row-major inputs: no strides
             types = {"dims": "const int32_t*", "weights": "const float*"}
             kernels_out.append((f"moe_combine{'_shared' if has_shared else ''}_{tn}", "",
@@ -1353,6 +1462,14 @@ def main() -> int:
                                            (3, 130, mx.bfloat16, False, False), (8, 1024, mx.bfloat16, True, True),
                                            (2, 1000, mx.float32, True, True), (1, 37, mx.float32, False, False)):
         results.append(check_gated_norm(gated_norms, G, D, dtype=dtype, gate_first=gate_first, tiled=tiled))
+    preps = AttentionPrepEmulator(emu.dir, args.backend)
+    for Hq, Hkv, D, RD, gate, norm, dtype in ((16, 2, 256, 64, True, True, mx.float32),
+                                              (16, 2, 256, 64, True, True, mx.bfloat16),
+                                              (4, 2, 64, 64, False, False, mx.float32),
+                                              (4, 2, 64, 64, False, False, mx.bfloat16),
+                                              (3, 1, 130, 32, True, False, mx.float32),
+                                              (2, 1, 512, 128, False, True, mx.bfloat16)):
+        results.append(check_attention_prep(preps, Hq, Hkv, D, RD, gate=gate, norm=norm, dtype=dtype))
     combine = CombineEmulator(emu.dir, args.backend)
     for H, k, dtype in ((2048, 10, mx.float32), (2048, 10, mx.bfloat16), (2048, 4, mx.bfloat16), (131, 4, mx.float32),
                         (131, 1, mx.bfloat16), (1000, 16, mx.float32)):
