@@ -11,5 +11,7 @@ and top-k in one kernel, a block per row. `add_norm`: a pre-norm layer's residua
 RMSNorm after it in one kernel, a block per row. `moe_combine`: a MoE layer's weighted sum of its picks
 (renormalised or not, plus a shared expert's gated output) in one kernel, a thread an element.
 `gated_norm`: a recurrent layer's gated RMSNorm over groups of channels (GDN's heads, Mamba-2's
-groups) in one kernel, a block per row's group.
+groups) in one kernel, a block per row's group. `attention_prep`: an attention head after its
+stacked projection (the gate taken from q, q/k norms, rotary at the row's position, the heads-first
+layouts) in one kernel, a block per row's head.
 """

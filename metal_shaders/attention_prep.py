@@ -216,7 +216,7 @@ def attention_prep(qkv: mx.array, offset: int | mx.array, *, num_heads: int, num
     D, dtype = head_dim, qkv.dtype
     norm = q_weight is not None
     if not isinstance(offset, mx.array):
-        offset = mx.full((B,), offset, dtype=mx.int32)
+        offset = mx.array([offset] * B, dtype=mx.int32)  # from the host: no primitive to launch
     unused = mx.zeros((1,), dtype=dtype)
     name, outputs, body = KERNELS[gate]
     kernel = gpu_kernel(name, INPUTS, outputs, body)

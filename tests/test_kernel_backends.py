@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_shaders import (add_norm, attention_window, backends, gated_norm, gdn_window, mamba2_window, moe_combine, probe,
-                           router_window)
+from metal_shaders import (add_norm, attention_prep, attention_window, backends, gated_norm, gdn_window, mamba2_window,
+                           moe_combine, probe, router_window)
 from metal_shaders import rows_matvec as kernels
 
 BODIES = {
@@ -34,6 +34,8 @@ BODIES = {
     "moe_combine.SOURCE": moe_combine.SOURCE,
     "moe_combine.SOURCE_SHARED": moe_combine.SOURCE_SHARED,
     "gated_norm.SOURCE": gated_norm.SOURCE,
+    "attention_prep.SOURCE": attention_prep.SOURCE,
+    "attention_prep.SOURCE_PLAIN": attention_prep.SOURCE_PLAIN,
 }
 
 
@@ -268,3 +270,14 @@ def test_the_gated_norm_body_is_row_invariant_behind_each_prelude(emulate, backe
     assert emulate.check_gated_norm(emu, 32, 128, rows=(1, 3), dtype=mx.bfloat16)
     assert emulate.check_gated_norm(emu, 8, 1024, rows=(2,), dtype=mx.bfloat16, gate_first=True, tiled=True)
     assert emulate.check_gated_norm(emu, 3, 130, rows=(2,), tiled=True)
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_the_attention_prep_body_is_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
+    """Qwen3-Next-80B's attention head in bfloat16 (gate, partial rotary, q/k norm: a value a
+    thread, eight warps) and a plain layout in float32 (no gate, full rotary, no norm), at a window
+    offset where the angles span many turns (each prelude's sinf and cosf)."""
+    emu = emulate.AttentionPrepEmulator(tmp_path, backend)
+    assert emulate.check_attention_prep(emu, 16, 2, 256, 64, gate=True, norm=True, rows=(1, 3), dtype=mx.bfloat16,
+                                        offsets=(4093,))
+    assert emulate.check_attention_prep(emu, 4, 2, 64, 64, gate=False, norm=False, rows=(2,), base=1e4, offsets=(77,))

@@ -23,6 +23,8 @@ def test_selftest_reports_identity_and_window_costs():
     assert combine["usable"] is False and combine["error"] is None
     gated = report["gated_norm_kernel"]  # likewise: the host path norms the GDN tail without asking
     assert gated["usable"] is False and gated["error"] is None
+    prep = report["attention_prep_kernel"]  # likewise: CPU windows run the attention head as MLX ops
+    assert prep["usable"] is False and prep["error"] is None
     glu = report["glu_kernels"]  # likewise: CPU windows join gate and up with MLX's ops
     assert glu["usable"] is False and glu["error"] is None
     assert report["mamba2_kernels"] == {"usable": False, "probed": True, "error": None}  # asked by the hybrid's layers

@@ -14,7 +14,7 @@ host time between one step's eval and the next, the eval itself excluded (median
 
 --path gpu (default) counts what a CUDA device runs, on any backend: strata's CUDA kernels
 (rows_matvec and its GLU forms, gdn_window, attention_window, router_window, add_norm, moe_combine,
-gated_norm) become one stand-in primitive each (`mx.depends` on zeros: evaluable,
+gated_norm, attention_prep) become one stand-in primitive each (`mx.depends` on zeros: evaluable,
 so the step runs, with meaningless values), `mx.fast` rms_norm/rope/sdpa and `mx.dequantize` become one
 primitive each (the CPU builds them from ~10-30 ops), RowSplit splits windows as on a GPU and the decode
 loop overlaps its steps. What still differs from the H200: the stand-ins' Python cost is not the
@@ -41,7 +41,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from metal_shaders import add_norm, attention_window, gated_norm, gdn_window, moe_combine, router_window, rows_matvec
+from metal_shaders import (add_norm, attention_prep, attention_window, gated_norm, gdn_window, moe_combine, router_window,
+                           rows_matvec)
 from scripts.bench import compare_mlx_lm as compare
 from scripts.bench.graph_ops import count_step
 from strata_cli.bench.peers import MlxLmPeer, require_mlx_lm
@@ -136,6 +137,8 @@ def gpu_shaped(stand_ins: StandIns):
             (moe_combine, "gpu_kernel", stand_ins.kernel),
             (gated_norm, "usable", lambda dtype=None: True),
             (gated_norm, "gpu_kernel", stand_ins.kernel),
+            (attention_prep, "usable", lambda dtype=None: True),
+            (attention_prep, "gpu_kernel", stand_ins.kernel),
             (mx.fast, "rms_norm", stand_ins.rms_norm),
             (mx.fast, "rope", stand_ins.rope),
             (mx, "dequantize", stand_ins.dequantize),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from metal_shaders import (add_norm, attention_window, gated_norm, gdn_window, mamba2_window, moe_combine,
+from metal_shaders import (add_norm, attention_prep, attention_window, gated_norm, gdn_window, mamba2_window, moe_combine,
                            router_window)
 from metal_shaders import rows_matvec as kernels
 
@@ -99,6 +99,7 @@ def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_wind
               "attention_kernel": attention_window.status(), "router_kernel": router_window.status(),
               "add_norm_kernel": add_norm.status(), "combine_kernel": moe_combine.status(),
               "gated_norm_kernel": gated_norm.status(), "glu_kernels": kernels.glu_status(),
+              "attention_prep_kernel": attention_prep.status(),
               "results": results,
               "passed": all(r["identical"] for r in results)}
     if with_window_costs:

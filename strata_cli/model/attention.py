@@ -3,7 +3,9 @@
 Decode windows (1..8 rows) attend through metal_shaders/attention_window.py: its kernel on CUDA
 (one call, row-invariant by construction), else its reference (one sdpa call per row) where
 RowSplit applies; prompt chunks and the CPU's 1-row steps take MLX's sdpa (or the CPU's blocked
-matmuls) whole.
+matmuls) whole. On a GPU a decode window's head after its stacked projection (the gate taken from
+q, q/k norms, the transposes, the rotary) is one kernel too, metal_shaders/attention_prep.py, run
+at the start of `core`, which holds the state's offset.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from metal_shaders import attention_window
+from metal_shaders import attention_prep, attention_window
 
 from . import host_blas
 from .compiled import traced_on_host
@@ -33,6 +35,9 @@ from .layers import (
     stack,
     stacked,
 )
+
+# x · sigmoid(gate) in one launch where `core` gates eagerly (the tail's trace fuses its own)
+gated_output = mx.compile(sigmoid_gate, shapeless=True)
 
 QUERY_BLOCK = 128  # prompt rows per attention block on the CPU (64 ties it, 512 unblocked is 1.2-2x slower)
 
@@ -145,6 +150,15 @@ class GatedAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
 
+    def takes_prep(self, rows: int, dtype=None) -> bool:
+        """Whether a window of `rows` rows (serial 1-row steps too) runs its head after the stacked
+        projection in one kernel (metal_shaders/attention_prep.py): where it attends through the
+        window kernel, its q/k/v stack, its layout is one the kernel takes and its probe passed.
+        A subclass with its own core keeps MLX's ops (its core takes q, k and v)."""
+        return (type(self).core is GatedAttention.core and self.takes_kernel(rows, dtype)
+                and stacked(self, "_qkv_rows") is not None
+                and attention_prep.supports(self.head_dim, self.rotary_dim) and attention_prep.usable(dtype))
+
     def takes_kernel(self, rows: int, dtype=None) -> bool:
         """Whether a window of `rows` rows attends through the row-invariant kernel (CUDA, where it
         passed its probe; serial decoding's 1-row steps too, so they share its arithmetic).
@@ -168,6 +182,8 @@ class GatedAttention(nn.Module):
         launch-bound (and a wider BLAS call may block its sums otherwise).
         """
         rows = None if host_window(x) or x.size // x.shape[-1] > WINDOW_ROWS else stacked(self, "_qkv_rows")
+        if rows is not None and x.ndim == 3 and self.takes_prep(x.size // x.shape[-1], x.dtype):
+            return (rows.outputs(x)[0],), ()  # the core's kernel takes the stacked rows as they are
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj) if rows is None else rows(x)
         return traced_on_host(self, "_head_rest", self.head_rest, x.size // x.shape[-1], x.dtype)(q, k, v)
 
@@ -186,15 +202,42 @@ class GatedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return tuple(a.transpose(0, 2, 1, 3) for a in (q, k, v)), gate  # (B, heads, T, D)
 
-    def core(self, q: mx.array, k: mx.array, v: mx.array, state: AttentionState) -> mx.array:
-        """Rotary at the state's offset, the window's KV written, attention -> (B, T, heads·D)."""
-        B, _, T, _ = q.shape
-        offset = state.offset
+    def core(self, *inputs) -> mx.array:
+        """(q, k, v, state) from `head_rest`, or (qkv, state): a GPU decode window's stacked
+        projection (B, T, W), which `prepared` turns into the same q, k, v and gate in one kernel.
+        Rotary at the state's offset, the window's KV written, attention -> (B, T, heads·D),
+        gated here where the kernel gave the gate (the tail then gets none)."""
+        *arrays, state = inputs
+        if len(arrays) == 1:
+            q, k, v, *gate = self.prepared(arrays[0], state.offset)
+            out = self.attend(q, k, v, state)
+            return gated_output(out, *gate) if gate else out
+        q, k, v = arrays
+        q, k = self.rope(q, k, state.offset)
+        return self.attend(q, k, v, state)
+
+    def prepared(self, qkv: mx.array, offset: int) -> tuple[mx.array, ...]:
+        """The stacked projection (B, T, W) -> q, k (normed, at the rotary of positions offset..),
+        v (B, heads, T, D), and the gate (B, T, heads·D) where the model gates: one kernel."""
+        norms = {"q_weight": self.q_norm.weight, "k_weight": self.k_norm.weight,
+                 "eps": self.q_norm.eps} if "q_norm" in self else {}
+        return attention_prep.attention_prep(
+            qkv, offset, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rotary_dim=self.rotary_dim, base=float(self.rope_theta), gate=self.output_gate, **norms)
+
+    def rope(self, q: mx.array, k: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """q, k (B, heads, T, D) at the rotary of positions offset.. (none where rotary_dim is 0)."""
+        T = q.shape[2]
         if self.rotary_dim and CpuShortCalls.applies(T):
             q, k = cpu_rope(self.rotary_dim, float(self.rope_theta))(q, k, mx.array(offset, dtype=mx.int32))
         elif self.rotary_dim:  # 0: no positional embedding (Nemotron-H, Granite-4.0-H's NoPE)
             q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
             k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        return q, k
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, state: AttentionState) -> mx.array:
+        """The window's KV written, its rows' attention over the cells they see -> (B, T, heads·D)."""
+        B, _, T, _ = q.shape
         keys, values = state.update_and_fetch(k, v)
         if self.takes_kernel(T, q.dtype):
             out = attention_window.attention_window(q, keys, values, self.scale)  # (B, T, heads, D)
