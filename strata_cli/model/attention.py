@@ -213,7 +213,7 @@ class GatedAttention(nn.Module):
             out = self.attend(q, k, v, state)
             return gated_output(out, *gate) if gate else out
         q, k, v = arrays
-        q, k = self.rope(q, k, state.offset)
+        q, k = self.rotary_qk(q, k, state.offset)
         return self.attend(q, k, v, state)
 
     def prepared(self, qkv: mx.array, offset: int) -> tuple[mx.array, ...]:
@@ -225,7 +225,7 @@ class GatedAttention(nn.Module):
             qkv, offset, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             rotary_dim=self.rotary_dim, base=float(self.rope_theta), gate=self.output_gate, **norms)
 
-    def rope(self, q: mx.array, k: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+    def rotary_qk(self, q: mx.array, k: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """q, k (B, heads, T, D) at the rotary of positions offset.. (none where rotary_dim is 0)."""
         T = q.shape[2]
         if self.rotary_dim and CpuShortCalls.applies(T):
