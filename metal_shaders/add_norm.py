@@ -35,7 +35,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .backends import block_reduce
-from .probe import PROBE_DTYPES, Probe, cases_at, dims, gpu_kernel
+from .probe import Probe, cases_at, dims, gpu_kernel
 
 WARPS = 8
 THREADS = WARPS * 32
@@ -137,12 +137,8 @@ _probe = Probe("add-norm kernel", "decoder layers add and norm with MLX's ops")
 
 
 def usable(dtype=None) -> bool:
-    """True on a GPU (CUDA, Metal) once the kernel matched the reference and was row-invariant
-    on a probe at `dtype` (None: float32 and bfloat16; once per process, or kept: probe.Probe);
-    False elsewhere, for other dtypes, or after any failure (logged once)."""
-    if dtype is not None and dtype not in PROBE_DTYPES:
-        return False
-    return _probe.usable(check, dtype)
+    """Whether the kernel may run at `dtype`, the layer's dtype (probe.Probe.takes)."""
+    return _probe.takes(check, dtype)
 
 
 def status() -> dict:

@@ -50,7 +50,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .backends import block_reduce
-from .probe import PROBE_DTYPES, Probe, cases_at, dims, gpu_kernel
+from .probe import Probe, cases_at, dims, gpu_kernel
 
 MAX_WARPS = 8
 MAX_PER = 4  # a thread keeps D / THREADS (<= 4) values in registers: D <= 1024
@@ -269,12 +269,8 @@ _probe = Probe("attention-prep kernel", "attention heads run MLX's ops")
 
 
 def usable(dtype=None) -> bool:
-    """True on a GPU (CUDA, Metal) once the kernel matched the reference and was row-invariant
-    on a probe at `dtype` (None: float32 and bfloat16; once per process, or kept: probe.Probe);
-    False elsewhere, for other dtypes, or after any failure (logged once)."""
-    if dtype is not None and dtype not in PROBE_DTYPES:
-        return False
-    return _probe.usable(check, dtype)
+    """Whether the kernel may run at `dtype`, the projection's dtype (probe.Probe.takes)."""
+    return _probe.takes(check, dtype)
 
 
 def status() -> dict:

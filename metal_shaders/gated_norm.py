@@ -44,7 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .backends import block_reduce
-from .probe import PROBE_DTYPES, Probe, cases_at, dims, gpu_kernel
+from .probe import Probe, cases_at, dims, gpu_kernel
 
 MAX_WARPS = 8
 MAX_PER = 32  # a thread keeps its D / THREADS (<= 32) values of x in registers: D <= 8192
@@ -182,12 +182,8 @@ _probe = Probe("gated-norm kernel", "recurrent layers' gated norms run MLX's ops
 
 
 def usable(dtype=None) -> bool:
-    """True on a GPU (CUDA, Metal) once the kernel matched the reference and was row-invariant
-    on a probe at `dtype` (None: float32 and bfloat16; once per process, or kept: probe.Probe);
-    False elsewhere, for other dtypes, or after any failure (logged once)."""
-    if dtype is not None and dtype not in PROBE_DTYPES:
-        return False
-    return _probe.usable(check, dtype)
+    """Whether the kernel may run at `dtype`, the gate's (the model's) dtype (probe.Probe.takes)."""
+    return _probe.takes(check, dtype)
 
 
 def status() -> dict:

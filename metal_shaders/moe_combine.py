@@ -145,12 +145,8 @@ _probe = Probe("MoE combine kernel", "MoE layers combine their picks with MLX's 
 
 
 def usable(dtype=None) -> bool:
-    """True on a GPU (CUDA, Metal) once the kernel matched the reference and was row-invariant
-    on a probe at `dtype` (the picks' dtype; None: float32 and bfloat16; once per process, or
-    kept: probe.Probe); False elsewhere, for other dtypes, or after any failure (logged once)."""
-    if dtype is not None and dtype not in PROBE_DTYPES:
-        return False
-    return _probe.usable(check, dtype)
+    """Whether the kernel may run at `dtype`, the picks' dtype (probe.Probe.takes)."""
+    return _probe.takes(check, dtype)
 
 
 def status() -> dict:

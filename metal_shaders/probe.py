@@ -97,6 +97,12 @@ class Probe:
                 self.verdicts[str(d)] = self._decide(check, d)
         return all(self.verdicts[str(d)] is None for d in dtypes)
 
+    def takes(self, check: Callable[[tuple], str | None], dtype=None) -> bool:
+        """`usable` for a kernel of float32 and bfloat16 (PROBE_DTYPES) only: True on a GPU (CUDA,
+        Metal) once it matched its reference and was row-invariant on the probe at `dtype` (None:
+        both); False elsewhere, at any other dtype (never probed), or after any failure (logged once)."""
+        return (dtype is None or dtype in PROBE_DTYPES) and self.usable(check, dtype)
+
     def _decide(self, check, dtype) -> str | None:
         which = backend()
         if which is None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .backends import block_reduce
-from .probe import PROBE_DTYPES, Probe, cases_at, dims, gpu_kernel
+from .probe import Probe, cases_at, dims, gpu_kernel
 
 WARPS = 4
 THREADS = WARPS * 32
@@ -190,12 +190,8 @@ _probe = Probe("router window kernel", "MoE layers route with MLX's softmax and 
 
 
 def usable(dtype=None) -> bool:
-    """True on a GPU (CUDA, Metal) once the kernel matched the reference and was row-invariant
-    on a probe at `dtype` (None: float32 and bfloat16; once per process, or kept: probe.Probe);
-    False elsewhere, for other logits dtypes, or after any failure (logged once)."""
-    if dtype is not None and dtype not in PROBE_DTYPES:
-        return False
-    return _probe.usable(check, dtype)
+    """Whether the kernel may run at `dtype`, the logits' dtype (probe.Probe.takes)."""
+    return _probe.takes(check, dtype)
 
 
 def status() -> dict:
