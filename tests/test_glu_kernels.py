@@ -13,10 +13,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
 
 from metal_shaders import backends, precompiled, probe
 from metal_shaders import rows_matvec as kernels
+from scripts.bench.synthetic import randomized
+from scripts.lab.kernel_emulate import raw_bits
 from strata_cli.model import layers, moe
 from strata_cli.model.quant import quantize
 
@@ -125,24 +126,12 @@ def emulated_kernel(emu, calls):
             config = (kernels.glu_launch_config if glu else kernels.launch_config)(values["ROWS"], N, cols=cols)
             assert (grid[0], threadgroup) == (config["grid"][0], config["threadgroup"])
             calls.append((kind, shapes[0]))
-            arrays = [np.array(a) if a.dtype in (mx.int32, mx.uint32) else emu_bits(a) for a in inputs]
+            arrays = [np.array(a) if a.dtype in (mx.int32, mx.uint32) else raw_bits(a) for a in inputs]
             out = emu.launch(kind, arrays, rows=values["ROWS"], blocks_y=grid[1], N=N, out_rows=shapes[0],
                              bits=values.get("BITS", 0), gs=values.get("GS", 0), cols=cols, dtype=dtype)
             return [mx.array(out).astype(output_dtypes[0]).reshape(output_shapes[0])]
         return launch
     return make
-
-
-def emu_bits(a: mx.array) -> np.ndarray:
-    return np.array(a.view(mx.uint32 if a.dtype == mx.float32 else mx.uint16))
-
-
-def randomized(module, seed: int, scale: float = 0.1):
-    params = tree_flatten(module.parameters())
-    module.update(tree_unflatten([(name, scale * mx.random.normal(p.shape, key=mx.random.key(seed + i)))
-                                  for i, (name, p) in enumerate(params)]))
-    mx.eval(module.parameters())
-    return module
 
 
 def quantized_block(dtype=mx.float32):

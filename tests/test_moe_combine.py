@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
 
 from metal_shaders import backends, moe_combine, probe, router_window
+from scripts.bench.synthetic import randomized
 from strata_cli.model import layers, moe
 
 ROUTED_ONLY, WITH_SHARED = (moe_combine.KERNELS[False][0], moe_combine.KERNELS[True][0])
@@ -130,14 +130,6 @@ def emulated_kernel(emu, calls):
             return [out.reshape(output_shapes[0])]
         return launch
     return make
-
-
-def randomized(module, seed: int, scale: float = 0.1):
-    params = tree_flatten(module.parameters())
-    module.update(tree_unflatten([(name, scale * mx.random.normal(p.shape, key=mx.random.key(seed + i)))
-                                  for i, (name, p) in enumerate(params)]))
-    mx.eval(module.parameters())
-    return module
 
 
 def shared_block(E=48, k=4, H=64):

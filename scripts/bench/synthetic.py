@@ -53,6 +53,16 @@ def random_model(config, *, seed: int = 0, dtype: mx.Dtype = mx.float32):
     return model
 
 
+def randomized(module, seed: int, scale: float = 0.1):
+    """`module` with every parameter drawn normal, times `scale` (a block's own tests: no
+    layer's initialisation matters there), evaluated; returned for chaining."""
+    params = tree_flatten(module.parameters())
+    module.update(tree_unflatten([(name, scale * mx.random.normal(p.shape, key=mx.random.key(seed + i)))
+                                  for i, (name, p) in enumerate(params)]))
+    mx.eval(module.parameters())
+    return module
+
+
 def _draw(name: str, value: mx.array, key: mx.array) -> mx.array:
     shape = value.shape
     if name.endswith("A_log"):
