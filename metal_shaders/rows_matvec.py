@@ -268,7 +268,7 @@ MXFP4_DECODES = {"f16": 0, "lut": 1, "bits": 2}
 MXFP4_ORDERS = {"picks": 1, "columns": 0}  # the grid's fast axis: PICKS_X
 MXFP4_HEADER = f"#define E2M1_BITS(C) {_E2M1_BITS}\n"
 
-# GLU forms (issue 37): one launch computes, for its columns n, gate_n·x and up_n·x of two
+# GLU forms: one launch computes, for its columns n, gate_n·x and up_n·x of two
 # matrices of one form and writes act(gate) · up. A warp's COLS accumulators hold HALF = COLS / 2
 # columns of each: accumulator c < HALF sums gate row n0 + c, accumulator HALF + c up row n0 + c,
 # each with the very loads, fused multiply-adds and butterfly of the plain body (the order is
