@@ -103,3 +103,35 @@ def check_checkpoint_round_trip(model, seq: list[int], path, *, identity: str, r
         fresh = WindowEngine(model)
         fresh.restore(snapshot)
         assert mx.array_equal(fresh.run([seq[24]], 24).logits, expected).item()
+
+
+def speculation_matches_serial(engine: WindowEngine, calls: list, *, rows_of=lambda call: call,
+                               max_tokens: int = 12) -> None:
+    """A prompt that repeats itself (a random model then repeats too, so drafts get kept), decoded
+    serially and with 3 drafts through `engine`: the tokens are equal, drafts were offered and
+    kept, serial steps went through the kernel whose stand-in records `calls` (`rows_of(call)`:
+    a call's rows), and speculation sent more multi-row windows to it than serial decoding did."""
+    from strata_cli.decode import generate
+    from strata_cli.options import GenerateOptions, SpecOptions
+    from strata_cli.telemetry import DecodeStats
+
+    def decode(prompt, drafts, tokens=max_tokens):
+        stats = DecodeStats()
+        out = [t for step in generate(engine, prompt, options=GenerateOptions(max_tokens=tokens),
+                                      spec=SpecOptions(max_drafts=drafts), eos_ids=[], stats=stats)
+               for t in step.tokens]
+        return out, stats.summary()
+
+    ids = [5, 17, 42, 8, 5, 17, 42, 8]
+    continuation, _ = decode(ids, 0, tokens=8)
+    prompt = ids + continuation + ids
+    calls.clear()
+    serial, _ = decode(prompt, 0)
+    serial_rows = [rows_of(c) for c in calls]
+    assert serial_rows.count(1) >= len(serial) - 1  # serial steps go through the kernel too
+    calls.clear()
+    spec, summary = decode(prompt, 3)
+    assert spec == serial
+    assert summary["drafts_offered"] > 0 and summary["drafts_kept"] > 0
+    # multi-row windows went through the kernel (beyond the prompt's short last chunk, as in serial)
+    assert sum(rows_of(c) > 1 for c in calls) > sum(n > 1 for n in serial_rows)

@@ -17,6 +17,7 @@ import pytest
 from metal_shaders import attention_prep, attention_window, backends, precompiled, probe
 from strata_cli.model.attention import GatedAttention, cpu_rope
 from strata_cli.model.layers import CpuShortCalls, RowSplit, stack
+from state_checks import speculation_matches_serial
 
 EPS = 1e-6
 
@@ -235,37 +236,15 @@ def test_speculation_through_the_kernel_is_token_identical_to_serial(monkeypatch
     """The tiny Qwen3-Next model decoding with the (emulated) prep kernel: speculative windows
     (drafts kept and rejected) give serial decoding's tokens, and both take the kernel."""
     from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
-    from strata_cli.decode import generate
     from strata_cli.engine.window import WindowEngine
-    from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
-    from strata_cli.telemetry import DecodeStats
+    from strata_cli.options import EngineOptions
 
     model = random_model(tiny_qwen3_next_config(head_dim=32), seed=2)
     layer = next(m for _, m in model.named_modules() if type(m) is GatedAttention)
     calls = []
     monkeypatch.setattr(attention_prep, "usable", lambda dtype=None: True)
     monkeypatch.setattr(attention_prep, "gpu_kernel", emulated_kernel(emulator, calls, float(layer.rope_theta)))
-    engine = WindowEngine(model, EngineOptions())
-
-    def decode(prompt, drafts, max_tokens=10):
-        stats = DecodeStats()
-        tokens = [t for step in generate(engine, prompt, options=GenerateOptions(max_tokens=max_tokens),
-                                         spec=SpecOptions(max_drafts=drafts), eos_ids=[], stats=stats)
-                  for t in step.tokens]
-        return tokens, stats.summary()
-
-    ids = [5, 17, 42, 8, 5, 17, 42, 8]
-    continuation, _ = decode(ids, 0, max_tokens=8)
-    prompt = ids + continuation + ids  # a random model repeats itself here, so drafts get kept
-    calls.clear()
-    serial, _ = decode(prompt, 0)
-    serial_calls = calls[:]
-    assert sum(T == 1 for T, _ in serial_calls) >= len(serial) - 1  # serial steps go through the kernel too
-    calls.clear()
-    spec, summary = decode(prompt, 3)
-    assert spec == serial
-    assert summary["drafts_offered"] > 0 and summary["drafts_kept"] > 0
-    assert sum(T > 1 for T, _ in calls) > sum(T > 1 for T, _ in serial_calls)
+    speculation_matches_serial(WindowEngine(model, EngineOptions()), calls, rows_of=lambda call: call[0], max_tokens=10)
 
 
 def test_mlx_ops_run_prompt_chunks_other_dtypes_unstacked_layers_and_subclasses(monkeypatch, mlx_forms):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from metal_shaders import attention_window
+from state_checks import speculation_matches_serial
 
 
 @pytest.fixture(scope="module")
@@ -162,36 +163,13 @@ def test_decode_windows_take_the_kernel_and_prompts_do_not(monkeypatch, emulator
 
 def test_speculation_with_the_kernel_is_token_identical_to_serial(monkeypatch, emulator):
     from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
-    from strata_cli.decode import generate
     from strata_cli.engine.window import WindowEngine
-    from strata_cli.options import EngineOptions, GenerateOptions, SpecOptions
-    from strata_cli.telemetry import DecodeStats
+    from strata_cli.options import EngineOptions
 
     model = random_model(tiny_qwen3_next_config(head_dim=32), seed=2)
     calls = []
     _emulated_kernel(monkeypatch, emulator, calls)
-    engine = WindowEngine(model, EngineOptions())
-
-    def decode(prompt, drafts, max_tokens=12):
-        stats = DecodeStats()
-        tokens = [t for step in generate(engine, prompt, options=GenerateOptions(max_tokens=max_tokens),
-                                         spec=SpecOptions(max_drafts=drafts), eos_ids=[], stats=stats)
-                  for t in step.tokens]
-        return tokens, stats.summary()
-
-    ids = [5, 17, 42, 8, 5, 17, 42, 8]
-    continuation, _ = decode(ids, 0, max_tokens=8)
-    prompt = ids + continuation + ids  # a random model repeats itself here, so drafts get kept
-    calls.clear()
-    serial, _ = decode(prompt, 0)
-    serial_calls = calls[:]
-    assert serial_calls.count(1) >= len(serial) - 1  # serial steps go through the kernel too
-    calls.clear()
-    spec, summary = decode(prompt, 3)
-    assert spec == serial
-    assert summary["drafts_offered"] > 0 and summary["drafts_kept"] > 0
-    # multi-row windows went through the kernel (beyond the prompt's short last chunk, as in serial)
-    assert sum(n > 1 for n in calls) > sum(n > 1 for n in serial_calls)
+    speculation_matches_serial(WindowEngine(model, EngineOptions()), calls)
 
 
 def test_kernel_bench_times_the_attention_window_on_the_cpu():
