@@ -256,6 +256,16 @@ def compile_program(path: Path, source: str) -> None:
     shutil.copy2(_binaries[digest], path)
 
 
+def write_inputs(workdir: Path, prefix: str, inputs: list) -> list[str]:
+    """Each input's bytes (arrays as C-ordered buffers, bytes as they are) in its own file under
+    `workdir`, named prefix0, prefix1, ...: the emulated kernel's argv. Returns the paths."""
+    names = []
+    for i, a in enumerate(inputs):
+        names.append(str(workdir / f"{prefix}{i}"))
+        Path(names[-1]).write_bytes(a if isinstance(a, bytes) else np.ascontiguousarray(np.asarray(a)).tobytes())
+    return names
+
+
 class Emulator:
     """The matrix kernels of rows_matvec on the CPU, in float32 or bfloat16 (in software, BF16_SHIM:
     x, dense weights, scales, biases and the output in the dtype). `glu`: the GLU kinds' joining
@@ -300,10 +310,7 @@ class Emulator:
         compiled = dict(config["template"])
         binary = self._binary(kind, compiled["ROWS"], compiled["COLS"], bits, gs, tuple(sorted((more or {}).items())),
                               dtype)
-        names = []
-        for i, a in enumerate(inputs):
-            names.append(str(self.dir / f"in{i}"))
-            Path(names[-1]).write_bytes(np.ascontiguousarray(np.asarray(a)).tobytes())
+        names = write_inputs(self.dir, "in", inputs)
         threads = config["threadgroup"][0]
         grid = (config["grid"][0] // threads, blocks_y)
         if (more or {}).get("PICKS_X"):  # the MXFP4 kernel with its picks on the grid's fast axis
@@ -380,10 +387,7 @@ class GDNEmulator:
 
     def _run(self, kind: str, const: int, inputs: list, config: dict, shapes: list) -> list[np.ndarray]:
         binary = self._binary(kind, const)
-        names = []
-        for i, a in enumerate(inputs):
-            names.append(str(self.dir / f"gin{i}"))
-            Path(names[-1]).write_bytes(np.ascontiguousarray(np.asarray(a)).tobytes())
+        names = write_inputs(self.dir, "gin", inputs)
         threads = config["threadgroup"][0]
         outs = [self.dir / f"gout{o}" for o in range(len(shapes))]
         sizes = [str(int(np.prod(shape))) for shape in shapes]
@@ -633,10 +637,7 @@ class AttentionEmulator:
 
         inputs = [np.array(shape, np.int32), np.array([scale], np.float32), q_rows,
                   strides(q_rows, (0, 2, 1, 3)), keys, strides(keys), values, strides(values), *more]
-        names = []
-        for i, a in enumerate(inputs):
-            names.append(str(self.dir / f"ain{i}"))
-            Path(names[-1]).write_bytes(a.tobytes())
+        names = write_inputs(self.dir, "ain", inputs)
         config = attention_window.launch(B, Hq, T)
         threads = config["threadgroup"][0]
         out = self.dir / "aout"
@@ -749,10 +750,7 @@ class RouterEmulator:
         buffer = np.ascontiguousarray(buffer, np.float32)
         R, W = buffer.shape
         inputs = [np.array([R, E, k, W], np.int32), buffer]
-        names = []
-        for i, a in enumerate(inputs):
-            names.append(str(self.dir / f"rin{i}"))
-            Path(names[-1]).write_bytes(a.tobytes())
+        names = write_inputs(self.dir, "rin", inputs)
         config = router_window.launch(R)
         threads = config["threadgroup"][0]
         outs = [self.dir / "rout0", self.dir / "rout1"]
@@ -841,10 +839,7 @@ class AddNormEmulator:
         R, H = x.shape
         bits = EMULATED_TYPES[x.dtype][1]
         inputs = [np.array([R, H], np.int32), np.array([eps], np.float32), raw_bits(x), raw_bits(y), raw_bits(weight)]
-        names = []
-        for i, a in enumerate(inputs):
-            names.append(str(self.dir / f"nin{i}"))
-            Path(names[-1]).write_bytes(np.ascontiguousarray(a).tobytes())
+        names = write_inputs(self.dir, "nin", inputs)
         config = add_norm.launch(R)
         threads = config["threadgroup"][0]
         words = -(-R * H * np.dtype(bits).itemsize // 4)  # the emulator's outputs are 4-byte words
@@ -919,10 +914,7 @@ class GatedNormEmulator:
         bits = EMULATED_TYPES[z.dtype][1]
         inputs = [np.array([R, groups, group_size, step], np.int32), np.array([eps], np.float32),
                   raw_bits(y.astype(mx.float32)), raw_bits(z), raw_bits(weight)]
-        names = []
-        for i, a in enumerate(inputs):
-            names.append(str(self.dir / f"gin{i}"))
-            Path(names[-1]).write_bytes(np.ascontiguousarray(a).tobytes())
+        names = write_inputs(self.dir, "gin", inputs)
         config = gated_norm.launch(R, groups, group_size)
         threads = config["threadgroup"][0]
         words = -(-z.size * np.dtype(bits).itemsize // 4)  # the emulator's outputs are 4-byte words
@@ -1009,10 +1001,7 @@ class CombineEmulator:
                   raw_bits(weights.astype(mx.float32)).tobytes()]
         if has_shared:
             inputs += [raw_bits(shared).tobytes(), raw_bits(gates).tobytes()]
-        names = []
-        for i, raw in enumerate(inputs):
-            names.append(str(self.dir / f"cin{i}"))
-            Path(names[-1]).write_bytes(raw)
+        names = write_inputs(self.dir, "cin", inputs)
         config = moe_combine.launch(R, H)
         threads = config["threadgroup"][0]
         out = self.dir / "cout"
@@ -1177,10 +1166,7 @@ class AttentionPrepEmulator:
         inputs = [np.array([T, num_heads, num_kv_heads, D, rotary_dim], np.int32), np.array([eps], np.float32),
                   np.full((B,), offset, np.int32), raw_bits(qkv), raw_bits(q_weight if norm else unused),
                   raw_bits(k_weight if norm else unused), _f32(attention_prep.inv_freq(rotary_dim, base))]
-        names = []
-        for i, a in enumerate(inputs):
-            names.append(str(self.dir / f"ain{i}"))
-            Path(names[-1]).write_bytes(np.ascontiguousarray(a).tobytes())
+        names = write_inputs(self.dir, "ain", inputs)
         shapes = [(B, num_heads, T, D), (B, num_kv_heads, T, D), (B, num_kv_heads, T, D)]
         shapes += [(B, T, num_heads * D)] if gate else []
         config = attention_prep.launch(B * T, num_heads, num_kv_heads, D)
