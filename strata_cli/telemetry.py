@@ -40,6 +40,9 @@ class ExpertWindowStats:
             loaded (cold) or had been loaded and evicted (capacity).
         prefetch_hits: selected experts a prefetch had read or was reading (not misses).
         wasted_prefetches: prefetched experts no row selected.
+        cancelled_prefetches: read-aheads dropped from the queue when their block routed, never
+            read (which unpicked read-aheads a reader had started by then is timing, so wasted
+            and cancelled split differently between runs that route alike).
         passes: MoE block passes (a union larger than the slots takes several).
         draft_read_seconds: the part of `late_wait_seconds` spent on `cold_beyond_root` reads,
             at this window's measured seconds per read (what the drafts cost in reads).
@@ -66,6 +69,7 @@ class ExpertWindowStats:
     capacity_misses: int = 0
     prefetch_hits: int = 0
     wasted_prefetches: int = 0
+    cancelled_prefetches: int = 0
     passes: int = 0
     draft_read_seconds: float = 0.0
     router_sync_seconds: float = 0.0
@@ -348,6 +352,7 @@ EXPERT_FIELDS = {  # the `experts` section, streamed checkpoints only
     "prefetch_hits": ("prefetch hits", "", "picked experts a prefetch had read or was reading"),
     "prefetch_coverage": ("prefetch coverage", "%", "prefetch hits / (prefetch hits + misses); n/a if misses"),
     "wasted_prefetches": ("wasted prefetches", "", "prefetched experts no row picked"),
+    "cancelled_prefetches": ("cancelled prefetches", "", "read-aheads dropped before they reached the disk"),
     "passes": ("MoE passes", "", "MoE block passes (a window whose experts outgrow the slots takes several)"),
     "late_wait_share": ("share of time waiting", "%", "time waiting on reads / decode time"),
     "bytes_read_per_token": ("bytes read per token", "bytes", "expert bytes read (demand and ahead) per "
@@ -415,7 +420,7 @@ def format_bytes(n: float) -> str:
 # ExpertWindowStats.layers counters the per-layer report sums over windows (union is averaged).
 EXPERT_LAYER_COUNTERS = (
     "hits", "cold_misses", "capacity_misses", "prefetch_hits", "late_prefetches", "wasted_prefetches",
-    "bytes_read", "prefetched_bytes", "wait_seconds", "cold_beyond_root", "passes",
+    "cancelled_prefetches", "bytes_read", "prefetched_bytes", "wait_seconds", "cold_beyond_root", "passes",
     "substitutions", "misses_saved", "bytes_saved",
 )
 
@@ -442,6 +447,7 @@ def _expert_details(es: list[ExpertWindowStats], *, seconds: float, tokens: int)
         "prefetch_hits": prefetch_hits,
         "prefetch_coverage": prefetch_hits / (prefetch_hits + misses) if prefetch_hits + misses else 0.0,
         "wasted_prefetches": sum(e.wasted_prefetches for e in es),
+        "cancelled_prefetches": sum(e.cancelled_prefetches for e in es),
         "passes": sum(e.passes for e in es),
         "late_wait_share": wait / seconds if seconds > 0 else 0.0,
         "bytes_read_per_token": read / tokens if tokens else 0.0,

@@ -150,7 +150,7 @@ def test_cli_stats_and_json_report_expert_telemetry(demo_streamed):
     assert result.exit_code == 0, result.output
     experts = json.loads(result.output)["stats"]["experts"]
     for key in ("hits", "cold_misses", "capacity_misses", "bytes_read", "prefetched_bytes", "prefetch_coverage",
-                "wasted_prefetches", "late_wait_ms", "late_wait_share", "union_experts_per_layer",
+                "wasted_prefetches", "cancelled_prefetches", "late_wait_ms", "late_wait_share", "union_experts_per_layer",
                 "cold_experts_beyond_root", "bytes_read_per_token", "model_bytes_read"):
         assert key in experts
     assert experts["model_bytes_read"] > 0 and len(experts["per_layer"]) == 6

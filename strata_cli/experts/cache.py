@@ -236,6 +236,7 @@ class ExpertCache:
             capacity_misses=int(total[_C["capacity_misses"]]),
             prefetch_hits=int(total[_C["prefetch_hits"]]),
             wasted_prefetches=int(total[_C["wasted_prefetches"]]),
+            cancelled_prefetches=int(total[_C["cancelled_prefetches"]]),
             passes=int(total[_C["passes"]]),
             router_sync_seconds=float(total[_C["router_sync_seconds"]]),
             install_seconds=float(total[_C["install_seconds"]]),
