@@ -4,20 +4,24 @@ Legend: R rows (<= 8 in a decode window), k experts a row, H hidden.
 
 After the routed experts, MLX ops combine a window's picks with a Sum of the weights, a
 compiled divide-multiply, a Sum over k (and its Squeeze and ExpandDims), then a compiled
-sigmoid-add for a shared expert: six launches a layer (on the H200 ~6-25 µs each, and the step
-is launch-bound). This is one call:
+sigmoid-add for a shared expert, and the decoder layer adds the result to its residual stream:
+seven launches a layer (on the H200 ~6-25 µs each, and the step is launch-bound). This is one call:
 
-    out[r, c] = sum_j picks[r, j, c] * w[r, j]  (+ shared[r, c] * sigmoid(gate[r]))
+    out[r, c] = (residual[r, c] +) sum_j picks[r, j, c] * w[r, j]  (+ shared[r, c] * sigmoid(gate[r]))
 
 with w = weights / sum(weights) where the block renormalises (`normalize`), else the weights as
-given, and the gate term only where a shared expert's output and gate logits are passed.
+given, the gate term only where a shared expert's output and gate logits are passed, and the
+residual only where the layer's stream is passed (`residual`).
 
 The arithmetic, per output element (row r, column c), all in float32, in this order:
   total = 0; for j = 0..k-1: total = total + weights[r, j]          (only when normalising)
   acc = 0;   for j = 0..k-1: acc = fmaf(float(picks[r, j, c]), w_j, acc),
              w_j = weights[r, j] / total when normalising, else weights[r, j]
   shared:    acc = fmaf(float(shared[r, c]), 1 / (1 + expf(-float(gate[r]))), acc)
-  out[r, c] = acc rounded once to the picks' dtype (round to nearest even).
+  out[r, c] = acc rounded once to the picks' dtype (round to nearest even), or, with a residual,
+             float(residual[r, c]) + float(that rounded acc), rounded once more: what MLX's Add of
+             the residual and the unfused combine computes (a float sum of two values of the dtype,
+             one rounding), so the folded output has the bits of `residual + moe_combine(...)`.
 One thread computes one element, with no exchange between threads; the block (THREADS columns)
 and the grid (column tiles x rows) only place the threads. So a row's bits are a function of
 that row's inputs, k and H alone, never of R: a serial 1-row step and a window's row share them.
@@ -62,26 +66,39 @@ SHARED = """
 STORE = """
     out[r * H + c] = static_cast<T_P>(acc);
 """
+# The combine rounded to the dtype first, then the add as MLX's Add of two arrays of the dtype.
+STORE_RESIDUAL = """
+    out[r * H + c] = static_cast<T_P>(static_cast<float>(residual[r * H + c])
+                                      + static_cast<float>(static_cast<T_P>(acc)));
+"""
 SOURCE = ROUTED + STORE
 SOURCE_SHARED = ROUTED + SHARED + STORE
-KERNELS = {  # with a shared expert or without: (name, inputs, body)
-    False: ("strata_moe_combine_v1", ["dims", "picks", "weights"], SOURCE),
-    True: ("strata_moe_combine_shared_v1", ["dims", "picks", "weights", "shared", "gates"], SOURCE_SHARED),
+SOURCE_RESIDUAL = ROUTED + STORE_RESIDUAL
+SOURCE_SHARED_RESIDUAL = ROUTED + SHARED + STORE_RESIDUAL
+KERNELS = {  # (with a shared expert, with the residual): (name, inputs, body)
+    (False, False): ("strata_moe_combine_v1", ["dims", "picks", "weights"], SOURCE),
+    (True, False): ("strata_moe_combine_shared_v1", ["dims", "picks", "weights", "shared", "gates"], SOURCE_SHARED),
+    (False, True): ("strata_moe_combine_residual_v1", ["dims", "picks", "weights", "residual"], SOURCE_RESIDUAL),
+    (True, True): ("strata_moe_combine_shared_residual_v1",
+                   ["dims", "picks", "weights", "shared", "gates", "residual"], SOURCE_SHARED_RESIDUAL),
 }
 
 
 def takes(picks: mx.array, weights: mx.array, shared: mx.array | None = None, gates: mx.array | None = None,
-          gate_column: int = 0) -> bool:
+          gate_column: int = 0, residual: mx.array | None = None) -> bool:
     """Whether the kernel takes these arrays: picks (..., k, H) float32 or bfloat16, weights
-    (..., k) float32, and, with a shared expert, shared (..., H) and gates (..., G) of the
-    picks' dtype (so the result's dtype is the one MLX's ops give), 0 <= gate_column < G."""
+    (..., k) float32, with a shared expert shared (..., H) and gates (..., G), 0 <= gate_column
+    < G, and a residual (..., H), each of the picks' dtype (so the result's dtype is the one
+    MLX's ops give)."""
     if picks.ndim < 2 or picks.dtype not in PROBE_DTYPES or weights.dtype != mx.float32:
         return False
     if tuple(weights.shape) != tuple(picks.shape[:-1]):
         return False
+    lead = tuple(picks.shape[:-2])
+    if residual is not None and (residual.dtype != picks.dtype or tuple(residual.shape) != (*lead, picks.shape[-1])):
+        return False
     if shared is None:
         return gates is None
-    lead = tuple(picks.shape[:-2])
     return (gates is not None and shared.dtype == gates.dtype == picks.dtype
             and tuple(shared.shape) == (*lead, picks.shape[-1]) and tuple(gates.shape[:-1]) == lead
             and 0 <= gate_column < gates.shape[-1])
@@ -93,7 +110,7 @@ def launch(rows: int, hidden: int) -> dict:
 
 
 def moe_combine(picks: mx.array, weights: mx.array, *, normalize: bool = False, shared: mx.array | None = None,
-                gates: mx.array | None = None, gate_column: int = 0) -> mx.array:
+                gates: mx.array | None = None, gate_column: int = 0, residual: mx.array | None = None) -> mx.array:
     """A MoE layer's output from its picks, on a GPU, one call (the arithmetic: module docstring).
 
     Args:
@@ -103,19 +120,23 @@ def moe_combine(picks: mx.array, weights: mx.array, *, normalize: bool = False, 
         shared: (..., H) the shared expert's output, or None (no shared expert).
         gates: (..., G) whose column `gate_column` holds each row's shared-expert gate logit
             (G = 1 for a plain gate; the stacked router's output, with the gate's column).
+        residual: (..., H) of the picks' dtype, added to the result (the decoder layer's stream),
+            or None.
 
     Returns:
         (..., H) in the picks' dtype.
     """
     k, H = picks.shape[-2:]
     R = picks.size // (k * H)
-    has_shared = shared is not None
-    name, inputs, body = KERNELS[has_shared]
+    has_shared, has_residual = shared is not None, residual is not None
+    name, inputs, body = KERNELS[has_shared, has_residual]
     kernel = gpu_kernel(name, inputs, ["out"], body)
     G = gates.shape[-1] if has_shared else 1
     args = [dims(R, k, H, int(normalize), G, gate_column), picks, weights]
     if has_shared:
         args += [shared, gates]
+    if has_residual:
+        args.append(residual)
     out, = kernel(inputs=args, template=[("T_P", picks.dtype)], output_shapes=[(*picks.shape[:-2], H)],
                   output_dtypes=[picks.dtype], **launch(R, H))
     return out
@@ -123,9 +144,10 @@ def moe_combine(picks: mx.array, weights: mx.array, *, normalize: bool = False, 
 
 def reference_moe_combine(picks: mx.array, weights: mx.array, *, normalize: bool = False,
                           shared: mx.array | None = None, gates: mx.array | None = None,
-                          gate_column: int = 0) -> mx.array:
+                          gate_column: int = 0, residual: mx.array | None = None) -> mx.array:
     """What `moe_combine` computes, in plain MLX float32 (a product and a sum where the kernel
-    fuses them, so within a rounding a term of it), rounded once to the picks' dtype."""
+    fuses them, so within a rounding a term of it), rounded once to the picks' dtype; with a
+    residual, MLX's add of it to that (the layer's unfused add)."""
     p, w = picks.astype(mx.float32), weights.astype(mx.float32)
     if normalize:
         total = w[..., :1]
@@ -138,7 +160,8 @@ def reference_moe_combine(picks: mx.array, weights: mx.array, *, normalize: bool
     if shared is not None:
         g = gates[..., gate_column : gate_column + 1].astype(mx.float32)
         acc = acc + shared.astype(mx.float32) * (1.0 / (1.0 + mx.exp(-g)))
-    return acc.astype(picks.dtype)
+    out = acc.astype(picks.dtype)
+    return out if residual is None else residual + out
 
 
 _probe = Probe("MoE combine kernel", "MoE layers combine their picks with MLX's ops")
@@ -166,6 +189,12 @@ def probe_inputs(H: int, k: int, *, rows: int = 8, dtype=mx.float32, seed: int =
     return picks, weights, shared, gates
 
 
+def probe_residual(H: int, *, rows: int = 8, dtype=mx.float32, seed: int = 0) -> mx.array:
+    """A random residual stream (rows, H) in `dtype`, a few times the combine's scale (as a
+    layer's stream is), so the add rounds away low bits of the combine."""
+    return (4 * mx.random.normal((rows, H), key=mx.random.key(seed + 1))).astype(dtype)
+
+
 # (H, dtype, k): the 80B's hidden and top 10, an odd width with a column tail, a single pick
 PROBE_CASES = ((2048, mx.float32, 10), (2048, mx.bfloat16, 10), (130, mx.bfloat16, 4), (130, mx.float32, 1))
 
@@ -186,24 +215,34 @@ def within(got: mx.array, expected: mx.array, dtype) -> bool:
 
 def check(cases=PROBE_CASES, dtypes=None) -> str | None:
     """None when the kernel passes on this device, else what failed: with and without a shared
-    expert, renormalising or not, each row of an 8-row and a 3-row call equals its 1-row call
-    bit for bit, and the result is within `within` of the reference."""
+    expert, renormalising or not, with and without the residual, each row of an 8-row and a
+    3-row call equals its 1-row call bit for bit; without the residual the result is within
+    `within` of the reference, and with it equal bit for bit to MLX's add (on this device) of
+    the residual to that result: the unfused add the fold replaces, so within the reference too."""
     for H, dtype, k in (cases if dtypes is None else cases_at(cases, dtypes)):
         picks, weights, shared, gates = probe_inputs(H, k, dtype=dtype)
+        residual = probe_residual(H, dtype=dtype)
         for normalize, has_shared in ((True, True), (False, False), (True, False), (False, True)):
             extra = {"shared": shared, "gates": gates, "gate_column": 1} if has_shared else {}
+            unfolded = None
+            for has_residual in (False, True):
+                def rows(lo, hi, extra=extra, normalize=normalize, has_residual=has_residual):
+                    part = {**extra, **({"shared": shared[lo:hi], "gates": gates[lo:hi]} if extra else {})}
+                    part.update({"residual": residual[lo:hi]} if has_residual else {})
+                    return moe_combine(picks[lo:hi], weights[lo:hi], normalize=normalize, **part)
 
-            def rows(lo, hi, extra=extra, normalize=normalize):
-                part = {**extra, **({"shared": shared[lo:hi], "gates": gates[lo:hi]} if extra else {})}
-                return moe_combine(picks[lo:hi], weights[lo:hi], normalize=normalize, **part)
-
-            alone = mx.concatenate([rows(t, t + 1) for t in range(8)])
-            together, three = rows(0, 8), rows(5, 8)
-            expected = reference_moe_combine(picks, weights, normalize=normalize, **extra)
-            mx.eval(alone, together, three, expected)
-            where = f"H={H}, k={k}, {dtype}, normalize={normalize}, shared={has_shared}"
-            if not (mx.array_equal(together, alone).item() and mx.array_equal(three, alone[5:]).item()):
-                return f"moe_combine rows differ with the row count ({where})"
-            if not within(together, expected, dtype):
-                return f"moe_combine differs from the reference ({where})"
+                alone = mx.concatenate([rows(t, t + 1) for t in range(8)])
+                together, three = rows(0, 8), rows(5, 8)
+                expected = (residual + unfolded if has_residual
+                            else reference_moe_combine(picks, weights, normalize=normalize, **extra))
+                mx.eval(alone, together, three, expected)
+                where = (f"H={H}, k={k}, {dtype}, normalize={normalize}, shared={has_shared}"
+                         + (", residual=True" if has_residual else ""))
+                if not (mx.array_equal(together, alone).item() and mx.array_equal(three, alone[5:]).item()):
+                    return f"moe_combine rows differ with the row count ({where})"
+                if has_residual and not mx.array_equal(together, expected).item():
+                    return f"moe_combine's residual differs from MLX's add ({where})"
+                if not has_residual and not within(together, expected, dtype):
+                    return f"moe_combine differs from the reference ({where})"
+                unfolded = together
     return None

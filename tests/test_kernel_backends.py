@@ -33,6 +33,8 @@ BODIES = {
     "add_norm.SOURCE": add_norm.SOURCE,
     "moe_combine.SOURCE": moe_combine.SOURCE,
     "moe_combine.SOURCE_SHARED": moe_combine.SOURCE_SHARED,
+    "moe_combine.SOURCE_RESIDUAL": moe_combine.SOURCE_RESIDUAL,
+    "moe_combine.SOURCE_SHARED_RESIDUAL": moe_combine.SOURCE_SHARED_RESIDUAL,
     "gated_norm.SOURCE": gated_norm.SOURCE,
     "attention_prep.SOURCE": attention_prep.SOURCE,
     "attention_prep.SOURCE_PLAIN": attention_prep.SOURCE_PLAIN,
@@ -255,10 +257,13 @@ def test_the_add_norm_body_is_row_invariant_behind_each_prelude(emulate, backend
 @pytest.mark.parametrize("backend", backends.BACKENDS)
 def test_the_combine_bodies_are_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
     """Qwen3-Next-80B's combine (H 2048, top 10, renormalised, a gated shared expert) in
-    bfloat16, and an odd width's column tail with one pick, in float32."""
+    bfloat16, and an odd width's column tail with one pick, in float32; each with the layer's
+    residual too."""
     emu = emulate.CombineEmulator(tmp_path, backend)
-    assert emulate.check_combine(emu, 2048, 10, dtype=mx.bfloat16, rows=(1, 3))
-    assert emulate.check_combine(emu, 131, 1, normalize=False, has_shared=False, rows=(2,))
+    for has_residual in (False, True):
+        assert emulate.check_combine(emu, 2048, 10, dtype=mx.bfloat16, rows=(1, 3), has_residual=has_residual)
+        assert emulate.check_combine(emu, 131, 1, normalize=False, has_shared=False, rows=(2,),
+                                     has_residual=has_residual)
 
 
 @pytest.mark.parametrize("backend", backends.BACKENDS)

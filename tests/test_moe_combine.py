@@ -1,5 +1,6 @@
 """metal_shaders/moe_combine.py: a MoE layer's combine (weighted picks, renormalised or not, plus
-a shared expert's gated output) in one kernel, its reference, and where the MoE blocks use it.
+a shared expert's gated output, plus the decoder layer's residual) in one kernel, its reference,
+and where the MoE blocks and the decoder layer use it.
 
 There is no GPU here: the body runs through scripts/lab/kernel_emulate.py (g++, bfloat16 rounded
 as the GPUs round it; tests/test_kernel_backends.py runs it behind the Metal prelude too). Each
@@ -18,7 +19,7 @@ from metal_shaders import backends, moe_combine, probe, router_window
 from scripts.bench.synthetic import randomized
 from strata_cli.model import layers, moe
 
-ROUTED_ONLY, WITH_SHARED = (moe_combine.KERNELS[False][0], moe_combine.KERNELS[True][0])
+VARIANTS = {name: variant for variant, (name, _, _) in moe_combine.KERNELS.items()}  # (has_shared, has_residual)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,9 @@ def test_the_reference_is_the_weighted_sum_renormalised_plus_the_gated_shared_ou
     gated = moe_combine.reference_moe_combine(picks, weights, normalize=True, shared=shared, gates=gates,
                                               gate_column=1)  # sigmoid(0) = 1/2
     assert np.allclose(np.array(gated), [[3.5, -2.0]], rtol=1e-6)
+    folded = moe_combine.reference_moe_combine(picks, weights, normalize=True, shared=shared, gates=gates,
+                                               gate_column=1, residual=mx.array([[10.0, 20.0]]))
+    assert np.allclose(np.array(folded), [[13.5, 18.0]], rtol=1e-6)
     assert moe_combine.reference_moe_combine(picks.astype(mx.bfloat16), weights).dtype == mx.bfloat16
 
 
@@ -64,6 +68,50 @@ def test_emulated_kernel_is_row_invariant_and_matches_the_reference(emulate, emu
                                  rows=(1, 3, 8))
 
 
+@pytest.mark.parametrize("H, k, dtype, normalize, has_shared", [
+    (2048, 10, mx.float32, True, True),
+    (2048, 10, mx.bfloat16, True, True),
+    (131, 4, mx.bfloat16, False, False),
+    (131, 1, mx.float32, True, False),
+])
+def test_emulated_residual_variants_are_row_invariant_and_add_as_mlx_adds(emulate, emulator, H, k, dtype, normalize,
+                                                                          has_shared):
+    """check_combine's residual form: rows equal their 1-row calls and MLX's add of the residual
+    to the unfolded variant's rows, bit for bit, and stay near the reference."""
+    assert emulate.check_combine(emulator, H, k, dtype=dtype, normalize=normalize, has_shared=has_shared,
+                                 has_residual=True, rows=(1, 3, 8))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_folded_residual_has_the_bits_of_the_unfused_add(emulator, dtype):
+    """residual + the combine rounded to the dtype, rounded once more: MLX's add of the residual
+    to the unfolded kernel's output, bit for bit. In bfloat16 that is not the float32 sum rounded
+    once (residual + acc), which a body that skipped the inner rounding would give."""
+    picks, weights, shared, gates = moe_combine.probe_inputs(300, 10, rows=4, dtype=dtype, seed=3)
+    residual = moe_combine.probe_residual(300, rows=4, dtype=dtype, seed=3)
+    extra = {"normalize": True, "shared": shared, "gates": gates, "gate_column": 2}
+    folded = emulator.run(picks, weights, residual=residual, **extra)
+    unfolded = emulator.run(picks, weights, **extra)
+    assert folded.dtype == dtype and mx.array_equal(folded, residual + unfolded).item()
+    if dtype == mx.bfloat16:
+        wide = emulator.run(picks.astype(mx.float32), weights, **{**extra, "shared": shared.astype(mx.float32),
+                                                                   "gates": gates.astype(mx.float32)})
+        rounded_once = (residual.astype(mx.float32) + wide).astype(mx.bfloat16)
+        assert not mx.array_equal(folded, rounded_once).item()
+
+
+RESIDUAL_TERM = "static_cast<float>(residual[r * H + c])"
+
+
+def test_the_checks_notice_a_dropped_residual(emulate, tmp_path):
+    assert RESIDUAL_TERM in moe_combine.SOURCE_SHARED_RESIDUAL and RESIDUAL_TERM in moe_combine.SOURCE_RESIDUAL
+    wrong = emulate.CombineEmulator(tmp_path)
+    for variant in ((True, True), (False, True)):
+        wrong.sources[variant] = moe_combine.KERNELS[variant][2].replace(RESIDUAL_TERM, "0.0f")
+    assert not emulate.check_combine(wrong, 131, 4, rows=(2,), has_residual=True)
+    assert not emulate.check_combine(wrong, 131, 4, rows=(2,), has_shared=False, has_residual=True)
+
+
 def test_bfloat16_rounds_once_from_the_float32_sum(emulator):
     """The bfloat16 result is the float32 sum rounded once: equal to the float32 kernel's output
     rounded, bit for bit (the same float32 arithmetic on the same, bfloat16-valued, inputs)."""
@@ -77,8 +125,9 @@ def test_bfloat16_rounds_once_from_the_float32_sum(emulator):
 
 def test_the_emulator_notices_a_row_count_dependent_body(emulate, tmp_path):
     drifting = emulate.CombineEmulator(tmp_path)
-    drifting.sources[True] = moe_combine.SOURCE_SHARED.replace("float acc = 0.0f;", "float acc = 1e-7f * block_y;")
-    assert drifting.sources[True] != moe_combine.SOURCE_SHARED
+    drifting.sources[True, False] = moe_combine.SOURCE_SHARED.replace("float acc = 0.0f;",
+                                                                      "float acc = 1e-7f * block_y;")
+    assert drifting.sources[True, False] != moe_combine.SOURCE_SHARED
     assert not emulate.check_combine(drifting, 131, 4, rows=(3,))
 
 
@@ -87,10 +136,10 @@ def test_the_emulator_notices_a_row_count_dependent_body(emulate, tmp_path):
     ("1.0f / (1.0f + expf(-g))", True),  # the gate dropped: the shared output added whole
 ])
 def test_the_checks_notice_a_dropped_renormalisation_or_gate(emulate, tmp_path, broken, has_shared):
-    body = moe_combine.KERNELS[has_shared][2]
+    body = moe_combine.KERNELS[has_shared, False][2]
     assert broken in body
     wrong = emulate.CombineEmulator(tmp_path)
-    wrong.sources[has_shared] = body.replace(broken, "weights[r * K + j]" if "normalise" in broken else "1.0f")
+    wrong.sources[has_shared, False] = body.replace(broken, "weights[r * K + j]" if "normalise" in broken else "1.0f")
     assert not emulate.check_combine(wrong, 131, 4, rows=(2,), has_shared=has_shared)
 
 
@@ -104,6 +153,12 @@ def test_takes_and_launch():
     assert not moe_combine.takes(picks, weights, shared.astype(mx.bfloat16), gates)  # MLX would widen: its ops
     assert not moe_combine.takes(picks, weights, shared)  # a shared output without its gate
     assert not moe_combine.takes(picks, weights[:, :3])
+    residual = moe_combine.probe_residual(64, rows=2)
+    assert moe_combine.takes(picks, weights, residual=residual)
+    assert moe_combine.takes(picks, weights, shared, gates, 2, residual)
+    assert not moe_combine.takes(picks, weights, residual=residual.astype(mx.bfloat16))  # MLX would widen: its add
+    assert not moe_combine.takes(picks, weights, residual=residual[None])  # not the output's shape: the caller's view
+    assert not moe_combine.takes(picks, weights, residual=residual[:1])
     threads = moe_combine.THREADS
     assert moe_combine.launch(3, 2048) == {"grid": (2048, 3, 1), "threadgroup": (threads, 1, 1)}
     assert moe_combine.launch(1, threads + 1) == {"grid": (2 * threads, 1, 1), "threadgroup": (threads, 1, 1)}
@@ -114,8 +169,8 @@ def emulated_kernel(emu, calls):
     """A stand-in for `gpu_kernel` that runs the g++ emulation of the body with the launch the
     module asks for (its grid, the dtype as a template value, sizes as data)."""
     def make(name, inputs, outputs, source, header="", *, ensure_row_contiguous=True):
-        has_shared = name == WITH_SHARED
-        assert (name, inputs, source) == moe_combine.KERNELS[has_shared]
+        has_shared, has_residual = VARIANTS[name]
+        assert (name, inputs, source) == moe_combine.KERNELS[has_shared, has_residual]
         assert outputs == ["out"] and header == "" and ensure_row_contiguous
 
         def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
@@ -123,9 +178,12 @@ def emulated_kernel(emu, calls):
             picks = inputs[1]
             assert dict(template) == {"T_P": picks.dtype} and output_dtypes == [picks.dtype]
             assert (grid, threadgroup) == tuple(moe_combine.launch(R, H).values())
-            calls.append((R, bool(normalize), has_shared))
+            calls.append((R, bool(normalize), has_shared, has_residual))
             extra = ({"shared": inputs[3].reshape(R, H), "gates": inputs[4].reshape(R, G), "gate_column": column}
                      if has_shared else {})
+            if has_residual:
+                assert inputs[-1].dtype == picks.dtype and inputs[-1].shape == tuple(output_shapes[0])
+                extra["residual"] = inputs[-1].reshape(R, H)
             out = emu.run(picks.reshape(R, k, H), inputs[2].reshape(R, k), normalize=bool(normalize), **extra)
             return [out.reshape(output_shapes[0])]
         return launch
@@ -149,13 +207,31 @@ def gpu_forms(monkeypatch):
     monkeypatch.setattr(layers.CpuShortCalls, "mode", "never")
 
 
-def run_block_through(monkeypatch, emu, block, x):
+def run_block_through(monkeypatch, emu, block, *args, **kwargs):
     """The block's output with the (emulated) combine kernel usable, and the kernel's calls."""
     calls = []
     with monkeypatch.context() as m:
         m.setattr(moe_combine, "usable", lambda dtype=None: True)
         m.setattr(moe_combine, "gpu_kernel", emulated_kernel(emu, calls))
-        return block(x), calls
+        return block(*args, **kwargs), calls
+
+
+def test_the_probe_passes_the_emulated_kernel_and_fails_one_that_drops_the_residual(monkeypatch, emulate, tmp_path):
+    """`check` runs every variant, the residual ones held to MLX's add of the residual bit for bit."""
+    cases = ((130, mx.bfloat16, 4), (130, mx.float32, 1))
+    for name in ("right", "wrong"):
+        (tmp_path / name).mkdir()
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(moe_combine, "gpu_kernel", emulated_kernel(emulate.CombineEmulator(tmp_path / "right"), calls))
+        assert moe_combine.check(cases) is None
+    assert {call[2:] for call in calls} == set(moe_combine.KERNELS)
+    wrong = emulate.CombineEmulator(tmp_path / "wrong")
+    wrong.sources[True, True] = moe_combine.SOURCE_SHARED_RESIDUAL.replace(RESIDUAL_TERM, "0.0f")
+    with monkeypatch.context() as m:
+        m.setattr(moe_combine, "gpu_kernel", emulated_kernel(wrong, []))
+        assert moe_combine.check(cases) == ("moe_combine's residual differs from MLX's add (H=130, k=4, "
+                                            "mlx.core.bfloat16, normalize=True, shared=True, residual=True)")
 
 
 def test_a_shared_expert_window_is_combined_by_the_kernel_as_mlx_ops_combine_it(monkeypatch, emulator, gpu_forms):
@@ -167,7 +243,7 @@ def test_a_shared_expert_window_is_combined_by_the_kernel_as_mlx_ops_combine_it(
     x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
     expected = b(x)  # the CPU: MLX's ops
     got, calls = run_block_through(monkeypatch, emulator, b, x)
-    assert calls == [(5, True, True)] and got.shape == x.shape
+    assert calls == [(5, True, True, False)] and got.shape == x.shape
     assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
     inds, weights = b.picks(b.gate(x))
     assert (weights.sum(axis=-1) < 0.5).all().item()  # renormalising changes every weight
@@ -186,10 +262,10 @@ def test_the_block_test_fails_a_kernel_that_drops_the_renormalisation_or_the_gat
     x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
     expected = b(x)
     wrong = emulate.CombineEmulator(tmp_path)
-    wrong.sources[True] = moe_combine.SOURCE_SHARED.replace(broken, "weights[r * K + j]" if "normalise" in broken
-                                                            else "1.0f")
+    wrong.sources[True, False] = moe_combine.SOURCE_SHARED.replace(broken, "weights[r * K + j]" if "normalise" in broken
+                                                                   else "1.0f")
     got, calls = run_block_through(monkeypatch, wrong, b, x)
-    assert calls == [(5, True, True)]
+    assert calls == [(5, True, True, False)]
     assert not mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
 
 
@@ -204,7 +280,7 @@ def test_a_bfloat16_window_rounds_once(monkeypatch, emulator, gpu_forms):
     x16 = x.astype(mx.bfloat16)
     expected = b(x16)
     got, calls = run_block_through(monkeypatch, emulator, b, x16)
-    assert calls == [(3, True, True)] and got.dtype == mx.bfloat16
+    assert calls == [(3, True, True, False)] and got.dtype == mx.bfloat16
     scale = mx.abs(wide).max().item()
     assert (mx.abs(got.astype(mx.float32) - expected.astype(mx.float32)) <= 2**-5 * scale).all().item()
     assert (mx.abs(got.astype(mx.float32) - wide) <= 2**-6 * scale).all().item()
@@ -217,7 +293,7 @@ def test_a_block_without_a_shared_expert_and_other_families_take_the_kernel(monk
     x = mx.random.normal((1, 4, 64), key=mx.random.key(5))
     expected = b(x)
     got, calls = run_block_through(monkeypatch, emulator, b, x)
-    assert calls == [(4, False, False)]
+    assert calls == [(4, False, False, False)]
     assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
 
 
@@ -236,7 +312,7 @@ def test_gpt_oss_renormalises_the_router_kernels_top_k_in_the_combine_kernel(mon
     monkeypatch.setattr(router_window, "usable", lambda dtype=None: True)
     monkeypatch.setattr(router_window, "router_window", router_window.reference_router_window)
     got, calls = run_block_through(monkeypatch, emulator, block, x)
-    assert calls == [(5, True, False)]
+    assert calls == [(5, True, False, False)]
     assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
 
 

@@ -41,7 +41,8 @@ and tiled), 3 x 130 and 1 x 37, and in Mamba-2's (the gate first) at Nemotron-H'
 bfloat16 picks (bfloat16 emulated as the GPUs round it): for R = 1..8 each row equals its 1-row
 call bit for bit and stays within one output rounding plus 1e-6 (of the row's largest) of the
 reference, at H = 2048, 131 and 1000, k = 1, 4, 10 and 16, renormalising or not, with a shared
-expert's gated term or without. The attention-prep kernel (metal_shaders/attention_prep.py) runs
+expert's gated term or without, with the residual added or without (the residual variants equal
+MLX's add of the residual to the plain variants' output bit for bit). The attention-prep kernel (metal_shaders/attention_prep.py) runs
 a block per (row, head), in float32 and in bfloat16 (in software): for R = 1..8 at window offsets
 0 and 4093 each row t equals its 1-row call at offset p + t bit for bit (q, k, v and the gate)
 and stays within attention_prep.TOLERANCE of the head's own ops and cpu_rope, at Qwen3-Next-80B's
@@ -971,41 +972,44 @@ class CombineEmulator:
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
-        self.sources = {shared: body for shared, (_, _, body) in moe_combine.KERNELS.items()}
+        self.sources = {variant: body for variant, (_, _, body) in moe_combine.KERNELS.items()}
 
-    def _binary(self, dtype, has_shared: bool) -> Path:
-        key = (dtype, has_shared)
+    def _binary(self, dtype, has_shared: bool, has_residual: bool) -> Path:
+        key = (dtype, has_shared, has_residual)
         if key not in self.built:
             t = EMULATED_TYPES[dtype][0]
-            _, inputs, body = moe_combine.KERNELS[has_shared]
+            _, inputs, body = moe_combine.KERNELS[has_shared, has_residual]
             types = {"dims": "const int32_t*", "weights": "const float*"}
             params = [f"{types.get(name, f'const {t}*')} {name}" for name in inputs]
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
             source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, f"{t}* out"], f"using T_P = {t};",
-                              self.sources[has_shared])
+                              self.sources[has_shared, has_residual])
                       + MAIN_SERIAL.replace("NUM_INPUTS", str(len(inputs))).replace("OUT_T", t)
                       .replace("CALL", f"kernel({', '.join(args)})"))
-            path = self.dir / f"combine_{t}_{int(has_shared)}_{len(self.built)}"
+            path = self.dir / f"combine_{t}_{int(has_shared)}{int(has_residual)}_{len(self.built)}"
             compile_program(path, source)
             self.built[key] = path
         return self.built[key]
 
     def run(self, picks: mx.array, weights: mx.array, *, normalize: bool = False, shared: mx.array | None = None,
-            gates: mx.array | None = None, gate_column: int = 0) -> mx.array:
+            gates: mx.array | None = None, gate_column: int = 0, residual: mx.array | None = None) -> mx.array:
         """moe_combine's call, emulated: picks (R, k, H) float32 or bfloat16, weights (R, k)
-        float32, shared (R, H) and gates (R, G) of the picks' dtype or None. Returns (R, H)."""
+        float32, shared (R, H) and gates (R, G), and residual (R, H), of the picks' dtype or None.
+        Returns (R, H)."""
         R, k, H = picks.shape
-        has_shared = shared is not None
+        has_shared, has_residual = shared is not None, residual is not None
         G = gates.shape[-1] if has_shared else 1
         inputs = [np.array([R, k, H, int(normalize), G, gate_column], np.int32).tobytes(), raw_bits(picks).tobytes(),
                   raw_bits(weights.astype(mx.float32)).tobytes()]
         if has_shared:
             inputs += [raw_bits(shared).tobytes(), raw_bits(gates).tobytes()]
+        if has_residual:
+            inputs.append(raw_bits(residual).tobytes())
         names = write_inputs(self.dir, "cin", inputs)
         config = moe_combine.launch(R, H)
         threads = config["threadgroup"][0]
         out = self.dir / "cout"
-        subprocess.run([str(self._binary(picks.dtype, has_shared)), *names, str(config["grid"][0] // threads),
+        subprocess.run([str(self._binary(picks.dtype, has_shared, has_residual)), *names, str(config["grid"][0] // threads),
                         str(config["grid"][1]), str(threads), str(R * H), str(out)], check=True)
         if picks.dtype == mx.bfloat16:
             return mx.array(np.fromfile(out, np.uint16).reshape(R, H)).view(mx.bfloat16)
@@ -1013,31 +1017,59 @@ class CombineEmulator:
 
 
 def check_combine(emu: CombineEmulator, H: int, k: int, *, dtype=mx.float32, normalize: bool = True,
-                  has_shared: bool = True, rows=range(1, 9), tol=1e-6, seed: int = 0) -> bool:
+                  has_shared: bool = True, has_residual: bool = False, rows=range(1, 9), tol=1e-6,
+                  seed: int = 0) -> bool:
     """For each R in `rows`: every row of an R-row call equals its 1-row call bit for bit, and
     the result is within one rounding of `dtype` (bfloat16; none for float32) plus `tol` of the
-    row's largest value of the reference (moe_combine.reference_moe_combine)."""
+    row's largest value of the reference (moe_combine.reference_moe_combine). `has_residual`:
+    the residual variant, whose rows must also equal MLX's add of the residual to the unfolded
+    variant's rows bit for bit (reported with the row check), and which may be one rounding of
+    the combine and one of the sum from the reference."""
     picks, weights, shared, gates = moe_combine.probe_inputs(H, k, rows=max(rows), dtype=dtype, seed=seed)
+    residual = moe_combine.probe_residual(H, rows=max(rows), dtype=dtype, seed=seed)
     extra = {"shared": shared, "gates": gates, "gate_column": 1} if has_shared else {}
 
-    def call(lo: int, hi: int) -> mx.array:
+    def arrays(lo: int, hi: int, with_residual: bool = has_residual) -> dict:
         part = {**extra, "shared": shared[lo:hi], "gates": gates[lo:hi]} if has_shared else {}
-        return emu.run(picks[lo:hi], weights[lo:hi], normalize=normalize, **part)
+        return {**part, "residual": residual[lo:hi]} if with_residual else part
+
+    def call(lo: int, hi: int, with_residual: bool = has_residual) -> mx.array:
+        return emu.run(picks[lo:hi], weights[lo:hi], normalize=normalize, **arrays(lo, hi, with_residual))
+
+    def reference(R: int, with_residual: bool = has_residual) -> mx.array:
+        return moe_combine.reference_moe_combine(picks[:R], weights[:R], normalize=normalize,
+                                                 **arrays(0, R, with_residual))
 
     alone = mx.concatenate([call(t, t + 1) for t in range(max(rows))])
     ok = True
     for R in rows:
         got = call(0, R)
-        expected = moe_combine.reference_moe_combine(picks[:R], weights[:R], normalize=normalize,
-                                                     **({**extra, "shared": shared[:R], "gates": gates[:R]}
-                                                        if has_shared else {}))
         same = mx.array_equal(got, alone[:R]).item() and not mx.isnan(got).any().item()
-        g, e = _f32(got), _f32(expected)
-        excess = np.abs(g - e) - moe_combine.tolerance(dtype) * np.abs(e)  # beyond one output rounding
+        g, e = _f32(got), _f32(reference(R))
+        scale = np.abs(e)  # one output rounding; with the residual one of the combine too
+        if has_residual:
+            same = same and mx.array_equal(got, residual[:R] + call(0, R, with_residual=False)).item()
+            scale = scale + np.abs(_f32(reference(R, with_residual=False)))
+        excess = np.abs(g - e) - moe_combine.tolerance(dtype) * scale
         diff = float(np.max(excess / np.abs(e).max(axis=-1, keepdims=True)))
-        name = f"combine H={H} k={k} {str(dtype).split('.')[-1]}{' norm' if normalize else ''}"
-        ok &= _report(name + (" shared" if has_shared else ""), R, same, max(diff, 0.0), tol)
+        name = (f"combine H={H} k={k} {str(dtype).split('.')[-1]}{' norm' if normalize else ''}"
+                f"{' shared' if has_shared else ''}{' residual' if has_residual else ''}")
+        ok &= _report(name, R, same, max(diff, 0.0), tol)
     return ok
+
+
+COMBINE_CASES = ((2048, 10, mx.float32), (2048, 10, mx.bfloat16), (2048, 4, mx.bfloat16), (131, 4, mx.float32),
+                 (131, 1, mx.bfloat16), (1000, 16, mx.float32))  # (H, k, dtype)
+
+
+def check_combines(emu: CombineEmulator) -> list[bool]:
+    """check_combine over COMBINE_CASES, each renormalising or not, with a shared expert or not,
+    with the residual or not (`--only combine` runs these alone)."""
+    return [check_combine(emu, H, k, dtype=dtype, normalize=normalize, has_shared=has_shared,
+                          has_residual=has_residual)
+            for H, k, dtype in COMBINE_CASES
+            for normalize, has_shared in ((True, True), (False, False), (True, False), (False, True))
+            for has_residual in (False, True)]
 
 
 GLU_TOLERANCE = {mx.float32: 1e-5, mx.bfloat16: 2**-8}  # of the largest value: the sums' order, a rounding
@@ -1315,9 +1347,10 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                 f"using T = {t}; constexpr int PER = {attention_prep.per_thread(D)}; "
                                 f"constexpr int WARPS = {attention_prep.warps(D)}; "
                                 f"constexpr bool NORM = {str(norm).lower()};", attention_prep.KERNELS[gate][2]))
-        for has_shared, (_, inputs, body) in moe_combine.KERNELS.items():  # row-major inputs: no strides
+        for (has_shared, has_residual), (_, inputs, body) in moe_combine.KERNELS.items():  # row-major: no strides
             types = {"dims": "const int32_t*", "weights": "const float*"}
-            kernels_out.append((f"moe_combine{'_shared' if has_shared else ''}_{tn}", "",
+            kernels_out.append((f"moe_combine{'_shared' if has_shared else ''}{'_residual' if has_residual else ''}_{tn}",
+                                "",
                                 [f"{types.get(name, f'const {t}*')} {name}" for name in inputs] + [f"{t}* out"],
                                 f"using T_P = {t};", body))
     for dk in (64, 128, 256):
@@ -1362,12 +1395,18 @@ def main() -> int:
     parser.add_argument("--backend", choices=backends.BACKENDS, default=backends.CUDA,
                         help="whose prelude the bodies run behind (default: cuda)")
     parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
+    parser.add_argument("--only", choices=("combine",),
+                        help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes)")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
     if args.nvcc:
         ok = nvcc_check(emu.dir)
         print("every body compiles" if ok else "COMPILE FAILURE", flush=True)
+        return 0 if ok else 1
+    if args.only == "combine":
+        ok = all(check_combines(CombineEmulator(emu.dir, args.backend)))
+        print("all kernels match" if ok else "MISMATCH", flush=True)
         return 0 if ok else 1
     results = []
     for K, N, bits, gs, R in ((512, 37, 4, 64, 3), (2048, 21, 4, 64, 8), (1024, 19, 8, 32, 2)):
@@ -1456,11 +1495,7 @@ def main() -> int:
                                               (3, 1, 130, 32, True, False, mx.float32),
                                               (2, 1, 512, 128, False, True, mx.bfloat16)):
         results.append(check_attention_prep(preps, Hq, Hkv, D, RD, gate=gate, norm=norm, dtype=dtype))
-    combine = CombineEmulator(emu.dir, args.backend)
-    for H, k, dtype in ((2048, 10, mx.float32), (2048, 10, mx.bfloat16), (2048, 4, mx.bfloat16), (131, 4, mx.float32),
-                        (131, 1, mx.bfloat16), (1000, 16, mx.float32)):
-        for normalize, has_shared in ((True, True), (False, False), (True, False), (False, True)):
-            results.append(check_combine(combine, H, k, dtype=dtype, normalize=normalize, has_shared=has_shared))
+    results += check_combines(CombineEmulator(emu.dir, args.backend))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 
