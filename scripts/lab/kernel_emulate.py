@@ -42,12 +42,13 @@ bfloat16 picks (bfloat16 emulated as the GPUs round it): for R = 1..8 each row e
 call bit for bit and stays within one output rounding plus 1e-6 (of the row's largest) of the
 reference, at H = 2048, 131 and 1000, k = 1, 4, 10 and 16, renormalising or not, with a shared
 expert's gated term or without, with the residual added or without (the residual variants equal
-MLX's add of the residual to the plain variants' output bit for bit). The attention-prep kernel (metal_shaders/attention_prep.py) runs
-a block per (row, head), in float32 and in bfloat16 (in software): for R = 1..8 at window offsets
-0 and 4093 each row t equals its 1-row call at offset p + t bit for bit (q, k, v and the gate)
-and stays within attention_prep.TOLERANCE of the head's own ops and cpu_rope, at Qwen3-Next-80B's
-attention (16 q heads, 2 kv heads, D 256, output gate, partial rotary 64, q/k norm), a plain
-layout (no gate, full rotary, no norm), 3/1 x 130 and 2/1 x 512. Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
+MLX's add of the residual to the plain variants' output bit for bit; `--only combine` runs these
+alone). The attention-prep kernel (metal_shaders/attention_prep.py) runs a block per (row, head),
+in float32 and in bfloat16 (in software): for R = 1..8 at window offsets 0 and 4093 each row t
+equals its 1-row call at offset p + t bit for bit (q, k, v and the gate) and stays within
+attention_prep.TOLERANCE of the head's own ops and cpu_rope, at Qwen3-Next-80B's attention (16 q
+heads, 2 kv heads, D 256, output gate, partial rotary 64, q/k norm), a plain layout (no gate,
+full rotary, no norm), 3/1 x 130 and 2/1 x 512. Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
 it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
@@ -1009,8 +1010,9 @@ class CombineEmulator:
         config = moe_combine.launch(R, H)
         threads = config["threadgroup"][0]
         out = self.dir / "cout"
-        subprocess.run([str(self._binary(picks.dtype, has_shared, has_residual)), *names, str(config["grid"][0] // threads),
-                        str(config["grid"][1]), str(threads), str(R * H), str(out)], check=True)
+        binary = self._binary(picks.dtype, has_shared, has_residual)
+        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), str(config["grid"][1]), str(threads),
+                        str(R * H), str(out)], check=True)
         if picks.dtype == mx.bfloat16:
             return mx.array(np.fromfile(out, np.uint16).reshape(R, H)).view(mx.bfloat16)
         return mx.array(np.fromfile(out, np.float32).reshape(R, H))
@@ -1349,8 +1351,8 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                 f"constexpr bool NORM = {str(norm).lower()};", attention_prep.KERNELS[gate][2]))
         for (has_shared, has_residual), (_, inputs, body) in moe_combine.KERNELS.items():  # row-major: no strides
             types = {"dims": "const int32_t*", "weights": "const float*"}
-            kernels_out.append((f"moe_combine{'_shared' if has_shared else ''}{'_residual' if has_residual else ''}_{tn}",
-                                "",
+            variant = f"{'_shared' if has_shared else ''}{'_residual' if has_residual else ''}"
+            kernels_out.append((f"moe_combine{variant}_{tn}", "",
                                 [f"{types.get(name, f'const {t}*')} {name}" for name in inputs] + [f"{t}* out"],
                                 f"using T_P = {t};", body))
     for dk in (64, 128, 256):
