@@ -12,12 +12,14 @@ import logging
 from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from metal_shaders import backends, moe_combine, probe, router_window
 from scripts.bench.synthetic import randomized
 from strata_cli.model import layers, moe
+from strata_cli.model.decoder_layer import PreNormLayer
 
 VARIANTS = {name: variant for variant, (name, _, _) in moe_combine.KERNELS.items()}  # (has_shared, has_residual)
 
@@ -355,3 +357,116 @@ def test_a_failing_probe_turns_the_kernel_off_and_the_block_falls_back(caplog, f
     count = len(made)
     moe.picks_sum(picks, weights, normalize=True)
     assert len(made) == count  # decided once per process
+
+
+def residual_for(x: mx.array, seed: int = 7) -> mx.array:
+    return (4 * mx.random.normal(x.shape, key=mx.random.key(seed))).astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_window_folds_the_residual_into_the_combine_with_the_bits_of_the_add(monkeypatch, emulator, gpu_forms,
+                                                                               dtype):
+    """Given the layer's residual, a shared-expert block runs one combine launch, the residual
+    variant, whose output is MLX's add of the residual to the unfolded block's output through
+    the same kernel, bit for bit, and near MLX's ops plus the residual."""
+    b = shared_block()
+    if dtype == mx.bfloat16:
+        b.set_dtype(mx.bfloat16)
+        b.stack_linears()  # set_dtype replaced the stacked linears' arrays
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(2)).astype(dtype)
+    residual = residual_for(x)
+    expected = residual + b(x)  # the CPU: MLX's ops
+    folded, calls = run_block_through(monkeypatch, emulator, b, x, residual=residual)
+    assert calls == [(5, True, True, True)] and folded.shape == x.shape and folded.dtype == dtype
+    unfolded, calls = run_block_through(monkeypatch, emulator, b, x)
+    assert calls == [(5, True, True, False)]
+    assert mx.array_equal(folded, residual + unfolded).item()
+    scale = mx.abs(expected).max().item()
+    bound = 2**-5 * scale if dtype == mx.bfloat16 else 1e-5 * scale
+    assert (mx.abs(folded.astype(mx.float32) - expected.astype(mx.float32)) <= bound).all().item()
+
+
+def test_a_block_without_a_shared_expert_folds_the_residual_as_the_picks_rows(monkeypatch, emulator, gpu_forms):
+    """The block's picks are (N, k, H) rows of the (1, T, H) window: the residual goes in as those
+    rows and the output comes back in the window's shape, the bits of the unfused add."""
+    b = moe.SparseMoeBlock(hidden_size=64, expert_size=32, num_experts=16, top_k=4, norm_topk_prob=True)
+    randomized(b, 20)
+    x = mx.random.normal((1, 4, 64), key=mx.random.key(5))
+    residual = residual_for(x)
+    folded, calls = run_block_through(monkeypatch, emulator, b, x, residual=residual)
+    assert calls == [(4, False, False, True)] and folded.shape == x.shape
+    unfolded, _ = run_block_through(monkeypatch, emulator, b, x)
+    assert mx.array_equal(folded, residual + unfolded).item()
+    assert mx.allclose(folded, residual + b(x), rtol=1e-5, atol=1e-5).item()
+
+
+def test_the_block_test_fails_a_kernel_that_drops_the_residual(monkeypatch, emulate, tmp_path, gpu_forms):
+    b = shared_block()
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
+    residual = residual_for(x)
+    wrong = emulate.CombineEmulator(tmp_path)
+    wrong.sources[True, True] = moe_combine.SOURCE_SHARED_RESIDUAL.replace(RESIDUAL_TERM, "0.0f")
+    got, calls = run_block_through(monkeypatch, wrong, b, x, residual=residual)
+    assert calls == [(5, True, True, True)]
+    assert not mx.allclose(got, residual + b(x), rtol=1e-5, atol=1e-5).item()
+
+
+def test_off_the_kernel_the_residual_is_one_add_of_the_same_bits():
+    """The CPU's paths (the host form of a shared-expert block, MLX's ops without one): the
+    residual plus the block's output, as the layer added it before."""
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(3))
+    residual = residual_for(x)
+    plain = moe.SparseMoeBlock(hidden_size=64, expert_size=32, num_experts=16, top_k=4, norm_topk_prob=True)
+    randomized(plain, 21)
+    for b in (shared_block(), plain):
+        assert mx.array_equal(b(x, residual=residual), residual + b(x)).item()
+
+
+def test_only_blocks_that_keep_the_sparse_blocks_call_fold_the_residual():
+    from strata_cli.model.deepseek_v3 import DeepseekMoE
+    from strata_cli.model.deepseek_v4 import MoE
+    from strata_cli.model.glm4_moe import Glm4MoeBlock
+    from strata_cli.model.granitemoehybrid import GraniteMoe
+
+    assert shared_block().folds_residual
+    folds = moe.SparseMoeBlock.folds_residual.fget
+    assert folds(GraniteMoe.__new__(GraniteMoe))  # its layer's tail scales the block's output: it never asks
+    for own_call in (DeepseekMoE, MoE, Glm4MoeBlock):
+        assert not folds(own_call.__new__(own_call))
+
+
+class PassThrough(nn.Module):
+    def tail(self, mixed: mx.array) -> mx.array:
+        return mixed
+
+
+class OneLayer(PreNormLayer):
+    def __init__(self, ffn: nn.Module):
+        super().__init__()
+        self.mix = PassThrough()
+        self.post_attention_layernorm = layers.RMSNorm(64, 1e-6)
+        self.mlp = ffn
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.mix
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.mlp
+
+
+def test_the_layers_tail_hands_its_residual_to_a_block_that_folds_it(monkeypatch, emulator, gpu_forms):
+    """PreNormLayer.tail: h + ffn(norm(h)), the add inside the combine launch for a folding block,
+    by MLX's add for a dense MLP; the same bits either way."""
+    block = shared_block()
+    layer = OneLayer(block)
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(8))
+    mixed = mx.random.normal((1, 5, 64), key=mx.random.key(9))
+    got, calls = run_block_through(monkeypatch, emulator, layer.tail, x, mixed)
+    assert calls == [(5, True, True, True)]
+    h = x + mixed
+    unfolded, _ = run_block_through(monkeypatch, emulator, block, layer.post_attention_layernorm(h))
+    assert mx.array_equal(got, h + unfolded).item()
+    dense = OneLayer(randomized(layers.MLP(64, 32), 11))
+    assert mx.array_equal(dense.tail(x, mixed), h + dense.mlp(dense.post_attention_layernorm(h))).item()

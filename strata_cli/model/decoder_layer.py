@@ -4,7 +4,8 @@ The mixer (attention or GDN) splits its call into `head` (projections: pure), `c
 touches the layer's state) and `tail` (output projection: pure). Decode windows run the layer's
 pure ends compiled (compiled.py): the input norm and the mixer's head in one trace; the mixer's
 tail, the residual adds, the post norm and the feed-forward block in another (on a GPU the first
-add and the post norm in one kernel, RMSNorm.add_and_norm). On the CPU, where
+add and the post norm in one kernel, RMSNorm.add_and_norm, and the second add in the MoE block's
+combine kernel where the block takes it, `folds_residual`). On the CPU, where
 short calls' linears run in numpy, the tail runs on the host instead (host_tail.py), and the whole
 layer where its mixer has a numpy form (host_layer.py).
 """
@@ -38,6 +39,8 @@ class PreNormLayer(nn.Module):
 
     def tail(self, x: mx.array, mixed: mx.array, *tail_in: mx.array) -> mx.array:
         h, normed = self.post_attention_layernorm.add_and_norm(x, self.mixer.tail(mixed, *tail_in))
+        if getattr(self.ffn, "folds_residual", False):
+            return self.ffn(normed, residual=h)  # on a GPU the add runs in the MoE combine kernel
         return h + self.ffn(normed)
 
     def __call__(self, x: mx.array, state) -> mx.array:

@@ -431,12 +431,23 @@ class SparseMoeBlock(nn.Module):
         inds, mask = self.routing_policy(probs, self.top_k)
         return inds, mx.take_along_axis(probs, inds, axis=-1) * mask
 
-    def __call__(self, x: mx.array) -> mx.array:
+    @property
+    def folds_residual(self) -> bool:
+        """Whether a call takes the decoder layer's residual (`__call__`'s `residual`): only where
+        the class keeps this `__call__` (a family's own takes x alone)."""
+        return type(self).__call__ is SparseMoeBlock.__call__
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """x (..., H) -> the block's output (..., H); plus `residual` (x's shape: the decoder
+        layer's stream) where given, added inside the combine kernel where it runs (the bits of
+        the add it saves, one launch fewer a layer), else by one add."""
         shape = x.shape
         if "shared_expert" not in self:
             x = x.reshape(-1, shape[-1])
             inds, weights = self.route(x)
-            return weighted_sum(self.switch_mlp(x, inds), weights).reshape(shape)
+            picks = self.switch_mlp(x, inds)
+            out = kernel_combine(picks, weights, shape, residual)
+            return plus(residual, weighted_sum(picks, weights).reshape(shape)) if out is None else out
         shared = self.shared_expert
         if not host_window(x):
             router, inputs = stacked(self, "_router_rows"), stacked(self, "_shared_rows")
@@ -448,18 +459,18 @@ class SparseMoeBlock(nn.Module):
                 picks = self.switch_mlp(x, inds)
                 shared_out = shared.down_proj(shared.activated(x, inputs))
                 gate_column = router.bounds[0]  # the gate's column of the stacked output: after the E logits
-                if combine_kernel_takes(picks, weights, shared_out, both, gate_column):
-                    out = moe_combine.moe_combine(picks, weights, normalize=self.norm_topk_prob, shared=shared_out,
-                                                  gates=both, gate_column=gate_column)
-                else:
+                out = kernel_combine(picks, weights, shape, residual, normalize=self.norm_topk_prob, shared=shared_out,
+                                     gates=both, gate_column=gate_column)
+                if out is None:
                     out = add_gated(picks_sum(picks, weights, normalize=self.norm_topk_prob), shared_out, shared_gate)
-                return out if out.shape == shape else out.reshape(shape)
+                    out = plus(residual, in_shape(out, shape))
+                return out
         # The router and the shared expert's input projections read x together (`project`).
         x = x.reshape(-1, shape[-1])
         logits, gate, up, shared_gate = project(x, self.gate, shared.gate_proj, shared.up_proj,
                                                 self.shared_expert_gate)
         y = self.routed_rows(x, logits)
-        return add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape)
+        return plus(residual, add_gated(y, shared.down_proj(swiglu(gate, up)), shared_gate).reshape(shape))
 
     def stack_linears(self) -> None:
         """Stack the linears that read the block's input where their forms allow
@@ -494,12 +505,38 @@ def router_kernel_takes(logits: mx.array, top_k: int) -> bool:
 def combine_kernel_takes(picks: mx.array, weights: mx.array, shared: mx.array | None = None,
                          gates: mx.array | None = None, gate_column: int = 0) -> bool:
     """Whether a window's picks (..., k, H) are combined by the combine kernel
-    (metal_shaders/moe_combine.py: the weighted sum, its renormalisation and a shared expert's
-    gated output in one launch, each row alone) on this device: a window's rows, arrays it takes,
-    a dtype whose probe passed. Serial 1-row steps go there too, so they share its arithmetic."""
+    (metal_shaders/moe_combine.py: the weighted sum, its renormalisation, a shared expert's
+    gated output and the layer's residual in one launch, each row alone) on this device: a
+    window's rows, arrays it takes, a dtype whose probe passed. Serial 1-row steps go there too,
+    so they share its arithmetic."""
     rows = picks.size // (picks.shape[-2] * picks.shape[-1]) if picks.ndim >= 2 else 0
     return (RowSplit.kernel_may_take(rows) and moe_combine.takes(picks, weights, shared, gates, gate_column)
             and moe_combine.usable(picks.dtype))
+
+
+def kernel_combine(picks: mx.array, weights: mx.array, shape: tuple, residual: mx.array | None = None,
+                   **combine) -> mx.array | None:
+    """The combine kernel's output (`combine`: `moe_combine`'s keywords) in `shape`, plus
+    `residual` (in `shape`) where given, or None where the kernel does not take the picks (the
+    caller combines with MLX's ops). The residual goes into the launch where the kernel takes
+    it (as the output's rows: a view where the picks' rows are shaped otherwise), else one add."""
+    shared, gates, gate_column = combine.get("shared"), combine.get("gates"), combine.get("gate_column", 0)
+    if not combine_kernel_takes(picks, weights, shared, gates, gate_column):
+        return None
+    rows = None if residual is None else in_shape(residual, (*picks.shape[:-2], picks.shape[-1]))
+    if rows is not None and moe_combine.takes(picks, weights, shared, gates, gate_column, rows):
+        return in_shape(moe_combine.moe_combine(picks, weights, residual=rows, **combine), shape)
+    return plus(residual, in_shape(moe_combine.moe_combine(picks, weights, **combine), shape))
+
+
+def in_shape(a: mx.array, shape: tuple) -> mx.array:
+    """`a` in `shape`: no Reshape op where it has that shape already (a step is bound by op count)."""
+    return a if a.shape == tuple(shape) else a.reshape(shape)
+
+
+def plus(residual: mx.array | None, out: mx.array) -> mx.array:
+    """residual + out (the decoder layer's add), or out where there is no residual."""
+    return out if residual is None else residual + out
 
 
 def picks_sum(picks: mx.array, weights: mx.array, *, normalize: bool = False) -> mx.array:
