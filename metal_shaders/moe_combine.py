@@ -27,7 +27,8 @@ and the grid (column tiles x rows) only place the threads. So a row's bits are a
 that row's inputs, k and H alone, never of R: a serial 1-row step and a window's row share them.
 
 One body for CUDA and Metal (backends.py); `reference_moe_combine` (pure MLX) is what the tests
-and the probe hold the kernel to; callers run MLX's ops wherever `usable()` is False (the CPU).
+and the probe hold the kernel to (the residual variants: to MLX's add of the residual to the plain
+variant's output, bit for bit); callers run MLX's ops wherever `usable()` is False (the CPU).
 Every input is read as a row-major array (no strides: metal_shaders/precompiled.py keeps the
 cubin across processes); the gate logit is read at a column of each row of its input, so a
 shared gate that is a column of the stacked router's output is passed as that whole output
