@@ -316,6 +316,12 @@ def test_gpt_oss_renormalises_the_router_kernels_top_k_in_the_combine_kernel(mon
     got, calls = run_block_through(monkeypatch, emulator, block, x)
     assert calls == [(5, True, False, False)]
     assert mx.allclose(got, expected, rtol=1e-5, atol=1e-6).item()
+    # the layer's residual goes into the same launch, with the bits of the unfused add
+    residual = residual_for(x)
+    assert block.folds_residual
+    folded, calls = run_block_through(monkeypatch, emulator, block, x, residual=residual)
+    assert calls == [(5, True, False, True)] and folded.shape == x.shape
+    assert mx.array_equal(folded, residual + got).item()
 
 
 def test_mlx_ops_combine_prompt_chunks_unusable_dtypes_and_never_mode(monkeypatch):
@@ -418,7 +424,11 @@ def test_off_the_kernel_the_residual_is_one_add_of_the_same_bits():
     residual = residual_for(x)
     plain = moe.SparseMoeBlock(hidden_size=64, expert_size=32, num_experts=16, top_k=4, norm_topk_prob=True)
     randomized(plain, 21)
-    for b in (shared_block(), plain):
+    from strata_cli.model.gpt_oss import GptOssMoe
+
+    config = SimpleNamespace(num_experts_per_tok=4, hidden_size=64, num_local_experts=32, intermediate_size=32,
+                             swiglu_alpha=1.702, swiglu_limit=7.0)
+    for b in (shared_block(), plain, randomized(GptOssMoe(config), 0)):
         assert mx.array_equal(b(x, residual=residual), residual + b(x)).item()
 
 

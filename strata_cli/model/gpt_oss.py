@@ -25,7 +25,7 @@ from .config import ConfigError, ModelConfig
 from .decoder_layer import PreNormLayer
 from .layers import DecoderStack, RMSNorm, RowLinear
 from .layout import LayoutError
-from .moe import picks_sum, router_kernel_takes, weighted_sum
+from .moe import kernel_combine, picks_sum, plus, router_kernel_takes, weighted_sum
 from .quant import MXFP4, MXFP4_BITS, MXFP4_GROUP_SIZE, ROUTER_BITS, Quantization
 from .sink_attention import SinkAttention, rope_periods
 
@@ -134,7 +134,11 @@ class GptOssMoe(nn.Module):
         inds = mx.argpartition(-logits, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
         return inds, mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    folds_residual = True  # `__call__` takes the decoder layer's residual (decoder_layer.PreNormLayer.tail)
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """x (..., H) -> the block's output, plus `residual` (x's shape) where given: added in the
+        combine kernel's launch where it runs, else by one add."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.router(x)
@@ -143,9 +147,11 @@ class GptOssMoe(nn.Module):
             # their softmax is those probabilities over their sum, a division the weighted sum takes
             # (the combine kernel's renormalisation, where it runs).
             inds, probs = router_window.router_window(logits, self.top_k)
-            return picks_sum(self.experts(x, inds), probs, normalize=True).reshape(shape)
+            picks = self.experts(x, inds)
+            out = kernel_combine(picks, probs, shape, residual, normalize=True)
+            return plus(residual, picks_sum(picks, probs, normalize=True).reshape(shape)) if out is None else out
         inds, weights = self.route_logits(logits)
-        return weighted_sum(self.experts(x, inds), weights).reshape(shape)
+        return plus(residual, weighted_sum(self.experts(x, inds), weights).reshape(shape))
 
 
 class DecoderLayer(PreNormLayer):
