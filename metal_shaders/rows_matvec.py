@@ -1,8 +1,10 @@
 """Matrix × up to 8 rows with each row reduced in a fixed order: row-invariant window projections.
 
 `rows_matvec(x, w)` computes x (R, K) @ w (N, K)ᵀ for R <= 8 rows, `rows_qmatvec` the same with
-an affine-quantized w (4 or 8 bits, MLX's packing: `mx.quantize`). Each output element is summed
-in float32 in one fixed order — lane l of a warp takes the 16-byte weight chunks l, l+32, ...
+an affine-quantized w (4 or 8 bits, MLX's packing: `mx.quantize`); their column-mapped forms
+(`rows_matvec_mapped`, `rows_qmatvec_mapped`) write the columns a map names, in its order, each
+the plain kernel's bits, and the GLU forms silu(gate) · up of two matrices. Each output element
+is summed in float32 in one fixed order — lane l of a warp takes the 16-byte weight chunks l, l+32, ...
 with fused multiply-adds, then a fixed butterfly of warp shuffles — that does not depend on R,
 so a row's result is the same bits whether it runs alone (serial decoding) or with seven others
 (a window). The weights are read once per window for all its rows (on CUDA with 128-bit
@@ -339,8 +341,33 @@ QUANTIZED_GLU = _glu(QUANTIZED.replace(_PLAIN_POINTERS, _PLAIN_POINTERS + "    a
 GATHER_QUANTIZED_GLU = _glu(GATHER_QUANTIZED.replace(_GATHER_POINTERS, _GATHER_POINTERS + _GATHER_UP_POINTERS),
                             _QUANTIZED_GLU_SWAPS)
 
+# Column-mapped forms: output column j is computed from weight row col_map[j] (for quantized
+# weights its scales' and biases' rows too), so one launch writes a projection's columns in the
+# order its consumers read them (GDN's [conv inputs | z | b | a] from the stacked [qkvz | ba]),
+# with no gather after it. Only which weight row a column reads changes, never the arithmetic or
+# the output index: out[r, j] is the plain kernel's out[r, col_map[j]] bit for bit. The map is
+# read once per thread, before the reduction; N is its length.
+_PLAIN_ROW = "const int n = n0 + c < N ? n0 + c : n0;"
+_MAPPED_ROWS = """    int mapped[COLS];  // the weight row of output column n0 + c (a missing column repeats a real one's)
+    #pragma unroll
+    for (int c = 0; c < COLS; ++c) mapped[c] = static_cast<int>(col_map[n0 + c < N ? n0 + c : n0]);
+"""
+_EARLY_EXIT = "    if (n0 >= N) return;\n"
+
+
+def _mapped(body: str) -> str:
+    """The column-mapped form of a plain body (see above)."""
+    assert body.count(_PLAIN_ROW) == body.count(_EARLY_EXIT) == 1
+    return body.replace(_EARLY_EXIT, _EARLY_EXIT + _MAPPED_ROWS).replace(_PLAIN_ROW, "const int n = mapped[c];")
+
+
+DENSE_MAPPED = _mapped(DENSE)
+QUANTIZED_MAPPED = _mapped(QUANTIZED)
+
 _probe = Probe("row-invariant matrix kernels", "decode windows run row by row")
 _glu_probe = Probe("row-invariant GLU kernels", "decode windows run gate, up and the activation apart")
+_mapped_probe = Probe("row-invariant column-mapped matrix kernels",
+                      "decode windows gather the plain kernels' columns")
 
 
 def launch_config(rows: int, N: int, *, cols: int = COLS) -> dict:
@@ -405,6 +432,36 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
     template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
     return _launch(kernel, [dims(R, K, N), x, w, scales, biases], template, x.shape[:-1], R, N, x.dtype, cols)
+
+
+def _column_map(columns: mx.array) -> int:
+    """N of a column map: (N,) uint32 (the dtype is not a template value, so one is fixed)."""
+    if columns.ndim != 1 or columns.dtype != mx.uint32:
+        raise ValueError(f"a column map is (N,) uint32, got {columns.shape} {columns.dtype}")
+    return columns.size
+
+
+def rows_matvec_mapped(x: mx.array, w: mx.array, columns: mx.array, *, cols: int = COLS) -> mx.array:
+    """`rows_matvec(x, w)[..., columns]` in one launch: output column j computed from weight row
+    columns[j] (columns (N,) uint32, each < w's rows), the same bits as the plain kernel's column."""
+    R, K = rows(x)
+    N = _column_map(columns)
+    kernel = _kernel("strata_rows_matvec_mapped_v1", ["dims", "x", "w", "col_map"], DENSE_MAPPED)
+    template = [("T", x.dtype), ("TW", w.dtype)]
+    return _launch(kernel, [dims(R, K, N), x, w, columns], template, x.shape[:-1], R, N, x.dtype, cols)
+
+
+def rows_qmatvec_mapped(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, columns: mx.array, *,
+                        group_size: int, bits: int, cols: int = COLS) -> mx.array:
+    """`rows_qmatvec(...)[..., columns]` in one launch, as `rows_matvec_mapped` (each column's
+    scales and biases from its weight row's)."""
+    R, K = rows(x)
+    N = _column_map(columns)
+    kernel = _kernel("strata_rows_qmatvec_mapped_v1", ["dims", "x", "w", "scales", "biases", "col_map"],
+                     QUANTIZED_MAPPED)
+    template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
+    return _launch(kernel, [dims(R, K, N), x, w, scales, biases, columns], template, x.shape[:-1], R, N, x.dtype,
+                   cols)
 
 
 def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
@@ -584,6 +641,17 @@ def glu_status() -> dict:
     return _glu_probe.status()
 
 
+def mapped_usable(dtype=None) -> bool:
+    """`kernels_usable` for the column-mapped forms (`rows_matvec_mapped`, `rows_qmatvec_mapped`):
+    their own probe, so a failure turns off only them (callers then gather the plain kernels'
+    columns)."""
+    return _mapped_probe.usable(_check_mapped, dtype)
+
+
+def mapped_status() -> dict:
+    return _mapped_probe.status()
+
+
 def _check(dtypes=PROBE_DTYPES) -> str | None:
     """None when the kernels pass on this device, else what failed."""
     key = mx.random.key(7)
@@ -705,3 +773,46 @@ def _check_gather_glu(dtype) -> str | None:
     if error is None and not mx.array_equal(shared.reshape(copied.shape), copied).item():
         error = f"routed-expert GLU picks sharing rows differ from copied rows ({dtype})"
     return error
+
+
+def probe_column_map(N: int) -> mx.array:
+    """The probe's column map over N weight rows: every row once, reordered, then three again, so
+    there are more output columns than rows and a column tail (N + 3 is no multiple of COLS for
+    N a multiple of 4)."""
+    order = (mx.arange(N) * 7 + 3) % N  # a permutation while N is prime to 7
+    return mx.concatenate([order, mx.array([0, N - 1, 5])]).astype(mx.uint32)
+
+
+def _check_mapped(dtypes=PROBE_DTYPES) -> str | None:
+    """None when the column-mapped forms pass on this device, else what failed: each row equals
+    its 1-row call bit for bit, the call equals the plain kernel's output gathered by the map bit
+    for bit, and the reference's gathered columns within tolerance (so a probe that asks before
+    the plain kernels' own never passes on their word alone)."""
+    K, N = 512, 200
+    columns = probe_column_map(N)
+    for dtype in dtypes:
+        x = mx.random.normal((MAX_ROWS, K), key=mx.random.key(19)).astype(dtype)
+        w = (mx.random.normal((N, K), key=mx.random.key(20)) * K**-0.5).astype(dtype)
+        qw, qs, qb = mx.quantize(w, 64, 4)
+        cases = (
+            (lambda a: rows_matvec_mapped(a, w, columns), lambda a: rows_matvec(a, w),
+             lambda a: reference_matvec(a, w)),
+            (lambda a: rows_qmatvec_mapped(a, qw, qs, qb, columns, group_size=64, bits=4),
+             lambda a: rows_qmatvec(a, qw, qs, qb, group_size=64, bits=4),
+             lambda a: reference_qmatvec(a, qw, qs, qb, group_size=64, bits=4)),
+        )
+        for kernel, plain, reference in cases:
+            together = kernel(x)
+            alone = mx.concatenate([kernel(x[i : i + 1]) for i in range(MAX_ROWS)])
+            partial_rows = [kernel(x[:T]) for T in (2, 3)]
+            gathered = mx.take(plain(x), columns, axis=-1)
+            expected = mx.take(reference(x), columns, axis=-1)
+            mx.eval(together, alone, partial_rows, gathered, expected)
+            if not all(mx.array_equal(y, alone[: y.shape[0]]).item() for y in [together, *partial_rows]):
+                return f"column-mapped rows differ with the row count ({dtype})"
+            if not mx.array_equal(together, gathered).item():
+                return f"column-mapped kernel and the plain kernel's gathered columns differ ({dtype})"
+            tol = 5e-3 if dtype == mx.float32 else 3e-2
+            if not mx.allclose(together.astype(mx.float32), expected.astype(mx.float32), rtol=tol, atol=tol).item():
+                return f"column-mapped kernel and reference disagree ({dtype})"
+    return None

@@ -41,9 +41,10 @@ def test_supported_shapes():
 @pytest.mark.parametrize("usable, status", [
     (kernels.kernels_usable, kernels.status),
     (kernels.glu_usable, kernels.glu_status),
+    (kernels.mapped_usable, kernels.mapped_status),
     (gdn_window.usable, gdn_window.status),
     (attention_window.usable, attention_window.status),
-], ids=["rows_matvec", "rows_matvec GLU", "gdn_window", "attention_window"])
+], ids=["rows_matvec", "rows_matvec GLU", "rows_matvec column-mapped", "gdn_window", "attention_window"])
 def test_the_cpu_never_takes_a_kernel_path(usable, status):
     """Every kernel family of metal_shaders stays off on the CPU, and says it was asked."""
     if mx.default_device() != mx.cpu:
