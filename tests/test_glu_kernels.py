@@ -17,14 +17,13 @@ import pytest
 from metal_shaders import backends, precompiled, probe
 from metal_shaders import rows_matvec as kernels
 from scripts.bench.synthetic import randomized
-from scripts.lab.kernel_emulate import raw_bits
+from scripts.lab.kernel_emulate import KINDS, raw_bits
 from strata_cli.model import layers, moe
 from strata_cli.model.quant import quantize
 
-# Each body the stand-in below runs, by the emulator kind that runs it.
-EMULATED = {id(kernels.DENSE): "dense", id(kernels.QUANTIZED): "quantized", id(kernels.GATHER_QUANTIZED): "gather",
-            id(kernels.DENSE_GLU): "dense_glu", id(kernels.QUANTIZED_GLU): "quantized_glu",
-            id(kernels.GATHER_QUANTIZED_GLU): "gather_glu"}
+# Each body the stand-in below runs, by the emulator kind that runs it (the column-mapped forms'
+# too: tests/test_mapped_kernels.py).
+EMULATED = {id(body): kind for kind, (_, body, _) in KINDS.items()}
 DROPPED = {"activation": "#define STRATA_GLU(G, U) ((G) * (U))\n",
            "up projection": "#define STRATA_GLU(G, U) ((G) / (1.0f + expf(-(G))))\n"}
 

@@ -13,7 +13,10 @@ rows than one block takes (affine, and MXFP4 in each decode form). The GLU forms
 kernels (gate and up in one launch, silu(gate)·up written; dense, affine 4 and 8 bits, routed
 experts) run in float32 and bfloat16: for R = 1..8 each row (pick) equals its 1-row call bit for
 bit and stays within GLU_TOLERANCE of the reference, and each product, written alone, is the
-plain kernel's bits. The GDN window kernels (metal_shaders/gdn_window.py) run the same
+plain kernel's bits. The column-mapped forms (output column j from weight row map[j]: dense and
+affine 4 and 8 bits, float32 and bfloat16) equal, for R = 1..8, each row's 1-row call and the
+plain kernel's call with its columns gathered by the map bit for bit (`--only mapped` runs
+these alone). The GDN window kernels (metal_shaders/gdn_window.py) run the same
 way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
 (relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
 model's (2, 4, 64, 64) and a batch of 2; so do the Mamba-2 window kernels
@@ -57,6 +60,7 @@ float32 and bfloat16: what NVRTC would refuse shows here without a GPU.
     python -m scripts.lab.kernel_emulate
     python -m scripts.lab.kernel_emulate --backend metal
     python -m scripts.lab.kernel_emulate --nvcc
+    python -m scripts.lab.kernel_emulate --only mapped
 """
 
 from __future__ import annotations
@@ -220,8 +224,11 @@ KINDS = {
                     "const float* biases", "const uint32_t* w_up", "const float* scales_up", "const float* biases_up",
                     "const uint32_t* idx"], kernels.GATHER_QUANTIZED_GLU, "using TS = float; using TI = uint32_t;"),
 }
+KINDS.update({f"{plain}_mapped": ([*KINDS[plain][0], "const uint32_t* col_map"], body, KINDS[plain][2])
+              for plain, body in (("dense", kernels.DENSE_MAPPED), ("quantized", kernels.QUANTIZED_MAPPED))})
 KIND_HEADERS = {"gather_mxfp4": kernels.HEADER + kernels.MXFP4_HEADER}  # else kernels.HEADER (the GLU kinds: + Emulator.glu)
 GLU_KINDS = {"dense_glu": "dense", "quantized_glu": "quantized", "gather_glu": "gather"}  # each with its plain kind
+MAPPED_KINDS = {"dense_mapped": "dense", "quantized_mapped": "quantized"}  # likewise
 
 
 GXX = ["g++", "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-pthread"]
@@ -286,7 +293,7 @@ class Emulator:
             params, body, extra = KINDS[kind]
             params = [p.replace("const float* ", f"const {t}* ") for p in params]
             consts = f"using T = {t}; {extra.replace('float', t)} constexpr int ROWS = {rows}; constexpr int COLS = {cols};"
-            if kind not in ("dense", "dense_glu"):
+            if not kind.startswith("dense"):
                 consts += f" constexpr int BITS = {bits}; constexpr int GS = {gs};"
             consts += "".join(f" constexpr int {name} = {value};" for name, value in more)
             args = ", ".join(f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params))
@@ -1157,6 +1164,77 @@ def check_glu(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N: in
     return ok
 
 
+MAPPED_TOLERANCE = GLU_TOLERANCE  # of the largest value: the sums' order, the output's rounding
+
+
+def mapped_case(kind: str, dtype, *, K: int, N: int, bits: int = 4, gs: int = 64, rows: int = 8, seed: int = 0):
+    """Random operands of column-mapped kind `kind` at `dtype` over N weight rows:
+    `inputs(i0, i1, columns)` the launch's arrays over rows i0..i1-1 (the plain kind's without
+    `columns`), and the plain reference (float32, rounded to `dtype`)."""
+    keys = mx.random.split(mx.random.key(seed), 2)
+    x = mx.random.normal((rows, K), key=keys[0]).astype(dtype)
+    w = (mx.random.normal((N, K), key=keys[1]) * K**-0.5).astype(dtype)
+    wide = x.astype(mx.float32)  # as the kernel sums: bfloat16 values widen exactly
+    if kind == "dense_mapped":
+        weights = [w]
+        reference = kernels.reference_matvec(wide, w.astype(mx.float32))
+    else:
+        weights = list(mx.quantize(w, gs, bits))
+        q, *rest = weights
+        reference = kernels.reference_qmatvec(wide, q, *(a.astype(mx.float32) for a in rest), group_size=gs,
+                                              bits=bits)
+
+    def inputs(i0: int, i1: int, columns: mx.array | None = None) -> list:
+        n = N if columns is None else columns.size
+        ws = [np.array(a) if a.dtype == mx.uint32 else raw_bits(a) for a in weights]
+        return [np.array([i1 - i0, K, n], np.int32), raw_bits(x[i0:i1]), *ws,
+                *([] if columns is None else [np.array(columns)])]
+
+    return inputs, reference.astype(dtype)
+
+
+def check_mapped(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N: int = 38, bits: int = 4,
+                 gs: int = 64, rows=range(1, 9), columns: mx.array | None = None) -> bool:
+    """For each R in `rows`: every row of an R-row call of column-mapped kind `kind` equals its
+    1-row call bit for bit and the plain kind's R-row call with its columns gathered by the map
+    bit for bit, and stays within MAPPED_TOLERANCE (of the largest value) of the reference.
+    `columns`: the map, (n,) uint32 of values < N (default kernels.probe_column_map: every row
+    reordered, three again, a column tail)."""
+    R_max = max(rows)
+    inputs, reference = mapped_case(kind, dtype, K=K, N=N, bits=bits, gs=gs, rows=R_max)
+    columns = kernels.probe_column_map(N) if columns is None else columns
+    plain = MAPPED_KINDS[kind]
+
+    def run(i0: int, i1: int, kind_: str = kind) -> np.ndarray:
+        mapped = kind_ == kind
+        return emu.launch(kind_, inputs(i0, i1, columns if mapped else None), rows=i1 - i0, blocks_y=1,
+                          N=columns.size if mapped else N, out_rows=i1 - i0, bits=bits, gs=gs, dtype=dtype)
+
+    alone = np.concatenate([run(i, i + 1) for i in range(R_max)])
+    expected = _f32(mx.take(reference, columns, axis=-1))
+    name = f"{kind} {f'{bits}-bit ' if plain == 'quantized' else ''}K={K} N={N}->{columns.size} " \
+           f"{str(dtype).split('.')[-1]}"
+    ok = True
+    for R in rows:
+        got = run(0, R)
+        gathered = np.array_equal(got, np.take(run(0, R, plain), np.array(columns), axis=-1))
+        e = expected[:R]
+        ok &= _report(name, R, np.array_equal(got, alone[:R]) and gathered,
+                      float(np.abs(got - e).max() / np.abs(e).max()), MAPPED_TOLERANCE[dtype])
+        print(f"{'':34s} == the plain {plain} kernel's columns, gathered: {gathered}", flush=True)
+    return ok
+
+
+MAPPED_CASES = (("dense_mapped", mx.float32, 4, 64), ("dense_mapped", mx.bfloat16, 4, 64),
+                ("quantized_mapped", mx.float32, 4, 64), ("quantized_mapped", mx.bfloat16, 4, 64),
+                ("quantized_mapped", mx.float32, 8, 32), ("quantized_mapped", mx.bfloat16, 8, 64))
+
+
+def check_mappeds(emu: Emulator) -> list[bool]:
+    """check_mapped over MAPPED_CASES (`--only mapped` runs these alone)."""
+    return [check_mapped(emu, kind, dtype=dtype, bits=bits, gs=gs) for kind, dtype, bits, gs in MAPPED_CASES]
+
+
 class AttentionPrepEmulator:
     """attention_prep's kernel on the CPU, a block (a row's head) at a time, the stacked projection,
     the norms' weights and the outputs in float32 or in bfloat16 (in software, BF16_SHIM)."""
@@ -1302,6 +1380,14 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                                                  " constexpr int BITS = 4; constexpr int GS = 64;"),
               KINDS[kind][1])
               for kind in GLU_KINDS for rows_ in (1, 8)),
+            *((f"{kind}_r{rows_}_{tn}", kernels.HEADER,
+               ["const int32_t* dims", x, *[p.replace("const float* ", f"const {t}* ") for p in KINDS[kind][0][2:]],
+               f"{t}* out"],
+              f"using T = {t}; {KINDS[kind][2].replace('float', t)} constexpr int ROWS = {rows_}; "
+              f"constexpr int COLS = {kernels.COLS};" + ("" if kind == "dense_mapped" else
+                                                         " constexpr int BITS = 4; constexpr int GS = 64;"),
+              KINDS[kind][1])
+              for kind in MAPPED_KINDS for rows_ in (1, 8)),
             (f"gdn_prepare_{tn}", gdn_window.HEADER,
              ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
               f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
@@ -1397,8 +1483,9 @@ def main() -> int:
     parser.add_argument("--backend", choices=backends.BACKENDS, default=backends.CUDA,
                         help="whose prelude the bodies run behind (default: cuda)")
     parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
-    parser.add_argument("--only", choices=("combine",),
-                        help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes)")
+    parser.add_argument("--only", choices=("combine", "mapped"),
+                        help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes) "
+                             "or mapped (rows_matvec's column-mapped forms, about a minute)")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
@@ -1406,8 +1493,9 @@ def main() -> int:
         ok = nvcc_check(emu.dir)
         print("every body compiles" if ok else "COMPILE FAILURE", flush=True)
         return 0 if ok else 1
-    if args.only == "combine":
-        ok = all(check_combines(CombineEmulator(emu.dir, args.backend)))
+    if args.only:
+        ok = all(check_combines(CombineEmulator(emu.dir, args.backend)) if args.only == "combine"
+                 else check_mappeds(emu))
         print("all kernels match" if ok else "MISMATCH", flush=True)
         return 0 if ok else 1
     results = []
@@ -1461,6 +1549,7 @@ def main() -> int:
                                   ("quantized_glu", mx.float32, 8, 32), ("gather_glu", mx.float32, 4, 64),
                                   ("gather_glu", mx.bfloat16, 4, 64)):
         results.append(check_glu(emu, kind, dtype=dtype, bits=bits, gs=gs))
+    results += check_mappeds(emu)
     gdn = GDNEmulator(emu.dir, args.backend)
     for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
         results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
