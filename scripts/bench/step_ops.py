@@ -13,12 +13,13 @@ built eagerly (`ops_eager`), since a compiled trace hides its parts. Build time 
 host time between one step's eval and the next, the eval itself excluded (medians).
 
 --path gpu (default) counts what a CUDA device runs, on any backend: strata's CUDA kernels
-(rows_matvec and its GLU forms, gdn_window, attention_window, router_window, add_norm, moe_combine,
-gated_norm, attention_prep) become one stand-in primitive each (`mx.depends` on zeros: evaluable,
-so the step runs, with meaningless values), `mx.fast` rms_norm/rope/sdpa and `mx.dequantize` become one
-primitive each (the CPU builds them from ~10-30 ops), RowSplit splits windows as on a GPU and the decode
-loop overlaps its steps. What still differs from the H200: the stand-ins' Python cost is not the
-kernels' call cost, and MLX's CUDA backend may itself fall back for some fast-op shapes.
+(rows_matvec and its GLU and column-mapped forms, gdn_window, attention_window, router_window,
+add_norm, moe_combine, gated_norm, attention_prep) become one stand-in primitive each
+(`mx.depends` on zeros: evaluable, so the step runs, with meaningless values), `mx.fast`
+rms_norm/rope/sdpa and `mx.dequantize` become one primitive each (the CPU builds them from
+~10-30 ops), RowSplit splits windows as on a GPU and the decode loop overlaps its steps. What
+still differs from the H200: the stand-ins' Python cost is not the kernels' call cost, and MLX's
+CUDA backend may itself fall back for some fast-op shapes.
 --path native counts what the running backend runs (on the GPU: the real thing).
 
     python -m scripts.bench.step_ops --out /tmp/step_ops.json                           # CPU, ~1 minute
@@ -123,6 +124,7 @@ def gpu_shaped(stand_ins: StandIns):
         patches = [
             (rows_matvec, "kernels_usable", lambda dtype=None: True),
             (rows_matvec, "glu_usable", lambda dtype=None: True),
+            (rows_matvec, "mapped_usable", lambda dtype=None: True),
             (rows_matvec, "gpu_kernel", stand_ins.kernel),
             (gdn_window, "usable", lambda dtype=None: True),
             (gdn_window, "gpu_kernel", stand_ins.kernel),

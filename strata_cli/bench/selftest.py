@@ -99,7 +99,7 @@ def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_wind
               "attention_kernel": attention_window.status(), "router_kernel": router_window.status(),
               "add_norm_kernel": add_norm.status(), "combine_kernel": moe_combine.status(),
               "gated_norm_kernel": gated_norm.status(), "glu_kernels": kernels.glu_status(),
-              "attention_prep_kernel": attention_prep.status(),
+              "attention_prep_kernel": attention_prep.status(), "mapped_kernels": kernels.mapped_status(),
               "results": results,
               "passed": all(r["identical"] for r in results)}
     if with_window_costs:

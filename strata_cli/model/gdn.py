@@ -24,7 +24,7 @@ from metal_shaders import gdn_window
 from .gdn_chunked import MIN_CHUNKED_ROWS, chunked_scan_over_streams
 from .layer_state import GDNRows, RecurrentState
 from .compiled import LayerCompile, traced_on_host
-from .layers import WINDOW_ROWS, GatedRMSNorm, RowLinear, RowSplit, host_window, project, stack, stacked
+from .layers import WINDOW_ROWS, ColumnMap, GatedRMSNorm, RowLinear, RowSplit, host_window, project, stack, stacked
 
 l2_normalize = gdn_window.reference_l2_normalize
 
@@ -108,17 +108,14 @@ def projection_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[mx.array, ..
 
 
 @lru_cache
-def stacked_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[tuple[mx.array, ...], list[int]]:
-    """Column indices that take, from the stacked projection [qkvz | ba] (`layers.StackedRows`),
-    [conv inputs | z | b | a] in one gather, and the split points between the four. Index
-    arrays for T = 1..WINDOW_ROWS rows, each (1, T, n) and contiguous (index T-1): a window's
-    `take_along_axis` then needs no broadcast op (a B > 1 call broadcasts)."""
+def stacked_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[ColumnMap, list[int]]:
+    """The columns of the stacked projection [qkvz | ba] (`layers.StackedRows`) that make
+    [conv inputs | z | b | a], in that order (`RowLinear.mapped`: one launch on a GPU window,
+    else one gather), and the split points between the four."""
     raw, z, b, a = (c.reshape(-1) for c in projection_columns(nk, nv, dk, dv))
     width = 2 * nk * dk + 2 * nv * dv  # in_proj_qkvz's columns; in_proj_ba's follow them
-    cols = mx.concatenate([raw, z, b + width, a + width])
-    by_rows = tuple(mx.contiguous(mx.broadcast_to(cols, (1, T, cols.size))) for T in range(1, WINDOW_ROWS + 1))
-    mx.eval(by_rows)
-    return by_rows, [int(e) for e in (raw.size, raw.size + z.size, raw.size + z.size + b.size)]
+    columns = ColumnMap(mx.concatenate([raw, z, b + width, a + width]))
+    return columns, [int(e) for e in (raw.size, raw.size + z.size, raw.size + z.size + b.size)]
 
 
 class CausalConv1d(nn.Module):
@@ -190,17 +187,18 @@ class GatedDeltaNet(nn.Module):
         splitting per head and concatenating, in 5-9 ops instead of 13 (on the H200 each op costs
         ~10 µs of host dispatch, docs/benchmarks.md, "Ops per decode step"). A decode window
         (T <= WINDOW_ROWS) whose two projections stack (`layers.StackedRows`) takes one matmul
-        and one gather of all four outputs, then a split: the same values. Not on the CPU's host
-        path (numpy reads x once for both anyway), nor for prompt chunks, whose matmuls are not
-        launch-bound (and a wider BLAS call may block its sums otherwise).
+        that writes all four outputs in order (`RowLinear.mapped`: on a GPU the column-mapped
+        kernel, elsewhere a matmul and one gather), then a split: the same values. Not on the
+        CPU's host path (numpy reads x once for both anyway), nor for prompt chunks, whose
+        matmuls are not launch-bound (and a wider BLAS call may block its sums otherwise).
         """
         B, T, _ = x.shape
         rows = None if host_window(x) or B * T > WINDOW_ROWS else stacked(self, "_input_rows")
         if rows is None:
             qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
             return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
-        by_rows, bounds = stacked_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
-        raw, z, b, a = mx.split(mx.take_along_axis(rows.fused(x), by_rows[T - 1], axis=-1), bounds, axis=-1)
+        columns, bounds = stacked_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        raw, z, b, a = mx.split(rows.fused.mapped(x, columns), bounds, axis=-1)
         return raw, self.gate_by_heads(z), b, a
 
     def gate_by_heads(self, z: mx.array) -> mx.array:

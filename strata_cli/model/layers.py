@@ -221,6 +221,30 @@ def transposed(module: nn.Module, name: str) -> mx.array:
     return cache.setdefault(name, Transposed()).of(module[name])
 
 
+class ColumnMap:
+    """Which of a linear's output columns a caller reads, in its order (`RowLinear.mapped`):
+    `flat` (n,) uint32 for the column-mapped kernel, and for MLX's gather a contiguous
+    (1, T, n) index per window size T <= WINDOW_ROWS, made once, so that `take_along_axis`
+    needs no broadcast op. A plain object, kept by its maker (never a module's parameter)."""
+
+    __slots__ = ("flat", "by_rows")
+
+    def __init__(self, columns: mx.array):
+        self.flat = columns.reshape(-1).astype(mx.uint32)
+        n = self.flat.size
+        self.by_rows = tuple(mx.contiguous(mx.broadcast_to(self.flat, (1, T, n))) for T in range(1, WINDOW_ROWS + 1))
+        mx.eval(self.flat, self.by_rows)
+
+    def take(self, y: mx.array) -> mx.array:
+        """y[..., flat]: one gather (a (1, T) window's index made already; others broadcast)."""
+        lead = y.shape[:-1]
+        if len(lead) == 2 and lead[0] == 1 and 1 <= lead[1] <= WINDOW_ROWS:
+            index = self.by_rows[lead[1] - 1]
+        else:
+            index = mx.broadcast_to(self.flat, (*lead, self.flat.size))
+        return mx.take_along_axis(y, index, axis=-1)
+
+
 class RowLinear(nn.Linear):
     """`nn.Linear` whose window rows keep their serial arithmetic: the row-invariant kernel
     (metal_shaders/rows_matvec.py) where it runs, else `by_row`. Quantizes to `RowQuantizedLinear`.
@@ -233,7 +257,7 @@ class RowLinear(nn.Linear):
         K = x.shape[-1]
         if host_window(x) and self.weight.dtype == mx.float32:
             return host_blas.rows_linears(x, [(host_weight(self), self.get("bias"))])[0]
-        if kernel_rows(x) and kernels.supports(K):
+        if self.takes_kernel(x):
             y = kernels.rows_matvec(x, self.weight)
             return y + self.bias if "bias" in self else y
         if is_cpu_prompt(x):
@@ -243,6 +267,19 @@ class RowLinear(nn.Linear):
             y = over_streams(lambda rows: rows @ weight, x.reshape(-1, K)).reshape(*x.shape[:-1], -1)
             return y + self["bias"] if "bias" in self else y
         return by_row(super().__call__, x)
+
+    def takes_kernel(self, x: mx.array) -> bool:
+        """Whether the row-invariant kernel takes this call (a window's rows, a shape it takes)."""
+        return bool(kernel_rows(x)) and kernels.supports(x.shape[-1])
+
+    def mapped(self, x: mx.array, columns: ColumnMap) -> mx.array:
+        """self(x)'s columns `columns.flat`, in that order: on a GPU window (where `self(x)`
+        takes the kernel and the column-mapped forms passed their probe) in one launch that
+        reads each column's weight row in place, the same bits as the plain kernel's columns;
+        elsewhere `self(x)` and one gather (`ColumnMap.take`)."""
+        if "bias" not in self and self.takes_kernel(x) and kernels.mapped_usable(x.dtype):
+            return kernels.rows_matvec_mapped(x, self.weight, columns.flat)
+        return columns.take(self(x))
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
                      quantize_input: bool = False) -> "RowQuantizedLinear":
@@ -272,13 +309,25 @@ class RowQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose window rows keep their serial arithmetic (see `RowLinear`)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        K = x.shape[-1]
-        if (kernel_rows(x) and self.mode == "affine" and self.get("biases") is not None
-                and kernels.supports(K, group_size=self.group_size, bits=self.bits)):
+        if self.takes_kernel(x):
             y = kernels.rows_qmatvec(x, self.weight, self.scales, self.biases, group_size=self.group_size,
                                      bits=self.bits)
             return y + self.bias if "bias" in self else y
         return by_row(super().__call__, x)
+
+    def takes_kernel(self, x: mx.array) -> bool:
+        """Whether the row-invariant kernel takes this call: a window's rows, affine weights of a
+        group size and width it takes."""
+        return (bool(kernel_rows(x)) and self.mode == "affine" and self.get("biases") is not None
+                and kernels.supports(x.shape[-1], group_size=self.group_size, bits=self.bits))
+
+    def mapped(self, x: mx.array, columns: ColumnMap) -> mx.array:
+        """`RowLinear.mapped` for affine-quantized weights (each column's scales and biases read
+        from its weight row's)."""
+        if "bias" not in self and self.takes_kernel(x) and kernels.mapped_usable(x.dtype):
+            return kernels.rows_qmatvec_mapped(x, self.weight, self.scales, self.biases, columns.flat,
+                                               group_size=self.group_size, bits=self.bits)
+        return columns.take(self(x))
 
 
 def _row_form(linear: nn.Module) -> tuple | None:
