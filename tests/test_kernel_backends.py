@@ -220,6 +220,16 @@ def test_the_glu_bodies_are_row_invariant_behind_each_prelude(emulate, backend, 
     assert emulate.check_glu(emu, "dense_glu", rows=(3,))
 
 
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_the_column_mapped_bodies_are_row_invariant_behind_each_prelude(emulate, backend, tmp_path):
+    """The affine form in bfloat16 and the dense one in float32 (a column tail at 3 rows): rows
+    as their 1-row calls, the call the plain kernel's columns gathered by the map
+    (tests/test_mapped_kernels.py runs more forms behind the CUDA prelude)."""
+    emu = emulate.Emulator(tmp_path, backend)
+    assert emulate.check_mapped(emu, "quantized_mapped", dtype=mx.bfloat16, rows=(1, 8))
+    assert emulate.check_mapped(emu, "dense_mapped", rows=(3,))
+
+
 def test_gdn_bodies_are_row_invariant_behind_the_metal_prelude(emulate, tmp_path):
     """(The CUDA prelude's run is tests/test_gdn_window.py's.)"""
     assert emulate.check_gdn(emulate.GDNEmulator(tmp_path, backends.METAL), 1, 2, 4, 32, 64, rows=(1, 3))
