@@ -53,3 +53,15 @@ def test_both_engines_read_the_family_config(family, tiny):
             assert shapes["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"] == (256, 512, 2048)
             assert shapes["language_model.lm_head.weight"] == (248320, 2048)
             assert sum(".self_attn." in name for name in shapes) and sum(".linear_attn." in name for name in shapes)
+
+
+def test_prefill_repeats_zero_skips_the_prefill(tmp_path):
+    """The GPU plan runs `--prefill-repeats 0` to save device time: the prefill is skipped, not a
+    median of no runs (which ended an H200 run before its identity check)."""
+    out = tmp_path / "compare.json"
+    compare.main(["--tiny", "--family", "gpt_oss", "--repeats", "1", "--window-repeats", "1", "--tokens", "6",
+                  "--identity-dtypes", "float32", "--prefill-repeats", "0", "--dir", str(tmp_path), "--out", str(out)])
+    import json
+
+    family = json.loads(out.read_text())["families"]["gpt_oss"]
+    assert "prefill" not in family and family["identity"]

@@ -381,7 +381,7 @@ def run_family(args, family: str) -> dict:
               "tiny": args.tiny,
               "dtype": compute, "context": args.context, "tokens": args.tokens, "repeats": args.repeats,
               "serial": serial, "window_cost": windows}
-    if args.prefill_tokens:
+    if args.prefill_tokens and args.prefill_repeats > 0:
         ids = np.random.default_rng(args.seed + 1).integers(0, vocab, args.prefill_tokens).tolist()
         # on a GPU also strata with its routed experts gathered pick by pick (the padded batches' gain)
         compare = [("experts", "gather")] if mx.default_device() != mx.cpu else []
@@ -447,7 +447,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefill-tokens", type=int, default=None,
                         help="prefill length timed against mlx-lm (default 4,096, none for qwen3_next alone; "
                              "0: skip)")
-    parser.add_argument("--prefill-repeats", type=int, default=2)
+    parser.add_argument("--prefill-repeats", type=int, default=2, help="timed prefills a side (0: skip the prefill)")
     parser.add_argument("--identity-tokens", type=int, default=None, help="tokens per identity decode (--tokens)")
     parser.add_argument("--identity-dtypes", default="float32,bfloat16")
     parser.add_argument("--mamba2-kernels", choices=["on", "off"], default="on",
