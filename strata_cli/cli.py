@@ -656,7 +656,9 @@ def _bench(load, engine_options, names, workloads_dir, modes, options, peer_draf
 @click.option("--dtype", "dtypes", type=click.Choice(DTYPE_NAMES), multiple=True,
               help="Check only this dtype (repeatable) [default: float32 on the CPU, float32 and bfloat16 on a GPU].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def selftest_command(max_tokens, dtypes, as_json):
+@click.option("--kernels", "kernels_only", is_flag=True,
+              help="Only run every GPU kernel's start-up probe in each dtype and report it (seconds, no decoding).")
+def selftest_command(max_tokens, dtypes, as_json, kernels_only):
     """Check that speculative decoding is lossless on this machine's backend.
 
     Runs the embedded demo model (GDN and attention layers) over built-in prompts, and a tiny
@@ -666,12 +668,45 @@ def selftest_command(max_tokens, dtypes, as_json):
     identical to serial decoding (or where it first differs), then the demo model's cost of a
     window of T = 1..8 rows. Exits with status 1 on any difference.
 
+    With --kernels it only runs each GPU kernel family's start-up probe (each row of a window
+    equal to its one-row call bit for bit, and the kernel within tolerance of its reference) and
+    reports which are in use; a family that fails falls back to MLX's ops (lossless, slower), and
+    the exit status is 1. Off a GPU no kernel runs.
+
     \b
     Examples:
       strata selftest
       strata selftest --dtype bfloat16 --json
+      strata selftest --kernels
     """
-    run_guarded(lambda: _selftest(max_tokens, list(dtypes) or None, as_json))
+    if kernels_only:
+        run_guarded(lambda: _kernel_probes(list(dtypes) or None, as_json))
+    else:
+        run_guarded(lambda: _selftest(max_tokens, list(dtypes) or None, as_json))
+
+
+def _kernel_probes(dtypes, as_json):
+    from rich.console import Console
+    from rich.table import Table
+
+    from .bench.selftest import probe_kernels
+
+    with Console(stderr=True).status("selftest: probing the GPU kernels"):
+        report = probe_kernels(dtypes)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        table = Table(title=f"kernel probes on {report['backend']}", title_justify="left")
+        for column in ("kernels", "in use", "seconds", "error"):
+            table.add_column(column)
+        for key, entry in report["kernels"].items():
+            used = ", ".join(d for d, ok in entry["usable_by_dtype"].items() if ok) or "no"
+            table.add_row(key, used, f"{entry['seconds']:.2f}", entry["error"] or "")
+        Console(width=max(100, Console().width)).print(table)
+    failed = [key for key, entry in report["kernels"].items() if entry["error"] is not None]
+    if failed:
+        raise UserError(f"selftest: kernel probes failed on {report['backend']}: {', '.join(failed)} "
+                        "(these run MLX's ops instead: lossless, slower)")
 
 
 def _selftest(max_tokens, dtypes, as_json):

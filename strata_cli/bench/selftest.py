@@ -11,6 +11,8 @@ machine: any divergence is a bug (docs/design.md, "Row invariance").
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 
 from metal_shaders import (add_norm, attention_prep, attention_window, gated_norm, gdn_window, mamba2_window, moe_combine,
@@ -38,6 +40,42 @@ PROMPTS = (
 )
 MODES = (("3", SpecOptions(max_drafts=3)), ("auto", SpecOptions(max_drafts=7, auto=True)))
 DEMO, HYBRID = "demo", hybrid_probe.NAME
+
+
+# Every GPU kernel family: its report key, its probe (`usable(dtype)`) and its `status()`.
+KERNEL_PROBES = (
+    ("kernels", kernels.kernels_usable, kernels.status),
+    ("glu_kernels", kernels.glu_usable, kernels.glu_status),
+    ("mapped_kernels", kernels.mapped_usable, kernels.mapped_status),
+    ("gdn_kernels", gdn_window.usable, gdn_window.status),
+    ("mamba2_kernels", mamba2_window.usable, mamba2_window.status),
+    ("attention_kernel", attention_window.usable, attention_window.status),
+    ("sink_attention_kernel", attention_window.sinks_usable, attention_window.sinks_status),
+    ("attention_prep_kernel", attention_prep.usable, attention_prep.status),
+    ("router_kernel", router_window.usable, router_window.status),
+    ("add_norm_kernel", add_norm.usable, add_norm.status),
+    ("combine_kernel", moe_combine.usable, moe_combine.status),
+    ("gated_norm_kernel", gated_norm.usable, gated_norm.status),
+)
+
+
+def kernel_statuses() -> dict[str, dict]:
+    """Each kernel family's status as its probe left it ({"usable", "probed", "error"})."""
+    return {key: status() for key, _, status in KERNEL_PROBES}
+
+
+def probe_kernels(dtypes: list[str] | None = None) -> dict:
+    """Run every kernel family's start-up probe at `dtypes` (the backend's by default), without
+    decoding: {"backend", "kernels": {key: {**status, "usable_by_dtype", "seconds"}}, "passed"}.
+    Off a GPU backend nothing is probed and every family reports unusable with no error."""
+    names = dtypes or backend_dtypes()
+    out = {}
+    for key, usable, status in KERNEL_PROBES:
+        start = time.perf_counter()
+        by_dtype = {name: bool(usable(getattr(mx, name))) for name in names}
+        out[key] = {**status(), "usable_by_dtype": by_dtype, "seconds": round(time.perf_counter() - start, 2)}
+    return {"backend": str(mx.default_device()), "kernels": out,
+            "passed": all(entry["error"] is None for entry in out.values())}
 
 
 def backend_dtypes() -> list[str]:
@@ -94,12 +132,7 @@ def selftest(*, max_tokens: int = 64, dtypes: list[str] | None = None, with_wind
         hybrid = hybrid_probe.build_engine(runtime.dtype)
         prompts = hybrid_probe.prompts(lambda ids, n, engine=hybrid: _tokens(engine, ids, n, SpecOptions()))
         _check(hybrid, HYBRID, name, prompts, max_tokens, results, progress)
-    report = {"backend": str(mx.default_device()), "kernels": kernels.status(),
-              "gdn_kernels": gdn_window.status(), "mamba2_kernels": mamba2_window.status(),
-              "attention_kernel": attention_window.status(), "router_kernel": router_window.status(),
-              "add_norm_kernel": add_norm.status(), "combine_kernel": moe_combine.status(),
-              "gated_norm_kernel": gated_norm.status(), "glu_kernels": kernels.glu_status(),
-              "attention_prep_kernel": attention_prep.status(), "mapped_kernels": kernels.mapped_status(),
+    report = {"backend": str(mx.default_device()), **kernel_statuses(),
               "results": results,
               "passed": all(r["identical"] for r in results)}
     if with_window_costs:
