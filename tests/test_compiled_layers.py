@@ -15,7 +15,7 @@ import pytest
 from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model import gdn, host_gdn
-from strata_cli.model.compiled import Compiled, LayerCompile
+from strata_cli.model.compiled import Compiled, Holdings, LayerCompile
 from strata_cli.model.host_blas import HostBlas
 from strata_cli.model.layers import WINDOW_ROWS, RowSplit, host_window
 
@@ -94,6 +94,29 @@ def test_a_replaced_weight_is_seen(monkeypatch):
     for a, b in zip(after, expected):
         np.testing.assert_array_equal(a, b)
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_holdings_notice_any_array_or_container_replaced_added_or_removed():
+    model = random_model(tiny_qwen3_next_config(), seed=4)
+    layer = model.layers[0]
+
+    def changed(change) -> bool:
+        held = Holdings(layer)
+        assert held.current()
+        change()
+        return not held.current()
+
+    experts = layer.mlp.switch_mlp
+    name = next(k for k, v in experts.items() if isinstance(v, mx.array))
+    assert changed(lambda: experts.__setitem__(name, experts[name] + 0))  # deep in the tree
+    assert changed(lambda: layer.mlp.gate.__setitem__("bias", mx.zeros((1,))))  # an array added
+    assert changed(lambda: layer.mlp.gate.pop("bias"))  # and removed again
+    assert not changed(lambda: setattr(layer, "mlp", layer.mlp))  # the same module put back: nothing changed
+    layers = model.model.layers
+    assert not changed(lambda: layers.__setitem__(1, layers[1]))
+    held = Holdings(model)
+    layers[1] = random_model(tiny_qwen3_next_config(), seed=5).layers[1]  # a list element replaced
+    assert not held.current()
 
 
 def test_routing_that_consults_the_cache_is_never_traced(monkeypatch):

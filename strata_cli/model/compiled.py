@@ -15,6 +15,7 @@ start-up probes evaluate arrays, which a trace may not.
 
 from __future__ import annotations
 
+from operator import getitem, is_
 from typing import Callable
 
 import mlx.core as mx
@@ -42,35 +43,49 @@ class LayerCompile:
         return cls.mode == "always" and CpuShortCalls.applies(rows)
 
 
-def identity(module: nn.Module) -> tuple:
-    """The ids of every array and submodule under `module`: changes when anything is replaced."""
-    ids = []
-    stack = [module]
-    while stack:
-        node = stack.pop()
-        for value in node.values() if isinstance(node, dict) else node:
-            if isinstance(value, mx.array):
-                ids.append(id(value))
-            elif isinstance(value, (dict, list, tuple)):
-                ids.append(id(value))
-                stack.append(value)
-    return tuple(ids)
+class Holdings:
+    """Every array and container under a module, each with where it was found, so that
+    `current()` says whether any was replaced, added or removed without walking the tree again,
+    in one pass in C (a decode window asks for every layer it runs)."""
+
+    __slots__ = ("containers", "sizes", "owners", "keys", "values")
+
+    def __init__(self, module: nn.Module):
+        containers, owners, keys, values = [], [], [], []  # owners[i][keys[i]] was values[i]
+        stack = [module]
+        while stack:
+            node = stack.pop()
+            containers.append(node)
+            for key in (tuple(node) if isinstance(node, dict) else range(len(node))):
+                value = node[key]
+                owners.append(node)
+                keys.append(key)
+                values.append(value)
+                if isinstance(value, (dict, list, tuple)):
+                    stack.append(value)
+        self.containers, self.sizes = tuple(containers), tuple(map(len, containers))
+        self.owners, self.keys, self.values = tuple(owners), tuple(keys), tuple(values)
+
+    def current(self) -> bool:
+        """Whether every container still holds exactly what it held (by identity)."""
+        return (tuple(map(len, self.containers)) == self.sizes
+                and all(map(is_, map(getitem, self.owners, self.keys), self.values)))
 
 
 class Compiled:
     """`fns` compiled over `owner`'s current weights; see the module docstring for when they retrace."""
 
-    __slots__ = ("owner", "fns", "key", "compiled")
+    __slots__ = ("owner", "fns", "held", "setting", "compiled")
 
     def __init__(self, owner: nn.Module, *fns: Callable):
         self.owner, self.fns = owner, fns
-        self.key = self.compiled = None
+        self.held = self.setting = self.compiled = None
 
     def functions(self) -> tuple[Callable, ...]:
         """The functions to call now: compiled, or eager for the first call of a new setting."""
-        key = (identity(self.owner), RowSplit.mode, mx.default_device())
-        if key != self.key:
-            self.key, self.compiled = key, None
+        setting = (RowSplit.mode, mx.default_device())
+        if self.held is None or setting != self.setting or not self.held.current():
+            self.held, self.setting, self.compiled = Holdings(self.owner), setting, None
             return self.fns  # eager: probes and lazily built constants run outside a trace
         if self.compiled is None:
             self.compiled = tuple(mx.compile(fn) for fn in self.fns)
