@@ -48,8 +48,8 @@ def emulate():
 @pytest.fixture
 def failing_metal(monkeypatch):
     """Metal as the backend, its kernels stand-ins that return zeros, so a probe fails:
-    `failing_metal(module, what)` gives `module` a fresh probe named `what` and returns the
-    list of the specs the kernels were made with."""
+    `failing_metal(module, what)` gives `module` a fresh probe named `what` (as `attribute`,
+    `_probe` unless given) and returns the list of the specs the kernels were made with."""
     import mlx.core as mx
 
     from metal_shaders import backends, probe
@@ -64,7 +64,7 @@ def failing_metal(monkeypatch):
     monkeypatch.setattr(probe, "_kernels", {})
     monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
 
-    def arm(module, what: str) -> list:
-        monkeypatch.setattr(module, "_probe", probe.Probe(what, "MLX ops"))
+    def arm(module, what: str, attribute: str = "_probe") -> list:
+        monkeypatch.setattr(module, attribute, probe.Probe(what, "MLX ops"))
         return made
     return arm

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from metal_shaders import backends, precompiled, probe
+from metal_shaders import backends, precompiled
 from metal_shaders import rows_matvec as kernels
 from scripts.bench.synthetic import randomized
 from strata_cli.model import gdn, layers
@@ -201,20 +201,11 @@ def test_the_probe_passes_the_emulated_kernels_and_refuses_a_wrong_map(monkeypat
         "column-mapped kernel and the plain kernel's gathered columns differ (mlx.core.float32)")
 
 
-def test_a_failing_mapped_probe_turns_only_the_mapped_forms_off(monkeypatch, caplog):
+def test_a_failing_mapped_probe_turns_only_the_mapped_forms_off(monkeypatch, caplog, failing_metal):
     """Stand-in Metal makers return zeros: rows agree and zeros gather to zeros, but the
     reference does not, so the probe turns the column-mapped forms off (logged once), and the
     layer gathers the plain kernel's columns."""
-    made = []
-
-    def make(**spec):
-        made.append(spec)
-        return lambda **kw: [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-
-    monkeypatch.setattr(mx.fast, "metal_kernel", make)
-    monkeypatch.setattr(probe, "_kernels", {})
-    monkeypatch.setattr(probe, "backend", lambda: backends.METAL)
-    monkeypatch.setattr(kernels, "_mapped_probe", probe.Probe("row-invariant column-mapped matrix kernels", "MLX"))
+    made = failing_metal(kernels, "row-invariant column-mapped matrix kernels", "_mapped_probe")
     monkeypatch.setattr(kernels, "kernels_usable", lambda dtype=None: True)
     linear = randomized(layers.RowLinear(64, 40, bias=False), 61)
     columns = layers.ColumnMap(mx.array([39, 1, 2]))
