@@ -1372,22 +1372,16 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                f"using T = {t}; using TI = uint32_t; constexpr int ROWS = {rows_}; constexpr int COLS = {kernels.COLS}; "
                f"constexpr int DECODE = {value}; constexpr int PICKS_X = 1;", kernels.GATHER_MXFP4)
               for decode, value in kernels.MXFP4_DECODES.items() for rows_ in ((1, 8) if value == 0 else (1,))),
-            *((f"{kind}_r{rows_}_{tn}", kernels.HEADER + kernels.GLU_HEADER,
+            *((f"{kind}_r{rows_}_{tn}", kernels.HEADER + header,
                ["const int32_t* dims", x, *[p.replace("const float* ", f"const {t}* ") for p in KINDS[kind][0][2:]],
                f"{t}* out"],
               f"using T = {t}; {KINDS[kind][2].replace('float', t)} constexpr int ROWS = {rows_}; "
-              f"constexpr int COLS = {2 * kernels.GLU_COLS};" + ("" if kind == "dense_glu" else
-                                                                 " constexpr int BITS = 4; constexpr int GS = 64;"),
+              f"constexpr int COLS = {cols};" + ("" if kind.startswith("dense_") else
+                                                 " constexpr int BITS = 4; constexpr int GS = 64;"),
               KINDS[kind][1])
-              for kind in GLU_KINDS for rows_ in (1, 8)),
-            *((f"{kind}_r{rows_}_{tn}", kernels.HEADER,
-               ["const int32_t* dims", x, *[p.replace("const float* ", f"const {t}* ") for p in KINDS[kind][0][2:]],
-               f"{t}* out"],
-              f"using T = {t}; {KINDS[kind][2].replace('float', t)} constexpr int ROWS = {rows_}; "
-              f"constexpr int COLS = {kernels.COLS};" + ("" if kind == "dense_mapped" else
-                                                         " constexpr int BITS = 4; constexpr int GS = 64;"),
-              KINDS[kind][1])
-              for kind in MAPPED_KINDS for rows_ in (1, 8)),
+              for kinds, header, cols in ((GLU_KINDS, kernels.GLU_HEADER, 2 * kernels.GLU_COLS),
+                                          (MAPPED_KINDS, "", kernels.COLS))
+              for kind in kinds for rows_ in (1, 8)),
             (f"gdn_prepare_{tn}", gdn_window.HEADER,
              ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
               f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
