@@ -74,8 +74,8 @@ def write(kind: str, stem: str, keys: dict, record: dict, payload: bytes = b"") 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if payload:
-            _atomic(path.with_suffix(".bin"), payload)
-        _atomic(path.with_suffix(".json"), json.dumps(full, sort_keys=True, default=str).encode())
+            atomic_write(path.with_suffix(".bin"), payload)
+        atomic_write(path.with_suffix(".json"), json.dumps(full, sort_keys=True, default=str).encode())
     except OSError:
         return False
     return True
@@ -103,7 +103,8 @@ def held(kind: str, stem: str, keys: dict):
         os.close(fd)  # releases the lock
 
 
-def _atomic(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path`, then rename it into place."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import kept
+from . import kept, module_keys
 
 log = logging.getLogger("strata.kernels")
 
@@ -84,7 +84,8 @@ def disable(reason: str) -> None:
 
 
 def status() -> dict:
-    return {"active": active(), "reason": _state["reason"], **stats, "errors": list(stats["errors"])}
+    return {"active": active(), "reason": _state["reason"], **stats, "errors": list(stats["errors"]),
+            "module_keys": module_keys.keys.status()}
 
 
 def reads_shapes(body: str, input_names: list[str]) -> bool:
@@ -291,8 +292,10 @@ class PrecompiledKernel:
         if binary is None:
             stats["mlx_calls"] += 1
             return self.fallback(**call)
+        if module_keys.keys.verified is None:
+            verify_keys()
         return mx.fast.precompiled_cuda_kernel(
-            name=self.name, compiled_source=binary, inputs=inputs, output_shapes=call["output_shapes"],
+            name=self.name, compiled_source=module_keys.keys.source_for(self.name, binary), inputs=inputs, output_shapes=call["output_shapes"],
             output_dtypes=call["output_dtypes"], scalars=[], grid=call["grid"], threadgroup=call["threadgroup"],
             init_value=call.get("init_value"), ensure_row_contiguous=self.ensure_row_contiguous,
             stream=call.get("stream"))
@@ -333,6 +336,36 @@ class PrecompiledKernel:
     def has(self, input_dtypes: tuple, output_dtypes: tuple, template: tuple) -> bool:
         """Whether this process holds the binary for these dtypes and template values already."""
         return (tuple(input_dtypes), tuple(output_dtypes), tuple(template)) in self._binaries
+
+
+KEY_CHECK = "strata_module_key_check"
+_KEY_CHECK_BODY = "const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 64) out[i] = x[i] * 2.0f + 1.0f;"
+
+
+def verify_keys() -> bool:
+    """Whether this process may launch kernels by their keys (module_keys.py): once, before the
+    first kernel, one small kernel launched by its key must give its values back. Any error
+    (the module not where MLX looks, a binary MLX cannot load) keeps the whole binaries."""
+    keys = module_keys.keys
+    if keys.verified is not None:
+        return keys.verified
+    keys.verified = False
+    if not keys.wanted:
+        return False
+    kernel = PrecompiledKernel(None, name=KEY_CHECK, input_names=["x"], output_names=["out"], source=_KEY_CHECK_BODY,
+                               header="", ensure_row_contiguous=True, make_toolchain=toolchain)
+    try:
+        binary = kernel.binary([mx.float32], [mx.float32], [])
+        x = mx.arange(64, dtype=mx.float32)
+        (out,) = mx.fast.precompiled_cuda_kernel(
+            name=KEY_CHECK, compiled_source=keys.file(KEY_CHECK, binary), inputs=[x], output_shapes=[(64,)],
+            output_dtypes=[mx.float32], scalars=[], grid=(64, 1, 1), threadgroup=(64, 1, 1))
+        keys.verified = bool(mx.array_equal(out, x * 2 + 1).item())
+        if not keys.verified:
+            keys.disable("the key check's kernel gave other values")
+    except Exception as e:  # a failed module load, a compile or a write: the whole binaries, as before
+        keys.disable(f"the key check failed: {type(e).__name__}: {str(e)[:200]}")
+    return keys.verified
 
 
 def is_dry_run() -> bool:

@@ -6,13 +6,16 @@ device, build, kernel sources and dtype, and strata's own compiled kernels
 import mlx.core as mx
 import pytest
 
-from metal_shaders import backends, kept, precompiled, probe
+from metal_shaders import backends, kept, module_keys, precompiled, probe
 
 
 @pytest.fixture
 def keep(tmp_path, monkeypatch):
-    """A kept directory of its own, strata's compile on, fresh counters."""
+    """A kept directory of its own, strata's compile on, fresh counters, whole binaries launched
+    (tests/test_module_keys.py launches by key)."""
     monkeypatch.setattr(kept, "_directory", tmp_path)
+    monkeypatch.delenv(module_keys.PTX_CACHE_ENV, raising=False)
+    monkeypatch.setattr(module_keys, "keys", module_keys.ModuleKeys())
     monkeypatch.setattr(precompiled, "_state", {"off": False, "reason": None})
     monkeypatch.setattr(precompiled, "stats", {"compiled": 0, "from_disk": 0, "mlx_calls": 0, "compile_s": 0.0,
                                                "errors": []})
