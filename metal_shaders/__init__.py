@@ -13,5 +13,6 @@ RMSNorm after it in one kernel, a block per row. `moe_combine`: a MoE layer's we
 `gated_norm`: a recurrent layer's gated RMSNorm over groups of channels (GDN's heads, Mamba-2's
 groups) in one kernel, a block per row's group. `attention_prep`: an attention head after its
 stacked projection (the gate taken from q, q/k norms, rotary at the row's position, the heads-first
-layouts) in one kernel, a block per row's head.
+layouts) in one kernel, a block per row's head. `embed_rows`: an affine-quantized embedding's
+lookup (the rows gathered and dequantized, MLX's bits) in one kernel, a thread per packed word.
 """

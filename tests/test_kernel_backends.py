@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_shaders import (add_norm, attention_prep, attention_window, backends, gated_norm, gdn_window, mamba2_window,
-                           moe_combine, probe, router_window)
+from metal_shaders import (add_norm, attention_prep, attention_window, backends, embed_rows, gated_norm, gdn_window,
+                           mamba2_window, moe_combine, probe, router_window)
 from metal_shaders import rows_matvec as kernels
 
 BODIES = {
@@ -38,6 +38,7 @@ BODIES = {
     "gated_norm.SOURCE": gated_norm.SOURCE,
     "attention_prep.SOURCE": attention_prep.SOURCE,
     "attention_prep.SOURCE_PLAIN": attention_prep.SOURCE_PLAIN,
+    "embed_rows.SOURCE": embed_rows.SOURCE,
 }
 
 
@@ -296,3 +297,14 @@ def test_the_attention_prep_body_is_row_invariant_behind_each_prelude(emulate, b
     assert emulate.check_attention_prep(emu, 16, 2, 256, 64, gate=True, norm=True, rows=(1, 3), dtype=mx.bfloat16,
                                         offsets=(4093,))
     assert emulate.check_attention_prep(emu, 4, 2, 64, 64, gate=False, norm=False, rows=(2,), base=1e4, offsets=(77,))
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_the_embedding_body_gives_mlx_bits_behind_each_prelude(emulate, backend, tmp_path):
+    """Qwen3-Next-80B's 4-bit table in bfloat16 and 2 and 8 bits in float32: each row its 1-row
+    call's and the reference's bits, a bad id's row zeros (tests/test_embed_rows.py runs every
+    form behind the CUDA prelude)."""
+    emu = emulate.EmbedRowsEmulator(tmp_path, backend)
+    assert emulate.check_embed_rows(emu, 4, 64, rows=(1, 3), dtype=mx.bfloat16)
+    assert emulate.check_embed_rows(emu, 2, 128, rows=(2,))
+    assert emulate.check_embed_rows(emu, 8, 32, rows=(2,), token_dtype=mx.uint32)

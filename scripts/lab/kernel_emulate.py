@@ -51,7 +51,12 @@ in float32 and in bfloat16 (in software): for R = 1..8 at window offsets 0 and 4
 equals its 1-row call at offset p + t bit for bit (q, k, v and the gate) and stays within
 attention_prep.TOLERANCE of the head's own ops and cpu_rope, at Qwen3-Next-80B's attention (16 q
 heads, 2 kv heads, D 256, output gate, partial rotary 64, q/k norm), a plain layout (no gate,
-full rotary, no norm), 3/1 x 130 and 2/1 x 512. Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
+full rotary, no norm), 3/1 x 130 and 2/1 x 512. The embedding kernel (metal_shaders/embed_rows.py)
+runs a thread at a time: at 2, 4 and 8 bits, groups of 32, 64 and 128, float32 and bfloat16 (in
+software), for R = 1..8 each row of an R-token call equals its 1-token call and the reference
+(`nn.QuantizedEmbedding`'s MLX ops) bit for bit, a (2, 4) batch gives the same rows, and
+out-of-range ids (int32, uint32 and int64) give zero rows (`--only embed` runs these alone).
+Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
 it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
@@ -61,6 +66,7 @@ float32 and bfloat16: what NVRTC would refuse shows here without a GPU.
     python -m scripts.lab.kernel_emulate --backend metal
     python -m scripts.lab.kernel_emulate --nvcc
     python -m scripts.lab.kernel_emulate --only mapped
+    python -m scripts.lab.kernel_emulate --only embed
 """
 
 from __future__ import annotations
@@ -77,8 +83,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import (add_norm, attention_prep, attention_window, backends, gated_norm, gdn_window, mamba2_window,
-                           moe_combine, router_window)
+from metal_shaders import (add_norm, attention_prep, attention_window, backends, embed_rows, gated_norm, gdn_window,
+                           mamba2_window, moe_combine, router_window)
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -809,6 +815,10 @@ struct strata_bf16 {
     }
     explicit operator float() const { const uint32_t u = static_cast<uint32_t>(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 };
+// bfloat16 arithmetic (embed_rows' dequantize, written in T as MLX writes it): each operation in
+// float, rounded, as MLX's CPU ops (the reference here) compute a product and a sum.
+inline strata_bf16 operator*(strata_bf16 a, strata_bf16 b) { return strata_bf16(float(a) * float(b)); }
+inline strata_bf16 operator+(strata_bf16 a, strata_bf16 b) { return strata_bf16(float(a) + float(b)); }
 """
 EMULATED_TYPES = {mx.float32: ("float", np.uint32), mx.bfloat16: ("strata_bf16", np.uint16)}
 
@@ -973,6 +983,102 @@ int main(int argc, char** argv) {
     FILE* f = fopen(argv[5 + NUM_INPUTS], "wb"); fwrite(out.data(), sizeof(OUT_T), n, f); fclose(f);
 }
 """
+EMULATED_TOKENS = {mx.int32: "int32_t", mx.uint32: "uint32_t", mx.int64: "int64_t"}
+
+
+class EmbedRowsEmulator:
+    """embed_rows' kernel on the CPU, a thread at a time (its threads never meet), the scales,
+    biases and output in float32 or in bfloat16 (in software, BF16_SHIM), int32, uint32 or int64
+    token ids, with embed_rows' launch."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+        self.source = embed_rows.SOURCE
+
+    def _binary(self, bits: int, group_size: int, dtype, token_dtype) -> Path:
+        key = (bits, group_size, dtype, token_dtype)
+        if key not in self.built:
+            t, ti = EMULATED_TYPES[dtype][0], EMULATED_TOKENS[token_dtype]
+            params = ["const int32_t* dims", f"const {ti}* tokens", "const uint32_t* w", f"const {t}* scales",
+                      f"const {t}* biases"]
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
+            consts = f"using T = {t}; using TI = {ti}; constexpr int BITS = {bits}; constexpr int GS = {group_size};"
+            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, f"{t}* out"], consts, self.source)
+                      + MAIN_SERIAL.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", t)
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"embed_rows_{bits}_{group_size}_{t}_{ti}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[key] = path
+        return self.built[key]
+
+    def run(self, tokens: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+            bits: int) -> mx.array:
+        """embed_rows' call, emulated: tokens of any shape, w (V, W) uint32, scales and biases (V, G)
+        float32 or bfloat16. Returns tokens.shape + (D,) in the scales' dtype, the kernel's bits
+        (a value the kernel left unwritten is NaN)."""
+        V, W = w.shape
+        D = W * 32 // bits
+        inputs = [np.array([tokens.size, W, scales.shape[-1], V], np.int32).tobytes(), np.array(tokens).tobytes(),
+                  np.array(w).tobytes(), raw_bits(scales).tobytes(), raw_bits(biases).tobytes()]
+        names = write_inputs(self.dir, "ein", inputs)
+        config = embed_rows.launch(tokens.size, W)
+        threads = config["threadgroup"][0]
+        out = self.dir / "eout"
+        subprocess.run([str(self._binary(bits, group_size, scales.dtype, tokens.dtype)), *names,
+                        str(config["grid"][0] // threads), "1", str(threads), str(tokens.size * D), str(out)],
+                       check=True)
+        values = np.fromfile(out, EMULATED_TYPES[scales.dtype][1]).reshape(*tokens.shape, D)
+        return mx.array(values).view(scales.dtype)
+
+
+def check_embed_rows(emu: EmbedRowsEmulator, bits: int, group_size: int, *, rows=range(1, 9), dtype=mx.float32,
+                     token_dtype=mx.int32, seed: int = 0) -> bool:
+    """For each R in `rows`: every row of an R-token call equals its 1-token call bit for bit and
+    the reference (`nn.QuantizedEmbedding`'s MLX ops on the CPU) bit for bit; 8 tokens as a (2, 4)
+    batch give the same rows; out-of-range ids (negative, V, the id dtype's extremes) give zero
+    rows. The ids in `token_dtype`."""
+    tokens, w, scales, biases = embed_rows.probe_inputs(bits, group_size, dtype=dtype, seed=seed)
+    tokens = tokens[: max(rows)].astype(token_dtype)
+    spec = {"group_size": group_size, "bits": bits}
+    alone = mx.concatenate([emu.run(tokens[t : t + 1], w, scales, biases, **spec) for t in range(max(rows))])
+    name = f"embed_rows {bits}-bit gs={group_size} {str(dtype).split('.')[-1]} {str(token_dtype).split('.')[-1]}"
+    ok = True
+    for R in rows:
+        out = emu.run(tokens[:R], w, scales, biases, **spec)
+        same = mx.array_equal(out, alone[:R]).item()
+        exact = mx.array_equal(out, embed_rows.reference_embed_rows(tokens[:R], w, scales, biases, **spec)).item()
+        ok &= _report_exact(name, R, same, exact)  # a value left unwritten (NaN) equals nothing
+    if max(rows) == 8:
+        batch = emu.run(tokens.reshape(2, 4), w, scales, biases, **spec)
+        ok &= _report_exact(f"{name} (2, 4)", 8, mx.array_equal(batch.reshape(alone.shape), alone).item(), True)
+    info = np.iinfo(np.dtype(str(token_dtype).split(".")[-1]))
+    V = w.shape[0]
+    bad = [b for b in (-1, V, V + 1, info.max, info.min) if info.min <= b <= info.max and not 0 <= b < V]
+    zeros = emu.run(mx.array(bad, dtype=token_dtype), w, scales, biases, **spec)
+    ok &= _report_exact(f"{name} out of range", len(bad), True,
+                        mx.array_equal(zeros, mx.zeros(zeros.shape, dtype)).item())
+    return ok
+
+
+def _report_exact(name: str, rows: int, same: bool, exact: bool) -> bool:
+    """A check of rows against their 1-row calls and of bits against what they must be."""
+    print(f"{name:34s} rows {rows:2d}  identical to 1-row calls: {same!s:5s}  expected bits: {exact!s:5s}  "
+          f"{'ok' if same and exact else 'FAIL'}", flush=True)
+    return same and exact
+
+
+EMBED_CASES = tuple((bits, gs, dtype) for bits in embed_rows.BITS for gs in embed_rows.GROUP_SIZES
+                    for dtype in (mx.float32, mx.bfloat16))
+
+
+def check_embeds(emu: EmbedRowsEmulator) -> list[bool]:
+    """check_embed_rows over every width, group size and dtype (int32 ids), then the other id
+    dtypes once (`--only embed` runs these alone)."""
+    return ([check_embed_rows(emu, bits, gs, dtype=dtype) for bits, gs, dtype in EMBED_CASES]
+            + [check_embed_rows(emu, 4, 64, dtype=mx.bfloat16, token_dtype=t) for t in (mx.uint32, mx.int64)])
+
+
 class CombineEmulator:
     """moe_combine's kernels on the CPU, float32 or bfloat16 picks (each element rounded as the
     GPU rounds it), with moe_combine's launch: a thread at a time (its threads never meet)."""
@@ -1429,6 +1535,12 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                 f"using T = {t}; constexpr int PER = {attention_prep.per_thread(D)}; "
                                 f"constexpr int WARPS = {attention_prep.warps(D)}; "
                                 f"constexpr bool NORM = {str(norm).lower()};", attention_prep.KERNELS[gate][2]))
+        for bits, gs in ((4, 64), (2, 128), (8, 32)):  # Qwen3-Next-80B's embedding, and the other widths
+            kernels_out.append((f"embed_rows_{bits}_{gs}_{tn}", "",
+                                ["const int32_t* dims", "const int32_t* tokens", "const uint32_t* w",
+                                 f"const {t}* scales", f"const {t}* biases", f"{t}* out"],
+                                f"using T = {t}; using TI = int32_t; constexpr int BITS = {bits}; "
+                                f"constexpr int GS = {gs};", embed_rows.SOURCE))
         for (has_shared, has_residual), (_, inputs, body) in moe_combine.KERNELS.items():  # row-major: no strides
             types = {"dims": "const int32_t*", "weights": "const float*"}
             variant = f"{'_shared' if has_shared else ''}{'_residual' if has_residual else ''}"
@@ -1472,14 +1584,23 @@ def nvcc_check(workdir: Path) -> bool:
     return ok
 
 
+# `--only`: the checks of one kernel, given the matrix emulator and the backend
+ONLY = {
+    "combine": lambda emu, backend: check_combines(CombineEmulator(emu.dir, backend)),
+    "mapped": lambda emu, backend: check_mappeds(emu),
+    "embed": lambda emu, backend: check_embeds(EmbedRowsEmulator(emu.dir, backend)),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=backends.BACKENDS, default=backends.CUDA,
                         help="whose prelude the bodies run behind (default: cuda)")
     parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
-    parser.add_argument("--only", choices=("combine", "mapped"),
-                        help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes) "
-                             "or mapped (rows_matvec's column-mapped forms, about a minute)")
+    parser.add_argument("--only", choices=ONLY,
+                        help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes), "
+                             "mapped (rows_matvec's column-mapped forms, about a minute) or embed "
+                             "(metal_shaders/embed_rows.py, seconds)")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
@@ -1488,8 +1609,7 @@ def main() -> int:
         print("every body compiles" if ok else "COMPILE FAILURE", flush=True)
         return 0 if ok else 1
     if args.only:
-        ok = all(check_combines(CombineEmulator(emu.dir, args.backend)) if args.only == "combine"
-                 else check_mappeds(emu))
+        ok = all(ONLY[args.only](emu, args.backend))
         print("all kernels match" if ok else "MISMATCH", flush=True)
         return 0 if ok else 1
     results = []
@@ -1581,6 +1701,7 @@ def main() -> int:
                                               (2, 1, 512, 128, False, True, mx.bfloat16)):
         results.append(check_attention_prep(preps, Hq, Hkv, D, RD, gate=gate, norm=norm, dtype=dtype))
     results += check_combines(CombineEmulator(emu.dir, args.backend))
+    results += check_embeds(EmbedRowsEmulator(emu.dir, args.backend))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 
