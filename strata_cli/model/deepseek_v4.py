@@ -31,7 +31,7 @@ import mlx.nn as nn
 
 from .compressed_attention import Attention, per_row, unit_rms
 from .config import ConfigError, ModelConfig
-from .layers import RMSNorm, RowLinear, by_row, tied_logits
+from .layers import RMSNorm, RowLinear, by_row, lookup_embedding, tied_logits
 from .moe import SparseMoeBlock, SwitchGLU, weighted_sum
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -359,7 +359,7 @@ class Model(nn.Module):
 
     def __call__(self, tokens: mx.array, states: list, *, last_only: bool = False) -> mx.array:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
-        h = self.model.embed_tokens(tokens)
+        h = lookup_embedding(self.model.embed_tokens, tokens)
         streams = mx.broadcast_to(h[:, :, None], (*h.shape[:2], self.config.hc_mult, h.shape[-1]))
         for layer, state in zip(self.layers, states):
             streams = layer(streams, state, tokens)

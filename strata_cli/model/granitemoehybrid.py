@@ -22,7 +22,7 @@ import mlx.nn as nn
 from .attention import GatedAttention
 from .config import ConfigError, ModelConfig, lift_rope_parameters, time_step_limit
 from .decoder_layer import PreNormLayer
-from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, swiglu
+from .layers import MLP, WINDOW_ROWS, DecoderStack, RMSNorm, RowLinear, lookup_embedding, swiglu
 from .layout import stack_experts
 from .mamba2 import Mamba2Mixer
 from .moe import QuantizedSwitchGLU, SparseMoeBlock, SwitchGLU, gather_matmul, glu_by_expert, sorted_gather_is_exact
@@ -227,7 +227,7 @@ class Model(DecoderStack):
                 for layer in self.layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.model.embed_tokens(tokens) * self.config.embedding_multiplier
+        return lookup_embedding(self.model.embed_tokens, tokens) * self.config.embedding_multiplier
 
     def head(self, h: mx.array, *, last_only: bool = False) -> mx.array:
         return super().head(h, last_only=last_only) / self.config.logits_scaling

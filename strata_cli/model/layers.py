@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from metal_shaders import add_norm, gated_norm
+from metal_shaders import add_norm, embed_rows, gated_norm
 from metal_shaders import rows_matvec as kernels
 
 from . import host_blas
@@ -288,6 +288,25 @@ class RowLinear(nn.Linear):
         return RowQuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
+def is_affine_embedding(embed: nn.Module) -> bool:
+    """Whether `embed` is MLX's own quantized embedding in affine form (scales and biases), the
+    form strata's kernels read (a subclass may compute something else)."""
+    return (type(embed) is nn.QuantizedEmbedding and getattr(embed, "mode", "affine") == "affine"
+            and embed.get("biases") is not None)
+
+
+def lookup_embedding(embed: nn.Module, tokens: mx.array) -> mx.array:
+    """`embed(tokens)`: on a GPU, for an affine quantized embedding of a width and group size
+    metal_shaders/embed_rows.py takes whose probe passed at its dtype, in that one kernel (MLX's
+    lookup is three Gathers, a dequantize and squeezes; the kernel gives the same bits); else
+    `embed(tokens)`. Rows never depend on each other, so prompt chunks take it too."""
+    if (is_affine_embedding(embed) and embed_rows.supports(embed.group_size, embed.bits)
+            and mx.issubdtype(tokens.dtype, mx.integer) and embed_rows.usable(embed.scales.dtype)):
+        return embed_rows.embed_rows(tokens, embed.weight, embed.scales, embed.biases, group_size=embed.group_size,
+                                     bits=embed.bits)
+    return embed(tokens)
+
+
 def tied_logits(embed: nn.Module, h: mx.array) -> mx.array:
     """Logits through a tied embedding (`embed.as_linear`) with a window's rows kept serial, as
     `RowLinear` keeps an untied head's: the row-invariant kernel where it takes the embedding's
@@ -297,9 +316,7 @@ def tied_logits(embed: nn.Module, h: mx.array) -> mx.array:
     if kernel_rows(h):
         if type(embed) is nn.Embedding and kernels.supports(K):
             return kernels.rows_matvec(h, embed.weight)
-        if (type(embed) is nn.QuantizedEmbedding and getattr(embed, "mode", "affine") == "affine"
-                and embed.get("biases") is not None
-                and kernels.supports(K, group_size=embed.group_size, bits=embed.bits)):
+        if is_affine_embedding(embed) and kernels.supports(K, group_size=embed.group_size, bits=embed.bits):
             return kernels.rows_qmatvec(h, embed.weight, embed.scales, embed.biases, group_size=embed.group_size,
                                         bits=embed.bits)
     return by_row(embed.as_linear, h)
@@ -577,11 +594,12 @@ class DecoderStack(nn.Module):
 
     def embed(self, tokens: mx.array) -> mx.array:
         """tokens (B, T) -> the first layer's input (B, T, D): on the host path rows taken in
-        numpy (the same values), so the first layer reads them without waiting on MLX's stream."""
+        numpy (the same values), so the first layer reads them without waiting on MLX's stream;
+        elsewhere `lookup_embedding` (on a GPU a quantized table's rows in one kernel)."""
         embed = self.model.embed_tokens
         if type(embed) is nn.Embedding and embed.weight.dtype == mx.float32 and host_rows(tokens.size, mx.float32):
             return mx.array(host_weight(embed)[np.asarray(tokens)])
-        return embed(tokens)
+        return lookup_embedding(embed, tokens)
 
     def run_layers(self, h: mx.array, states: list, start: int = 0, stop: int | None = None) -> mx.array:
         """Layers start..stop-1 over h, with their states (`states[state_span(start, stop)]`)."""

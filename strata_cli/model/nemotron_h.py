@@ -20,7 +20,7 @@ import mlx.nn as nn
 from .attention import GatedAttention
 from .compiled import Compiled, LayerCompile
 from .config import ConfigError, ModelConfig, time_step_limit
-from .layers import WINDOW_ROWS, RMSNorm, RowLinear, is_cpu_prompt, tied_logits, transposed
+from .layers import WINDOW_ROWS, RMSNorm, RowLinear, is_cpu_prompt, lookup_embedding, tied_logits, transposed
 from .layout import stack_experts
 from . import moe
 from .mamba2 import Mamba2Mixer
@@ -317,7 +317,7 @@ class Model(nn.Module):
         return slice(before, before + sum(layer.has_state for layer in self.layers[start:stop]))
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.backbone.embeddings(tokens)
+        return lookup_embedding(self.backbone.embeddings, tokens)
 
     def run_layers(self, h: mx.array, states: list, start: int = 0, stop: int | None = None) -> mx.array:
         states = iter(states)
