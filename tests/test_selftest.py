@@ -29,6 +29,8 @@ def test_selftest_reports_identity_and_window_costs():
     assert glu["usable"] is False and glu["error"] is None
     mapped = report["mapped_kernels"]  # likewise: CPU windows gather GDN's projected columns with MLX's ops
     assert mapped["usable"] is False and mapped["error"] is None
+    embed = report["embed_kernel"]  # likewise: the CPU keeps the demo's embedding dense, so nothing asks
+    assert embed["usable"] is False and embed["error"] is None
     assert report["mamba2_kernels"] == {"usable": False, "probed": True, "error": None}  # asked by the hybrid's layers
     assert {(r["model"], r["mode"], r["dtype"]) for r in report["results"]} == {
         (model, mode, "float32") for model in ("demo", "mamba2-hybrid") for mode in ("3", "auto")}

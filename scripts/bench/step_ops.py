@@ -14,12 +14,14 @@ host time between one step's eval and the next, the eval itself excluded (median
 
 --path gpu (default) counts what a CUDA device runs, on any backend: strata's CUDA kernels
 (rows_matvec and its GLU and column-mapped forms, gdn_window, attention_window, router_window,
-add_norm, moe_combine, gated_norm, attention_prep) become one stand-in primitive each
+add_norm, moe_combine, gated_norm, attention_prep, embed_rows) become one stand-in primitive each
 (`mx.depends` on zeros: evaluable, so the step runs, with meaningless values), `mx.fast`
 rms_norm/rope/sdpa and `mx.dequantize` become one primitive each (the CPU builds them from
 ~10-30 ops), RowSplit splits windows as on a GPU and the decode loop overlaps its steps. What
 still differs from the H200: the stand-ins' Python cost is not the kernels' call cost, and MLX's
-CUDA backend may itself fall back for some fast-op shapes.
+CUDA backend may itself fall back for some fast-op shapes, and the CPU's loader keeps a small
+checkpoint's dense layers dequantized (its 4-bit embedding is one Gather here, a quantized table
+that embed_rows looks up on a GPU).
 --path native counts what the running backend runs (on the GPU: the real thing).
 
     python -m scripts.bench.step_ops --out /tmp/step_ops.json                           # CPU, ~1 minute
@@ -42,8 +44,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from metal_shaders import (add_norm, attention_prep, attention_window, gated_norm, gdn_window, moe_combine, router_window,
-                           rows_matvec)
+from metal_shaders import (add_norm, attention_prep, attention_window, embed_rows, gated_norm, gdn_window, moe_combine,
+                           router_window, rows_matvec)
 from scripts.bench import compare_mlx_lm as compare
 from scripts.bench.graph_ops import count_step
 from strata_cli.bench.peers import MlxLmPeer, require_mlx_lm
@@ -141,6 +143,8 @@ def gpu_shaped(stand_ins: StandIns):
             (gated_norm, "gpu_kernel", stand_ins.kernel),
             (attention_prep, "usable", lambda dtype=None: True),
             (attention_prep, "gpu_kernel", stand_ins.kernel),
+            (embed_rows, "usable", lambda dtype=None: True),
+            (embed_rows, "gpu_kernel", stand_ins.kernel),
             (mx.fast, "rms_norm", stand_ins.rms_norm),
             (mx.fast, "rope", stand_ins.rope),
             (mx, "dequantize", stand_ins.dequantize),
@@ -209,6 +213,9 @@ def parts_of(model, steps: Steps):
         names[id(layer)] = "residual"
     modules = [m for _, m in model.named_modules() if id(m) in names]
     methods = {("__call__", next(c for c in type(m).__mro__ if "__call__" in c.__dict__)) for m in modules}
+    if callable(getattr(type(model), "embed", None)):  # strata's lookup: a kernel's runs outside embed_tokens' call
+        names[id(model)] = "embed"
+        methods.add(("embed", next(c for c in type(model).__mro__ if "embed" in c.__dict__)))
     methods |= {(name, type(m)) for m in modules if id(m) in mixers
                 for name in ("head", "core", "tail") if name in type(m).__dict__}  # strata's mixers only
     methods |= {("add_and_norm", type(m)) for m in modules if "add_and_norm" in type(m).__dict__}  # strata's norms

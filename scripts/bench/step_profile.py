@@ -90,6 +90,8 @@ def arrays_in(value) -> list[mx.array]:
 def part_methods(model) -> dict[tuple[int, str], str]:
     """(id(module), method) -> kind, for every part of a Qwen3-Next-like model."""
     kinds = {(id(model.model.embed_tokens), "__call__"): "embed", (id(model.model.norm), "__call__"): "norm"}
+    if callable(getattr(type(model), "embed", None)):  # strata's lookup: a kernel's runs outside embed_tokens' call
+        kinds[(id(model), "embed")] = "embed"
     if "lm_head" in model:
         kinds[(id(model.lm_head), "__call__")] = "lm_head"
     else:

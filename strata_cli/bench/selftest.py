@@ -15,8 +15,8 @@ import time
 
 import mlx.core as mx
 
-from metal_shaders import (add_norm, attention_prep, attention_window, gated_norm, gdn_window, mamba2_window, moe_combine,
-                           router_window)
+from metal_shaders import (add_norm, attention_prep, attention_window, embed_rows, gated_norm, gdn_window, mamba2_window,
+                           moe_combine, router_window)
 from metal_shaders import rows_matvec as kernels
 
 from ..calibrate import measure_curve
@@ -56,6 +56,7 @@ KERNEL_PROBES = (
     ("add_norm_kernel", add_norm.usable, add_norm.status),
     ("combine_kernel", moe_combine.usable, moe_combine.status),
     ("gated_norm_kernel", gated_norm.usable, gated_norm.status),
+    ("embed_kernel", embed_rows.usable, embed_rows.status),
 )
 
 
