@@ -43,7 +43,7 @@ import mlx.core as mx
 from .probe import Probe, cases_at, dims, gpu_kernel
 
 BITS = (2, 4, 8)  # MLX's one-word branch: codes never straddle a byte
-GROUP_SIZES = (32, 64, 128)  # what MLX's dequantize kernels are built for
+GROUP_SIZES = (32, 64, 128)  # the group sizes strata quantizes with (strata_cli/model/quant.py)
 THREADS = 128  # words a block
 
 # A thread per packed word of the output, over a 1-D grid of N·W words (rows may share a block:
