@@ -167,6 +167,14 @@ def worker_count(num_units: int, env: str | None = None) -> int:
     return max(0, min(available_cores() - 1, num_units)) if env == "auto" else 0
 
 
+def parallel_hint(env: str | None = None) -> str:
+    """What to add to the cold-cache notice where the user has not chosen (`STRATA_PARALLEL_WARM`
+    unset): how to compile in parallel, and what it saved on the H200 (docs/benchmarks.md)."""
+    if (os.environ.get(ENV) if env is None else env) is not None:
+        return ""
+    return f"; {ENV}=auto compiles in parallel processes (a fresh H200: first token in 53 s, not 4 min)"
+
+
 def signature(path: Path, dtype: str, units: list[Unit], options: dict) -> dict:
     """The keys of a model's marker: its config, dtype, units and engine options, and the
     sources that shape its kernels (metal_shaders, model/, engine/): a change to any of them

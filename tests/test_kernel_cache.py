@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from metal_shaders import kept
-from strata_cli import kernel_cache
+from strata_cli import kernel_cache, kernel_warm
 from strata_cli.cli import cli
 from strata_cli.kernel_cache import PTX_CACHE_ENV, prepare_kernel_cache
 from strata_cli.options import EngineOptions, LoadOptions
@@ -87,6 +87,7 @@ def test_a_cold_cache_is_announced_before_loading_and_warms_the_first_shape(monk
     from strata_cli.kernel_cache import KernelCache
 
     events = []
+    monkeypatch.delenv(kernel_warm.ENV, raising=False)
     monkeypatch.setattr(runtime_module, "prepare_kernel_cache",
                         lambda: KernelCache(path=None, chosen_by="strata", cold=True))
     real_load = runtime_module.load_checkpoint
@@ -97,6 +98,9 @@ def test_a_cold_cache_is_announced_before_loading_and_warms_the_first_shape(monk
     runtime = open_model(LoadOptions(), EngineOptions(max_context=64), announce=lambda line: events.append(line),
                          warm_progress=lambda done, total: events.append((done, total)))
     assert "compiling GPU kernels" in events[0] and events[1] == "load"
+    assert events[0].endswith("; STRATA_PARALLEL_WARM=auto compiles in parallel processes (a fresh H200: first token "
+                              "in 53 s, not 4 min)")  # the user chose nothing: the hint
+    assert kernel_warm.parallel_hint("0") == kernel_warm.parallel_hint("auto") == ""
     assert events[2:] == [(0, 1), (1, 1)] and list(runtime.warmup_by_rows) == [1]
 
 
