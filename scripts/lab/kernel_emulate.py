@@ -986,6 +986,15 @@ int main(int argc, char** argv) {
 EMULATED_TOKENS = {mx.int32: "int32_t", mx.uint32: "uint32_t", mx.int64: "int64_t"}
 
 
+def serial_program(backend: str, params: list[str], t: str, consts: str, body: str) -> str:
+    """A kernel of one output `out` (of type `t`) whose threads never meet, behind `backend`'s
+    prelude, run a thread at a time by MAIN_SERIAL: inputs in `params` order from files."""
+    args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
+    return (program(SHIM_BLOCK + BF16_SHIM, backend, "", [*params, f"{t}* out"], consts, body)
+            + MAIN_SERIAL.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", t)
+            .replace("CALL", f"kernel({', '.join(args)})"))
+
+
 class EmbedRowsEmulator:
     """embed_rows' kernel on the CPU, a thread at a time (its threads never meet), the scales,
     biases and output in float32 or in bfloat16 (in software, BF16_SHIM), int32, uint32 or int64
@@ -1002,11 +1011,8 @@ class EmbedRowsEmulator:
             t, ti = EMULATED_TYPES[dtype][0], EMULATED_TOKENS[token_dtype]
             params = ["const int32_t* dims", f"const {ti}* tokens", "const uint32_t* w", f"const {t}* scales",
                       f"const {t}* biases"]
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
             consts = f"using T = {t}; using TI = {ti}; constexpr int BITS = {bits}; constexpr int GS = {group_size};"
-            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, f"{t}* out"], consts, self.source)
-                      + MAIN_SERIAL.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", t)
-                      .replace("CALL", f"kernel({', '.join(args)})"))
+            source = serial_program(self.backend, params, t, consts, self.source)
             path = self.dir / f"embed_rows_{bits}_{group_size}_{t}_{ti}_{len(self.built)}"
             compile_program(path, source)
             self.built[key] = path
@@ -1095,11 +1101,7 @@ class CombineEmulator:
             _, inputs, body = moe_combine.KERNELS[has_shared, has_residual]
             types = {"dims": "const int32_t*", "weights": "const float*"}
             params = [f"{types.get(name, f'const {t}*')} {name}" for name in inputs]
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
-            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, f"{t}* out"], f"using T_P = {t};",
-                              self.sources[has_shared, has_residual])
-                      + MAIN_SERIAL.replace("NUM_INPUTS", str(len(inputs))).replace("OUT_T", t)
-                      .replace("CALL", f"kernel({', '.join(args)})"))
+            source = serial_program(self.backend, params, t, f"using T_P = {t};", self.sources[has_shared, has_residual])
             path = self.dir / f"combine_{t}_{int(has_shared)}{int(has_residual)}_{len(self.built)}"
             compile_program(path, source)
             self.built[key] = path
