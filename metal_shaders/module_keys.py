@@ -9,7 +9,7 @@ op's on the H200 (docs/benchmarks.md, "What a kernel launch costs the host").
 
 Before MLX builds a module it looks for `<module name>.ptx` in its PTX cache directory
 (`MLX_PTX_CACHE_DIR`; mlx/backend/cuda/jit_module.cpp, `read_cached_ptx`, precompiled or not)
-and loads that file in place of what it was given. So `key_for` writes the binary there under
+and loads that file in place of what it was given. So `ModuleKeys.file` writes the binary there under
 the module name of a short key (`strata-module:` and the binary's SHA-256), and the kernel is
 launched with the key: MLX hashes and copies ~80 bytes, loads the same binary once per process,
 and runs the same code. The name needs MLX's hash: libstdc++'s `std::hash<std::string>`
@@ -78,6 +78,7 @@ class ModuleKeys:
         off = os.environ.get(ENV, "1") == "0"
         self.reason: str | None = f"{ENV}=0" if off else None
         self.verified: bool | None = None  # None: not checked in this process yet
+        self.directory: Path | None = None  # MLX's PTX directory, as it was at the first file (MLX reads it once)
 
     @property
     def wanted(self) -> bool:
@@ -86,7 +87,7 @@ class ModuleKeys:
 
     @property
     def active(self) -> bool:
-        return self.wanted and bool(self.verified)
+        return self.reason is None and bool(self.verified)
 
     def disable(self, reason: str) -> None:
         if self.reason is None:
@@ -114,7 +115,9 @@ class ModuleKeys:
         """Write `binary` as the module of its key (unless a file of its size is there), the
         kernel list first and the binary last, each renamed into place: MLX reads a `.ptx` as whole."""
         key = key_of(binary)
-        path = Path(os.environ[PTX_CACHE_ENV]) / f"{module_name(name, key)}.ptx"
+        if self.directory is None:
+            self.directory = Path(os.environ[PTX_CACHE_ENV])
+        path = self.directory / f"{module_name(name, key)}.ptx"
         if path.is_file() and path.stat().st_size == len(binary):
             return key
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -294,8 +294,9 @@ class PrecompiledKernel:
             return self.fallback(**call)
         if module_keys.keys.verified is None:
             verify_keys()
+        source = module_keys.keys.source_for(self.name, binary)  # a short key where MLX finds the binary
         return mx.fast.precompiled_cuda_kernel(
-            name=self.name, compiled_source=module_keys.keys.source_for(self.name, binary), inputs=inputs, output_shapes=call["output_shapes"],
+            name=self.name, compiled_source=source, inputs=inputs, output_shapes=call["output_shapes"],
             output_dtypes=call["output_dtypes"], scalars=[], grid=call["grid"], threadgroup=call["threadgroup"],
             init_value=call.get("init_value"), ensure_row_contiguous=self.ensure_row_contiguous,
             stream=call.get("stream"))

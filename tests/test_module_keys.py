@@ -93,6 +93,10 @@ def test_kernels_launch_by_key_once_the_check_passed(setup, monkeypatch):
     ptx = setup.directory / f"{module_keys.module_name('strata_test_v1', calls[0]['compiled_source'])}.ptx"
     assert ptx.read_bytes() == f32 and ptx.with_suffix(".txt").read_text() == "strata_test_v1\tstrata_test_v1\n"
     assert module_keys.keys.status() == {"active": True, "verified": True, "reason": None, "kernels": 2}
+    monkeypatch.setenv(module_keys.PTX_CACHE_ENV, str(setup.directory.parent / "elsewhere"))
+    _call(kernel, mx.float16)  # MLX read its directory once: the files stay where it looks
+    assert setup.loaded[-1] == kernel.binary([mx.float16], [mx.float16], [("T", mx.float16)])
+    assert not (setup.directory.parent / "elsewhere").exists()
 
 
 def test_a_failed_check_keeps_whole_binaries(setup, monkeypatch):
