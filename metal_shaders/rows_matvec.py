@@ -5,7 +5,7 @@ an affine-quantized w (4 or 8 bits, MLX's packing: `mx.quantize`); their column-
 (`rows_matvec_mapped`, `rows_qmatvec_mapped`) write the columns a map names, in its order, each
 the plain kernel's bits, and the GLU forms silu(gate) · up of two matrices. Each output element
 is summed in float32 in one fixed order — lane l of a warp takes the 16-byte weight chunks l, l+32, ...
-with fused multiply-adds, then a fixed butterfly of warp shuffles — that does not depend on R,
+with fused multiply-adds, then the fixed tree of a xor butterfly over the warp — that does not depend on R,
 so a row's result is the same bits whether it runs alone (serial decoding) or with seven others
 (a window). The weights are read once per window for all its rows (on CUDA with 128-bit
 loads), several output columns per warp; x is read as needed (it is small and stays in cache).
@@ -30,8 +30,8 @@ COLS = 4  # output columns per warp: each x value loaded feeds COLS columns
 
 # Every body: warp w of block b owns columns (b·WARPS + w)·COLS ... + COLS-1; lane l takes the
 # 128-bit chunks u = l, l + 32, ... of each weight row, in that order, each chunk's values in
-# order, one float32 fused multiply-add per value and row; then the xor butterfly over the 32
-# lanes (every lane ends with the same bits, since each step adds the same two operands). That
+# order, one float32 fused multiply-add per value and row; then the xor butterfly's tree over the
+# 32 lanes (offsets 16 to 1; each step adds the same two operands in both lanes, `_TAIL`). That
 # order is a function of K alone: not of R (ROWS), COLS, the grid or the other rows, so a row's
 # result is the same bits in a window of 8 as alone. Slot r's accumulators are touched only by
 # x row `row[r]`, the r-th of the R rows this block serves.
@@ -82,22 +82,61 @@ _HEAD = """
         #pragma unroll
         for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
 """
-# The butterflies stop at the block's last real row: a routed-experts block of the 8-row compile
-# usually serves one or two picks, and 8 rows' butterflies cost more than its whole dot product
-# at K = 512 (without the stop, kernel_bench's experts_down runs 9.6x slower at T=8 than at T=1).
-_TAIL = """
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (r >= R) break;
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            float v = acc[r][c];
+# The tail sums each accumulator over the warp's 32 lanes with the xor butterfly's tree (offsets
+# 16, 8, 4, 2, 1, each step lane + partner), so every sum is the butterfly's bits. But where the
+# butterfly sums every (row, column) value in every lane (five shuffles each: 160 a warp at 8 rows
+# and 4 columns, more than the dot products themselves at K = 512), each step here sends half of
+# the values still held and keeps the other half, the partner's share added (a reduce-scatter):
+# V values take V - 1 shuffles plus one per step left after one value remains (6 at 1 row, 31 at
+# 8). A value of lane l's kept half is summed over the same lanes, in the same order, as the
+# butterfly sums it, since both lanes of a step add the same two operands. It carries the
+# block's R rows rounded up to a power of two (a block of the 8-row compile serving one pick
+# pays for one row); rows past R hold zeros and are never written. After the steps, lane l
+# holds values (l >> (5 - STEPS)) · P + p, p < P (P = V / 32 where V > 32, else 1).
+def _scatter_tail(write: str) -> str:
+    """The tail's body lines: the reduce-scatter of acc's first RV rows for each row count RV
+    (1, 2, 4, 8, up to ROWS), then `write` once per value p a lane holds, which sees `v` (the
+    sum), `i` (its flat index: row i / COLS, column i % COLS), `r`, `c` and `lead` (whether
+    this lane is the first of those holding it)."""
+    # the five steps written out, so each step's count of values (h) is a constant before any
+    # loop is unrolled: with a loop over the steps, nvcc kept acc in local memory at 8 rows
+    steps = "".join(f"""        {{
+            constexpr int off = {off}, h = V >> {s + 1};
+            const bool upper = (lane & off) != 0;
+            if (h == 0) acc[0][0] += strata_xor(acc[0][0], off);
             #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += strata_xor(v, off);
-            if (lane == c && n0 + c < N) out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(v);
-        }
-    }
+            for (int j = 0; j < h; ++j) {{
+                const float lo = acc[j / COLS][j % COLS], hi = acc[(j + h) / COLS][(j + h) % COLS];
+                acc[j / COLS][j % COLS] = (upper ? hi : lo) + strata_xor(upper ? lo : hi, off);
+            }}
+        }}
+""" for s, off in enumerate((16, 8, 4, 2, 1)))
+    cases = []
+    for k in (1, 2, 4, 8):
+        cases.append(f"""    if (ROWS >= {k} && RV == {k}) {{
+        constexpr int V = (ROWS < {k} ? ROWS : {k}) * COLS;
+        constexpr int STEPS = V >= 32 ? 5 : V >= 16 ? 4 : V >= 8 ? 3 : V >= 4 ? 2 : V >= 2 ? 1 : 0;
+        constexpr int P = V > 32 ? V / 32 : 1;
+{steps}        const bool lead = (lane & ((1 << (5 - STEPS)) - 1)) == 0;
+        #pragma unroll
+        for (int p = 0; p < P; ++p) {{
+            const float v = acc[p / COLS][p % COLS];
+            const int i = (lane >> (5 - STEPS)) * P + p, r = i / COLS, c = i % COLS;
+{write}
+        }}
+    }}
+""")
+    return ("    const int RV = R > 4 ? 8 : R > 2 ? 4 : R > 1 ? 2 : 1;  // rows summed: R up to a power of two\n"
+            + "".join(cases))
+
+
+# A row's output index: row[r] for a runtime r, read without indexing the array by it (which
+# would put `row` in local memory).
+_OUT_ROW = """            int out_row = row[0];
+            #pragma unroll
+            for (int q = 1; q < ROWS; ++q) if (q == r) out_row = row[q];
 """
+_TAIL = _scatter_tail(_OUT_ROW + """            if (lead && r < R && n0 + c < N) out[static_cast<size_t>(out_row) * N + n0 + c] = static_cast<T>(v);""")
 # Dense: a chunk is 16 bytes of one weight row (8 bf16 or 4 float32 values).
 DENSE = """
     const int R = dims[0];  // <= ROWS
@@ -280,24 +319,13 @@ MXFP4_HEADER = f"#define E2M1_BITS(C) {_E2M1_BITS}\n"
 # rounds its sigmoid, product and result to T on their own; MLX's sigmoid differs by backend).
 GLU_COLS = 2  # output columns per warp: HALF, so a warp holds as many accumulators as the plain forms
 GLU_HEADER = "#define STRATA_GLU(G, U) ((G) / (1.0f + expf(-(G))) * (U))\n"
-_GLU_TAIL = """
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (r >= R) break;
-        #pragma unroll
-        for (int c = 0; c < HALF; ++c) {
-            float g = acc[r][c], v = acc[r][HALF + c];
-            #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) g += strata_xor(g, off);
-            #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += strata_xor(v, off);
-            if (lane == c && n0 + c < N) {
-                const float gate = static_cast<float>(static_cast<T>(g)), up = static_cast<float>(static_cast<T>(v));
-                out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(STRATA_GLU(gate, up));
-            }
-        }
-    }
-"""
+# Each gate sum and its up sum (flat indices i and i + HALF) end in lanes PAIR apart: one more
+# shuffle gives a lane both.
+_GLU_TAIL = _scatter_tail(_OUT_ROW + """            const float other = strata_xor(v, (HALF << (5 - STEPS)) / P);
+            if (lead && c < HALF && r < R && n0 + c < N) {
+                const float gate = static_cast<float>(static_cast<T>(v)), up = static_cast<float>(static_cast<T>(other));
+                out[static_cast<size_t>(out_row) * N + n0 + c] = static_cast<T>(STRATA_GLU(gate, up));
+            }""")
 
 
 def _glu(body: str, swaps: dict[str, str]) -> str:
@@ -417,7 +445,7 @@ def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS) -> mx.array:
     columns per warp)."""
     R, K = rows(x)
     N = w.shape[0]
-    kernel = _kernel("strata_rows_matvec_v3", ["dims", "x", "w"], DENSE)
+    kernel = _kernel("strata_rows_matvec_v4", ["dims", "x", "w"], DENSE)
     template = [("T", x.dtype), ("TW", w.dtype)]
     return _launch(kernel, [dims(R, K, N), x, w], template, x.shape[:-1], R, N, x.dtype, cols)
 
@@ -428,7 +456,7 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     bits, on a GPU."""
     R, K = rows(x)
     N = w.shape[0]
-    kernel = _kernel("strata_rows_qmatvec_v3", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
+    kernel = _kernel("strata_rows_qmatvec_v4", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
     template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
     return _launch(kernel, [dims(R, K, N), x, w, scales, biases], template, x.shape[:-1], R, N, x.dtype, cols)
@@ -446,7 +474,7 @@ def rows_matvec_mapped(x: mx.array, w: mx.array, columns: mx.array, *, cols: int
     columns[j] (columns (N,) uint32, each < w's rows), the same bits as the plain kernel's column."""
     R, K = rows(x)
     N = _column_map(columns)
-    kernel = _kernel("strata_rows_matvec_mapped_v1", ["dims", "x", "w", "col_map"], DENSE_MAPPED)
+    kernel = _kernel("strata_rows_matvec_mapped_v2", ["dims", "x", "w", "col_map"], DENSE_MAPPED)
     template = [("T", x.dtype), ("TW", w.dtype)]
     return _launch(kernel, [dims(R, K, N), x, w, columns], template, x.shape[:-1], R, N, x.dtype, cols)
 
@@ -457,7 +485,7 @@ def rows_qmatvec_mapped(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     scales and biases from its weight row's)."""
     R, K = rows(x)
     N = _column_map(columns)
-    kernel = _kernel("strata_rows_qmatvec_mapped_v1", ["dims", "x", "w", "scales", "biases", "col_map"],
+    kernel = _kernel("strata_rows_qmatvec_mapped_v2", ["dims", "x", "w", "scales", "biases", "col_map"],
                      QUANTIZED_MAPPED)
     template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
     return _launch(kernel, [dims(R, K, N), x, w, scales, biases, columns], template, x.shape[:-1], R, N, x.dtype,
@@ -480,7 +508,7 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     if M > MAX_PICKS or M % R:
         raise ValueError(f"rows_gather_qmatvec takes at most {MAX_PICKS} picks, a multiple of its {R} rows; got {M}")
     N, per = w.shape[1], M // R
-    kernel = _kernel("strata_rows_gather_qmatvec_v3", ["dims", "x", "w", "scales", "biases", "idx"],
+    kernel = _kernel("strata_rows_gather_qmatvec_v4", ["dims", "x", "w", "scales", "biases", "idx"],
                      GATHER_QUANTIZED)
     config = launch_config(share or 1, N, cols=cols)
     template = [("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
@@ -511,7 +539,7 @@ def rows_glu_matvec(x: mx.array, w_gate: mx.array, w_up: mx.array, *, cols: int 
     joined as GLU_HEADER says."""
     R, K = rows(x)
     N = w_gate.shape[0]
-    kernel = _kernel("strata_rows_glu_matvec_v1", ["dims", "x", "w", "w_up"], DENSE_GLU, GLU_HEADER)
+    kernel = _kernel("strata_rows_glu_matvec_v2", ["dims", "x", "w", "w_up"], DENSE_GLU, GLU_HEADER)
     template = [("T", x.dtype), ("TW", w_gate.dtype)]
     return _glu_launch(kernel, [dims(R, K, N), x, w_gate, w_up], template, (*x.shape[:-1], N), R, N, x.dtype, cols)
 
@@ -522,7 +550,7 @@ def rows_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array], up:
     one quantization: each product the bits of `rows_qmatvec`'s."""
     R, K = rows(x)
     N = gate[0].shape[0]
-    kernel = _kernel("strata_rows_glu_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
+    kernel = _kernel("strata_rows_glu_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
                                                     "biases_up"], QUANTIZED_GLU, GLU_HEADER)
     template = [("T", x.dtype), ("TS", gate[1].dtype), ("BITS", bits), ("GS", group_size)]
     return _glu_launch(kernel, [dims(R, K, N), x, *gate, *up], template, (*x.shape[:-1], N), R, N, x.dtype, cols)
@@ -539,7 +567,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
     if M > MAX_PICKS or M % R:
         raise ValueError(f"rows_gather_glu_qmatvec takes at most {MAX_PICKS} picks, a multiple of its {R} rows; got {M}")
     N, per = gate[0].shape[1], M // R
-    kernel = _kernel("strata_rows_gather_glu_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
+    kernel = _kernel("strata_rows_gather_glu_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
                                                            "biases_up", "idx"], GATHER_QUANTIZED_GLU, GLU_HEADER)
     template = [("T", x.dtype), ("TS", gate[1].dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
     shape = (*x.shape[:-1], N) if per == 1 else (*x.shape[:-1], per, N)
@@ -567,7 +595,7 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     if order not in MXFP4_ORDERS:
         raise ValueError(f"order is one of {', '.join(MXFP4_ORDERS)}, got {order!r}")
     N = w.shape[1]
-    kernel = _kernel("strata_rows_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4,
+    kernel = _kernel("strata_rows_gather_mxfp4matvec_v3", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4,
                      MXFP4_HEADER)
     config = launch_config(share or 1, N, cols=cols)
     picks_x = MXFP4_ORDERS[order]

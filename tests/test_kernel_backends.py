@@ -308,3 +308,29 @@ def test_the_embedding_body_gives_mlx_bits_behind_each_prelude(emulate, backend,
     assert emulate.check_embed_rows(emu, 4, 64, rows=(1, 3), dtype=mx.bfloat16)
     assert emulate.check_embed_rows(emu, 2, 128, rows=(2,))
     assert emulate.check_embed_rows(emu, 8, 32, rows=(2,), token_dtype=mx.uint32)
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_the_reduce_scatter_gives_the_butterflys_bits_behind_each_prelude(emulate, backend, tmp_path):
+    """rows_matvec's tail sums over the warp by a reduce-scatter; every output must be the bits
+    of the xor butterfly it replaced: the routed experts with up to 8 picks a block (rows 5 and 8
+    carry 8 rows), a dense call at 8 columns a warp (two values a lane), the GLU tail's pairing
+    (`python -m scripts.lab.kernel_emulate --only tails` runs every kind, R = 1..8)."""
+    emu = emulate.Emulator(tmp_path, backend)
+    butterfly = emulate.Emulator(tmp_path, backend)
+    butterfly.kinds = emulate.butterfly_kinds()
+    assert emulate.check_tail(emu, butterfly, "gather", dtype=mx.bfloat16, rows=(1, 5))
+    assert emulate.check_tail(emu, butterfly, "dense", cols=8, rows=(8,))
+    assert emulate.check_tail(emu, butterfly, "gather_glu", rows=(2,))
+
+
+def test_the_tail_check_fails_a_tail_that_keeps_the_wrong_half(emulate, tmp_path):
+    """A reduce-scatter whose lanes keep the half they should send ends with each sum in another
+    lane than the one that writes its column: the check must say so."""
+    emu = emulate.Emulator(tmp_path)
+    wrong = emulate.Emulator(tmp_path)
+    params, body, extra = emulate.KINDS["dense"]
+    keep = "const bool upper = (lane & off) != 0;"
+    assert body.count(keep) == 20  # five steps in each of four row counts
+    wrong.kinds = {**emulate.KINDS, "dense": (params, body.replace(keep, keep.replace("!=", "==")), extra)}
+    assert not emulate.check_tail(wrong, emu, "dense", rows=(1,))

@@ -56,6 +56,9 @@ runs a thread at a time: at 2, 4 and 8 bits, groups of 32, 64 and 128, float32 a
 software), for R = 1..8 each row of an R-token call equals its 1-token call and the reference
 (`nn.QuantizedEmbedding`'s MLX ops) bit for bit, a (2, 4) batch gives the same rows, and
 out-of-range ids (int32, uint32 and int64) give zero rows (`--only embed` runs these alone).
+The matrix kernels' tail (a reduce-scatter over the warp) gives, for every kind, R = 1..8,
+float32 and bfloat16, and 2, 4 and 8 columns a warp, the bits of the per-value xor butterfly it
+replaced (`BUTTERFLY_TAIL`; `--only tails` runs these alone).
 Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
@@ -67,6 +70,7 @@ float32 and bfloat16: what NVRTC would refuse shows here without a GPU.
     python -m scripts.lab.kernel_emulate --nvcc
     python -m scripts.lab.kernel_emulate --only mapped
     python -m scripts.lab.kernel_emulate --only embed
+    python -m scripts.lab.kernel_emulate --only tails
 """
 
 from __future__ import annotations
@@ -290,13 +294,14 @@ class Emulator:
         self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
         self.glu = kernels.GLU_HEADER
+        self.kinds = KINDS  # kind -> (parameters, body, constants); a check may swap in other bodies
 
     def _binary(self, kind: str, rows: int, cols: int, bits: int, gs: int, more: tuple = (), dtype=mx.float32) -> Path:
         header = KIND_HEADERS.get(kind, kernels.HEADER) + (self.glu if kind in GLU_KINDS else "")
         key = (kind, rows, cols, bits, gs, *more, dtype, header)
         if key not in self.built:
             t = EMULATED_TYPES[dtype][0]
-            params, body, extra = KINDS[kind]
+            params, body, extra = self.kinds[kind]
             params = [p.replace("const float* ", f"const {t}* ") for p in params]
             consts = f"using T = {t}; {extra.replace('float', t)} constexpr int ROWS = {rows}; constexpr int COLS = {cols};"
             if not kind.startswith("dense"):
@@ -1272,6 +1277,109 @@ def check_glu(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N: in
     return ok
 
 
+# The tails the matrix kernels had before their reduce-scatter (rows_matvec._scatter_tail): each
+# (row, column) value summed over the 32 lanes by the xor butterfly, five shuffles a value. The
+# reduce-scatter must give their bits (`--only tails`).
+BUTTERFLY_TAIL = """
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (r >= R) break;
+        #pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            float v = acc[r][c];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += strata_xor(v, off);
+            if (lane == c && n0 + c < N) out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(v);
+        }
+    }
+"""
+BUTTERFLY_GLU_TAIL = """
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if (r >= R) break;
+        #pragma unroll
+        for (int c = 0; c < HALF; ++c) {
+            float g = acc[r][c], v = acc[r][HALF + c];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) g += strata_xor(g, off);
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += strata_xor(v, off);
+            if (lane == c && n0 + c < N) {
+                const float gate = static_cast<float>(static_cast<T>(g)), up = static_cast<float>(static_cast<T>(v));
+                out[static_cast<size_t>(row[r]) * N + n0 + c] = static_cast<T>(STRATA_GLU(gate, up));
+            }
+        }
+    }
+"""
+TAIL_KINDS = ("dense", "quantized", "gather", "gather_mxfp4", "dense_glu", "quantized_glu", "gather_glu")
+
+
+def butterfly_kinds() -> dict:
+    """KINDS with every matrix body's tail swapped for the butterfly's."""
+    swapped = {}
+    for kind, (params, body, extra) in KINDS.items():
+        for tail, butterfly in ((kernels._GLU_TAIL, BUTTERFLY_GLU_TAIL), (kernels._TAIL, BUTTERFLY_TAIL)):
+            if body.endswith(tail):
+                body = body[: -len(tail)] + butterfly
+                break
+        else:
+            raise AssertionError(f"{kind}: its body ends with neither tail")
+        swapped[kind] = (params, body, extra)
+    return swapped
+
+
+def tail_case(kind: str, dtype, *, K: int, N: int, rows: int = 8, seed: int = 0):
+    """`inputs(i0, i1)` of kind `kind` (a TAIL_KINDS entry) over rows (picks) i0..i1-1 of `rows`
+    random ones at `dtype` (affine 4-bit, groups of 64; routed experts pick GLU_PICKS)."""
+    if kind in GLU_KINDS:
+        inputs, *_ = glu_case(kind, dtype, K=K, N=N, rows=rows, seed=seed)
+        return lambda i0, i1: inputs(i0, i1, "glu")
+    keys = mx.random.split(mx.random.key(seed), 2)
+    x = mx.random.normal((rows, K), key=keys[0]).astype(dtype)
+    gather = kind.startswith("gather")
+    w = (mx.random.normal((6, N, K) if gather else (N, K), key=keys[1]) * K**-0.5).astype(dtype)
+    weights = ([w] if kind == "dense" else list(mx.quantize(w, 32, 4, mode="mxfp4")) if kind == "gather_mxfp4"
+               else list(mx.quantize(w, 64, 4)))
+    ws = [np.array(a) if a.dtype in (mx.uint32, mx.uint8) else raw_bits(a) for a in weights]
+
+    def inputs(i0: int, i1: int) -> list:
+        shape = [i1 - i0, K, N, 1] if kind == "gather" else [i1 - i0, K, N]
+        return [np.array(shape, np.int32), raw_bits(x[i0:i1]), *ws,
+                *([np.array(GLU_PICKS[i0:i1])] if gather else [])]
+
+    return inputs
+
+
+def check_tail(emu: Emulator, butterfly: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N: int = 37,
+               rows=range(1, 9), cols: int | None = None) -> bool:
+    """For each R in `rows`: kind `kind`'s R-row call (the routed kinds: R picks, up to 8 a block)
+    equals, bit for bit, the same call through `butterfly` (an Emulator whose `kinds` are
+    `butterfly_kinds()`). `cols`: output columns a warp (default: the kind's)."""
+    inputs = tail_case(kind, dtype, K=K, N=N, rows=max(rows))
+    gather = kind.startswith("gather")
+    more = {"DECODE": 0, "PICKS_X": 1} if kind == "gather_mxfp4" else None
+    ok = True
+    for R in rows:
+        got = [e.launch(kind, inputs(0, R), rows=R, blocks_y=R if gather else 1, N=N, out_rows=R, bits=4,
+                        gs=32 if kind == "gather_mxfp4" else 64, cols=cols, more=more, dtype=dtype)
+               for e in (emu, butterfly)]
+        same = np.array_equal(got[0].view(np.uint32), got[1].view(np.uint32))
+        print(f"{kind:14s} {str(dtype).split('.')[-1]:8s} cols {cols or 'default':7} rows {R}  "
+              f"== the butterfly's bits: {same!s:5s} {'ok' if same else 'FAIL'}", flush=True)
+        ok &= same
+    return ok
+
+
+def check_tails(emu: Emulator) -> list[bool]:
+    """check_tail for every matrix kind in float32 and bfloat16, R = 1..8, and for the dense kind
+    at 2 and 8 columns a warp (8 rows x 8 columns: two values a lane)."""
+    butterfly = Emulator(emu.dir, emu.backend)
+    butterfly.kinds = butterfly_kinds()
+    results = [check_tail(emu, butterfly, kind, dtype=dtype) for kind in TAIL_KINDS
+               for dtype in (mx.float32, mx.bfloat16)]
+    return results + [check_tail(emu, butterfly, "dense", cols=cols, rows=(1, 3, 8)) for cols in (2, 8)]
+
+
 MAPPED_TOLERANCE = GLU_TOLERANCE  # of the largest value: the sums' order, the output's rounding
 
 
@@ -1591,6 +1699,7 @@ ONLY = {
     "combine": lambda emu, backend: check_combines(CombineEmulator(emu.dir, backend)),
     "mapped": lambda emu, backend: check_mappeds(emu),
     "embed": lambda emu, backend: check_embeds(EmbedRowsEmulator(emu.dir, backend)),
+    "tails": lambda emu, backend: check_tails(emu),
 }
 
 
@@ -1601,8 +1710,9 @@ def main() -> int:
     parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
     parser.add_argument("--only", choices=ONLY,
                         help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes), "
-                             "mapped (rows_matvec's column-mapped forms, about a minute) or embed "
-                             "(metal_shaders/embed_rows.py, seconds)")
+                             "mapped (rows_matvec's column-mapped forms, about a minute), embed "
+                             "(metal_shaders/embed_rows.py, seconds) or tails (rows_matvec's reduce-scatter "
+                             "against the butterfly, every matrix kind, a few minutes)")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
@@ -1666,6 +1776,7 @@ def main() -> int:
                                   ("gather_glu", mx.bfloat16, 4, 64)):
         results.append(check_glu(emu, kind, dtype=dtype, bits=bits, gs=gs))
     results += check_mappeds(emu)
+    results += check_tails(emu)
     gdn = GDNEmulator(emu.dir, args.backend)
     for B, Hk, Hv, Dk, Dv in ((1, 16, 32, 128, 128), (1, 2, 4, 64, 64), (2, 1, 1, 32, 64)):
         results.append(check_gdn(gdn, B, Hk, Hv, Dk, Dv))
