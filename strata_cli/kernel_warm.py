@@ -24,8 +24,11 @@ the parent moves a worker's new modules into the kept directory only after that 
 0, each file renamed into place and the `.ptx` last, because MLX writes its files in place and
 reads a `.ptx` as complete (a worker killed mid-write must never leave half a module).
 A worker's failure or the timeout is a warning: the parent compiles what is left itself, as
-before. CUDA only, and opt-in until measured there: `STRATA_PARALLEL_WARM=auto` (one core left to the
-parent) or `=N` workers turns it on.
+before. CUDA only. On by default (a fresh H200's first token: 53 s with 15 workers, 243 s
+without): one core left to the parent, and only as many workers as half the free GPU memory and
+half the available host memory hold, each counted at the weights of every piece it might load
+plus WORKER_OVERHEAD_BYTES (`worker_count`); where memory rules them all out, one line says so.
+`STRATA_PARALLEL_WARM=0` turns it off, `=N` launches N whatever the memory.
 """
 
 from __future__ import annotations
@@ -47,7 +50,13 @@ from typing import Callable
 from metal_shaders import kept
 from metal_shaders.precompiled import available_cores
 
-ENV = "STRATA_PARALLEL_WARM"  # unset or "0": off; "auto": cores - 1; a number: that many workers
+from . import cuda_driver
+
+ENV = "STRATA_PARALLEL_WARM"  # unset or "auto": cores - 1 that fit in memory; "0": off; a number: that many
+# A worker's own use beside the weights it loads (its CUDA context, MLX's buffers, the
+# interpreter): an estimate, until the GPU has measured it.
+WORKER_OVERHEAD_BYTES = 1 << 30
+MEMORY_SHARE = 0.5  # of the free GPU memory and the available host memory the workers take together
 TIMEOUT_ENV = "STRATA_PARALLEL_WARM_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 MARKERS = "warmed"
@@ -157,22 +166,60 @@ def assign(units: list[Unit], workers: int) -> list[list[Unit]]:
     return groups
 
 
-def worker_count(num_units: int, env: str | None = None) -> int:
-    """Workers to launch: `STRATA_PARALLEL_WARM` when it is a number, one core left to the
-    parent (min(cores - 1, units)) when it is "auto", else none: off until the H200 has measured
-    that workers bring a fresh machine's first token forward."""
+def worker_count(num_units: int, env: str | None = None, *, per_worker: int = 0,
+                 free: tuple[int | None, ...] = ()) -> int:
+    """Workers to launch, by `STRATA_PARALLEL_WARM`: a number, that many (at most one a unit);
+    "auto" or unset (the default), one core left to the parent (min(cores - 1, units)) and no
+    more than MEMORY_SHARE of each memory in `free` (bytes: the GPU's free memory, the host's
+    available memory) holds at `per_worker` bytes each; anything else, none. A memory the
+    machine cannot tell (None) keeps the default off, where "auto" goes by the cores."""
     env = (os.environ.get(ENV, "") if env is None else env).strip()
     if env.isdigit():
         return min(int(env), num_units)
-    return max(0, min(available_cores() - 1, num_units)) if env == "auto" else 0
+    if env not in ("", "auto"):
+        return 0
+    workers = max(0, min(available_cores() - 1, num_units))
+    for known in free:
+        if known is None:
+            if not env:
+                return 0  # not filled blind
+            continue
+        workers = min(workers, int(known * MEMORY_SHARE) // max(per_worker, 1))
+    return workers
 
 
-def parallel_hint(env: str | None = None) -> str:
-    """What to add to the cold-cache notice where the user has not chosen (`STRATA_PARALLEL_WARM`
-    unset): how to compile in parallel, and what it saved on the H200 (docs/benchmarks.md)."""
-    if (os.environ.get(ENV) if env is None else env) is not None:
-        return ""
-    return f"; {ENV}=auto compiles in parallel processes (a fresh H200: first token in 53 s, not 4 min)"
+def turned_off(env: str | None = None) -> bool:
+    """Whether `STRATA_PARALLEL_WARM` rules workers out whatever the machine ("0", or a word
+    other than "auto")."""
+    env = (os.environ.get(ENV, "") if env is None else env).strip()
+    return env == "0" if env.isdigit() else env not in ("", "auto")
+
+
+def worker_bytes(model, units: list[Unit]) -> int:
+    """What one worker may hold: the weights of every piece `units` name (each worker loads only
+    its own: an upper bound) and WORKER_OVERHEAD_BYTES."""
+    from mlx.utils import tree_flatten
+
+    def nbytes(tree) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(tree))
+
+    layers = {u.layer for u in units if u.piece == LAYER}
+    total = sum(nbytes(model.layers[i].parameters()) for i in layers)
+    if any(u.piece == HEAD for u in units):  # the embedding, final norm and logits: all but the layers
+        total += nbytes(model.parameters()) - sum(nbytes(layer.parameters()) for layer in model.layers)
+    return total + WORKER_OVERHEAD_BYTES
+
+
+def host_available() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def signature(path: Path, dtype: str, units: list[Unit], options: dict) -> dict:
@@ -316,17 +363,24 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
         announce: called with the one line before the workers start, and with each warning.
         timeout: seconds to wait for every worker (default `STRATA_PARALLEL_WARM_TIMEOUT`, else 600).
     """
-    if kernel_dir is None or worker_count(1) < 1 or engine.expert_cache is not None:
-        return None  # off (the default): no plan, no hashing of sources
+    if kernel_dir is None or turned_off() or engine.expert_cache is not None:
+        return None  # no plan, no hashing of sources
     units = plan_units(model, engine, max_T=max_T)
     options = engine_options(engine)
     keys = signature(path, str(dtype), units, options)
-    if is_warmed(keys):
-        return None
-    workers = worker_count(len(units))
-    if not units or workers < 1:
+    if not units or is_warmed(keys):
         return None
     say = announce or (lambda line: None)
+    per_worker = worker_bytes(model, units)
+    free = (cuda_driver.free_memory(), host_available())
+    workers = worker_count(len(units), per_worker=per_worker, free=free)
+    if workers < 1:
+        if available_cores() > 1:  # memory ruled them out: say so, and how to launch them anyway
+            said = ", ".join(f"{where} {'unknown' if b is None else f'{b / 1e9:.1f} GB'}"
+                             for where, b in zip(("GPU", "host"), free))
+            say(f"strata: compiling GPU kernels in this process: a kernel worker needs up to {per_worker / 1e9:.1f} GB "
+                f"and free memory is {said} ({ENV}=N launches N workers anyway)")
+        return None
     say(f"strata: compiling GPU kernels for this machine, once: {workers} workers (kept in {kernel_dir})")
     timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S) if timeout is None else timeout
     report = WarmReport(workers=workers, units=len(units))

@@ -26,7 +26,7 @@ from .experts.switch import attach_streamed_experts
 from .hub import is_repo_id, resolve_repo
 from .integrity import Verification
 from .kernel_cache import KernelCache, prepare_kernel_cache
-from .kernel_warm import WarmReport, parallel_hint, warm_in_parallel
+from .kernel_warm import WarmReport, warm_in_parallel
 from .model.config import ConfigError, dtype_name
 from .model.loader import ModelLoadError, compute_dtype, load_model
 from .options import (
@@ -211,7 +211,7 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
     """
     kernels = prepare_kernel_cache()  # before anything compiles: MLX reads the variable once
     if kernels.notice and announce:
-        announce(kernels.notice + parallel_hint())
+        announce(kernels.notice)
     load = load or LoadOptions()
     path = resolve_model_path(load.model, download=load.download)
     group = find_group()

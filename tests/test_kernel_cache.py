@@ -98,9 +98,6 @@ def test_a_cold_cache_is_announced_before_loading_and_warms_the_first_shape(monk
     runtime = open_model(LoadOptions(), EngineOptions(max_context=64), announce=lambda line: events.append(line),
                          warm_progress=lambda done, total: events.append((done, total)))
     assert "compiling GPU kernels" in events[0] and events[1] == "load"
-    assert events[0].endswith("; STRATA_PARALLEL_WARM=auto compiles in parallel processes (a fresh H200: first token "
-                              "in 53 s, not 4 min)")  # the user chose nothing: the hint
-    assert kernel_warm.parallel_hint("0") == kernel_warm.parallel_hint("auto") == ""
     assert events[2:] == [(0, 1), (1, 1)] and list(runtime.warmup_by_rows) == [1]
 
 

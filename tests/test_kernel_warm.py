@@ -126,13 +126,49 @@ def test_no_workers_off_cuda_or_when_turned_off(demo, tmp_path, monkeypatch):
     assert warm_in_parallel(demo.path, None, demo.model, demo.engine, None, max_T=2) is None
     monkeypatch.setenv(kernel_warm.ENV, "0")
     assert warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2) is None
-    monkeypatch.delenv(kernel_warm.ENV)  # opt-in: unset is off
-    assert warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2) is None
     assert plan_units(object(), demo.engine, max_T=2) == []  # no embed / run_layers / head: whole models only
-    monkeypatch.setenv(kernel_warm.ENV, "")
-    assert kernel_warm.worker_count(30, env="") == 0  # opt-in
-    assert kernel_warm.worker_count(30, env="auto") == max(0, min(kernel_warm.available_cores() - 1, 30))
-    assert kernel_warm.worker_count(30, env="4") == 4 and kernel_warm.worker_count(3, env="8") == 3
+    assert kernel_warm.turned_off("0") and kernel_warm.turned_off("yes")
+    assert not any(kernel_warm.turned_off(env) for env in ("", "auto", " auto ", "3"))
+
+
+def test_workers_fit_the_cores_and_half_of_each_memory():
+    cores = max(0, kernel_warm.available_cores() - 1)
+    count = kernel_warm.worker_count
+    assert count(30, env="auto") == count(30, env="") == min(cores, 30)  # no memory named: the cores
+    assert count(30, env="", per_worker=10, free=(200, 60)) == min(cores, 3)  # half the host's 60: three of 10
+    assert count(30, env="auto", per_worker=10, free=(50, 1000)) == min(cores, 2)
+    assert count(30, env="", per_worker=10, free=(19, 1000)) == 0
+    assert count(30, env="", per_worker=10, free=(None, 1000)) == 0  # a GPU that cannot say: not filled blind
+    assert count(30, env="auto", per_worker=10, free=(None, 1000)) == min(cores, 30)  # asked for: the cores
+    assert count(30, env="4", per_worker=10, free=(0, 0)) == 4 and count(3, env="8") == 3  # a number is a number
+    assert count(30, env="0") == count(30, env="yes") == 0
+
+
+def test_a_worker_is_counted_at_every_piece_it_may_load(demo):
+    from mlx.utils import tree_flatten
+
+    def nbytes(tree):
+        return sum(v.nbytes for _, v in tree_flatten(tree))
+
+    layer, head = Unit("layer", 0, 1, False), Unit("head", -1, 1, False)
+    whole, layers = nbytes(demo.model.parameters()), [nbytes(x.parameters()) for x in demo.model.layers]
+    overhead = kernel_warm.WORKER_OVERHEAD_BYTES
+    assert kernel_warm.worker_bytes(demo.model, [layer]) == layers[0] + overhead
+    assert kernel_warm.worker_bytes(demo.model, [layer, head]) == whole - sum(layers[1:]) + overhead
+    assert kernel_warm.worker_bytes(demo.model, [head, Unit("head", -1, 8, True)]) == whole - sum(layers) + overhead
+
+
+def test_where_memory_rules_workers_out_one_line_says_so(demo, tmp_path, monkeypatch):
+    monkeypatch.delenv(kernel_warm.ENV, raising=False)  # the default
+    monkeypatch.setattr(kernel_warm.cuda_driver, "free_memory", lambda: 2 << 30)  # half of it: 1 GiB, less than a worker
+    monkeypatch.setattr(kernel_warm, "available_cores", lambda: 16)
+    lines = []
+    assert warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2, announce=lines.append) is None
+    assert len(lines) == 1 and lines[0].startswith("strata: compiling GPU kernels in this process: a kernel worker "
+                                                   "needs up to 1.")
+    assert "free memory is GPU 2.1 GB, host " in lines[0] and lines[0].endswith(
+        "(STRATA_PARALLEL_WARM=N launches N workers anyway)")
+    assert not any(p.name.startswith(".warm-") for p in tmp_path.iterdir())  # nothing launched
 
 
 def test_a_failed_or_late_worker_is_a_warning_and_keeps_nothing_of_its_own(demo, tmp_path, monkeypatch):

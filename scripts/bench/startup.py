@@ -10,7 +10,7 @@ workers (strata_cli/kernel_warm.py, strata's default); "later" runs, serial and 
 the directory it filled; the same later process phase by phase (scripts/bench/startup_phases.py:
 imports, opening the model, kernel probes and what was read back, calibration, prompt, the first
 window's shape warm-up and mx.compile traces, the first window); then a fresh machine without
-the kernel workers (STRATA_PARALLEL_WARM=0, a directory of its own; the others set it to auto). Steady tok/s, the median
+the kernel workers (STRATA_PARALLEL_WARM=0, a directory of its own; the others leave the default). Steady tok/s, the median
 and the largest window after the first come from the same stats. Then, each in its own process
 and as the budget allows, every window shape warmed at load (`--warm-shapes`) per row count,
 padded and not, with the kernel cache cold and warm; and the number of kernel modules MLX kept.
@@ -82,7 +82,7 @@ def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (
            "--max-tokens", str(args.tokens), "--suffix-draft", MODES[mode], *extra]
     if args.max_context:
         cmd += ["--max-context", str(args.max_context)]
-    env = clean_env(cache) | {"STRATA_PARALLEL_WARM": "auto" if parallel else "0"}
+    env = clean_env(cache) | ({} if parallel else {"STRATA_PARALLEL_WARM": "0"})  # parallel: the default
     started = time.time()
     try:
         proc = subprocess.run(cmd, input=args.prompt, capture_output=True, text=True, env=env,

@@ -28,6 +28,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from .. import cuda_driver
+
 SLOTS_PER_CHUNK = 16
 PAGE = 4096  # O_DIRECT's alignment (the layout's records are multiples of it)
 
@@ -97,11 +99,10 @@ def cuda_host_mapped() -> Callable[[int, int], bool] | None:
     """`advise(address, size) -> advised`: keep a managed range in host memory, mapped for GPU 0, through
     the CUDA driver's `cuMemAdvise`; None when there is no driver to ask (then staging still
     works, its pages migrating as MLX's own do)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        advise = lib.cuMemAdvise_v2
-    except (OSError, AttributeError):
+    lib = cuda_driver.driver()
+    if lib is None or not hasattr(lib, "cuMemAdvise_v2"):
         return None
+    advise = lib.cuMemAdvise_v2
 
     class Location(ctypes.Structure):
         _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
@@ -113,12 +114,8 @@ def cuda_host_mapped() -> Callable[[int, int], bool] | None:
 
     def run(address: int, size: int) -> bool:
         # advice is a hint: a refusal leaves the range as MLX made it, correct and slower
-        context = ctypes.c_void_p()
-        if lib.cuCtxGetCurrent(ctypes.byref(context)) == 0 and not context.value:
-            dev = ctypes.c_int()  # a thread MLX has not used: its primary context, as MLX's
-            if lib.cuDeviceGet(ctypes.byref(dev), 0) or lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), dev):
-                return False
-            lib.cuCtxSetCurrent(context)
+        if not cuda_driver.has_context(lib):
+            return False
         return not (advise(address, size, set_preferred_location, Location(host, 0))
                     or advise(address, size, set_accessed_by, Location(device, 0)))
 
