@@ -366,3 +366,18 @@ def test_tied_heads_take_the_row_kernel_in_one_call(monkeypatch):
     monkeypatch.setattr(RowSplit, "mode", "never")
     tied_logits(embed, h)
     assert len(calls) == 2
+
+
+def test_kernel_bench_can_time_the_butterfly_tail_the_kernels_had(monkeypatch):
+    from scripts.bench import kernel_bench
+    from scripts.lab import kernel_emulate
+
+    for name, value in list(vars(kernels).items()):  # restored after the test
+        monkeypatch.setattr(kernels, name, value)
+    made = []
+    monkeypatch.setattr(kernels, "_kernel", lambda name, inputs, body, extra="": made.append((name, body)))
+    assert kernel_bench.use_butterfly_tail() == len(kernel_emulate.KINDS)
+    assert kernels.DENSE.endswith(kernel_emulate.BUTTERFLY_TAIL)
+    assert kernels.GATHER_QUANTIZED_GLU.endswith(kernel_emulate.BUTTERFLY_GLU_TAIL)
+    kernels._kernel("strata_rows_matvec_v4", ["dims", "x", "w"], kernels.DENSE)
+    assert made == [("strata_rows_matvec_v4_butterfly", kernels.DENSE)]  # its own name: no cache mixes them

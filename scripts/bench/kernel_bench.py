@@ -46,6 +46,10 @@ is lower (docs/families.md); the head is the largest read of a step, so this say
 dense kernel is the gap.
 
     python -m scripts.bench.kernel_bench --dense --out kernel_bench_dense.json  # GPU, about a minute
+
+`--butterfly-tail` gives the matrix kernels the tail they had before their reduce-scatter (the same
+bits; every value summed by its own xor butterfly): two processes, with and without it, alternating
+on one machine, time the change.
 """
 
 from __future__ import annotations
@@ -505,6 +509,25 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def use_butterfly_tail() -> int:
+    """Give rows_matvec's bodies the tail they had before their reduce-scatter (every value
+    summed by its own xor butterfly: scripts/lab/kernel_emulate.py's BUTTERFLY_TAIL, the same
+    bits) and their kernels other names, so a run of this process times the old tail against a
+    run of another process, on the same machine. Returns the bodies swapped."""
+    from scripts.lab.kernel_emulate import KINDS, butterfly_kinds
+
+    old = butterfly_kinds()
+    swapped = 0
+    for attr, value in list(vars(kernels).items()):
+        kind = next((k for k, (_, body, _) in KINDS.items() if body is value), None)
+        if isinstance(value, str) and kind is not None:
+            setattr(kernels, attr, old[kind][1])
+            swapped += 1
+    make = kernels._kernel
+    kernels._kernel = lambda name, *a, **k: make(f"{name}_butterfly", *a, **k)
+    return swapped
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
@@ -518,7 +541,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dense", action="store_true",
                         help="only GPT-OSS-20B's bfloat16 linears (its 201,088-column head among them): "
                              "rows_matvec against MLX's matmul")
+    parser.add_argument("--butterfly-tail", action="store_true",
+                        help="time the matrix kernels with the tail they had before the reduce-scatter "
+                             "(same bits, five shuffles a value), to set against a run without it")
     args = parser.parse_args(argv)
+    if args.butterfly_tail:
+        print(f"the butterfly tail: {use_butterfly_tail()} bodies swapped", flush=True)
     small = args.small or mx.default_device() == mx.cpu
     cols = tuple(int(c) for c in args.cols.split(",") if c.strip())
     repeats = args.repeats or (3 if small else 20)
