@@ -16,7 +16,9 @@ after every row; a phase or row that would start after the budget is skipped and
    the page cache first (reads: `--cold-io`), warm repeats the run with buffered reads after every
    cold row, the page cache holding what the cold runs read. Per row: tokens/s, bytes read per token, hit rate,
    late waits, experts per layer per window by T, and the decode time per token split into waiting
-   on reads, blocking on the routing read-back, installing experts, and the rest (compute, drafting).
+   on reads, blocking on the routing read-back, installing experts, and the rest (compute, drafting);
+   and the read-back itself split by a line through its per-block waits against the records
+   installed before it (`router_sync_split`: ms per installed record, ms without installs).
    `speculative_identical`: draft3 and auto produced serial's tokens at every cache size.
 4. Cache-aware routing (MoCE, approximate) at `--moce-fraction` (25%): tokens/s against exact
    routing, cold, and teacher-forced top-1 agreement with exact greedy tokens (moce_agreement's parts).
@@ -289,10 +291,19 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
                 log(f"  {name:<18} {row['tokens_per_s']:7.2f} tok/s  {row['bytes_read_per_token'] / 1e6:8.1f} "
                     f"MB/token  hit {row['hit_rate']:.0%}  late waits {row['late_waits']}  ms/token: reads "
                     f"{split['read_wait']:.0f} / sync {split['router_sync']:.0f} / "
-                    f"installs {split['installs']:.0f} / compute {split['compute']:.0f}  "
+                    f"installs {split['installs']:.0f} / compute {split['compute']:.0f}{sync_note(row)}  "
                     f"same as serial: {row['identical_to_serial']}  ({deadline - time.perf_counter():.0f} s of the sweep's budget left)")
                 save()
     release(model)
+
+
+def sync_note(row: dict) -> str:
+    """The routing read-back's split (stream_curve.router_sync_split), for the row's log line."""
+    split = row.get("router_sync_split")
+    if not split:
+        return ""
+    return (f" (a read-back: {split['ms_without_installs']:.1f} ms + {split['ms_per_installed_record']:.2f} ms "
+            f"per record installed before it)")
 
 
 def find(rows: list[dict], fraction: float, mode: str, temperature: str) -> dict | None:

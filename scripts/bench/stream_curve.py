@@ -234,6 +234,7 @@ def one_run(engine, prompt: list[int], *, tokens: int, drafts: int = 0, spec: Sp
             by_T.setdefault(w.T, []).append(sum(w.experts.union_experts) / len(w.experts.union_experts))
     waits = {"read_wait": e["late_wait_ms"], "router_sync": e["router_sync_ms"], "installs": e["install_ms"]}
     total_ms = 1000 * s["decode_seconds"]
+    sync = router_sync_split(stats.windows)
     return {
         "tokens_per_s": s["tokens_per_s"],
         "acceptance": s["acceptance"],
@@ -251,11 +252,33 @@ def one_run(engine, prompt: list[int], *, tokens: int, drafts: int = 0, spec: Sp
         # decode ms per token: waiting on reads, blocked on routing, installing, and the rest (compute
         # outside the routing read-backs, drafting, host work)
         "ms_per_token": {k: v / len(out) for k, v in {**waits, "compute": total_ms - sum(waits.values())}.items()},
+        "router_sync_split": sync,
         "cold_beyond_root": e["cold_experts_beyond_root"],
         "misses": e["misses"],
         "hits": e["hits"],
         "output": out,
     }
+
+
+def router_sync_split(windows) -> dict | None:
+    """The routing read-back of block i evaluates block i-1's installs (left lazy) with the rest
+    of the layer's compute. A least-squares line through every decode window's (records installed
+    at block i-1, ms blocked at block i's read-back) says how much of the wait grows with the
+    installs (`ms_per_installed_record`) and how much does not (`ms_without_installs`, per
+    block); None with fewer than 3 samples or one install count only."""
+    installed, waited = [], []
+    for w in windows:
+        if w.experts is None or not w.experts.layers:
+            continue
+        layers = w.experts.layers
+        for before, at in zip(layers, layers[1:]):
+            installed.append(before["cold_misses"] + before["capacity_misses"] + before["prefetch_hits"])
+            waited.append(1000 * at["router_sync_seconds"])
+    if len(installed) < 3 or len(set(installed)) < 2:
+        return None
+    slope, intercept = np.polyfit(np.array(installed, float), np.array(waited, float), 1)
+    return {"ms_per_installed_record": float(slope), "ms_without_installs": float(intercept),
+            "samples": len(installed), "mean_records": float(np.mean(installed)), "mean_ms": float(np.mean(waited))}
 
 
 def synthetic_prompts(preset: dict, seed: int, count: int) -> list[list[int]]:

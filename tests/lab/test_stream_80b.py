@@ -53,3 +53,25 @@ def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
 
     moce = report["moce"]
     assert moce["approximate"] is True and 0 <= moce["top1_agreement"] <= 1 and moce["moce_tokens_per_s"] > 0
+
+
+def test_the_read_back_splits_into_installs_and_the_rest():
+    """A read-back of 2 ms plus 0.5 ms per record installed at the block before it comes out as
+    such; one install count only, or too few samples, is no split."""
+    from types import SimpleNamespace
+
+    def block(installed, sync_ms):
+        return {"cold_misses": installed // 2, "capacity_misses": 0, "prefetch_hits": installed - installed // 2,
+                "router_sync_seconds": sync_ms / 1000}
+
+    def window(*installs):  # the first block's read-back has nothing installed before it: not a sample
+        blocks = [block(n, 0.0) for n in installs] + [block(0, 0.0)]
+        for before, at in zip(blocks, blocks[1:]):
+            at["router_sync_seconds"] = (2 + 0.5 * (before["cold_misses"] + before["prefetch_hits"])) / 1000
+        return SimpleNamespace(T=1, experts=SimpleNamespace(layers=tuple(blocks)))
+
+    split = stream_curve.router_sync_split([window(0, 4, 9), window(2, 6), SimpleNamespace(T=1, experts=None)])
+    assert split["samples"] == 5 and abs(split["ms_per_installed_record"] - 0.5) < 1e-9
+    assert abs(split["ms_without_installs"] - 2.0) < 1e-9
+    assert stream_curve.router_sync_split([window(3, 3, 3)]) is None  # one count: no line
+    assert stream_curve.router_sync_split([window(1, 5)]) is None  # two samples
