@@ -168,3 +168,30 @@ def test_window_passes_keep_the_window_form(checkpoints, monkeypatch):
     assert calls and not any(is_sorted for _, is_sorted in calls)
     assert max(rows for rows, _ in calls) > 8  # passes larger than a window's row count ran
     streamed.expert_cache.close()
+
+
+@pytest.mark.parametrize("fraction", [0.10, 1.00])
+def test_preloaded_experts_decode_as_the_full_model_and_a_full_cache_reads_no_more(checkpoints, reference, fraction):
+    slots = max(1, round(NUM_EXPERTS * fraction))
+    streamed = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=slots))
+    cache = streamed.expert_cache
+    blocks, seen = len(cache.paths), []
+    assert cache.preload(progress=lambda done, total: seen.append((done, total))) == slots * blocks
+    assert seen == [(b + 1, blocks) for b in range(blocks)]
+    assert all(cache.resident(path) == list(range(slots)) for path in cache.paths)  # file order
+    assert cache.preload() == 0  # nothing free, nothing missing: nothing read again
+    prompt = token_stream(5, 30)
+
+    def decode(model, drafts):
+        out, stats = [], DecodeStats()
+        for step in generate(WindowEngine(model), prompt, options=GenerateOptions(max_tokens=16),
+                             spec=SpecOptions(max_drafts=drafts), eos_ids=(), stats=stats):
+            out += step.tokens
+        return out, stats.summary()["experts"]
+
+    want, _ = decode(reference, 0)
+    for drafts in (0, 3):
+        got, experts = decode(streamed, drafts)
+        assert got == want
+        assert (experts["bytes_read"] == 0) == (fraction == 1.0)
+    cache.close()

@@ -159,3 +159,18 @@ def test_cli_stats_and_json_report_expert_telemetry(demo_streamed):
     assert "experts per MoE layer" in result.output and "c>root" in result.output
     result = CliRunner().invoke(cli, ["generate", "x", "-n", "2", "--resident-experts", "3"])  # the demo is not streamed
     assert result.exit_code == 1 and "streamed checkpoint" in result.output
+
+
+def test_a_corrupted_record_stops_a_preload_naming_it(copy):
+    model = load_checkpoint(copy, stream=StreamOptions(resident_experts=8))
+    block = model.expert_cache.store.blocks["model.layers.1.mlp.switch_mlp"]
+    offset, length, _ = block.records[5]
+    with open(layer_file(copy, 1), "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(ExpertReadError, match=r"layer_001\.bin: checksum mismatch in expert 5 of model\.layers\.1"):
+        model.expert_cache.preload()
+    assert model.expert_cache.resident("model.layers.0.mlp.switch_mlp") == list(range(8))  # the blocks before it
+    model.expert_cache.close()

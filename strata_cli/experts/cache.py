@@ -26,6 +26,8 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
   through a `ReadQueue` (experts/reads.py): with `readahead_depth`, demand reads go first, and a
   block that routes cancels its read-aheads still queued that it did not pick and promotes the
   ones it did to demand reads.
+- Preload (`preload`): free slots filled before any window, block by block in file order, so a
+  cache that holds every expert never reads while decoding and the disk sees long runs.
 
 Exactness: routing is the model's own (each token's softmax top-k, computed before the cache is
 asked) unless the user opts into cache-aware routing (experts/moce.py, `is_approximate`); the cache only decides where an expert's weights sit, and the matmuls are the resident
@@ -284,6 +286,32 @@ class ExpertCache:
         self._counts[i, _C["substitutions"]] += substitutions
         self._counts[i, _C["misses_saved"]] += misses_saved
         self._counts[i, _C["bytes_saved"]] += misses_saved * self._blocks[i].layout.stride
+
+    def preload(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Read experts into free slots before any window, block by block in file order (expert
+        0 first), each block's slots full or its experts all in: a cache that holds the whole
+        model then never reads while decoding, and the disk sees long runs instead of one record
+        per miss. At most `2 · io_threads` reads are in flight (so as many staging slots), and
+        each block's installs run before the next block's reads begin. `progress(done, total)`
+        after each block. Returns the records read.
+
+        Raises:
+            ExpertReadError: a record could not be read (naming the file and the expert).
+        """
+        self._raise_deferred()
+        total, depth = 0, 2 * self.options.io_threads
+        for i, block in enumerate(self._blocks):
+            free = np.nonzero(block.expert_in < 0)[0].tolist()
+            wanted = [e for e in range(len(block.slot_of)) if block.slot_of[e] < 0][: len(free)]
+            for start in range(0, len(wanted), depth):
+                group = wanted[start : start + depth]
+                pending = [(e, self._submit(i, e)) for e in group]
+                self._write(i, pending, free[start : start + len(group)])
+            mx.eval(list(block.banks.values()))
+            total += len(wanted)
+            if progress:
+                progress(i + 1, len(self._blocks))
+        return total
 
     # -- serving a block -----------------------------------------------------------------------
 
