@@ -43,6 +43,17 @@ def layer_file(path, layer: int):
     return path / "experts" / f"layer_{layer:03d}.bin"
 
 
+def flip_a_byte_of_expert_5_of_layer_1(model, path) -> None:
+    """One bit of the middle byte of layer 1's expert 5 record, flipped on disk."""
+    block = model.expert_cache.store.blocks["model.layers.1.mlp.switch_mlp"]
+    offset, length, _ = block.records[5]
+    with open(layer_file(path, 1), "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
 def decode(model, tokens=range(1, 20)):
     steps = generate(WindowEngine(model), list(tokens), options=GenerateOptions(max_tokens=8),
                      spec=SpecOptions(max_drafts=3), eos_ids=())
@@ -67,13 +78,7 @@ def test_truncated_after_load_is_a_short_read(copy):
 
 def test_corrupted_record_fails_its_checksum(copy):
     model = load_checkpoint(copy, stream=StreamOptions(resident_experts=4, prefetch="off"))
-    block = model.expert_cache.store.blocks["model.layers.1.mlp.switch_mlp"]
-    offset, length, _ = block.records[5]
-    with open(layer_file(copy, 1), "r+b") as f:
-        f.seek(offset + length // 2)
-        byte = f.read(1)
-        f.seek(offset + length // 2)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_a_byte_of_expert_5_of_layer_1(model, copy)
     model.expert_cache.begin_window()
     x = mx.zeros((1, model.config.hidden_size))
     with pytest.raises(ExpertReadError, match=r"layer_001\.bin: checksum mismatch in expert 5 of model\.layers\.1"):
@@ -163,13 +168,7 @@ def test_cli_stats_and_json_report_expert_telemetry(demo_streamed):
 
 def test_a_corrupted_record_stops_a_preload_naming_it(copy):
     model = load_checkpoint(copy, stream=StreamOptions(resident_experts=8))
-    block = model.expert_cache.store.blocks["model.layers.1.mlp.switch_mlp"]
-    offset, length, _ = block.records[5]
-    with open(layer_file(copy, 1), "r+b") as f:
-        f.seek(offset + length // 2)
-        byte = f.read(1)
-        f.seek(offset + length // 2)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_a_byte_of_expert_5_of_layer_1(model, copy)
     with pytest.raises(ExpertReadError, match=r"layer_001\.bin: checksum mismatch in expert 5 of model\.layers\.1"):
         model.expert_cache.preload()
     assert model.expert_cache.resident("model.layers.0.mlp.switch_mlp") == list(range(8))  # the blocks before it
