@@ -220,7 +220,7 @@ def measure_disk(path: Path, *, threads: int, seconds: float, seed: int, log) ->
 
 
 def fresh_engine(model, path: Path, *, slots: int, io: str, threads: int, dtype: mx.Dtype,
-                 warm_rows: set[int]) -> WindowEngine:
+                 warm_rows: set[int], readahead: dict | None = None) -> WindowEngine:
     """`model` with a new, empty expert cache of `slots` per layer reading with `io`, in a new
     engine that knows the window shapes this process already built (`warm_rows`). Cheaper than
     loading the model again: the dense weights stay. Exact routing only (MoCE hooks the old cache)."""
@@ -232,7 +232,7 @@ def fresh_engine(model, path: Path, *, slots: int, io: str, threads: int, dtype:
     blocks = [(m.path, modules[m.path.rsplit(".", 1)[0]]) for m in switches]
     if model.expert_cache is not None:
         release(model)  # the old banks go before the new ones are allocated
-    options = StreamOptions(resident_experts=slots, io=io, io_threads=threads)
+    options = StreamOptions(resident_experts=slots, io=io, io_threads=threads, **(readahead or {}))
     store = ExpertStore(path, io=io, verify=options.verify)
     cache = ExpertCache(store, blocks, num_slots=slots, dtype=dtype, options=options)
     for m in switches:
@@ -259,12 +259,15 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
     warm repeats go first. Rows land in report["rows"] as they finish."""
     cold_io = args.cold_io if dropped else "direct"  # without a drop, only O_DIRECT keeps the page cache out
     cold_here = set()  # the cold rows this process ran: what the page cache holds
+    readahead = {"readahead_depth": args.readahead_depth, "readahead_min_prob": args.readahead_min_prob}
+    setting = "" if readahead_of(readahead) == readahead_of({}) else (
+        f" D{args.readahead_depth or '-'} C{args.readahead_min_prob:g}")
     for temperature in args.temperatures:
         for fraction in args.fractions:
             slots = max(1, math.ceil(E * fraction))
             for mode in args.modes:
-                name = f"{fraction:.0%} {mode} {temperature}"
-                if find(report["rows"], fraction, mode, temperature) is not None:
+                name = f"{fraction:.0%} {mode} {temperature}{setting}"
+                if find(report["rows"], fraction, mode, temperature, readahead) is not None:
                     continue  # measured by the run this one resumes
                 if time.perf_counter() > deadline:
                     report["skipped"].append(name)
@@ -272,17 +275,17 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
                     continue
                 io = cold_io if temperature == "cold" else "buffered"
                 engine = fresh_engine(model, path, slots=slots, io=io, threads=args.io_threads, dtype=dtype,
-                                      warm_rows=warm_rows)
+                                      warm_rows=warm_rows, readahead=readahead)
                 if temperature == "cold" and dropped:
                     stream_curve.drop_page_cache()
-                row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature,
+                row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature, **readahead,
                        **measure_row(engine, prompt, tokens=args.tokens, spec=modes[mode], disk_gbps=disk_gbps)}
                 del engine  # it holds the cache: its banks must go before the next row allocates its own
                 if temperature == "warm":
                     primed = cold_io == "buffered" and (fraction, mode) in cold_here
                     row["page_cache"] = ("holds the cold run's reads" if primed
                                          else "not filled by a cold run of this row")
-                serial = find(report["rows"], fraction, "serial", "cold")
+                serial = find(report["rows"], fraction, "serial", "cold", readahead)
                 row["identical_to_serial"] = None if serial is None else row["output"] == serial["output"]
                 report["rows"].append(row)
                 if temperature == "cold":
@@ -306,9 +309,16 @@ def sync_note(row: dict) -> str:
             f"per record installed before it)")
 
 
-def find(rows: list[dict], fraction: float, mode: str, temperature: str) -> dict | None:
-    key = (fraction, mode, temperature)
-    return next((r for r in rows if (r["cache_fraction"], r["mode"], r["temperature"]) == key), None)
+def find(rows: list[dict], fraction: float, mode: str, temperature: str, readahead: dict | None = None) -> dict | None:
+    """The row of this cache size, mode, temperature and read-ahead setting (rows from before the
+    setting was recorded ran the defaults)."""
+    key = (fraction, mode, temperature, readahead_of(readahead or {}))
+    return next((r for r in rows if (r["cache_fraction"], r["mode"], r["temperature"], readahead_of(r)) == key), None)
+
+
+def readahead_of(where: dict) -> tuple:
+    """(read-ahead depth, min probability) of a row or a setting, the defaults where absent."""
+    return where.get("readahead_depth"), where.get("readahead_min_prob", 0.0)
 
 
 def release(model) -> None:
@@ -388,10 +398,16 @@ def table(rows: list[dict]) -> str:
     lines = [("| cache | mode | cold/warm | io | tok/s | MB read/token | hit rate | late waits | union/layer by T | "
               "ms/token: reads / sync / installs / compute | disk-bound tok/s | of bound | = serial |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["temperature"], r["cache_fraction"], list(MODES).index(r["mode"]))):
+    def order(r: dict) -> tuple:
+        depth, prob = readahead_of(r)
+        return r["temperature"], r["cache_fraction"], depth or 0, prob, list(MODES).index(r["mode"])
+
+    for r in sorted(rows, key=order):
         s, bound, share = r["time_split_ms_per_token"], r["disk_bound_tokens_per_s"], r["of_disk_bound"]
         unions = " ".join(f"{t}:{u:.1f}" for t, u in r["union_per_layer_by_T"].items())
-        lines.append(f"| {r['cache_fraction']:.0%} | {r['mode']} | {r['temperature']} | {r['io_mode']} | "
+        depth, prob = readahead_of(r)
+        mode = r["mode"] + ("" if (depth, prob) == readahead_of({}) else f" D{depth or '-'} C{prob:g}")
+        lines.append(f"| {r['cache_fraction']:.0%} | {mode} | {r['temperature']} | {r['io_mode']} | "
                      f"{r['tokens_per_s']:.2f} | {r['bytes_read_per_token'] / 1e6:.1f} | {r['hit_rate']:.0%} | "
                      f"{r['late_waits']} | {unions} | {s['read_wait']:.0f} / {s['router_sync']:.0f} / "
                      f"{s['installs']:.0f} / {s['compute']:.0f} | {'-' if bound is None else f'{bound:.2f}'} | "
@@ -416,6 +432,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="reads of cold runs (default buffered, the page cache dropped first, so that the warm "
                              "run finds what it read; direct when the page cache cannot be dropped)")
     parser.add_argument("--io-threads", type=int, default=8)
+    parser.add_argument("--readahead-depth", type=int, default=None,
+                        help="demand reads first, at most this many read-aheads at the disk (StreamOptions; default: "
+                             "every read in submission order); rows are kept per setting, so a --resume with "
+                             "another setting measures its rows beside the first's")
+    parser.add_argument("--readahead-min-prob", type=float, default=0.0,
+                        help="router read-ahead only of picks some row predicts at this probability (default 0)")
     parser.add_argument("--disk-seconds", type=float, default=None,
                         help="seconds per disk figure (default 1; tiny 0.05)")
     parser.add_argument("--moce", default="1:1:e", help="the MoCE setting (moce_agreement's J:B[:N][:e]...); "

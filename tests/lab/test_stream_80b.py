@@ -75,3 +75,13 @@ def test_the_read_back_splits_into_installs_and_the_rest():
     assert abs(split["ms_without_installs"] - 2.0) < 1e-9
     assert stream_curve.router_sync_split([window(3, 3, 3)]) is None  # one count: no line
     assert stream_curve.router_sync_split([window(1, 5)]) is None  # two samples
+
+
+def test_rows_are_kept_per_read_ahead_setting():
+    old = {"cache_fraction": 0.1, "mode": "serial", "temperature": "cold"}  # a JSON from before the setting
+    deep = {**old, "readahead_depth": 8, "readahead_min_prob": 0.0}
+    rows = [old, deep]
+    assert stream_80b.find(rows, 0.1, "serial", "cold") is old
+    assert stream_80b.find(rows, 0.1, "serial", "cold", {"readahead_depth": None, "readahead_min_prob": 0.0}) is old
+    assert stream_80b.find(rows, 0.1, "serial", "cold", {"readahead_depth": 8, "readahead_min_prob": 0.0}) is deep
+    assert stream_80b.find(rows, 0.1, "serial", "cold", {"readahead_depth": 8, "readahead_min_prob": 0.3}) is None
