@@ -347,7 +347,7 @@ def split_groups(units: list[Unit], workers: int) -> tuple[list[list[Unit]], lis
 
 def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: Path | None, *,
                      max_T: int, announce: Callable[[str], None] | None = None,
-                     timeout: float | None = None) -> WarmReport | None:
+                     timeout: float | None = None, explain_refusal: bool = True) -> WarmReport | None:
     """Compile this model's kernels in worker processes when this machine has not yet (see the
     module docstring); None when nothing was launched (not CUDA, off, warmed already, streamed
     experts, a model that does not split by layer, fewer than one worker).
@@ -362,6 +362,8 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
         max_T: the largest window warmed.
         announce: called with the one line before the workers start, and with each warning.
         timeout: seconds to wait for every worker (default `STRATA_PARALLEL_WARM_TIMEOUT`, else 600).
+        explain_refusal: announce why no worker starts where memory rules them out (the CLI:
+            on a machine whose kernel cache was empty, where this process then compiles).
     """
     if kernel_dir is None or turned_off() or engine.expert_cache is not None:
         return None  # no plan, no hashing of sources
@@ -375,7 +377,7 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
     free = (cuda_driver.free_memory(), host_available())
     workers = worker_count(len(units), per_worker=per_worker, free=free)
     if workers < 1:
-        if available_cores() > 1:  # memory ruled them out: say so, and how to launch them anyway
+        if explain_refusal and available_cores() > 1:  # memory ruled them out: say so, and the way round
             said = ", ".join(f"{where} {'unknown' if b is None else f'{b / 1e9:.1f} GB'}"
                              for where, b in zip(("GPU", "host"), free))
             say(f"strata: compiling GPU kernels in this process: a kernel worker needs up to {per_worker / 1e9:.1f} GB "

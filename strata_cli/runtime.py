@@ -233,7 +233,7 @@ def open_model(load: LoadOptions | None = None, engine: EngineOptions | None = N
     workers = None
     if stage is None:  # a fresh GPU machine: build this model's kernels in worker processes first
         workers = warm_in_parallel(path, load.dtype, model, window_engine, kernels.path,
-                                   max_T=MAX_SUFFIX_DRAFT + 1, announce=announce)
+                                   max_T=MAX_SUFFIX_DRAFT + 1, announce=announce, explain_refusal=kernels.cold)
     if should_warm_shapes(window_engine.options):
         warmup_by_rows = window_engine.warm_up(MAX_SUFFIX_DRAFT + 1, progress=warm_progress)
     elif kernels.cold and window_engine.warms_on_first_use:

@@ -169,6 +169,10 @@ def test_where_memory_rules_workers_out_one_line_says_so(demo, tmp_path, monkeyp
     assert "free memory is GPU 2.1 GB, host " in lines[0] and lines[0].endswith(
         "(STRATA_PARALLEL_WARM=N launches N workers anyway)")
     assert not any(p.name.startswith(".warm-") for p in tmp_path.iterdir())  # nothing launched
+    quiet = []  # a machine whose kernel cache was filled before: nothing to say
+    warm_in_parallel(demo.path, None, demo.model, demo.engine, tmp_path, max_T=2, announce=quiet.append,
+                     explain_refusal=False)
+    assert quiet == []
 
 
 def test_a_failed_or_late_worker_is_a_warning_and_keeps_nothing_of_its_own(demo, tmp_path, monkeypatch):
