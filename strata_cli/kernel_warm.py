@@ -383,7 +383,8 @@ def warm_in_parallel(path: Path, dtype: str | None, model, engine, kernel_dir: P
             say(f"strata: compiling GPU kernels in this process: a kernel worker needs up to {per_worker / 1e9:.1f} GB "
                 f"and free memory is {said} ({ENV}=N launches N workers anyway)")
         return None
-    say(f"strata: compiling GPU kernels for this machine, once: {workers} workers (kept in {kernel_dir})")
+    say(f"strata: compiling GPU kernels for this machine, once: {workers} workers of up to "
+        f"{per_worker / 1e9:.1f} GB each (kept in {kernel_dir})")
     timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S) if timeout is None else timeout
     report = WarmReport(workers=workers, units=len(units))
     start = time.perf_counter()

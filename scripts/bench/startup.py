@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.bench import gpu_memory
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_FILE = ROOT / "examples" / "prompts" / "prose.txt"
 MODES = {"serial": "0", "auto": "auto"}
@@ -84,18 +86,22 @@ def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (
         cmd += ["--max-context", str(args.max_context)]
     env = clean_env(cache) | ({} if parallel else {"STRATA_PARALLEL_WARM": "0"})  # parallel: the default
     started = time.time()
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    memory = gpu_memory.Watch(proc.pid).start()  # the process and its kernel workers
     try:
-        proc = subprocess.run(cmd, input=args.prompt, capture_output=True, text=True, env=env,
-                              timeout=args.process_timeout)
-    except subprocess.TimeoutExpired as e:
+        stdout, stderr = proc.communicate(args.prompt, timeout=args.process_timeout)
+    except subprocess.TimeoutExpired:
         # A fresh machine's first process can outlast the timeout: record it, keep what it compiled.
-        tail = (e.stderr or b"")[-2000:]
-        return {"mode": mode, "timed_out": True, "process_s": time.time() - started,
-                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail, "token_ids": []}
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        return {"mode": mode, "timed_out": True, "process_s": time.time() - started, "stderr_tail": stderr[-2000:],
+                "gpu_memory": memory.stop(), "token_ids": []}
     wall = time.time() - started
+    gpu = memory.stop()
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    record = json.loads(proc.stdout.splitlines()[-1])
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {stderr[-2000:]}")
+    record = json.loads(stdout.splitlines()[-1])
     stats = record["stats"]
     return {
         "mode": mode,
@@ -112,11 +118,14 @@ def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (
         "generated_tokens": stats["generated_tokens"],
         "drafts_offered": stats["drafts_offered"],
         "windows_by_T": stats["window_T_histogram"],
-        "announced_compile": "compiling GPU kernels" in proc.stderr,
-        "kernel_workers": kernel_workers(proc.stderr),
+        "announced_compile": "compiling GPU kernels" in stderr,
+        "kernel_workers": kernel_workers(stderr),
+        # GPU memory the workers held against what kernel_warm counts each at (None without nvidia-smi)
+        "worker_estimate_gb": worker_estimate_gb(stderr),
+        "gpu_memory": gpu,
         # the prompt path's workers still compiling at the first token: the exit waited for them
-        "exit_waited_for_workers": "waiting for the kernel workers" in proc.stderr,
-        "worker_warnings": [line for line in proc.stderr.splitlines() if "warning: kernel worker" in line],
+        "exit_waited_for_workers": "waiting for the kernel workers" in stderr,
+        "worker_warnings": [line for line in stderr.splitlines() if "warning: kernel worker" in line],
         "token_ids": record["token_ids"],
     }
 
@@ -125,6 +134,23 @@ def kernel_workers(stderr: str) -> int:
     """The kernel workers a process launched (its "once: K workers" line), 0 when none."""
     found = re.search(r"once: (\d+) workers", stderr)
     return int(found.group(1)) if found else 0
+
+
+def worker_estimate_gb(stderr: str) -> float | None:
+    """What kernel_warm counted each worker at (its "of up to X GB each" line), None without workers."""
+    found = re.search(r"workers of up to ([\d.]+) GB each", stderr)
+    return float(found.group(1)) if found else None
+
+
+def memory_note(run: dict) -> str:
+    """The GPU memory a run's processes held, for its log line ("" without nvidia-smi)."""
+    gpu = run.get("gpu_memory")
+    if not gpu:
+        return ""
+    workers = (f", {len(gpu['worker_peaks_mib'])} workers up to {gpu['worker_peak_mib']} MiB"
+               + (f" (counted at {run['worker_estimate_gb']} GB)" if run.get("worker_estimate_gb") else "")
+               if gpu["worker_peaks_mib"] else "")
+    return f"; GPU memory: the process {gpu['parent_peak_mib']} MiB{workers}, together {gpu['total_peak_mib']} MiB"
 
 
 def phases_run(model: Path, mode: str, cache: Path, args) -> dict:
@@ -250,7 +276,8 @@ def fresh_machine(runs: list[dict]) -> dict:
                 "ttft_s": r.get("ttft_s"), "timed_out_after_s": r["process_s"] if r.get("timed_out") else None,
                 "kernel_workers": r.get("kernel_workers"), "load_warmup_s": r.get("load_warmup_s"),
                 "prefill_s": r.get("prefill_s"), "kept_modules_after": r["kept_modules_after"],
-                "process_s": r["process_s"], "exit_waited_for_workers": r.get("exit_waited_for_workers")}
+                "process_s": r["process_s"], "exit_waited_for_workers": r.get("exit_waited_for_workers"),
+                "worker_estimate_gb": r.get("worker_estimate_gb"), "gpu_memory": r.get("gpu_memory")}
     return out
 
 
@@ -324,7 +351,8 @@ def run(args) -> dict:
         print(f"{label}: first token {r['ttft_s']:.1f} s (process {r['process_s']:.1f} s, "
               f"{r['kernel_workers']} kernel workers, load warm-up {r['load_warmup_s']:.1f} s), "
               f"{r['steady_tokens_per_s']:.1f} tok/s, window median {r['median_window_ms']:.2f} ms, "
-              f"max {r['max_window_ms_after_first_token']:.2f} ms, drafts offered {r['drafts_offered']}", flush=True)
+              f"max {r['max_window_ms_after_first_token']:.2f} ms, drafts offered {r['drafts_offered']}"
+              + memory_note(r), flush=True)
         save()
     result["fresh_machine"] = fresh_machine(result["runs"])
     ids = result.pop("token_ids", {})

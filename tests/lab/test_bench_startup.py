@@ -25,6 +25,7 @@ def test_startup_tiny_writes_every_field(tmp_path):
     fresh = data["fresh_machine"]
     assert set(fresh) == {"with_kernel_workers", "without_kernel_workers"}
     assert all(f["ttft_s"] > 0 and f["kernel_workers"] == 0 for f in fresh.values())  # no workers on the CPU
+    assert all(f["gpu_memory"] is None and f["worker_estimate_gb"] is None for f in fresh.values())  # no GPU
     for mode in ("serial", "auto"):  # a later process, phase by phase, adds up to its first token
         p = data["later_phases"][mode]
         assert {"import_strata_s", "open_model_s", "prompt_s", "first_window_shape_warm_s", "first_window_s"} <= set(p["phases_s"])
