@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU measurements the current tree owes (docs/benchmarks.md, "Not measured on the current
+# tree"), as stages of under 10 minutes each, in the order a loaned H200 should take them. Every
+# stage writes its JSON and log under $OUT (default ./gpu-out); MLX's CUDA build must be importable.
+#
+#   bash scripts/bench/gpu_owed.sh startup   # first on a fresh machine: its caches are still empty
+#   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
+#   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
+#   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
+#   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
+#   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint, cold rows, in the background
+#   bash scripts/bench/gpu_owed.sh stream-wait      # wait for it, then demand-first reads at 10% and 25%
+#
+# `stream` returns at once (the build and its rows take ~15 minutes); `stream-wait` may be called
+# again until it says the run is done.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+STREAM_DIR=${STREAM_DIR:-/tmp/strata-80b}
+tree=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+log() { tee -a "$OUT/$1.log"; }
+
+case "${1:-}" in
+startup)
+    python -m scripts.bench.startup --fresh parallel --process-timeout 240 --budget-seconds 420 \
+        --out "$OUT/h200_startup_$tree.json" 2>&1 | log startup
+    ;;
+kernels)
+    for round in 1 2; do
+        python -m scripts.bench.kernel_bench --out "$OUT/kernel_bench_${tree}_$round.json" 2>&1 | log kernels
+        python -m scripts.bench.kernel_bench --butterfly-tail --out "$OUT/kernel_bench_butterfly_$round.json" 2>&1 | log kernels
+    done
+    python -m scripts.bench.kernel_bench --mxfp4 --out "$OUT/kernel_bench_mxfp4_$tree.json" 2>&1 | log kernels
+    python -m scripts.bench.kernel_bench --mxfp4 --butterfly-tail --out "$OUT/kernel_bench_mxfp4_butterfly.json" 2>&1 | log kernels
+    python -m scripts.bench.kernel_bench --dense --out "$OUT/kernel_bench_dense_$tree.json" 2>&1 | log kernels
+    ;;
+compare)
+    python -m scripts.bench.compare_mlx_lm --layers 8 --bits 4 --repeats 2 --window-repeats 10 --identity-tokens 48 \
+        --identity-dtypes float32,bfloat16 --no-demo-selftest --out "$OUT/compare_h200_80b_$tree.json" 2>&1 | log compare
+    ;;
+tail)
+    python - --layers 8 --bits 4 --repeats 2 --window-repeats 10 --identity-tokens 48 --identity-dtypes bfloat16 \
+        --prefill-repeats 0 --no-demo-selftest --out "$OUT/compare_h200_80b_butterfly.json" <<'EOF' 2>&1 | log compare
+import runpy, sys
+from scripts.bench.kernel_bench import use_butterfly_tail
+print(f"{use_butterfly_tail()} kernel bodies with the butterfly tail", flush=True)
+runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
+EOF
+    ;;
+profile)
+    python -m scripts.bench.step_profile --models 80b --windows 1,2,4,8 --out "$OUT/step_profile_h200_$tree.json" 2>&1 | log profile
+    python -m scripts.lab.launch_cost --tag "launch_cost_$tree" 2>&1 | log profile
+    ;;
+stream)
+    setsid nohup python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 1200 --temperatures cold \
+        --fractions 0.1 0.25 0.05 0.5 1.0 --json-out "$OUT/h200_stream_80b_$tree.json" > "$OUT/stream.log" 2>&1 &
+    echo $! > "$OUT/stream.pid"
+    echo "stream_80b running in the background (pid $(cat "$OUT/stream.pid")), log $OUT/stream.log"
+    ;;
+stream-wait)
+    pid=$(cat "$OUT/stream.pid")
+    deadline=$((SECONDS + ${WAIT_SECONDS:-480}))
+    while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 10; done
+    tail -n 30 "$OUT/stream.log"
+    if kill -0 "$pid" 2>/dev/null; then echo "still running: call stream-wait again"; exit 0; fi
+    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 420 --temperatures cold --fractions 0.1 0.25 \
+        --readahead-depth 8 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-resume
+    ;;
+*)
+    sed -n '2,15p' "$0"
+    exit 2
+    ;;
+esac
