@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the current tree owes (docs/benchmarks.md, "Not measured on the current
-# tree"), as stages of under 10 minutes each, in the order a loaned H200 should take them. Every
+# tree"), as stages meant to fit a 10-minute call each, in the order a loaned H200 should take them. Every
 # stage writes its JSON and log under $OUT (default ./gpu-out); MLX's CUDA build must be importable.
 #
 #   bash scripts/bench/gpu_owed.sh startup   # first on a fresh machine: its caches are still empty

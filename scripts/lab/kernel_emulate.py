@@ -63,7 +63,9 @@ Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core 
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
 it (a __global__ function in namespace mlx::core::cu, the template values as constants), in
-float32 and bfloat16: what NVRTC would refuse shows here without a GPU.
+float32 and bfloat16: what NVRTC would refuse shows here without a GPU; per kernel it prints
+ptxas's registers, stack and spills and the PTX's warp shuffles (`--butterfly-tail`: the matrix
+bodies with their old tail, for comparison).
 
     python -m scripts.lab.kernel_emulate
     python -m scripts.lab.kernel_emulate --backend metal
@@ -78,6 +80,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -1570,18 +1573,22 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
     """(name, header, parameters, constants, body) of every kernel, as the CUDA backend builds them."""
     kernels_out = []
     for tn, t in CUDA_TYPES.items():
-        rows = f"using T = {t}; constexpr int ROWS = 8; constexpr int COLS = {kernels.COLS};"
         x = f"const {t}* x"
+        for r in (1, 8):  # serial decoding's compile and a window's
+            rows = f"using T = {t}; constexpr int ROWS = {r}; constexpr int COLS = {kernels.COLS};"
+            kernels_out += [
+                (f"dense_r{r}_{tn}", kernels.HEADER, ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
+                 rows + f" using TW = {t};", kernels.DENSE),
+                (f"quantized_r{r}_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w",
+                                                          f"const {t}* scales", f"const {t}* biases", f"{t}* out"],
+                 rows + f" using TS = {t}; constexpr int BITS = 4; constexpr int GS = 64;", kernels.QUANTIZED),
+                (f"gather_r{r}_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w",
+                                                       f"const {t}* scales", f"const {t}* biases",
+                                                       "const uint32_t* idx", f"{t}* out"],
+                 rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
+                 kernels.GATHER_QUANTIZED),
+            ]
         kernels_out += [
-            (f"dense_{tn}", kernels.HEADER, ["const int32_t* dims", x, f"const {t}* w", f"{t}* out"],
-             rows + f" using TW = {t};", kernels.DENSE),
-            (f"quantized_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
-                                                  f"const {t}* biases", f"{t}* out"],
-             rows + f" using TS = {t}; constexpr int BITS = 4; constexpr int GS = 64;", kernels.QUANTIZED),
-            (f"gather_{tn}", kernels.HEADER, ["const int32_t* dims", x, "const uint32_t* w", f"const {t}* scales",
-                                               f"const {t}* biases", "const uint32_t* idx", f"{t}* out"],
-             rows + f" using TS = {t}; using TI = uint32_t; constexpr int BITS = 4; constexpr int GS = 64;",
-             kernels.GATHER_QUANTIZED),
             *((f"gather_mxfp4_{decode}_r{rows_}_{tn}", kernels.HEADER + kernels.MXFP4_HEADER,
                ["const int32_t* dims", x, "const uint32_t* w", "const uint8_t* scales", "const uint32_t* idx",
                 f"{t}* out"],
@@ -1672,10 +1679,14 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
     return kernels_out
 
 
-def nvcc_check(workdir: Path) -> bool:
-    """Compile every kernel body for sm_90 (a file per kernel: each header stands alone)."""
+def nvcc_check(workdir: Path, *, butterfly: bool = False) -> bool:
+    """Compile every kernel body for sm_90 (a file per kernel: each header stands alone) and print
+    ptxas's registers, stack and spills and the PTX's warp shuffles per kernel. `butterfly`: the
+    matrix bodies with the tail they had before their reduce-scatter (BUTTERFLY_TAIL)."""
+    old = {id(body): butterfly_kinds()[kind][1] for kind, (_, body, _) in KINDS.items()} if butterfly else {}
     ok = True
     for name, header, params, consts, body in cuda_wrappers():
+        body = old.get(id(body), body)
         source = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n"
                   + backends.header(backends.CUDA, header)
                   + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
@@ -1685,9 +1696,15 @@ def nvcc_check(workdir: Path) -> bool:
         path.write_text(source)
         run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
                               "-Xptxas", "-v"], capture_output=True, text=True)
-        spills = [line.strip() for line in run.stderr.splitlines() if "spill" in line]
-        print(f"nvcc sm_90 {name:22s} {'ok' if run.returncode == 0 else 'FAIL'}  {spills[-1] if spills else ''}",
-              flush=True)
+        ptx = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", str(path), "-o", str(path.with_suffix(".ptx"))],
+                             capture_output=True, text=True)
+        shuffles = (sum("shfl.sync" in line for line in path.with_suffix(".ptx").read_text().splitlines())
+                    if ptx.returncode == 0 else "?")
+        registers = re.findall(r"Used (\d+) registers", run.stderr)
+        stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+        figures = (f"{registers[-1]} registers, {stack[-1][0]} B stack, {shuffles} shuffles, spills "
+                   f"{stack[-1][1]}/{stack[-1][2]} B" if registers and stack else "")
+        print(f"nvcc sm_90 {name:28s} {'ok' if run.returncode == 0 else 'FAIL'}  {figures}", flush=True)
         if run.returncode:
             print(run.stderr, flush=True)
         ok &= run.returncode == 0
@@ -1707,7 +1724,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=backends.BACKENDS, default=backends.CUDA,
                         help="whose prelude the bodies run behind (default: cuda)")
-    parser.add_argument("--nvcc", action="store_true", help="compile the bodies with nvcc for sm_90 instead")
+    parser.add_argument("--nvcc", action="store_true",
+                        help="compile the bodies with nvcc for sm_90 instead (registers, stack, spills, shuffles)")
+    parser.add_argument("--butterfly-tail", action="store_true",
+                        help="with --nvcc: the matrix bodies with their old tail (a butterfly per value), to compare")
     parser.add_argument("--only", choices=ONLY,
                         help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes), "
                              "mapped (rows_matvec's column-mapped forms, about a minute), embed "
@@ -1717,7 +1737,7 @@ def main() -> int:
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
     if args.nvcc:
-        ok = nvcc_check(emu.dir)
+        ok = nvcc_check(emu.dir, butterfly=args.butterfly_tail)
         print("every body compiles" if ok else "COMPILE FAILURE", flush=True)
         return 0 if ok else 1
     if args.only:
