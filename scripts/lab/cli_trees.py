@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
     parser.add_argument("trees", nargs="+", type=Path, help="source trees (the first is the base)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128, help="generated tokens of the decoding cases")
-    parser.add_argument("--prompt-words", type=int, default=2000, help="words of the prefill case's prompt")
+    parser.add_argument("--prompt-words", type=int, default=1000, help="words of the prefill case's prompt")
     parser.add_argument("--only", default=None, help="run only the cases whose name starts with this")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
