@@ -10,6 +10,7 @@
 #   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint, cold rows, in the background
 #   bash scripts/bench/gpu_owed.sh stream-wait      # wait for it, then demand-first reads at 10% and 25%
+#   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #
 # `stream` returns at once (the build and its rows take ~15 minutes); `stream-wait` may be called
 # again until it says the run is done.
@@ -67,8 +68,12 @@ stream-wait)
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 420 --temperatures cold --fractions 0.1 0.25 \
         --readahead-depth 8 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-resume
     ;;
+stream-prob)
+    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 420 --temperatures cold --fractions 0.1 0.25 \
+        --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
+    ;;
 *)
-    sed -n '2,15p' "$0"
+    sed -n '2,16p' "$0"
     exit 2
     ;;
 esac
