@@ -24,7 +24,7 @@ log() { tee -a "$OUT/$1.log"; }
 
 case "${1:-}" in
 startup)
-    python -m scripts.bench.startup --fresh parallel --process-timeout 240 --budget-seconds 420 \
+    python -m scripts.bench.startup --fresh parallel --later-runs 3 --process-timeout 240 --budget-seconds 420 \
         --out "$OUT/h200_startup_$tree.json" 2>&1 | log startup
     ;;
 kernels)
