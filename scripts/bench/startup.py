@@ -91,12 +91,13 @@ def generate_run(model: Path, mode: str, cache: Path, args, extra: list[str] = (
     memory = gpu_memory.Watch(proc.pid).start()  # the process and its kernel workers
     try:
         stdout, stderr = proc.communicate(args.prompt, timeout=args.process_timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
         # A fresh machine's first process can outlast the timeout: record it, keep what it compiled.
         proc.kill()
-        stdout, stderr = proc.communicate()
-        return {"mode": mode, "timed_out": True, "process_s": time.time() - started, "stderr_tail": stderr[-2000:],
-                "gpu_memory": memory.stop(), "token_ids": []}
+        proc.wait()  # not communicate(): a worker still holding a pipe would keep it open (as subprocess.run)
+        tail = (e.stderr or b"")[-2000:]
+        return {"mode": mode, "timed_out": True, "process_s": time.time() - started, "gpu_memory": memory.stop(),
+                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail, "token_ids": []}
     wall = time.time() - started
     gpu = memory.stop()
     if proc.returncode:
