@@ -13,7 +13,8 @@
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #
 # `stream` returns at once (the build and its rows take ~15 minutes); `stream-wait` may be called
-# again until it says the run is done.
+# again until it says the run is done. A 30-minute loan holds about startup, kernels, profile and
+# compare; the stream stages want a loan of their own (other GPU work beside them moves both).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -73,7 +74,7 @@ stream-prob)
         --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
     ;;
 *)
-    sed -n '2,16p' "$0"
+    sed -n '2,18p' "$0"
     exit 2
     ;;
 esac
