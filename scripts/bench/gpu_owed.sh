@@ -74,7 +74,7 @@ stream-prob)
         --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
     ;;
 *)
-    sed -n '2,18p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac
