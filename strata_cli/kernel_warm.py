@@ -173,10 +173,10 @@ def worker_count(num_units: int, env: str | None = None, *, per_worker: int = 0,
     more than MEMORY_SHARE of each memory in `free` (bytes: the GPU's free memory, the host's
     available memory) holds at `per_worker` bytes each; anything else, none. A memory the
     machine cannot tell (None) keeps the default off, where "auto" goes by the cores."""
-    env = (os.environ.get(ENV, "") if env is None else env).strip()
+    env = setting(env)
     if env.isdigit():
         return min(int(env), num_units)
-    if env not in ("", "auto"):
+    if turned_off(env):
         return 0
     workers = max(0, min(available_cores() - 1, num_units))
     for known in free:
@@ -188,10 +188,15 @@ def worker_count(num_units: int, env: str | None = None, *, per_worker: int = 0,
     return workers
 
 
+def setting(env: str | None = None) -> str:
+    """`STRATA_PARALLEL_WARM` as given (`env`, else the environment), stripped."""
+    return (os.environ.get(ENV, "") if env is None else env).strip()
+
+
 def turned_off(env: str | None = None) -> bool:
     """Whether `STRATA_PARALLEL_WARM` rules workers out whatever the machine ("0", or a word
     other than "auto")."""
-    env = (os.environ.get(ENV, "") if env is None else env).strip()
+    env = setting(env)
     return env == "0" if env.isdigit() else env not in ("", "auto")
 
 
