@@ -260,8 +260,7 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
     cold_io = args.cold_io if dropped else "direct"  # without a drop, only O_DIRECT keeps the page cache out
     cold_here = set()  # the cold rows this process ran: what the page cache holds
     readahead = {"readahead_depth": args.readahead_depth, "readahead_min_prob": args.readahead_min_prob}
-    setting = "" if readahead_of(readahead) == readahead_of({}) else (
-        f" D{args.readahead_depth or '-'} C{args.readahead_min_prob:g}")
+    setting = readahead_label(readahead)
     for temperature in args.temperatures:
         for fraction in args.fractions:
             slots = max(1, math.ceil(E * fraction))
@@ -319,6 +318,12 @@ def find(rows: list[dict], fraction: float, mode: str, temperature: str, readahe
 def readahead_of(where: dict) -> tuple:
     """(read-ahead depth, min probability) of a row or a setting, the defaults where absent."""
     return where.get("readahead_depth"), where.get("readahead_min_prob", 0.0)
+
+
+def readahead_label(where: dict) -> str:
+    """" D8 C0.3" for a row or setting off the default reads, "" on them."""
+    depth, prob = readahead_of(where)
+    return "" if (depth, prob) == readahead_of({}) else f" D{depth or '-'} C{prob:g}"
 
 
 def release(model) -> None:
@@ -405,8 +410,7 @@ def table(rows: list[dict]) -> str:
     for r in sorted(rows, key=order):
         s, bound, share = r["time_split_ms_per_token"], r["disk_bound_tokens_per_s"], r["of_disk_bound"]
         unions = " ".join(f"{t}:{u:.1f}" for t, u in r["union_per_layer_by_T"].items())
-        depth, prob = readahead_of(r)
-        mode = r["mode"] + ("" if (depth, prob) == readahead_of({}) else f" D{depth or '-'} C{prob:g}")
+        mode = r["mode"] + readahead_label(r)
         lines.append(f"| {r['cache_fraction']:.0%} | {mode} | {r['temperature']} | {r['io_mode']} | "
                      f"{r['tokens_per_s']:.2f} | {r['bytes_read_per_token'] / 1e6:.1f} | {r['hit_rate']:.0%} | "
                      f"{r['late_waits']} | {unions} | {s['read_wait']:.0f} / {s['router_sync']:.0f} / "

@@ -85,3 +85,6 @@ def test_rows_are_kept_per_read_ahead_setting():
     assert stream_80b.find(rows, 0.1, "serial", "cold", {"readahead_depth": None, "readahead_min_prob": 0.0}) is old
     assert stream_80b.find(rows, 0.1, "serial", "cold", {"readahead_depth": 8, "readahead_min_prob": 0.0}) is deep
     assert stream_80b.find(rows, 0.1, "serial", "cold", {"readahead_depth": 8, "readahead_min_prob": 0.3}) is None
+    # the label the log and the table give a setting, nothing on the default reads
+    assert stream_80b.readahead_label(old) == "" and stream_80b.readahead_label(deep) == " D8 C0"
+    assert stream_80b.readahead_label({"readahead_depth": None, "readahead_min_prob": 0.3}) == " D- C0.3"
