@@ -514,14 +514,13 @@ def use_butterfly_tail() -> int:
     summed by its own xor butterfly: scripts/lab/kernel_emulate.py's BUTTERFLY_TAIL, the same
     bits) and their kernels other names, so a run of this process times the old tail against a
     run of another process, on the same machine. Returns the bodies swapped."""
-    from scripts.lab.kernel_emulate import KINDS, butterfly_kinds
+    from scripts.lab.kernel_emulate import butterfly_bodies
 
-    old = butterfly_kinds()
+    old = butterfly_bodies()
     swapped = 0
     for attr, value in list(vars(kernels).items()):
-        kind = next((k for k, (_, body, _) in KINDS.items() if body is value), None)
-        if isinstance(value, str) and kind is not None:
-            setattr(kernels, attr, old[kind][1])
+        if isinstance(value, str) and id(value) in old:
+            setattr(kernels, attr, old[id(value)])
             swapped += 1
     make = kernels._kernel
     kernels._kernel = lambda name, *a, **k: make(f"{name}_butterfly", *a, **k)

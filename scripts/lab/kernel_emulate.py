@@ -1331,6 +1331,13 @@ def butterfly_kinds() -> dict:
     return swapped
 
 
+def butterfly_bodies() -> dict[int, str]:
+    """id(a matrix kind's body in KINDS) -> that body with the butterfly's tail, to swap bodies
+    wherever they are held (rows_matvec's module, cuda_wrappers' list)."""
+    old = butterfly_kinds()
+    return {id(body): old[kind][1] for kind, (_, body, _) in KINDS.items()}
+
+
 def tail_case(kind: str, dtype, *, K: int, N: int, rows: int = 8, seed: int = 0):
     """`inputs(i0, i1)` of kind `kind` (a TAIL_KINDS entry) over rows (picks) i0..i1-1 of `rows`
     random ones at `dtype` (affine 4-bit, groups of 64; routed experts pick GLU_PICKS)."""
@@ -1683,7 +1690,7 @@ def nvcc_check(workdir: Path, *, butterfly: bool = False) -> bool:
     """Compile every kernel body for sm_90 (a file per kernel: each header stands alone) and print
     ptxas's registers, stack and spills and the PTX's warp shuffles per kernel. `butterfly`: the
     matrix bodies with the tail they had before their reduce-scatter (BUTTERFLY_TAIL)."""
-    old = {id(body): butterfly_kinds()[kind][1] for kind, (_, body, _) in KINDS.items()} if butterfly else {}
+    old = butterfly_bodies() if butterfly else {}
     ok = True
     for name, header, params, consts, body in cuda_wrappers():
         body = old.get(id(body), body)
