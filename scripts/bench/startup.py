@@ -268,6 +268,18 @@ def summarize(runs: list[dict], mode: str) -> dict:
     return out
 
 
+def agreement(ids: list[tuple[str, list[int]]]) -> dict:
+    """Whether the processes gave the same tokens. `identical`: the later processes of every mode
+    (they run the prompt alike). `fresh_same_as_later`: the fresh machine's too, which may differ
+    by rounding alone: while the kernel workers compile the prompt path, a fresh process runs its
+    prompt in window-sized chunks on the window kernels (kernel_warm.py), and the window contract
+    leaves prompt chunking open. None where there is nothing to compare."""
+    later = {tuple(t) for phase, t in ids if phase == "later"}
+    fresh = {tuple(t) for phase, t in ids if phase == "cold"}
+    return {"identical": len(later) <= 1 if later else len(fresh) <= 1,
+            "fresh_same_as_later": fresh <= later if fresh and len(later) == 1 else None}
+
+
 def fresh_machine(runs: list[dict]) -> dict:
     """A fresh machine's first token with and without the kernel workers (target <= 90 s)."""
     out = {}
@@ -348,7 +360,7 @@ def run(args) -> dict:
             save()
             continue
         result["runs"].append({k: v for k, v in r.items() if k != "token_ids"} | {"tokens_head": r["token_ids"][:8]})
-        result.setdefault("token_ids", {}).setdefault(mode, r["token_ids"])
+        result.setdefault("token_ids", []).append((phase, r["token_ids"]))
         print(f"{label}: first token {r['ttft_s']:.1f} s (process {r['process_s']:.1f} s, "
               f"{r['kernel_workers']} kernel workers, load warm-up {r['load_warmup_s']:.1f} s), "
               f"{r['steady_tokens_per_s']:.1f} tok/s, window median {r['median_window_ms']:.2f} ms, "
@@ -356,12 +368,15 @@ def run(args) -> dict:
               + memory_note(r), flush=True)
         save()
     result["fresh_machine"] = fresh_machine(result["runs"])
-    ids = result.pop("token_ids", {})
-    result["identical"] = len({tuple(v) for v in ids.values()}) <= 1
+    result.update(agreement(result.pop("token_ids", [])))
     for mode in MODES:
         result[mode] = summarize(result["runs"], mode)
     if result["serial"].get("steady_tokens_per_s") and result["auto"].get("steady_tokens_per_s"):
         result["auto_over_serial_steady"] = result["auto"]["steady_tokens_per_s"] / result["serial"]["steady_tokens_per_s"]
+    later = {mode: [r["steady_tokens_per_s"] for r in result["runs"] if r["phase"] == "later" and r["mode"] == mode
+                    and not r.get("timed_out")] for mode in MODES}
+    if all(later.values()):  # like with like: processes that found the cache filled, alternating
+        result["auto_over_serial_later"] = statistics.median(later["auto"]) / statistics.median(later["serial"])
     save()
 
     # Where the time goes: every shape warmed at load, per row count, cold and warm kernel cache.

@@ -33,7 +33,18 @@ def test_startup_tiny_writes_every_field(tmp_path):
         assert abs(p["unaccounted_s"]) < 0.05 + 0.2 * p["ttft_s"], p  # a fast host's first token can take < 0.5 s
     assert all(0 < r["ttft_s"] < r["process_s"] for r in data["runs"])
     assert not any(r["announced_compile"] for r in data["runs"])  # the CPU compiles nothing per machine
-    assert data["identical"]
+    assert data["identical"] and data["fresh_same_as_later"] and data["auto_over_serial_later"] > 0
     assert [list(p["warmup_by_rows_s"]) for p in data["shapes"]] == [
         ["1", "2", "4", "8"], ["1", "2", "4", "8"], [str(T) for T in range(1, 9)]]
     assert all(set(p["kernel_probes_s"]) == {"rows_matvec", "gdn_window", "attention_window"} for p in data["shapes"])
+
+
+def test_agreement_compares_later_processes_and_says_apart_whether_the_fresh_one_agrees():
+    a, b = [1, 2, 3], [1, 5, 6]
+    # the H200 run at 318198f: the fresh process chunked its prompt on the window kernels
+    assert startup.agreement([("cold", b), ("later", a), ("later", a), ("later", a)]) == {
+        "identical": True, "fresh_same_as_later": False}
+    assert startup.agreement([("cold", a), ("later", a), ("cold", a)]) == {"identical": True, "fresh_same_as_later": True}
+    assert startup.agreement([("cold", a), ("later", a), ("later", b)])["identical"] is False
+    assert startup.agreement([("cold", a)]) == {"identical": True, "fresh_same_as_later": None}
+    assert startup.agreement([]) == {"identical": True, "fresh_same_as_later": None}
