@@ -13,8 +13,9 @@
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #
 # `stream` returns at once (the build and its rows take ~15 minutes); `stream-wait` may be called
-# again until it says the run is done. A 30-minute loan holds about startup, kernels, profile and
-# compare; the stream stages want a loan of their own (other GPU work beside them moves both).
+# again until it says the run is done. On the H200 at 318198f compare took 2.5 min, profile 2,
+# kernels 1.3 and startup 9 (docs/benchmarks.md, "The H200 loan of 2026-12-05, third"); the stream
+# stages want a loan of their own (other GPU work beside them moves both).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -39,7 +40,7 @@ kernels)
     ;;
 compare)
     python -m scripts.bench.compare_mlx_lm --layers 8 --bits 4 --repeats 2 --window-repeats 10 --identity-tokens 48 \
-        --identity-dtypes float32,bfloat16 --no-demo-selftest --out "$OUT/compare_h200_80b_$tree.json" 2>&1 | log compare
+        --identity-dtypes float32,bfloat16 --prefill-tokens 4096 --no-demo-selftest --out "$OUT/compare_h200_80b_$tree.json" 2>&1 | log compare
     ;;
 tail)
     python - --layers 8 --bits 4 --repeats 2 --window-repeats 10 --identity-tokens 48 --identity-dtypes bfloat16 \
