@@ -11,13 +11,16 @@
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint, cold rows, in the background
 #   bash scripts/bench/gpu_owed.sh stream-wait      # wait for it, then demand-first reads at 10% and 25%
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
+#   bash scripts/bench/gpu_owed.sh background STAGE [WAIT]  # STAGE in the background (unless one runs), wait
+#                                   # up to WAIT s (540), then copy the results into this call's $OUT
 #
 # `stream` returns at once (the build and its rows take ~15 minutes); `stream-wait` may be called
 # again until it says the run is done. On the H200 at 318198f compare took 2.5 min, profile 2,
 # kernels 1.3 and startup 9 (docs/benchmarks.md, "The H200 loan of 2026-12-05, third"); the stream
 # stages want a loan of their own (other GPU work beside them moves both).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+self=$(realpath "$0")
+cd "$(dirname "$self")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 STREAM_DIR=${STREAM_DIR:-/tmp/strata-80b}
@@ -25,6 +28,30 @@ tree=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 log() { tee -a "$OUT/$1.log"; }
 
 case "${1:-}" in
+background)
+    # A device call's $OUT is new each call and its time is bounded: the stage writes to a folder
+    # that outlives the call (BG_DIR), and a later call with the same STAGE (or none) waits again.
+    BG_DIR=${BG_DIR:-$HOME/gpu-owed}
+    mkdir -p "$BG_DIR"
+    stage=${2:-}
+    wait_s=${3:-540}
+    pid=$(cat "$BG_DIR/bg.pid" 2>/dev/null || true)
+    if [ -n "$stage" ] && ! { [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; }; then
+        echo "$stage started $(date -u +%T)" >> "$BG_DIR/stages.log"
+        OUT=$BG_DIR setsid nohup bash "$self" "$stage" > "$BG_DIR/$stage.stdout" 2>&1 &
+        pid=$!
+        echo $pid > "$BG_DIR/bg.pid"
+    fi
+    deadline=$((SECONDS + wait_s))
+    while [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 5; done
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+        echo "still running: call background again"
+    else
+        echo "done $(date -u +%T)" | tee -a "$BG_DIR/stages.log"
+    fi
+    [ "$(realpath "$BG_DIR")" = "$(realpath "$OUT")" ] || cp -r "$BG_DIR/." "$OUT/"
+    tail -n 25 "$BG_DIR"/*.stdout 2>/dev/null | cut -c1-300
+    ;;
 startup)
     python -m scripts.bench.startup --fresh parallel --later-runs 3 --process-timeout 240 --budget-seconds 420 \
         --out "$OUT/h200_startup_$tree.json" 2>&1 | log startup
@@ -75,7 +102,7 @@ stream-prob)
         --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
     ;;
 *)
-    sed -n '2,17p' "$0"
+    sed -n '2,20p' "$self"
     exit 2
     ;;
 esac
