@@ -79,6 +79,8 @@ runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
 EOF
     ;;
 profile)
+    # a kernel-level profiler would split the T = 8 window's device time by kernel: say which this machine has
+    for tool in ncu nsys nvcc; do echo "$tool: $(command -v $tool || echo none)"; done 2>&1 | log profile
     python -m scripts.bench.step_profile --models 80b --windows 1,2,4,8 --out "$OUT/step_profile_h200_$tree.json" 2>&1 | log profile
     python -m scripts.lab.launch_cost --tag "launch_cost_$tree" 2>&1 | log profile
     ;;
