@@ -8,17 +8,18 @@
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
 #   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
-#   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint, cold rows, in the background
-#   bash scripts/bench/gpu_owed.sh stream-wait      # wait for it, then demand-first reads at 10% and 25%
+#   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
+#   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #   bash scripts/bench/gpu_owed.sh selftest  # `strata selftest` as a fresh machine runs it (empty caches), then again
 #   bash scripts/bench/gpu_owed.sh background STAGE [WAIT]  # STAGE in the background (unless one runs), wait
 #                                   # up to WAIT s (540), then copy the results into this call's $OUT
 #
-# `stream` returns at once (the build and its rows take ~15 minutes); `stream-wait` may be called
-# again until it says the run is done. On the H200 at 318198f compare took 2.5 min, profile 2,
-# kernels 1.3 and startup 9 (docs/benchmarks.md, "The H200 loan of 2026-12-05, third"); the stream
-# stages want a loan of their own (other GPU work beside them moves both).
+# A stage longer than a call (stream) runs as `background stream`, called again until it says
+# done, then `background stream-depth` and `background stream-prob` (they --resume its JSON). On
+# the H200 at 318198f compare took 2.5 min, profile 2, kernels 1.3 and startup 9 (docs/benchmarks.md,
+# "The H200 loan of 2026-12-05, third"); the stream stages want a loan of their own (other GPU work
+# beside them moves both).
 set -euo pipefail
 self=$(realpath "$0")
 cd "$(dirname "$self")/../.."
@@ -98,26 +99,19 @@ profile)
     python -m scripts.lab.launch_cost --tag "launch_cost_$tree" 2>&1 | log profile
     ;;
 stream)
-    setsid nohup python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 1200 --temperatures cold \
-        --fractions 0.1 0.25 0.05 0.5 1.0 --json-out "$OUT/h200_stream_80b_$tree.json" > "$OUT/stream.log" 2>&1 &
-    echo $! > "$OUT/stream.pid"
-    echo "stream_80b running in the background (pid $(cat "$OUT/stream.pid")), log $OUT/stream.log"
+    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 1200 --temperatures cold \
+        --fractions 0.1 0.25 0.05 0.5 1.0 --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream
     ;;
-stream-wait)
-    pid=$(cat "$OUT/stream.pid")
-    deadline=$((SECONDS + ${WAIT_SECONDS:-480}))
-    while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 10; done
-    tail -n 30 "$OUT/stream.log"
-    if kill -0 "$pid" 2>/dev/null; then echo "still running: call stream-wait again"; exit 0; fi
+stream-depth)
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 420 --temperatures cold --fractions 0.1 0.25 \
-        --readahead-depth 8 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-resume
+        --readahead-depth 8 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-depth
     ;;
 stream-prob)
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 420 --temperatures cold --fractions 0.1 0.25 \
         --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
     ;;
 *)
-    sed -n '2,21p' "$self"
+    sed -n '2,22p' "$self"
     exit 2
     ;;
 esac
