@@ -7,6 +7,7 @@
 #   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
+#   bash scripts/bench/gpu_owed.sh gpt-oss   # GPT-OSS-20B shape (4 layers, MXFP4 experts) against mlx-lm, identity
 #   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
@@ -83,6 +84,11 @@ compare)
     python -m scripts.bench.compare_mlx_lm --layers 8 --bits 4 --repeats 2 --window-repeats 10 --identity-tokens 48 \
         --identity-dtypes float32,bfloat16 --prefill-tokens 4096 --no-demo-selftest --out "$OUT/compare_h200_80b_$tree.json" 2>&1 | log compare
     ;;
+gpt-oss)
+    python -m scripts.bench.compare_mlx_lm --family gpt_oss --layers 4 --bits 0 --repeats 2 --window-repeats 10 \
+        --identity-tokens 48 --identity-dtypes bfloat16 --prefill-repeats 1 --no-demo-selftest \
+        --out "$OUT/compare_h200_gpt_oss_$tree.json" 2>&1 | log gpt-oss
+    ;;
 tail)
     python - --layers 8 --bits 4 --repeats 2 --window-repeats 10 --identity-tokens 48 --identity-dtypes bfloat16 \
         --prefill-repeats 0 --no-demo-selftest --out "$OUT/compare_h200_80b_butterfly.json" <<'EOF' 2>&1 | log compare
@@ -111,7 +117,7 @@ stream-prob)
         --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
     ;;
 *)
-    sed -n '2,22p' "$self"
+    sed -n '2,23p' "$self"
     exit 2
     ;;
 esac
