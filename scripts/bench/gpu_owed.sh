@@ -9,6 +9,7 @@
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
 #   bash scripts/bench/gpu_owed.sh gpt-oss   # GPT-OSS-20B shape (4 layers, MXFP4 experts) against mlx-lm, identity
 #   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
+#   bash scripts/bench/gpu_owed.sh share     # each kernel's share of a T = 1 and a T = 8 window, launched twice in place
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
@@ -104,6 +105,9 @@ profile)
     python -m scripts.bench.step_profile --models 80b --windows 1,2,4,8 --out "$OUT/step_profile_h200_$tree.json" 2>&1 | log profile
     python -m scripts.lab.launch_cost --tag "launch_cost_$tree" 2>&1 | log profile
     ;;
+share)
+    python -m scripts.lab.kernel_share --windows 1,8 --rounds 3 --out "$OUT/kernel_share_h200_$tree.json" 2>&1 | log share
+    ;;
 stream)
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 1200 --temperatures cold \
         --fractions 0.1 0.25 0.05 0.5 1.0 --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream
@@ -117,7 +121,7 @@ stream-prob)
         --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
     ;;
 *)
-    sed -n '2,23p' "$self"
+    sed -n '2,24p' "$self"
     exit 2
     ;;
 esac
