@@ -180,14 +180,20 @@ class Windows:
         self.engine.commit(T)
 
 
-def window_times(w: Windows, T: int, n: int, warmup: int) -> dict:
-    """Plain windows, then the same split at their eval: build, eval and commit times."""
+def plain_window_ms(w: Windows, T: int, n: int, warmup: int) -> float:
+    """The median of `n` windows of T rows from the prefilled state, after `warmup` untimed ones."""
     w.reset()
     plain = []
-    for i in range(warmup + n):
+    for _ in range(warmup + n):
         start = clock()
         w.one(T)
         plain.append(clock() - start)
+    return 1e3 * statistics.median(plain[warmup:])
+
+
+def window_times(w: Windows, T: int, n: int, warmup: int) -> dict:
+    """Plain windows, then the same split at their eval: build, eval and commit times."""
+    window_ms = plain_window_ms(w, T, n, warmup)
     w.reset()
     build, evals, commits = [], [], []
     marks = {}
@@ -212,7 +218,7 @@ def window_times(w: Windows, T: int, n: int, warmup: int) -> dict:
                 evals.append(marks.get("eval", ran) - marks.get("build", ran))
                 commits.append(done - ran)
     med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-    return {"window_ms": med(plain[warmup:]), "build_ms": med(build), "eval_ms": med(evals),
+    return {"window_ms": window_ms, "build_ms": med(build), "eval_ms": med(evals),
             "commit_ms": med(commits)}
 
 
@@ -331,14 +337,19 @@ def models(args) -> list[tuple[str, Path, str]]:
     if "demo" in args.models:
         out.append(("demo", embedded_model_path(), dtype))
     if "80b" in args.models:
-        name = f"80b-shape-{'small' if args.tiny else 'full'}-{args.layers}L-q4"
-        path = args.dir / name
-        if not (path / "config.json").is_file():
-            print(f"building {path} with mlx-lm", flush=True)
-            compare.build_checkpoint(path, layers=args.layers, tiny=False, bits=4, seed=0,
-                                     shape=SMALL_SHAPE if args.tiny else None)
-        out.append((name, path, dtype))
+        path = checkpoint_80b(args.dir, layers=args.layers, tiny=args.tiny)
+        out.append((path.name, path, dtype))
     return out
+
+
+def checkpoint_80b(directory: Path, *, layers: int, tiny: bool) -> Path:
+    """The 80B-A3B-shaped 4-bit checkpoint in `directory` (small dims with `tiny`), built with
+    mlx-lm's class the first time."""
+    path = directory / f"80b-shape-{'small' if tiny else 'full'}-{layers}L-q4"
+    if not (path / "config.json").is_file():
+        print(f"building {path} with mlx-lm", flush=True)
+        compare.build_checkpoint(path, layers=layers, tiny=False, bits=4, seed=0, shape=SMALL_SHAPE if tiny else None)
+    return path
 
 
 def profile(args) -> dict:

@@ -30,8 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from metal_shaders import probe
-from scripts.bench import compare_mlx_lm as compare
-from scripts.bench.step_profile import SMALL_SHAPE, Windows
+from scripts.bench.step_profile import Windows, checkpoint_80b, plain_window_ms
 from strata_cli.bench.runner import git_commit
 from strata_cli.model.compiled import Compiled
 from strata_cli.runtime import load_checkpoint
@@ -65,22 +64,11 @@ def drop_traces(model) -> int:
     return dropped
 
 
-def window_ms(w: Windows, T: int, n: int, warmup: int) -> float:
-    w.reset()
-    times = []
-    for i in range(warmup + n):
-        start = time.perf_counter()
-        w.one(T)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def shares(w: Windows, model, windows: list[int], *, repeats: int, rounds: int, warmup: int) -> dict:
     """Per kernel name and T: the doubled window's median ms less the plain window's, each round's
     plain window measured right before it; medians over rounds."""
     for T in windows:  # every kernel the windows use is made (and probed) before the names are read
-        window_ms(w, T, 2, 1)
+        plain_window_ms(w, T, 2, 1)
     names = sorted(name for name, _ in probe._kernels)
     plain: dict[int, list[float]] = {T: [] for T in windows}
     extra: dict[str, dict[int, list[float]]] = {name: {T: [] for T in windows} for name in names}
@@ -88,14 +76,14 @@ def shares(w: Windows, model, windows: list[int], *, repeats: int, rounds: int, 
         for name in names or [None]:  # no kernel (off a GPU): the plain windows alone
             for T in windows:
                 drop_traces(model)
-                plain[T].append(window_ms(w, T, repeats, warmup))
+                plain[T].append(plain_window_ms(w, T, repeats, warmup))
                 if name is None:
                     continue
                 originals = {key: kernel for key, kernel in probe._kernels.items() if key[0] == name}
                 probe._kernels.update({key: Twice(kernel) for key, kernel in originals.items()})
                 drop_traces(model)
                 try:
-                    extra[name][T].append(window_ms(w, T, repeats, warmup) - plain[T][-1])
+                    extra[name][T].append(plain_window_ms(w, T, repeats, warmup) - plain[T][-1])
                 finally:
                     probe._kernels.update(originals)
         print(f"round {rnd + 1} of {rounds}: " + ", ".join(
@@ -122,13 +110,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-step-profile")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    path = args.model
-    if path is None:
-        path = args.dir / f"80b-shape-{'small' if args.tiny else 'full'}-{args.layers}L-q4"  # step_profile's
-        if not (path / "config.json").is_file():
-            print(f"building {path} with mlx-lm", flush=True)
-            compare.build_checkpoint(path, layers=args.layers, tiny=False, bits=4, seed=0,
-                                     shape=SMALL_SHAPE if args.tiny else None)
+    path = args.model or checkpoint_80b(args.dir, layers=args.layers, tiny=args.tiny)  # step_profile's
     on_cpu = mx.default_device() == mx.cpu
     dtype = "float32" if on_cpu else "bfloat16"
     model = load_checkpoint(path, dtype=dtype)
