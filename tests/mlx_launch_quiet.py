@@ -9,7 +9,10 @@ generate took 11 s of CPU, 6 of them the launcher's: on CI's 2 cores, time taken
 and from the other pytest worker. Here a rank thread's select first waits up to 20 ms for output
 (stdin bytes go on at most that late), and a stdin at /dev/null is swapped for a pipe that stays
 open and empty: the ranks see the same (no bytes and no end of input: the launcher never passes
-the end on). The ranks, their environment and everything else are the launcher's own.
+the end on). And mlx 0.32's launcher exits 0 when a rank fails (it only warns, "Node with rank R
+exited with code C"), so a test saw a failed rank as an empty output and lost its stderr: here a
+rank that failed or was killed makes the exit status 1. The ranks, their environment and
+everything else are the launcher's own.
 """
 
 import os
@@ -28,10 +31,23 @@ def select_waiting_for_output(rlist, wlist, xlist, timeout=None):
     return select.select(rlist, wlist, xlist, timeout)
 
 
+failed_ranks: list[str] = []
+
+
+def warning_noting_failed_ranks(*args, **kwargs):
+    message = " ".join(map(str, args))
+    if message.startswith("Node with rank"):  # "... exited with code C" or "... was killed"
+        failed_ranks.append(message)
+    log_warning(*args, **kwargs)
+
+
 if __name__ == "__main__":
     if os.path.samestat(os.fstat(0), os.stat(os.devnull)):
         read_end, _write_end = os.pipe()  # the write end stays open: no bytes, no end of input
         os.dup2(read_end, 0)
     launch.select = select_waiting_for_output
+    log_warning = launch.log_warning
+    launch.log_warning = warning_noting_failed_ranks
     sys.argv[0] = "mlx.launch"
-    sys.exit(launch.main())
+    status = launch.main()
+    sys.exit(status or (1 if failed_ranks else 0))

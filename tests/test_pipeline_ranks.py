@@ -54,6 +54,18 @@ def cost_curve(tmp_path) -> str:
     return str(path)
 
 
+def test_a_failed_rank_fails_the_launch():
+    """mlx 0.32's launcher exits 0 when a rank fails; tests/mlx_launch_quiet.py makes it 1, so run()
+    reports the rank's stderr instead of an empty output."""
+    fail_rank_0 = "import os, sys; print('rank', os.environ['MLX_RANK']); sys.exit(3 * (os.environ['MLX_RANK'] == '0'))"
+    proc = subprocess.run(launch(2) + [sys.executable, "-c", fail_rank_0], stdin=subprocess.DEVNULL,
+                          capture_output=True, timeout=TIMEOUT, env=env())
+    assert proc.returncode == 1 and "rank 0 exited with code 3" in proc.stderr.decode()
+    ok = subprocess.run(launch(2) + [sys.executable, "-c", "print('ok')"], stdin=subprocess.DEVNULL,
+                        capture_output=True, timeout=TIMEOUT, env=env())
+    assert ok.returncode == 0 and ok.stdout.decode().split() == ["ok", "ok"]
+
+
 def test_generate_on_two_ranks_equals_one_process(tmp_path):
     """`auto`: windows of drafts with serial stretches between them; both kinds of step cross the ranks."""
     args = ["--suffix-draft", "auto", "--draft-cost", cost_curve(tmp_path)]
