@@ -21,10 +21,11 @@ from functools import partial
 
 import mlx.core as mx
 
+from . import rows_mma
 from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
 
-MAX_ROWS = 8
-MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
+MAX_ROWS = rows_mma.MAX_ROWS
+MAX_PICKS = rows_mma.MAX_PICKS  # routed-expert picks one call takes (a window's rows x top-k)
 WARPS = 4  # warps per block (128 threads): small blocks spread a 512-column matrix over the SMs
 COLS = 4  # output columns per warp: each x value loaded feeds COLS columns
 
@@ -440,10 +441,13 @@ def rows(x: mx.array) -> tuple[int, int]:
     return x.size // K, K
 
 
-def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS) -> mx.array:
+def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS, tensor_cores: bool = True) -> mx.array:
     """x (..., K) @ w (N, K)ᵀ -> (..., N) in x's dtype, at most 8 rows, on a GPU (`cols`:
-    columns per warp)."""
+    columns per warp). `tensor_cores`: bfloat16 rows and weights go to rows_mma's form where its
+    probe passed (each process one form per dtype, so a row's bits never depend on the window)."""
     R, K = rows(x)
+    if tensor_cores and w.dtype == mx.bfloat16 and rows_mma.supports(x, K):
+        return rows_mma.rows_matvec(x, w)
     N = w.shape[0]
     kernel = _kernel("strata_rows_matvec_v4", ["dims", "x", "w"], DENSE)
     template = [("T", x.dtype), ("TW", w.dtype)]
@@ -451,10 +455,12 @@ def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS) -> mx.array:
 
 
 def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
-                 bits: int, cols: int = COLS) -> mx.array:
+                 bits: int, cols: int = COLS, tensor_cores: bool = True) -> mx.array:
     """x (..., K) @ dequantized w (N, K·bits/32 packed)ᵀ -> (..., N), at most 8 rows, affine 4 or 8
-    bits, on a GPU."""
+    bits, on a GPU (`tensor_cores` as `rows_matvec`'s)."""
     R, K = rows(x)
+    if tensor_cores and rows_mma.supports(x, K, group_size=group_size, bits=bits):
+        return rows_mma.rows_qmatvec(x, w, scales, biases, group_size=group_size, bits=bits)
     N = w.shape[0]
     kernel = _kernel("strata_rows_qmatvec_v4", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
@@ -493,7 +499,8 @@ def rows_qmatvec_mapped(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
 
 
 def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
-                        group_size: int, bits: int, share: int | None = None, cols: int = COLS) -> mx.array:
+                        group_size: int, bits: int, share: int | None = None, cols: int = COLS,
+                        tensor_cores: bool = True) -> mx.array:
     """Routed experts: x (..., K) of M rows, experts (M,) -> (..., N), row m times dequantized w[experts[m]]ᵀ,
     w (E, N, K·bits/32 packed), affine 4 or 8 bits, on a GPU. Picks that share rows: x of R rows
     and experts (M,) with M = k·R, k > 1 -> (..., k, N), pick m times x row m // k (a window's
@@ -502,7 +509,10 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     are and whatever `share` is. The default, 1, gives every pick its own blocks: at T = 8 on the
     80B shape (80 picks, ~76 experts) it runs the gate and down projections in 0.060 and 0.086 ms
     against 0.090 and 0.177 with the 8-pick compile (docs/benchmarks.md, kernel_bench); an expert
-    picked twice is read twice, the second time mostly from L2."""
+    picked twice is read twice, the second time mostly from L2. `tensor_cores` as `rows_matvec`'s."""
+    if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits):
+        return rows_mma.rows_gather_qmatvec(x, w, scales, biases, experts, group_size=group_size, bits=bits,
+                                            share=share)
     R, K = rows(x)
     M = experts.size
     if M > MAX_PICKS or M % R:
@@ -558,10 +568,13 @@ def rows_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array], up:
 
 def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array],
                             up: tuple[mx.array, mx.array, mx.array], experts: mx.array, *, group_size: int, bits: int,
-                            share: int | None = None, cols: int = GLU_COLS) -> mx.array:
+                            share: int | None = None, cols: int = GLU_COLS, tensor_cores: bool = True) -> mx.array:
     """`rows_gather_qmatvec`'s routed experts, gate and up (each (weight (E, N, K·bits/32),
     scales, biases) of one quantization) in one launch: -> silu(gate) · up, each product the
-    bits of `rows_gather_qmatvec`'s, picks that share rows as there."""
+    bits of `rows_gather_qmatvec`'s, picks that share rows as there (`tensor_cores`: rows_mma's
+    form, as `rows_matvec`'s)."""
+    if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits):
+        return rows_mma.rows_gather_glu_qmatvec(x, gate, up, experts, group_size=group_size, bits=bits, share=share)
     R, K = rows(x)
     M = experts.size
     if M > MAX_PICKS or M % R:
@@ -577,7 +590,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
 
 def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts: mx.array, *,
                             share: int | None = None, cols: int = COLS, decode: str = "f16",
-                            order: str = "picks") -> mx.array:
+                            order: str = "picks", tensor_cores: bool = True) -> mx.array:
     """`rows_gather_qmatvec` for MXFP4 experts (MLX's "mxfp4" mode: w (E, N, K/8) uint32, scales
     (E, N, K/32) uint8): one call for a window's picks; a pick's bits never depend on the other
     picks, on their count, on `share` (1, 2, 4 or 8 picks of one expert per block; the default,
@@ -586,8 +599,10 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     "columns"; which blocks run side by side, so which share an expert's rows in L2). (MLX
     0.32's CUDA gather_qmm sends fewer than 8 picks to its gather_qmv and 8 or more to a tiled
     GEMM: a decode window's rows would not keep their serial arithmetic, and a GEMM tile per
-    one-row pick is slow.)"""
+    one-row pick is slow.) `tensor_cores` as `rows_matvec`'s."""
     M, K = rows(x)
+    if tensor_cores and rows_mma.supports(x, K):
+        return rows_mma.rows_gather_mxfp4matvec(x, w, scales, experts, share=share, picks_x=order == "picks")
     if M > MAX_PICKS:
         raise ValueError(f"rows_gather_mxfp4matvec takes at most {MAX_PICKS} picks, got {M}")
     if decode not in MXFP4_DECODES:
@@ -696,8 +711,8 @@ def _check(dtypes=PROBE_DTYPES) -> str | None:
         w = (mx.random.normal((N, K), key=mx.random.key(8)) * K**-0.5).astype(dtype)
         qw, qs, qb = mx.quantize(w, 64, 4)
         cases = (
-            (lambda a: rows_matvec(a, w), lambda a: reference_matvec(a, w)),
-            (lambda a: rows_qmatvec(a, qw, qs, qb, group_size=64, bits=4),
+            (lambda a: rows_matvec(a, w, tensor_cores=False), lambda a: reference_matvec(a, w)),
+            (lambda a: rows_qmatvec(a, qw, qs, qb, group_size=64, bits=4, tensor_cores=False),
              lambda a: reference_qmatvec(a, qw, qs, qb, group_size=64, bits=4)),
         )
         for kernel, reference in cases:
@@ -724,7 +739,7 @@ def _check_gather(dtype) -> str | None:
     x = mx.random.normal((M, K), key=mx.random.key(9)).astype(dtype)
     w = (mx.random.normal((6, N, K), key=mx.random.key(10)) * K**-0.5).astype(dtype)
     qw, qs, qb = mx.quantize(w, 64, 4)
-    kernel = partial(rows_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4)
+    kernel = partial(rows_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4, tensor_cores=False)
     error = _picks_alone(kernel, partial(reference_gather_qmatvec, w=qw, scales=qs, biases=qb, group_size=64, bits=4),
                          x, experts, dtype, "routed-expert", share=MAX_ROWS)
     # Picks sharing rows (3 picks a row) read their row: the bits of the rows copied.
@@ -741,7 +756,7 @@ def _check_gather_mxfp4(dtype) -> str | None:
     x = mx.random.normal((M, K), key=mx.random.key(11)).astype(dtype)
     w = (mx.random.normal((6, N, K), key=mx.random.key(12)) * K**-0.5).astype(dtype)
     qw, qs = mx.quantize(w, 32, 4, mode="mxfp4")
-    return _picks_alone(partial(rows_gather_mxfp4matvec, w=qw, scales=qs),
+    return _picks_alone(partial(rows_gather_mxfp4matvec, w=qw, scales=qs, tensor_cores=False),
                         partial(reference_gather_mxfp4matvec, w=qw, scales=qs), x, experts, dtype, "MXFP4 routed-expert")
 
 
@@ -795,7 +810,7 @@ def _check_gather_glu(dtype) -> str | None:
     x = mx.random.normal((experts.shape[0], K), key=mx.random.key(16)).astype(dtype)
     gate, up = (mx.quantize((mx.random.normal((6, N, K), key=mx.random.key(s)) * K**-0.5).astype(dtype), 64, 4)
                 for s in (17, 18))
-    kernel = partial(rows_gather_glu_qmatvec, gate=gate, up=up, group_size=64, bits=4)
+    kernel = partial(rows_gather_glu_qmatvec, gate=gate, up=up, group_size=64, bits=4, tensor_cores=False)
 
     def reference(x, experts):
         return reference_glu(*(reference_gather_qmatvec(x, *p, experts, group_size=64, bits=4) for p in (gate, up)))
@@ -827,10 +842,10 @@ def _check_mapped(dtypes=PROBE_DTYPES) -> str | None:
         w = (mx.random.normal((N, K), key=mx.random.key(20)) * K**-0.5).astype(dtype)
         qw, qs, qb = mx.quantize(w, 64, 4)
         cases = (
-            (lambda a: rows_matvec_mapped(a, w, columns), lambda a: rows_matvec(a, w),
+            (lambda a: rows_matvec_mapped(a, w, columns), lambda a: rows_matvec(a, w, tensor_cores=False),
              lambda a: reference_matvec(a, w)),
             (lambda a: rows_qmatvec_mapped(a, qw, qs, qb, columns, group_size=64, bits=4),
-             lambda a: rows_qmatvec(a, qw, qs, qb, group_size=64, bits=4),
+             lambda a: rows_qmatvec(a, qw, qs, qb, group_size=64, bits=4, tensor_cores=False),
              lambda a: reference_qmatvec(a, qw, qs, qb, group_size=64, bits=4)),
         )
         for kernel, plain, reference in cases:

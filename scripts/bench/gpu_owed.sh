@@ -4,6 +4,7 @@
 # stage writes its JSON and log under $OUT (default ./gpu-out); MLX's CUDA build must be importable.
 #
 #   bash scripts/bench/gpu_owed.sh startup   # first on a fresh machine: its caches are still empty
+#   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
 #   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
@@ -71,6 +72,26 @@ selftest)
             python -m strata_cli.cli selftest --json > "$OUT/selftest_${run}_$tree.json" 2> "$OUT/selftest_${run}.stderr" || rc=$?
         echo "selftest ($run caches): $((SECONDS - start)) s, exit $rc" | log selftest
     done
+    ;;
+mma)
+    # issue 37: the tensor-core forms' probe, case by case (what fails, if anything), then their times
+    # against rows_matvec's FMA forms and MLX (kernel_bench's `kernel` against `fma`)
+    python - <<'EOF' 2>&1 | log mma
+import time
+from metal_shaders import rows_mma
+cases = [(what, lambda c=c: rows_mma.check_case(*c)) for what, *c in rows_mma.probe_cases()]
+for what, check in [*cases, ("shared rows", rows_mma.check_shared_rows)]:
+    start = time.perf_counter()
+    try:
+        error = check()
+    except Exception as e:  # a compile or launch error
+        error = f"{type(e).__name__}: {str(e)[:1500]}"
+    print(f"{what}: {error or 'passed'} ({time.perf_counter() - start:.1f} s)", flush=True)
+print("probe:", rows_mma.usable(), rows_mma.status(), flush=True)
+EOF
+    python -m scripts.bench.kernel_bench --out "$OUT/kernel_bench_mma_$tree.json" 2>&1 | log mma
+    python -m scripts.bench.kernel_bench --mxfp4 --out "$OUT/kernel_bench_mxfp4_mma_$tree.json" 2>&1 | log mma
+    python -m scripts.bench.kernel_bench --dense --out "$OUT/kernel_bench_dense_mma_$tree.json" 2>&1 | log mma
     ;;
 kernels)
     for round in 1 2; do

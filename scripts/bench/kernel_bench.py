@@ -3,7 +3,9 @@
 For each weight shape (K = 2048 into N = 2048, 4096, 512 and the 151,936-column lm_head; 4-bit,
 group size 64, bfloat16 rows) and R = 1, 2, 4, 8 rows this times, in one run:
 
-- `kernel`: `rows_qmatvec` on the R rows (the path strata's windows take on CUDA);
+- `kernel`: `rows_qmatvec` on the R rows (the path strata's windows take on CUDA: at bfloat16
+  rows_mma's tensor-core form where its probe passed);
+- `fma`: `rows_qmatvec(tensor_cores=False)`, rows_matvec's own FMA form (with the kernels only);
 - `mlx`: `mx.quantized_matmul` on the same R rows in one call (MLX's qmv at R = 1: mlx-lm's path);
 - `split`: `mx.quantized_matmul` once per row (strata's fallback where the kernel cannot run);
 
@@ -33,7 +35,7 @@ shapes shrink (`--small`, implied) so the run takes seconds; it checks the scrip
 `--mxfp4` times only GPT-OSS-20B's MXFP4 routed experts (K 2880 into the fused gate_up's 5,760
 columns and down's 2,880; 32 experts, top-4 random picks per row, bfloat16 rows): every setting
 of `rows_gather_mxfp4matvec` (`decode` f16 / lut / bits, `cols` 2 / 4 / 8, `share` 1 / 2 / 4 / 8,
-`order` picks / columns; one changed at a time from the default) against MLX's `gather_qmm(mode="mxfp4")` at R = 1, 2, 4, 8, each R-row call checked bit for bit
+`order` picks / columns; one changed at a time from the default; then rows_mma's tensor-core form at `share` 1 and 8) against MLX's `gather_qmm(mode="mxfp4")` at R = 1, 2, 4, 8, each R-row call checked bit for bit
 against its rows' 1-row calls and against the default setting; its last table sums gate_up and
 down per setting and R (the layer's expert time), which decides the default.
 
@@ -98,8 +100,10 @@ def bench_shape(name: str, K: int, N: int, *, use_kernel: bool, repeats: int, in
         mx.eval(w, x8)
         weight_bytes = w.nbytes
 
-        def ours(x, c=kernels.COLS):
-            return kernels.rows_matvec(x, w, cols=c) if use_kernel else kernels.reference_matvec(x, w)
+        def ours(x, c=kernels.COLS, tensor_cores=True):
+            if use_kernel:
+                return kernels.rows_matvec(x, w, cols=c, tensor_cores=tensor_cores)
+            return kernels.reference_matvec(x, w)
 
         def theirs(x):
             return x @ w.T  # MLX's own matmul (gemv at one row): mlx-lm's path
@@ -111,9 +115,10 @@ def bench_shape(name: str, K: int, N: int, *, use_kernel: bool, repeats: int, in
         mx.eval(qw, qs, qb, x8)
         weight_bytes = qw.nbytes + qs.nbytes + qb.nbytes
 
-        def ours(x, c=kernels.COLS):
+        def ours(x, c=kernels.COLS, tensor_cores=True):
             if use_kernel:
-                return kernels.rows_qmatvec(x, qw, qs, qb, group_size=GROUP_SIZE, bits=BITS, cols=c)
+                return kernels.rows_qmatvec(x, qw, qs, qb, group_size=GROUP_SIZE, bits=BITS, cols=c,
+                                            tensor_cores=tensor_cores)
             return kernels.reference_qmatvec(x, qw, qs, qb, group_size=GROUP_SIZE, bits=BITS)
 
         def theirs(x):
@@ -135,15 +140,17 @@ def bench_shape(name: str, K: int, N: int, *, use_kernel: bool, repeats: int, in
                  "mlx": _median_ms(lambda x=x: theirs(x), repeats=repeats, inner=inner),
                  "split": _median_ms(lambda x=x, R=R: [theirs(x[i : i + 1]) for i in range(R)],
                                      repeats=repeats, inner=inner)}
+        if use_kernel:  # rows_matvec's own FMA form, where `kernel` is rows_mma's
+            times["fma"] = _median_ms(lambda x=x: ours(x, tensor_cores=False), repeats=repeats, inner=inner)
         gbs = weight_bytes / (times["kernel"] / 1000) / 1e9
         records.append({"shape": name, "K": K, "N": N, "R": R, "cols": kernels.COLS,
                         "identical_to_1_row": identical, "max_abs_diff": diff, "mlx_max_abs_diff": mlx_diff,
                         "ms": times, "kernel_over_mlx": times["kernel"] / times["mlx"],
                         "weight_gbs": gbs, "of_peak": gbs / peak_gbs})
         for c in cols if use_kernel and R in (1, max(ROWS)) else ():
-            ms = _median_ms(lambda x=x, c=c: ours(x, c), repeats=repeats, inner=inner)
-            out = ours(x, c)
-            same = mx.array_equal(out, together).item()
+            ms = _median_ms(lambda x=x, c=c: ours(x, c, False), repeats=repeats, inner=inner)
+            out = ours(x, c, False)
+            same = mx.array_equal(out, ours(x, kernels.COLS, False)).item()
             records.append({"shape": name, "K": K, "N": N, "R": R, "cols": c, "ms": {"kernel": ms},
                             "identical_to_default_cols": same, "weight_gbs": weight_bytes / (ms / 1000) / 1e9})
     return records
@@ -153,8 +160,9 @@ def bench_experts(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: 
                   peak_gbs: float, cols: tuple[int, ...] = (), seed: int = 0) -> list[dict]:
     """Routed experts: R rows × top_k picks each through E stacked (N, K) experts, against MLX's
     unsorted `gather_qmm` (what strata runs without the kernel, and mlx-lm below 64 picks). At
-    R = 8 the kernel is also timed with no expert shared between picks (`share` 1) and with the
-    extra `cols` settings, each checked to give the default's bits."""
+    R = 8 the kernel is also timed with up to 8 picks of an expert in a block (`share` 8; the
+    same bits) and the FMA form with the extra `cols` settings (each checked to give its
+    default's bits)."""
     w = (mx.random.normal((E, N, K), key=mx.random.key(seed)) * K**-0.5).astype(mx.bfloat16)
     qw, qs, qb = mx.quantize(w, GROUP_SIZE, BITS)
     del w
@@ -188,20 +196,23 @@ def bench_experts(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: 
         diff = mx.abs(together.astype(mx.float32) - expected[:M]).max().item()
         times = {"kernel": _median_ms(lambda x=x, f=flat: ours(x, f), repeats=repeats, inner=inner),
                  "mlx": _median_ms(lambda x=x, f=flat: theirs(x, f), repeats=repeats, inner=inner)}
+        if use_kernel:
+            times["fma"] = _median_ms(lambda x=x, f=flat: ours(x, f, tensor_cores=False), repeats=repeats, inner=inner)
         unique = len(set(flat.tolist()))
         gbs = unique * per_expert / (times["kernel"] / 1000) / 1e9
         records.append({"shape": name, "K": K, "N": N, "R": R, "cols": kernels.COLS, "picks": M,
                         "unique_experts": unique, "identical_to_1_row": identical, "max_abs_diff": diff,
                         "ms": times, "kernel_over_mlx": times["kernel"] / times["mlx"],
                         "weight_gbs": gbs, "of_peak": gbs / peak_gbs})
-    settings = [{"share": 1}, *({"cols": c} for c in cols)] if use_kernel else []
+    settings = [{"share": 8}, *({"cols": c, "tensor_cores": False} for c in cols)] if use_kernel else []
+    fma = ours(x8, flat8, tensor_cores=False) if use_kernel else together
     for setting in settings:
         other = ours(x8, flat8, **setting)
         ms = _median_ms(lambda: ours(x8, flat8, **setting), repeats=repeats, inner=inner)
-        records.append({"shape": name + ("/share1" if "share" in setting else ""), "K": K, "N": N, "R": R8,
+        records.append({"shape": name + ("/share8" if "share" in setting else ""), "K": K, "N": N, "R": R8,
                         "cols": setting.get("cols", kernels.COLS), "picks": R8 * top_k, "ms": {"kernel": ms},
                         "weight_gbs": unique * per_expert / (ms / 1000) / 1e9,
-                        "identical_to_default_cols": mx.array_equal(other, together).item()})
+                        "identical_to_default_cols": mx.array_equal(other, fma if "cols" in setting else together).item()})
     return records
 
 
@@ -215,14 +226,17 @@ def mxfp4_variants() -> list[dict]:
     """The MXFP4 kernel's settings timed by `--mxfp4`, the default first, then one setting
     changed at a time: each other decode form, 2 and 8 columns, `share` 2, 4, 8, the other grid
     order."""
-    default = {"decode": "f16", "cols": kernels.COLS, "share": 1, "order": "picks"}
+    default = {"decode": "f16", "cols": kernels.COLS, "share": 1, "order": "picks", "tensor_cores": False}
     others = [{**default, "decode": d} for d in kernels.MXFP4_DECODES if d != default["decode"]]
     others += [{**default, "cols": c} for c in (2, 8)] + [{**default, "share": s} for s in (2, 4, 8)]
     others += [{**default, "order": o} for o in kernels.MXFP4_ORDERS if o != default["order"]]
-    return [default, *others]
+    mma = [{**default, "tensor_cores": True}, {**default, "tensor_cores": True, "share": 8}]
+    return [default, *others, *mma]
 
 
 def variant_name(setting: dict) -> str:
+    if setting.get("tensor_cores"):
+        return f"mma/share{setting['share']}/{setting['order']}"
     return f"{setting['decode']}/cols{setting['cols']}/share{setting['share']}/{setting['order']}"
 
 
@@ -265,12 +279,12 @@ def bench_mxfp4(name: str, E: int, K: int, N: int, top_k: int, *, use_kernel: bo
             x, flat = x8[:M], flat8[:M]
             together = ours(x, flat, setting)
             mx.eval(together)
-            defaults.setdefault(R, together)
+            defaults.setdefault((R, setting["tensor_cores"]), together)
             identical = all(mx.array_equal(together[i * top_k : (i + 1) * top_k], alone[i]).item() for i in range(R))
             times = {"kernel": _median_ms(lambda x=x, f=flat: ours(x, f, setting), repeats=repeats, inner=inner)}
             record = {"shape": name, "K": K, "N": N, "R": R, "cols": setting["cols"], "variant": variant_name(setting),
                       "picks": M, "unique_experts": len(set(flat.tolist())), "identical_to_1_row": identical,
-                      "identical_to_default_cols": mx.array_equal(together, defaults[R]).item(),
+                      "identical_to_default_cols": mx.array_equal(together, defaults[R, setting["tensor_cores"]]).item(),
                       "max_abs_diff": mx.abs(together.astype(mx.float32) - expected[:M]).max().item()}
             if R not in mlx_ms:  # MLX once per R
                 mlx_out = theirs(x, flat)

@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 
 from metal_shaders import (add_norm, attention_prep, attention_window, embed_rows, gated_norm, gdn_window, mamba2_window,
-                           moe_combine, router_window)
+                           moe_combine, router_window, rows_mma)
 from metal_shaders import rows_matvec as kernels
 
 from ..calibrate import measure_curve
@@ -47,6 +47,7 @@ KERNEL_PROBES = (
     ("kernels", kernels.kernels_usable, kernels.status),
     ("glu_kernels", kernels.glu_usable, kernels.glu_status),
     ("mapped_kernels", kernels.mapped_usable, kernels.mapped_status),
+    ("mma_kernels", rows_mma.usable, rows_mma.status),
     ("gdn_kernels", gdn_window.usable, gdn_window.status),
     ("mamba2_kernels", mamba2_window.usable, mamba2_window.status),
     ("attention_kernel", attention_window.usable, attention_window.status),

@@ -1,0 +1,90 @@
+"""metal_shaders/rows_mma.py: the window projections on tensor cores (CUDA, bfloat16), 8 rows a call.
+
+There is no GPU here: the bodies run through scripts/lab/mma_emulate.py (g++, the MMA and the bf16
+pair conversion in software, from the PTX ISA's fragment layout). Every form must keep each row
+(pick) the bits of its 1-row call and stay near the reference; a wrong fragment index must fail.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal_shaders import backends, rows_mma
+from metal_shaders import rows_matvec as kernels
+from scripts.lab.mma_emulate import MmaEmulator
+
+
+@pytest.fixture
+def emulated(monkeypatch, tmp_path):
+    emu = MmaEmulator(tmp_path)
+    monkeypatch.setattr(rows_mma, "gpu_kernel", emu.gpu_kernel)
+    return emu
+
+
+@pytest.mark.parametrize("what", [case[0] for case in rows_mma.probe_cases()])
+def test_each_form_is_row_invariant_and_near_the_reference(emulated, what):
+    (case,) = [c for c in rows_mma.probe_cases() if c[0] == what]
+    _, kernel, ref, x, experts = case
+    assert rows_mma.check_case(kernel, ref, x, experts) is None
+
+
+def test_picks_sharing_rows_give_the_copied_rows_bits(emulated):
+    assert rows_mma.check_shared_rows() is None
+
+
+@pytest.mark.parametrize("old, new", [
+    ("a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1]", "a[2 * j + 1], b[2 * j], a[2 * j], b[2 * j + 1]"),  # A's k halves
+    ("xv[2 * j], xv[2 * j + 1]);", "xv[2 * j + 1], xv[2 * j]);"),  # B's
+    ("strata_pairs(xg + u * 32", "strata_pairs(xg + (u0 + (q ^ 1)) * 32"),  # B from another lane's chunk
+], ids=["A fragment", "B fragment", "chunk"])
+def test_the_check_fails_a_wrong_fragment_or_chunk(emulated, monkeypatch, old, new):
+    assert rows_mma.QUANTIZED.count(old) == 1
+    monkeypatch.setattr(rows_mma, "QUANTIZED", rows_mma.QUANTIZED.replace(old, new))
+    (case,) = [c for c in rows_mma.probe_cases() if c[0] == "affine"]
+    assert rows_mma.check_case(*case[1:]) is not None
+
+
+def test_the_cpu_never_takes_the_tensor_core_forms():
+    if mx.default_device() != mx.cpu:
+        pytest.fail("this check is for the CPU test machine")
+    x = mx.zeros((1, 64), dtype=mx.bfloat16)
+    assert not rows_mma.supports(x, 64)
+    assert rows_mma.usable() is False and rows_mma.usable(mx.float32) is False
+    assert rows_mma.status() == {"usable": False, "probed": True, "error": None}
+
+
+def test_only_bfloat16_rows_of_a_width_they_take_go_to_tensor_cores(monkeypatch):
+    monkeypatch.setattr(rows_mma.probe, "backend", lambda: backends.CUDA)
+    monkeypatch.setattr(rows_mma, "usable", lambda dtype=mx.bfloat16: True)
+    bf = mx.zeros((2, 128), dtype=mx.bfloat16)
+    assert rows_mma.supports(bf, 128) and rows_mma.supports(bf, 128, group_size=64, bits=4)
+    assert not rows_mma.supports(bf.astype(mx.float32), 128)
+    assert not rows_mma.supports(bf, 100) and not rows_mma.supports(bf, 128, group_size=64, bits=3)
+    assert not rows_mma.supports(bf, 96, group_size=64, bits=4)
+
+
+def test_rows_matvec_sends_bfloat16_windows_to_tensor_cores_unless_told(monkeypatch, emulated):
+    """The dispatch: with the tensor-core forms usable, rows_matvec's calls at bfloat16 take them
+    (the emulated kernels' bits), `tensor_cores=False` its own FMA form (here its reference)."""
+    monkeypatch.setattr(rows_mma, "supports", lambda x, K, **kw: x.dtype == mx.bfloat16)
+    fma = []
+    monkeypatch.setattr(kernels, "_kernel", lambda name, *a, **k: fma.append(name) or (lambda **kw: [
+        mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]))
+    K, N = 128, 48
+    x = mx.random.normal((3, K), key=mx.random.key(1)).astype(mx.bfloat16)
+    w = (mx.random.normal((N, K), key=mx.random.key(2)) * K**-0.5).astype(mx.bfloat16)
+    qw, qs, qb = mx.quantize(w, 64, 4)
+    got = kernels.rows_qmatvec(x, qw, qs, qb, group_size=64, bits=4)
+    expected = rows_mma.reference(x, rows_mma._dense(qw, qs, qb, group_size=64))
+    assert np.allclose(np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=0.03)
+    assert emulated.launches == 1 and not fma
+    kernels.rows_qmatvec(x, qw, qs, qb, group_size=64, bits=4, tensor_cores=False)
+    assert fma == ["strata_rows_qmatvec_v4"] and emulated.launches == 1
+
+
+def test_launch_shapes():
+    """16 output columns a warp (8 for the GLU join), 4 warps a block; routed picks on the grid's
+    second axis unless `picks_x`."""
+    assert rows_mma._grid(151936, rows_mma.PLAIN_COLS) == ((2374 * 128, 1, 1), (128, 1, 1))
+    assert rows_mma._grid(512, rows_mma.GLU_COLS, 80) == ((16 * 128, 80, 1), (128, 1, 1))
+    assert rows_mma._grid(2880, rows_mma.PLAIN_COLS, 12, True) == ((12 * 128, 45, 1), (128, 1, 1))
