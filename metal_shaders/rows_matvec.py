@@ -590,7 +590,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
 
 def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts: mx.array, *,
                             share: int | None = None, cols: int = COLS, decode: str = "f16",
-                            order: str = "picks", tensor_cores: bool = True) -> mx.array:
+                            order: str = "picks", tensor_cores: bool = False) -> mx.array:
     """`rows_gather_qmatvec` for MXFP4 experts (MLX's "mxfp4" mode: w (E, N, K/8) uint32, scales
     (E, N, K/32) uint8): one call for a window's picks; a pick's bits never depend on the other
     picks, on their count, on `share` (1, 2, 4 or 8 picks of one expert per block; the default,
@@ -599,7 +599,9 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     "columns"; which blocks run side by side, so which share an expert's rows in L2). (MLX
     0.32's CUDA gather_qmm sends fewer than 8 picks to its gather_qmv and 8 or more to a tiled
     GEMM: a decode window's rows would not keep their serial arithmetic, and a GEMM tile per
-    one-row pick is slow.) `tensor_cores` as `rows_matvec`'s."""
+    one-row pick is slow.) `tensor_cores`: rows_mma's form, off by default: decoding e2m1 codes
+    to bfloat16 one value at a time made it 2.2x slower than this kernel's fp16-pair decode at one
+    row on the H200 (docs/benchmarks.md, "Tensor cores")."""
     M, K = rows(x)
     if tensor_cores and rows_mma.supports(x, K):
         return rows_mma.rows_gather_mxfp4matvec(x, w, scales, experts, share=share, picks_x=order == "picks")

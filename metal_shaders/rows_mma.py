@@ -33,7 +33,7 @@ from .probe import Probe, dims, gpu_kernel
 
 MAX_ROWS = 8  # B's columns: a window's rows (or one expert's picks)
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
-WARPS = 4  # warps per block
+WARPS = 4  # warps per block: they split K (a block of 16 columns reads them in 4 streams)
 PLAIN_COLS = 16  # output columns a warp: the MMA's 16 rows
 GLU_COLS = 8  # GLU forms: A rows 0-7 gate columns, 8-15 the same columns of up
 
@@ -158,12 +158,12 @@ _GATHER = _LANES + """
 # form's per-row pointers. Plain: 16 output columns a warp; GLU: 8, gate row n in A row g, the
 # up's row n in A row g + 8.
 _COLUMNS_PLAIN = """
-    const int n0 = (column_block * WARPS + (thread_x >> 5)) * 16;
+    const int n0 = column_block * 16, warp = thread_x >> 5;
     if (n0 >= N) return;
     const int na = n0 + g < N ? n0 + g : n0, nb = n0 + g + 8 < N ? n0 + g + 8 : n0;
 """
 _COLUMNS_GLU = """
-    const int n0 = (column_block * WARPS + (thread_x >> 5)) * 8;
+    const int n0 = column_block * 8, warp = thread_x >> 5;
     if (n0 >= N) return;
     const int na = n0 + g < N ? n0 + g : n0, nb = na;
 """
@@ -171,7 +171,7 @@ _LOOP = """
     const int KC = K / 32;
     const bool xvec = strata_aligned16(x, static_cast<size_t>(K) * 2);
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int u0 = 0; u0 < KC; u0 += 4) {
+    for (int u0 = 4 * warp; u0 < KC; u0 += 4 * WARPS) {
         const int u = u0 + q;
         unsigned a[16], b[16], xv[16];
         if (u < KC) {
@@ -187,6 +187,19 @@ LOAD_A
         }
         #pragma unroll
         for (int j = 0; j < 8; ++j) strata_mma(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xv[2 * j], xv[2 * j + 1]);
+    }
+    // the warps' partial sums, added in warp order by warp 0
+    STRATA_SHARED float part[WARPS][32][4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) part[warp][lane][i] = d[i];
+    strata_sync();
+    if (warp != 0) return;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float sum = part[0][lane][i];
+        #pragma unroll
+        for (int w = 1; w < WARPS; ++w) sum += part[w][lane][i];
+        d[i] = sum;
     }
 """
 # D's values: d[0], d[1] column na, rows o0, o1; d[2], d[3] column nb, rows o0, o1.
@@ -265,7 +278,7 @@ def _kernel(name: str, inputs: list[str], body: str):
 
 
 def _grid(N: int, cols: int, picks: int = 1, picks_x: bool = False) -> tuple[tuple, tuple]:
-    blocks = -(-N // (WARPS * cols))
+    blocks = -(-N // cols)  # a block's warps share its columns, each taking every WARPS-th step of K
     threads = WARPS * 32
     grid = (picks * threads, blocks, 1) if picks_x else (blocks * threads, picks, 1)
     return grid, (threads, 1, 1)
@@ -292,7 +305,7 @@ def rows_matvec(x: mx.array, w: mx.array) -> mx.array:
     _check_rows(R)
     N = w.shape[0]
     grid, block = _grid(N, PLAIN_COLS)
-    (out,) = _kernel("strata_mma_matvec_v1", ["dims", "x", "w"], DENSE)(
+    (out,) = _kernel("strata_mma_matvec_v2", ["dims", "x", "w"], DENSE)(
         inputs=[dims(R, K, N), x, w], template=[("T", x.dtype), ("WARPS", WARPS)], grid=grid, threadgroup=block,
         output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
     return out
@@ -305,7 +318,7 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     _check_rows(R)
     N = w.shape[0]
     grid, block = _grid(N, PLAIN_COLS)
-    (out,) = _kernel("strata_mma_qmatvec_v1", ["dims", "x", "w", "scales", "biases"], QUANTIZED)(
+    (out,) = _kernel("strata_mma_qmatvec_v2", ["dims", "x", "w", "scales", "biases"], QUANTIZED)(
         inputs=[dims(R, K, N), x, w, scales, biases],
         template=[("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size), ("WARPS", WARPS)],
         grid=grid, threadgroup=block, output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
@@ -331,7 +344,7 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     M, K, per = _picks(x, experts, "rows_gather_qmatvec")
     N = w.shape[1]
     grid, block = _grid(N, PLAIN_COLS, M)
-    (out,) = _kernel("strata_mma_gather_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "idx"], GATHER_QUANTIZED)(
+    (out,) = _kernel("strata_mma_gather_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "idx"], GATHER_QUANTIZED)(
         inputs=[dims(M, K, N, per), x, w, scales, biases, experts],
         template=[("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size),
                   ("WARPS", WARPS), ("SHARE", share or 1), ("PICKS_X", False)],
@@ -346,7 +359,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
     M, K, per = _picks(x, experts, "rows_gather_glu_qmatvec")
     N = gate[0].shape[1]
     grid, block = _grid(N, GLU_COLS, M)
-    (out,) = _kernel("strata_mma_gather_glu_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
+    (out,) = _kernel("strata_mma_gather_glu_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
                                                           "biases_up", "idx"], GATHER_QUANTIZED_GLU)(
         inputs=[dims(M, K, N, per), x, *gate, *up, experts],
         template=[("T", x.dtype), ("TS", gate[1].dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size),
@@ -364,7 +377,7 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
         raise ValueError(f"rows_gather_mxfp4matvec takes one row a pick, got {_rows(x)[0]} rows for {M} picks")
     N = w.shape[1]
     grid, block = _grid(N, PLAIN_COLS, M, picks_x)
-    (out,) = _kernel("strata_mma_gather_mxfp4matvec_v1", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4)(
+    (out,) = _kernel("strata_mma_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4)(
         inputs=[dims(M, K, N, 1), x, w, scales, experts],
         template=[("T", x.dtype), ("TI", experts.dtype), ("WARPS", WARPS), ("SHARE", share or 1),
                   ("PICKS_X", picks_x)],

@@ -83,8 +83,8 @@ def test_rows_matvec_sends_bfloat16_windows_to_tensor_cores_unless_told(monkeypa
 
 
 def test_launch_shapes():
-    """16 output columns a warp (8 for the GLU join), 4 warps a block; routed picks on the grid's
-    second axis unless `picks_x`."""
-    assert rows_mma._grid(151936, rows_mma.PLAIN_COLS) == ((2374 * 128, 1, 1), (128, 1, 1))
-    assert rows_mma._grid(512, rows_mma.GLU_COLS, 80) == ((16 * 128, 80, 1), (128, 1, 1))
-    assert rows_mma._grid(2880, rows_mma.PLAIN_COLS, 12, True) == ((12 * 128, 45, 1), (128, 1, 1))
+    """16 output columns a block (8 for the GLU join), its 4 warps splitting K; routed picks on
+    the grid's second axis unless `picks_x`."""
+    assert rows_mma._grid(151936, rows_mma.PLAIN_COLS) == ((9496 * 128, 1, 1), (128, 1, 1))
+    assert rows_mma._grid(512, rows_mma.GLU_COLS, 80) == ((64 * 128, 80, 1), (128, 1, 1))
+    assert rows_mma._grid(2880, rows_mma.PLAIN_COLS, 12, True) == ((12 * 128, 180, 1), (128, 1, 1))
