@@ -26,11 +26,14 @@ sum's terms that is a function of K alone).
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from . import backends, probe
 from .probe import Probe, dims, gpu_kernel
 
+ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a suspect GPU)
 MAX_ROWS = 8  # B's columns: a window's rows (or one expert's picks)
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
 WARPS = 4  # warps per block: they split K (a block of 16 columns reads them in 4 streams)
@@ -291,8 +294,9 @@ def _rows(x: mx.array) -> tuple[int, int]:
 
 def supports(x: mx.array, K: int, *, group_size: int | None = None, bits: int | None = None) -> bool:
     """Whether these kernels take x (bfloat16 rows) into weights of width K (a multiple of 32;
-    affine: 4 or 8 bits, groups of 32, 64 or 128) on this device: CUDA, the probe passed."""
-    if x.dtype != mx.bfloat16 or K % 32 or probe.backend() != backends.CUDA:
+    affine: 4 or 8 bits, groups of 32, 64 or 128) on this device: CUDA, the probe passed, not
+    turned off (STRATA_TENSOR_CORES=0)."""
+    if x.dtype != mx.bfloat16 or os.environ.get(ENV, "1") == "0" or K % 32 or probe.backend() != backends.CUDA:
         return False
     if bits is not None and not (bits in (4, 8) and group_size in (32, 64, 128) and K % group_size == 0):
         return False

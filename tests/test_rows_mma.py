@@ -61,6 +61,8 @@ def test_only_bfloat16_rows_of_a_width_they_take_go_to_tensor_cores(monkeypatch)
     assert not rows_mma.supports(bf.astype(mx.float32), 128)
     assert not rows_mma.supports(bf, 100) and not rows_mma.supports(bf, 128, group_size=64, bits=3)
     assert not rows_mma.supports(bf, 96, group_size=64, bits=4)
+    monkeypatch.setenv(rows_mma.ENV, "0")
+    assert not rows_mma.supports(bf, 128)
 
 
 def test_rows_matvec_sends_bfloat16_windows_to_tensor_cores_unless_told(monkeypatch, emulated):
