@@ -7,9 +7,11 @@ output columns are the MMA's 16 rows (A, the weights, dequantized to bfloat16), 
 its 8 columns (B, x; a row past R is zeros). Output element (column n, row r) is then a function of
 weight row n and x row r alone: the tensor core forms each output element from its own A row and B
 column, and the K loop (chunks of 32 values, 4 lanes × 32 per step, 8 MMAs a step, in order)
-depends on K alone. A 1-row call pays for 8 rows of MMA, which costs nothing next to reading the
-weights; a window's 8 rows cost what one does (rows_matvec's FMA forms do 8× the multiplies and
-loads: 0.34 against 0.14 ms for the 80B shape's head on the H200, docs/benchmarks.md).
+depends on K alone (a block's 4 warps take every 4th step of it; their partial sums are added in
+warp order). A 1-row call pays for 8 rows of MMA, which costs little next to reading the weights;
+a window's 8 rows cost about what one does, where rows_matvec's FMA forms do 8x the multiplies and
+loads (the 80B shape's head at 8 rows: 0.17 against 0.33 ms on the H200; docs/benchmarks.md,
+"Window projections on tensor cores").
 
 Where the values differ from rows_matvec's: a dequantized weight is rounded to bfloat16 (as
 `mx.dequantize` at bfloat16 rounds it; MXFP4 and bfloat16 weights are exact), and the tensor

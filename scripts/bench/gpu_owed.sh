@@ -20,9 +20,9 @@
 #
 # A stage longer than a call (stream) runs as `background stream`, called again until it says
 # done, then `background stream-depth` and `background stream-prob` (they --resume its JSON). On
-# the H200 at 318198f compare took 2.5 min, profile 2, kernels 1.3 and startup 9 (docs/benchmarks.md,
-# "The H200 loan of 2026-12-05, third"); the stream stages want a loan of their own (other GPU work
-# beside them moves both).
+# the H200 at 318198f compare took 2.5 min, profile 2, kernels 1.3 and startup 9; at 2dc4962 mma
+# took 1, gpt-oss 1.6 and selftest 5.5 (docs/benchmarks.md). The stream stages want a loan of their
+# own (other GPU work beside them moves both).
 set -euo pipefail
 self=$(realpath "$0")
 cd "$(dirname "$self")/../.."
