@@ -39,11 +39,11 @@ ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a s
 MAX_ROWS = 8  # B's columns: a window's rows (or one expert's picks)
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
 WARPS = 4  # warps per block: they split K (a block of 16 columns reads them in 4 streams)
-PLAIN_COLS = 16  # output columns a warp: the MMA's 16 rows
+PLAIN_COLS = 16  # output columns a block: the MMA's 16 rows
 GLU_COLS = 8  # GLU forms: A rows 0-7 gate columns, 8-15 the same columns of up
 
-# The two instructions the bodies name, as PTX (the emulator, scripts/lab/kernel_emulate.py,
-# supplies them in software).
+# The instructions the bodies name, as PTX (the emulator, scripts/lab/mma_emulate.py, supplies
+# them in software).
 CUDA_HELPERS = r"""
 // d += A (16 x 16) · B (16 x 8): a0..a3 and b0, b1 the lane's fragments, bf16 pairs (low half first)
 __device__ __forceinline__ void strata_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -159,8 +159,8 @@ _GATHER = _LANES + """
     const T* xg = pg >= 0 ? x + static_cast<size_t>(pg / dims[3]) * K : nullptr;
     const int o0 = pick_at(2 * q), o1 = pick_at(2 * q + 1);
 """
-# Where a warp's A rows come from: `na`, `nb` (weight rows of A rows g and g + 8) and each
-# form's per-row pointers. Plain: 16 output columns a warp; GLU: 8, gate row n in A row g, the
+# Where a block's A rows come from: `na`, `nb` (weight rows of A rows g and g + 8) and each
+# form's per-row pointers. Plain: 16 output columns a block; GLU: 8, gate row n in A row g, the
 # up's row n in A row g + 8.
 _COLUMNS_PLAIN = """
     const int n0 = column_block * 16, warp = thread_x >> 5;
