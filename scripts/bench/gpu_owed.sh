@@ -5,6 +5,7 @@
 #
 #   bash scripts/bench/gpu_owed.sh startup   # first on a fresh machine: its caches are still empty
 #   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
+#   bash scripts/bench/gpu_owed.sh tensor-cores  # 80B and GPT-OSS compares, tensor cores on / off alternating
 #   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
@@ -92,6 +93,21 @@ EOF
     python -m scripts.bench.kernel_bench --out "$OUT/kernel_bench_mma_$tree.json" 2>&1 | log mma
     python -m scripts.bench.kernel_bench --mxfp4 --out "$OUT/kernel_bench_mxfp4_mma_$tree.json" 2>&1 | log mma
     python -m scripts.bench.kernel_bench --dense --out "$OUT/kernel_bench_dense_mma_$tree.json" 2>&1 | log mma
+    ;;
+tensor-cores)
+    # issues 37 and 34: rows_mma's forms against rows_matvec's FMA forms (STRATA_TENSOR_CORES=0) on
+    # one machine, three pairs per shape, alternating; bfloat16 identity in every run
+    common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
+    for round in 1 2 3; do
+        for tc in 1 0; do
+            for shape in "qwen3_next --layers 8 --bits 4" "gpt_oss --layers 4 --bits 0"; do
+                set -- $shape
+                echo "== $1 round $round tensor cores $tc" | log tensor-cores
+                STRATA_TENSOR_CORES=$tc python -m scripts.bench.compare_mlx_lm --family $shape $common \
+                    --out "$OUT/tc_${1}_${round}_tc${tc}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log tensor-cores
+            done
+        done
+    done
     ;;
 kernels)
     for round in 1 2; do
