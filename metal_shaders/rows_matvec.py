@@ -54,16 +54,7 @@ _ROWS_PLAIN = """
 _ROWS_GATHER = """
     const int M = dims[0];
     const int m = block_y;
-    STRATA_SHARED int picks[MAX_PICKS];
-    for (int i = thread_x; i < M; i += block_dim) picks[i] = static_cast<int>(idx[i]);
-    strata_sync();
-    const int e = picks[m];
-    if (ROWS > 1) {
-        int before = 0;
-        for (int i = 0; i < m; ++i) before += picks[i] == e;
-        if (before % ROWS) return;
-    }
-    int row[ROWS];
+""" + rows_mma.stage_picks("ROWS") + """    int row[ROWS];
     int R = 0;
     for (int i = m; i < M && R < ROWS; ++i)
         if (picks[i] == e) row[R++] = i;

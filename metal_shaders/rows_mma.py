@@ -131,6 +131,25 @@ _PLAIN = _LANES + """
     const int o0 = 2 * q < R ? 2 * q : -1, o1 = 2 * q + 1 < R ? 2 * q + 1 : -1;
     const int column_block = block_x;
 """
+
+
+def stage_picks(share: str) -> str:
+    """Kernel lines shared by every routed-experts body (here and in rows_matvec): the call's
+    picks staged in shared memory (`picks`, M of them), `e` the expert of pick m, and a return for
+    a block whose pick m does not open a run of `share` picks of e (the template value that
+    bounds a block's picks of one expert)."""
+    return f"""    STRATA_SHARED int picks[MAX_PICKS];
+    for (int i = thread_x; i < M; i += block_dim) picks[i] = static_cast<int>(idx[i]);
+    strata_sync();
+    const int e = picks[m];
+    if ({share} > 1) {{
+        int before = 0;
+        for (int i = 0; i < m; ++i) before += picks[i] == e;
+        if (before % {share}) return;
+    }}
+"""
+
+
 # Routed experts: block (column block, m) serves pick m and the next picks of its expert, SHARE
 # at most, when m opens a run of SHARE picks of it (as rows_matvec's gather: each expert read
 # once for the picks that share its block, a pick's arithmetic never depending on which).
@@ -139,16 +158,7 @@ _GATHER = _LANES + """
     const int M = dims[0];
     const int m = PICKS_X ? block_x : block_y;
     const int column_block = PICKS_X ? block_y : block_x;
-    STRATA_SHARED int picks[MAX_PICKS];
-    for (int i = thread_x; i < M; i += block_dim) picks[i] = static_cast<int>(idx[i]);
-    strata_sync();
-    const int e = picks[m];
-    if (SHARE > 1) {
-        int before = 0;
-        for (int i = 0; i < m; ++i) before += picks[i] == e;
-        if (before % SHARE) return;
-    }
-    // the pick in B's column s: the s-th pick of e from m on (-1: none)
+""" + stage_picks("SHARE") + """    // the pick in B's column s: the s-th pick of e from m on (-1: none)
     auto pick_at = [&](int s) {
         if (s >= SHARE) return -1;
         for (int i = m, c = 0; i < M; ++i)
