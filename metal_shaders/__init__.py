@@ -4,6 +4,7 @@ Each kernel is one body that compiles for CUDA (`mx.fast.cuda_kernel`) and Metal
 (`mx.fast.metal_kernel`) behind a thin per-backend prelude (`backends`), and has a pure-MLX
 reference that the tests hold it to and that runs where no kernel can (the CPU).
 `rows_matvec`: matrix × up to 8 rows, each row reduced in a fixed order whatever the row count.
+`rows_mma`: the same projections on tensor cores (CUDA, bfloat16), every call 8 rows wide.
 `gdn_window`: the GDN layer's decode window in two kernels. `mamba2_window`: the Mamba-2 layer's
 decode window in two kernels. `attention_window`: a window's query
 rows over the KV cache in one kernel, a block per row. `router_window`: a MoE router's softmax
