@@ -72,6 +72,7 @@ class Probe:
     def __init__(self, what: str, fallback: str):
         self.what, self.fallback = what, fallback
         self.verdicts: dict[str, str | None] = {}  # dtype -> None (passed), what failed, or "" (no GPU)
+        self.answers: dict = {}  # dtype (or None) -> what `usable` returned once every verdict was in
         self.kept_hits = 0
 
     @property
@@ -89,13 +90,17 @@ class Probe:
         """Whether the kernels may run at `dtype` (None: every dtype PROBE_DTYPES names): `check(dtypes)`
         (None when the kernels pass at those dtypes, else what failed) is run the first time a
         dtype is asked, on a GPU backend only (CUDA or Metal), unless a pass is kept."""
+        answer = self.answers.get(dtype)  # asked on every projection of every step: a dict lookup
+        if answer is not None:
+            return answer
         dtypes = PROBE_DTYPES if dtype is None else (dtype,)
         if precompiled.is_dry_run():  # inside another probe's dry run: follow the kernel path, decide nothing
             return True
         for d in dtypes:
             if str(d) not in self.verdicts:
                 self.verdicts[str(d)] = self._decide(check, d)
-        return all(self.verdicts[str(d)] is None for d in dtypes)
+        answer = self.answers[dtype] = all(self.verdicts[str(d)] is None for d in dtypes)
+        return answer
 
     def takes(self, check: Callable[[tuple], str | None], dtype=None) -> bool:
         """`usable` for a kernel of float32 and bfloat16 (PROBE_DTYPES) only: True on a GPU (CUDA,

@@ -592,7 +592,7 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     GEMM: a decode window's rows would not keep their serial arithmetic, and a GEMM tile per
     one-row pick is slow.) `tensor_cores`: rows_mma's form, off by default: decoding e2m1 codes
     to bfloat16 one value at a time made it 2.2x slower than this kernel's fp16-pair decode at one
-    row on the H200 (docs/benchmarks.md, "Tensor cores")."""
+    row on the H200 (docs/benchmarks.md, "Window projections on tensor cores")."""
     M, K = rows(x)
     if tensor_cores and rows_mma.supports(x, K):
         return rows_mma.rows_gather_mxfp4matvec(x, w, scales, experts, share=share, picks_x=order == "picks")
