@@ -70,6 +70,21 @@ def test_a_passing_verdict_is_kept_per_dtype_and_invalidated_by_every_key(keep, 
     assert probe.Probe("other family", "fallback").usable(check, mx.bfloat16) and len(calls) == n + 1
 
 
+def test_a_decided_probe_answers_without_asking_again_even_inside_a_dry_run(keep, monkeypatch):
+    """Once its verdicts are in, `usable` answers from what it said (every projection of every step
+    asks); a probe that failed says so inside another probe's dry run too, where an undecided one
+    follows the kernel path."""
+    monkeypatch.setattr(probe, "backend", lambda: backends.CUDA)
+    calls = []
+    failing = probe.Probe("fam", "fallback")
+    assert failing.usable(_counting_check(calls, "mismatch"), mx.bfloat16) is False
+    n = len(calls)  # strata's build, then MLX's
+    assert failing.usable(_counting_check(calls), mx.bfloat16) is False and len(calls) == n
+    monkeypatch.setattr(precompiled, "is_dry_run", lambda: True)
+    assert failing.usable(_counting_check(calls), mx.bfloat16) is False
+    assert probe.Probe("undecided", "fallback").usable(_counting_check(calls), mx.bfloat16) is True and len(calls) == n
+
+
 def test_a_failure_is_not_kept_and_a_failure_on_strata_builds_is_retried_on_mlx(keep, monkeypatch):
     monkeypatch.setattr(probe, "backend", lambda: backends.CUDA)
     calls = []
