@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from . import rows_mma
 from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
+from .rows_mma import reference_glu, rows
 
 MAX_ROWS = rows_mma.MAX_ROWS
 MAX_PICKS = rows_mma.MAX_PICKS  # routed-expert picks one call takes (a window's rows x top-k)
@@ -310,7 +311,7 @@ MXFP4_HEADER = f"#define E2M1_BITS(C) {_E2M1_BITS}\n"
 # T(STRATA_GLU(gate, up)): silu(gate) · up in float32, rounded once (today's compiled `swiglu`
 # rounds its sigmoid, product and result to T on their own; MLX's sigmoid differs by backend).
 GLU_COLS = 2  # output columns per warp: HALF, so a warp holds as many accumulators as the plain forms
-GLU_HEADER = "#define STRATA_GLU(G, U) ((G) / (1.0f + expf(-(G))) * (U))\n"
+GLU_HEADER = rows_mma.GLU_HEADER
 # Each gate sum and its up sum (flat indices i and i + HALF) end in lanes PAIR apart: one more
 # shuffle gives a lane both.
 _GLU_TAIL = _scatter_tail(_OUT_ROW + """            const float other = strata_xor(v, (HALF << (5 - STEPS)) / P);
@@ -410,7 +411,7 @@ def row_capacity(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-HEADER = f"#define MAX_PICKS {MAX_PICKS}\n"
+HEADER = rows_mma.PICKS_HEADER
 
 
 def _kernel(name: str, inputs: list[str], body: str, extra: str = ""):
@@ -422,14 +423,6 @@ def _launch(kernel, inputs, template, lead: tuple[int, ...], rows: int, N: int, 
     (out,) = kernel(inputs=inputs, template=template + config["template"], grid=config["grid"],
                     threadgroup=config["threadgroup"], output_shapes=[(*lead, N)], output_dtypes=[dtype])
     return out
-
-
-def rows(x: mx.array) -> tuple[int, int]:
-    """(R, K) of x (..., K): its rows over every leading axis. The kernels read their inputs
-    row-contiguous (MLX copies one that is not), so leading axes need no reshape: on the H200
-    each reshape is one more node for the evaluator (docs/benchmarks.md, "Ops per decode step")."""
-    K = x.shape[-1]
-    return x.size // K, K
 
 
 def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS, tensor_cores: bool = True) -> mx.array:
@@ -628,13 +621,6 @@ def reference_gather_qmatvec(x, w, scales, biases, experts, *, group_size: int, 
     dense = mx.dequantize(w[experts], scales[experts], biases[experts], group_size=group_size,
                           bits=bits).astype(mx.float32)  # (M, N, K)
     return (dense @ x.astype(mx.float32)[:, :, None])[..., 0].astype(x.dtype)
-
-
-def reference_glu(gate: mx.array, up: mx.array) -> mx.array:
-    """What the GLU forms compute from their two products (each as its plain kernel rounds it):
-    silu(gate) · up in float32, rounded once to their dtype."""
-    g = gate.astype(mx.float32)
-    return (g * mx.sigmoid(g) * up.astype(mx.float32)).astype(gate.dtype)
 
 
 def reference_matvec(x: mx.array, w: mx.array) -> mx.array:

@@ -61,9 +61,8 @@ __device__ __forceinline__ unsigned strata_bf16x2(float lo, float hi) {
 }
 """
 # How a chunk (32 values of one weight row, or of one x row) becomes 16 bf16 pairs, per form.
-COMMON = r"""
-#define MAX_PICKS 256
-// 32 bfloat16 values (raw bits) as 16 pairs
+PICKS_HEADER = f"#define MAX_PICKS {MAX_PICKS}\n"  # the routed-experts bodies' staging size
+COMMON = "\n" + PICKS_HEADER + r"""// 32 bfloat16 values (raw bits) as 16 pairs
 template <typename V>
 __device__ __forceinline__ void strata_pairs(const V* p, bool vec, unsigned (&out)[16]) {
     if (vec) {
@@ -229,7 +228,7 @@ _WRITE_PLAIN = """
     }
 """
 # Gate and up rounded to T as the plain outputs are, then joined in float32 and rounded once
-# (rows_matvec's GLU_HEADER).
+# (GLU_HEADER, rows_matvec's GLU forms' too).
 _WRITE_GLU = """
     if (n0 + g < N) {
         if (o0 >= 0) out[static_cast<size_t>(o0) * N + n0 + g] = static_cast<T>(
@@ -299,7 +298,11 @@ def _grid(N: int, cols: int, picks: int = 1, picks_x: bool = False) -> tuple[tup
     return grid, (threads, 1, 1)
 
 
-def _rows(x: mx.array) -> tuple[int, int]:
+def rows(x: mx.array) -> tuple[int, int]:
+    """(R, K) of x (..., K): its rows over every leading axis. The kernels (here and in
+    rows_matvec) read their inputs row-contiguous (MLX copies one that is not), so leading axes need
+    no reshape: on the H200 each reshape is one more node for the evaluator (docs/benchmarks.md,
+    "Ops per decode step")."""
     K = x.shape[-1]
     return x.size // K, K
 
@@ -317,7 +320,7 @@ def supports(x: mx.array, K: int, *, group_size: int | None = None, bits: int | 
 
 def rows_matvec(x: mx.array, w: mx.array) -> mx.array:
     """x (..., K) bfloat16 @ w (N, K)ᵀ bfloat16 -> (..., N), at most 8 rows."""
-    R, K = _rows(x)
+    R, K = rows(x)
     _check_rows(R)
     N = w.shape[0]
     grid, block = _grid(N, PLAIN_COLS)
@@ -330,7 +333,7 @@ def rows_matvec(x: mx.array, w: mx.array) -> mx.array:
 def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
                  bits: int) -> mx.array:
     """x (..., K) bfloat16 @ dequantized w (N, K·bits/32 packed)ᵀ -> (..., N), at most 8 rows."""
-    R, K = _rows(x)
+    R, K = rows(x)
     _check_rows(R)
     N = w.shape[0]
     grid, block = _grid(N, PLAIN_COLS)
@@ -342,7 +345,7 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
 
 
 def _picks(x: mx.array, experts: mx.array, what: str) -> tuple[int, int, int]:
-    R, K = _rows(x)
+    R, K = rows(x)
     M = experts.size
     if M > MAX_PICKS or M % R:
         raise ValueError(f"{what} takes at most {MAX_PICKS} picks, a multiple of its {R} rows; got {M}")
@@ -389,8 +392,8 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     """rows_matvec.rows_gather_mxfp4matvec's MXFP4 experts (one row a pick) on tensor cores;
     `picks_x`: the picks on the grid's fast axis (one expert's blocks run side by side)."""
     M, K, _ = _picks(x, experts, "rows_gather_mxfp4matvec")
-    if M != _rows(x)[0]:
-        raise ValueError(f"rows_gather_mxfp4matvec takes one row a pick, got {_rows(x)[0]} rows for {M} picks")
+    if M != rows(x)[0]:
+        raise ValueError(f"rows_gather_mxfp4matvec takes one row a pick, got {rows(x)[0]} rows for {M} picks")
     N = w.shape[1]
     grid, block = _grid(N, PLAIN_COLS, M, picks_x)
     (out,) = _kernel("strata_mma_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4)(
@@ -447,9 +450,11 @@ def reference(x: mx.array, dense: mx.array, experts: mx.array | None = None) -> 
     return (dense[experts] @ rows[:, :, None])[..., 0].astype(x.dtype)
 
 
-def glu_reference(gate: mx.array, up: mx.array) -> mx.array:
-    g, u = gate.astype(mx.float32), up.astype(mx.float32)
-    return (g * mx.sigmoid(g) * u).astype(gate.dtype)
+def reference_glu(gate: mx.array, up: mx.array) -> mx.array:
+    """What the GLU forms (here and in rows_matvec) compute from their two products (each as its
+    plain kernel rounds it): silu(gate) · up in float32, rounded once to their dtype."""
+    g = gate.astype(mx.float32)
+    return (g * mx.sigmoid(g) * up.astype(mx.float32)).astype(gate.dtype)
 
 
 def probe_cases() -> list[tuple[str, object, object, mx.array, mx.array | None]]:
@@ -474,7 +479,7 @@ def probe_cases() -> list[tuple[str, object, object, mx.array, mx.array | None]]
         ("routed affine", lambda a, e: rows_gather_qmatvec(a, *gate, e, group_size=32, bits=4, share=MAX_ROWS),
          lambda a, e: reference(a, dense_gate, e), picks, experts),
         ("routed GLU", lambda a, e: rows_gather_glu_qmatvec(a, gate, up, e, group_size=32, bits=4, share=MAX_ROWS),
-         lambda a, e: glu_reference(reference(a, dense_gate, e), reference(a, dense_up, e)), picks, experts),
+         lambda a, e: reference_glu(reference(a, dense_gate, e), reference(a, dense_up, e)), picks, experts),
         ("routed MXFP4", lambda a, e: rows_gather_mxfp4matvec(a, *fp4, e, share=MAX_ROWS),
          lambda a, e: reference(a, _dense(*fp4, None, group_size=32, mode="mxfp4"), e), picks, experts),
     ]
