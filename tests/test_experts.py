@@ -6,7 +6,7 @@ import pytest
 from stream_checkpoints import NUM_EXPERTS, TOP_K, build_pair
 
 from strata_cli.engine.window import WindowEngine
-from strata_cli.experts.cache import ExpertCache
+from strata_cli.experts.cache import ExpertCache, write_slots
 from strata_cli.experts.store import ExpertLayoutWriter, ExpertStore, read_index
 from strata_cli.model import load_model
 from strata_cli.options import ConfigError, StreamOptions
@@ -89,6 +89,53 @@ def test_union_larger_than_slots_is_served_in_passes(checkpoints):
     assert mx.array_equal(out, want).item()
     assert len(model.expert_cache.resident(BLOCK.format(1))) == 3
     model.expert_cache.close()
+
+
+def _address(a: mx.array) -> int:
+    view = np.array(a, copy=False)
+    return view.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("slots, scatter", [([4], False), ([2, 3, 4], False), ([6, 1, 3], False), ([6, 1, 3], True),
+                                            ([5, 0], True)])
+def test_write_slots_writes_each_slot_and_keeps_the_buffer(slots, scatter):
+    rng = np.random.default_rng(len(slots))
+    start = rng.normal(size=(8, 3, 5)).astype(np.float32)
+    values = [rng.normal(size=(3, 5)).astype(np.float32) for _ in slots]
+    want = start.copy()
+    want[slots] = np.stack(values)
+    bank = mx.array(start) + 0  # an evaluated array that owns its buffer
+    mx.eval(bank)
+    kept = bank
+    out = write_slots(bank, [mx.array(v) for v in values], slots, scatter=scatter)
+    mx.eval(out)
+    assert np.array_equal(np.array(out), want)
+    assert np.array_equal(np.array(kept), start)  # the caller's array is not rewritten
+    # with no other reference, the writes land in the bank's own buffer (MLX donates it)
+    address = _address(out)
+    again = write_slots(out, [mx.array(v) * 2 for v in values], slots, scatter=scatter)
+    del out
+    mx.eval(again)
+    assert _address(again) == address
+    want[slots] = np.stack(values) * 2
+    assert np.array_equal(np.array(again), want)
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_passes_with_scattered_slots_serve_the_resident_outputs(checkpoints, scatter):
+    full = load_model(checkpoints[0])
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=4, prefetch="off"))
+    cache = model.expert_cache
+    cache._scatter = scatter  # CUDA's form, here on the CPU
+    path = BLOCK.format(1)
+    # slots 0-3 filled in a run; then 1 and 3 are the least recently used: two records into
+    # slots with a gap; then three new experts evict three scattered slots
+    for seed, picks in enumerate([[[0, 1], [2, 3]], [[0, 2]], [[7, 8]], [[0, 9], [10, 11]]]):
+        out, x, _ = serve(model, 1, picks, seed=seed)
+        want = full.layers[1].mlp.switch_mlp(x, mx.array(picks, dtype=mx.uint32))
+        assert mx.array_equal(out, want).item(), picks
+    assert sorted(cache.resident(path)) == [0, 9, 10, 11]
+    cache.close()
 
 
 @pytest.mark.parametrize("prefetch, root_only, depth", [("router", False, None), ("history", False, None),

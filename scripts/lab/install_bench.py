@@ -15,10 +15,18 @@ into (S, ...) slot banks, on whatever device MLX runs, each variant timed as hos
   (experts/staging.py, what ExpertCache does; the reader writes the slot itself there);
 - `h2d`: one `mx.array` of the pass's bytes and a sum over it (the transfer alone).
 
+`--bank-sizes S...` times instead what a pass costs by cache size: banks of S slots that own
+their buffers and were just read (as a layer's compute reads them), P records from advised
+staging written into scattered slots by `ExpertCache`'s `write_slots`, one `slice_update` a slot
+(`per_slot`, what the cache did on every backend before) against one scatter per tensor
+(`scatter`, CUDA's form now). A cost per record that grows with S is a bank copied per write
+(the H200's 48-layer run: ~0.029 ms a slot, issue 38).
+
 Every variant's banks are checked equal to `record`'s. Results as JSON on stdout or `--out`.
 
     python -m scripts.lab.install_bench --out install_bench.json
     python -m scripts.lab.install_bench --tiny           # CPU check
+    python -m scripts.lab.install_bench --bank-sizes 26 52 128 512 --passes 9 --out installs_by_slots.json
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from strata_cli.experts.cache import write_slots
 from strata_cli.experts.staging import cuda_host_mapped
 
 # One 80B-A3B expert, 4-bit, group 64: (name, shape, numpy dtype, mlx dtype).
@@ -118,17 +127,65 @@ def host_pointer(array: mx.array) -> int:
     return np.array(array, copy=False).__array_interface__["data"][0]
 
 
+def by_bank_size(offsets, stride, sizes, P, repeats, rng, advice) -> list[dict]:
+    """ms per record of a pass of P records into scattered slots of banks of each size."""
+    staging = mx.zeros((P * stride,), dtype=mx.uint8)
+    mx.eval(staging)
+    if advice:
+        advice(host_pointer(staging), P * stride)
+    host = np.array(staging, copy=False)
+    host[:] = rng.integers(0, 127, P * stride, dtype=np.uint8)  # finite bfloat16 bit patterns
+    views = tensor_views(staging, offsets, stride, P)
+    rows = []
+    for S in sizes:
+        for variant in ("per_slot", "scatter"):
+            banks = {name: mx.zeros((S, *shape), dtype=mxd) + 1 for name, shape, npd, mxd, _, _ in offsets}
+            mx.eval(list(banks.values()))
+            times = []
+            for rep in range(repeats + 1):
+                slots = rng.permutation(S)[:P].tolist()
+                mx.eval([mx.take(b, mx.array(slots[::-1]), axis=0).sum() for b in banks.values()])  # a reader
+                t0 = time.perf_counter()
+                for name in banks:
+                    banks[name] = write_slots(banks[name], [views[name][p] for p in range(P)], slots,
+                                              scatter=variant == "scatter")
+                mx.eval(list(banks.values()))
+                if rep:
+                    times.append((time.perf_counter() - t0) * 1e3 / P)
+            row = {"variant": variant, "slots": S, "records_per_pass": P, "ms_per_record": statistics.median(times)}
+            row["ms_per_record_per_slot"] = row["ms_per_record"] / S
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del banks
+    return rows
+
+
+def save(out: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(out, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small records (a CPU check)")
     parser.add_argument("--slots", type=int, default=51, help="slots per bank (51: 10%% of 512 experts)")
     parser.add_argument("--passes", type=int, nargs="+", default=[1, 9, 32], help="records per pass")
     parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--bank-sizes", type=int, nargs="+", default=None,
+                        help="time a pass by cache size instead (slots per bank; --passes' first value is P)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     offsets, stride = layout(EXPERT_TINY if args.tiny else EXPERT_80B)
     rng = np.random.default_rng(0)
+    if args.bank_sizes:  # its own study: none of the pools and staging below
+        mapped = cuda_host_mapped() if mx.default_device() == mx.gpu and not args.tiny else None
+        save({"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
+              "record_bytes": stride, "advised": mapped is not None,
+              "rows": by_bank_size(offsets, stride, args.bank_sizes, args.passes[0], args.repeats, rng, mapped)},
+             args.out)
+        return
     pool = [rng.integers(0, 2**16, stride // 2, dtype=np.uint16).view(np.uint8) for _ in range(64)]
     # bfloat16 payloads: keep them finite (no NaN bit patterns) so equality checks are exact
     pool = [np.where(p % 128 == 127, 0, p).astype(np.uint8).tobytes() for p in pool]
@@ -200,10 +257,7 @@ def main() -> None:
                "gb_s": stride / statistics.median(times) / 1e6}
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    save(out, args.out)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
 - Slot banks: per block, one (S, ...) array per record tensor (gate/up/down, or their quantized
   weight/scales/biases), so the MLX graph never changes shape; an expert->slot table maps the
   router's ids to bank rows. A read lands in a staging slot (experts/staging.py: MLX memory the
-  reader writes, kept on the host and mapped for a CUDA GPU), and a load writes one bank slot
-  from device views of it with `mx.slice_update`, whose input buffer MLX donates when the cache
-  holds the only reference, so a load copies one expert, not the bank. The writes are left lazy:
-  they run with the layer's compute when the next routing readback evaluates it (no device sync
-  of their own).
+  reader writes, kept on the host and mapped for a CUDA GPU), and a pass's loads write their bank
+  slots from device views of it (`write_slots`): one `slice_update` for slots in a run, one
+  scatter per tensor on CUDA, one `slice_update` a slot on the CPU, whose input buffer MLX
+  donates there, so a load copies one expert, not the bank. The writes are left lazy: they run
+  with the layer's compute when the next routing readback evaluates it (no device sync of their own).
 - Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
   while it is loaded); the missing ones are read with `os.preadv` on a thread pool (O_DIRECT where
   the file system allows) and the least recently used unpinned slots take them. A union larger
@@ -149,6 +149,23 @@ def picks_by_own_rule(moe) -> bool:
     return not isinstance(moe, SparseMoeBlock) and hasattr(moe.gate, "select")
 
 
+def write_slots(bank: mx.array, values: list[mx.array], slots: list[int], *, scatter: bool) -> mx.array:
+    """`bank` (S, ...) with `values[j]` (...) in slot `slots[j]`, lazily: one `slice_update` of
+    the stacked values where the slots run in order without gaps, one scatter where `scatter`
+    says so, otherwise one `slice_update` a slot (each donates its input buffer where nothing
+    else holds it: a write of one slot, not of the bank)."""
+    first = slots[0] if slots else 0
+    if len(slots) > 1 and slots == list(range(first, first + len(slots))):
+        return mx.slice_update(bank, mx.stack(values), mx.array([first]), axes=(0,))
+    if len(slots) > 1 and scatter:
+        bank = mx.array(bank)  # a handle of its own: the assignment must not rewrite the caller's array
+        bank[mx.array(slots)] = mx.stack(values)
+        return bank
+    for slot, value in zip(slots, values, strict=True):
+        bank = mx.slice_update(bank, value[None], mx.array([slot]), axes=(0,))
+    return bank
+
+
 class ExpertCache:
     """Resident expert slots for every streamed MoE block, with reads, prefetch and telemetry.
 
@@ -179,6 +196,10 @@ class ExpertCache:
         self._prefetch_rules: list[PrefetchRule | None] = [None] * len(self.paths)
         mx.eval([b.banks for b in self._blocks])
         advise = cuda_host_mapped() if is_cuda() else None
+        # one scatter per bank tensor for a pass whose slots are scattered: on CUDA each write of
+        # a bank cost as much as copying the bank (docs/benchmarks.md, "Streaming at full scale");
+        # the CPU writes a slot in place, and its scatter is slower than a write per slot
+        self._scatter = is_cuda()
         self._staging = {b.layout.stride: StagingArea(b.layout.stride, advise=advise) for b in self._blocks}
         # transitions[i][e, f]: how often expert f at block i+1 followed expert e at block i
         self._transitions = [np.zeros((E, E), np.float32) for _ in self.paths[:-1]]
@@ -250,10 +271,12 @@ class ExpertCache:
         )
 
     def staging(self) -> dict:
-        """Staging slots made, over every record size, and how many of their chunks the GPU reads
-        in place (CUDA advice taken; 0 elsewhere)."""
+        """Staging slots made, over every record size, how many of their chunks the GPU reads
+        in place (CUDA advice taken; 0 elsewhere), and how a pass's scattered slots are written
+        (`write_slots`: "scatter" or "per_slot")."""
         areas = self._staging.values()
-        return {"slots": sum(a.size for a in areas), "advised_chunks": sum(a.advised for a in areas)}
+        return {"slots": sum(a.size for a in areas), "advised_chunks": sum(a.advised for a in areas),
+                "bank_writes": "scatter" if self._scatter else "per_slot"}
 
     def resident(self, path: str) -> list[int]:
         """Experts now resident in block `path`, least recently used first."""
@@ -390,27 +413,26 @@ class ExpertCache:
             self._write(i, pending, self._victims(self._blocks[i], len(pending), pinned=group))
 
     def _write(self, i: int, pending: list[tuple[int, Future]], victims: list[int]) -> None:
-        """Wait for each read and write it into its slot (evicting the slot's expert).
+        """Wait for each read, then write the records into their slots (evicting the slots' experts).
 
-        The slot updates are left lazy: they run with the layer's own compute when the next
+        The slot writes are left lazy: they run with the layer's own compute when the next
         routing readback evaluates it (the next layer's input depends on them), so an install
-        costs no device sync of its own. (One `slice_update` per expert and tensor: MLX's CPU
-        scatter of a pass's records at once took 5x as long, docs/benchmarks.md.)"""
+        costs no device sync of its own. A pass's records go in with one write per bank tensor
+        where they can (`write_slots`); a read that failed leaves the ones before it installed."""
         block, count = self._blocks[i], self._counts[i]
         path, area = self.paths[i], self._staging[block.layout.stride]
         began, waited = time.perf_counter(), 0.0
+        read: list[tuple[int, dict[str, mx.array], object]] = []  # (slot, tensor views, staging slot)
         try:
             for n, ((e, future), slot) in enumerate(zip(pending, victims)):
                 start = time.perf_counter()
                 staged, _ = future.result()
                 waited += time.perf_counter() - start
                 try:
-                    arrays = self.store.tensor_views(path, staged.flat, block.dtypes)
-                    at = mx.array([int(slot)])
-                    for name, value in arrays.items():
-                        block.banks[name] = mx.slice_update(block.banks[name], value[None], at, axes=(0,))
-                finally:
-                    area.release(staged, readers=lambda: list(block.banks.values()))
+                    read.append((int(slot), self.store.tensor_views(path, staged.flat, block.dtypes), staged))
+                except BaseException:
+                    area.release(staged)
+                    raise
                 old = int(block.expert_in[slot])
                 if old >= 0:
                     block.slot_of[old] = -1
@@ -424,7 +446,15 @@ class ExpertCache:
             raise
         finally:
             count[_C["wait_seconds"]] += waited
-        count[_C["install_seconds"]] += time.perf_counter() - began - waited
+            slots = [slot for slot, _, _ in read]
+            try:
+                for name in block.banks:
+                    block.banks[name] = write_slots(block.banks[name], [views[name] for _, views, _ in read], slots,
+                                                    scatter=self._scatter)
+            finally:
+                for _, _, staged in read:
+                    area.release(staged, readers=lambda: list(block.banks.values()))
+            count[_C["install_seconds"]] += time.perf_counter() - began - waited
 
     @staticmethod
     def _victims(block: _Block, n: int, *, pinned: np.ndarray) -> list[int]:
