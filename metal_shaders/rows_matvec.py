@@ -430,7 +430,7 @@ def rows_matvec(x: mx.array, w: mx.array, *, cols: int = COLS, tensor_cores: boo
     columns per warp). `tensor_cores`: bfloat16 rows and weights go to rows_mma's form where its
     probe passed (each process one form per dtype, so a row's bits never depend on the window)."""
     R, K = rows(x)
-    if tensor_cores and w.dtype == mx.bfloat16 and rows_mma.supports(x, K):
+    if tensor_cores and w.dtype == mx.bfloat16 and rows_mma.supports(x, K, form="dense"):
         return rows_mma.rows_matvec(x, w)
     N = w.shape[0]
     kernel = _kernel("strata_rows_matvec_v4", ["dims", "x", "w"], DENSE)
@@ -443,7 +443,7 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     """x (..., K) @ dequantized w (N, K·bits/32 packed)ᵀ -> (..., N), at most 8 rows, affine 4 or 8
     bits, on a GPU (`tensor_cores` as `rows_matvec`'s)."""
     R, K = rows(x)
-    if tensor_cores and rows_mma.supports(x, K, group_size=group_size, bits=bits):
+    if tensor_cores and rows_mma.supports(x, K, group_size=group_size, bits=bits, form="affine"):
         return rows_mma.rows_qmatvec(x, w, scales, biases, group_size=group_size, bits=bits)
     N = w.shape[0]
     kernel = _kernel("strata_rows_qmatvec_v4", ["dims", "x", "w", "scales", "biases"], QUANTIZED)
@@ -494,7 +494,7 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     80B shape (80 picks, ~76 experts) it runs the gate and down projections in 0.060 and 0.086 ms
     against 0.090 and 0.177 with the 8-pick compile (docs/benchmarks.md, kernel_bench); an expert
     picked twice is read twice, the second time mostly from L2. `tensor_cores` as `rows_matvec`'s."""
-    if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits):
+    if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits, form="routed"):
         return rows_mma.rows_gather_qmatvec(x, w, scales, biases, experts, group_size=group_size, bits=bits,
                                             share=share)
     R, K = rows(x)
@@ -557,7 +557,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
     scales, biases) of one quantization) in one launch: -> silu(gate) · up, each product the
     bits of `rows_gather_qmatvec`'s, picks that share rows as there (`tensor_cores`: rows_mma's
     form, as `rows_matvec`'s)."""
-    if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits):
+    if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits, form="glu"):
         return rows_mma.rows_gather_glu_qmatvec(x, gate, up, experts, group_size=group_size, bits=bits, share=share)
     R, K = rows(x)
     M = experts.size

@@ -35,7 +35,8 @@ import mlx.core as mx
 from . import backends, probe
 from .probe import Probe, dims, gpu_kernel
 
-ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a suspect GPU)
+ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a suspect GPU); a list: those forms
+FORMS = ("dense", "affine", "routed", "glu")  # rows_matvec's calls that take these kernels by default
 MAX_ROWS = 8  # B's columns: a window's rows (or one expert's picks)
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
 WARPS = 4  # warps per block: they split K (a block of 16 columns reads them in 4 streams)
@@ -307,11 +308,32 @@ def rows(x: mx.array) -> tuple[int, int]:
     return x.size // K, K
 
 
-def supports(x: mx.array, K: int, *, group_size: int | None = None, bits: int | None = None) -> bool:
+def forms_on() -> frozenset[str]:
+    """The forms STRATA_TENSOR_CORES leaves on: every one of FORMS (unset or 1), none (0), or those
+    a comma list names (`dense,affine`: a comparison of one form against the FMA kernels; a
+    process keeps its choice, so a row's bits never depend on the window)."""
+    value = os.environ.get(ENV, "1")
+    if value not in _forms:
+        text = value.strip()
+        names = set(FORMS) if text in ("", "1") else set() if text == "0" else {n.strip() for n in text.split(",")} - {""}
+        if names - set(FORMS):
+            raise ValueError(f"{ENV} is 0, 1 or a comma list of {', '.join(FORMS)}; got {value!r}")
+        _forms[value] = frozenset(names)
+    return _forms[value]
+
+
+_forms: dict[str, frozenset[str]] = {}
+
+
+def supports(x: mx.array, K: int, *, group_size: int | None = None, bits: int | None = None,
+             form: str | None = None) -> bool:
     """Whether these kernels take x (bfloat16 rows) into weights of width K (a multiple of 32;
     affine: 4 or 8 bits, groups of 32, 64 or 128) on this device: CUDA, the probe passed, not
-    turned off (STRATA_TENSOR_CORES=0)."""
-    if x.dtype != mx.bfloat16 or os.environ.get(ENV, "1") == "0" or K % 32 or probe.backend() != backends.CUDA:
+    turned off (STRATA_TENSOR_CORES=0, or a list without `form`)."""
+    if x.dtype != mx.bfloat16 or K % 32 or probe.backend() != backends.CUDA:
+        return False
+    on = forms_on()
+    if not on or (form is not None and form not in on):
         return False
     if bits is not None and not (bits in (4, 8) and group_size in (32, 64, 128) and K % group_size == 0):
         return False

@@ -65,6 +65,21 @@ def test_only_bfloat16_rows_of_a_width_they_take_go_to_tensor_cores(monkeypatch)
     assert not rows_mma.supports(bf, 128)
 
 
+def test_the_environment_names_the_forms_left_on(monkeypatch):
+    monkeypatch.setattr(rows_mma.probe, "backend", lambda: backends.CUDA)
+    monkeypatch.setattr(rows_mma, "usable", lambda dtype=mx.bfloat16: True)
+    bf = mx.zeros((2, 128), dtype=mx.bfloat16)
+    for value, on in [("1", set(rows_mma.FORMS)), ("0", set()), ("dense, affine", {"dense", "affine"}),
+                      ("glu", {"glu"})]:
+        monkeypatch.setenv(rows_mma.ENV, value)
+        assert rows_mma.forms_on() == on
+        assert {f for f in rows_mma.FORMS if rows_mma.supports(bf, 128, form=f)} == on
+        assert rows_mma.supports(bf, 128) == bool(on)  # a call that names no form: any form on
+    monkeypatch.setenv(rows_mma.ENV, "dense,mxfp")
+    with pytest.raises(ValueError, match="comma list of dense, affine, routed, glu; got 'dense,mxfp'"):
+        rows_mma.supports(bf, 128, form="dense")
+
+
 def test_rows_matvec_sends_bfloat16_windows_to_tensor_cores_unless_told(monkeypatch, emulated):
     """The dispatch: with the tensor-core forms usable, rows_matvec's calls at bfloat16 take them
     (the emulated kernels' bits), `tensor_cores=False` its own FMA form (here its reference)."""
