@@ -4,8 +4,10 @@
 # stage writes its JSON and log under $OUT (default ./gpu-out); MLX's CUDA build must be importable.
 #
 #   bash scripts/bench/gpu_owed.sh startup   # first on a fresh machine: its caches are still empty
+#   bash scripts/bench/gpu_owed.sh installs  # a pass's install by cache size, a write per slot against one scatter (~1 min)
 #   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
 #   bash scripts/bench/gpu_owed.sh tensor-cores  # 80B and GPT-OSS compares, tensor cores on / off alternating
+#   bash scripts/bench/gpu_owed.sh tc-forms  # 80B compares with each form of rows_mma left out in turn (~6 min)
 #   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
@@ -16,6 +18,7 @@
 #   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #   bash scripts/bench/gpu_owed.sh selftest  # `strata selftest` as a fresh machine runs it (empty caches), then again
+#   STAGES="installs stream tc-forms" bash scripts/bench/gpu_owed.sh sequence  # those stages in turn
 #   bash scripts/bench/gpu_owed.sh background STAGE [WAIT]  # STAGE in the background (unless one runs), wait
 #                                   # up to WAIT s (540), then copy the results into this call's $OUT
 #
@@ -23,7 +26,7 @@
 # done, then `background stream-depth` and `background stream-prob` (they --resume its JSON). On
 # the H200 at 318198f compare took 2.5 min, profile 2, kernels 1.3 and startup 9; at 2dc4962 mma
 # took 1, gpt-oss 1.6 and selftest 5.5 (docs/benchmarks.md). The stream stages want a loan of their
-# own (other GPU work beside them moves both).
+# own (other GPU work beside them moves both); STREAM_BUDGET (s) overrides their budgets.
 set -euo pipefail
 self=$(realpath "$0")
 cd "$(dirname "$self")/../.."
@@ -58,6 +61,13 @@ background)
     [ "$(realpath "$BG_DIR")" = "$(realpath "$OUT")" ] || cp -r "$BG_DIR/." "$OUT/"
     tail -n 25 "$BG_DIR"/*.stdout 2>/dev/null | cut -c1-300
     ;;
+sequence)
+    # one background job for a loan's plan: a stage that fails is logged and the next one runs
+    for stage in ${STAGES:?STAGES names the stages to run in turn}; do
+        echo "== $stage $(date -u +%T)" | log sequence
+        bash "$self" "$stage" || echo "== $stage failed: exit $?" | log sequence
+    done
+    ;;
 startup)
     python -m scripts.bench.startup --fresh parallel --later-runs 3 --process-timeout 240 --budget-seconds 420 \
         --out "$OUT/h200_startup_$tree.json" 2>&1 | log startup
@@ -73,6 +83,12 @@ selftest)
             python -m strata_cli.cli selftest --json > "$OUT/selftest_${run}_$tree.json" 2> "$OUT/selftest_${run}.stderr" || rc=$?
         echo "selftest ($run caches): $((SECONDS - start)) s, exit $rc" | log selftest
     done
+    ;;
+installs)
+    python -m scripts.lab.install_bench --bank-sizes 26 52 128 512 --passes 9 --repeats 8 \
+        --out "$OUT/install_by_slots_h200_$tree.json" 2>&1 | log installs
+    python -m scripts.lab.install_bench --bank-sizes 52 512 --passes 1 --repeats 8 \
+        --out "$OUT/install_by_slots_p1_h200_$tree.json" 2>&1 | log installs
     ;;
 mma)
     # issue 37: the tensor-core forms' probe, case by case (what fails, if anything), then their times
@@ -106,6 +122,18 @@ tensor-cores)
                 STRATA_TENSOR_CORES=$tc python -m scripts.bench.compare_mlx_lm --family $shape $common \
                     --out "$OUT/tc_${1}_${round}_tc${tc}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log tensor-cores
             done
+        done
+    done
+    ;;
+tc-forms)
+    # issue 37: which tensor-core forms pay on the 80B shape (kernel_bench had the routed gate
+    # slower on them at 1 and 8 rows); STRATA_TENSOR_CORES names the forms left on, alternating
+    common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
+    for round in 1 2; do
+        for forms in 1 dense,affine,routed dense,affine 0; do
+            echo "== qwen3_next round $round forms $forms" | log tc-forms
+            STRATA_TENSOR_CORES=$forms python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
+                $common --out "$OUT/tcf_${round}_${forms//,/-}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log tc-forms
         done
     done
     ;;
@@ -146,19 +174,19 @@ share)
     python -m scripts.lab.kernel_share --windows 1,8 --rounds 3 --out "$OUT/kernel_share_h200_$tree.json" 2>&1 | log share
     ;;
 stream)
-    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 1200 --temperatures cold \
+    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-1200}" --temperatures cold \
         --fractions 0.1 0.25 0.05 0.5 1.0 --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream
     ;;
 stream-depth)
-    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 420 --temperatures cold --fractions 0.1 0.25 \
+    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-420}" --temperatures cold --fractions 0.1 0.25 \
         --readahead-depth 8 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-depth
     ;;
 stream-prob)
-    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds 420 --temperatures cold --fractions 0.1 0.25 \
+    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-420}" --temperatures cold --fractions 0.1 0.25 \
         --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
     ;;
 *)
-    sed -n '2,24p' "$self"
+    sed -n '2,/^set -euo/p' "$self" | sed '$d'
     exit 2
     ;;
 esac
