@@ -4,7 +4,7 @@
 # stage writes its JSON and log under $OUT (default ./gpu-out); MLX's CUDA build must be importable.
 #
 #   bash scripts/bench/gpu_owed.sh startup   # first on a fresh machine: its caches are still empty
-#   bash scripts/bench/gpu_owed.sh installs  # a pass's install by cache size, a write per slot against one scatter (~1 min)
+#   bash scripts/bench/gpu_owed.sh installs  # a pass's install by cache size: a write per slot, one scatter, and why a bank is copied (~2 min)
 #   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
 #   bash scripts/bench/gpu_owed.sh tensor-cores  # 80B and GPT-OSS compares, tensor cores on / off alternating
 #   bash scripts/bench/gpu_owed.sh tc-forms  # 80B compares with each form of rows_mma left out in turn (~6 min)

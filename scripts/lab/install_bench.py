@@ -20,7 +20,11 @@ their buffers and were just read (as a layer's compute reads them), P records fr
 staging written into scattered slots by `ExpertCache`'s `write_slots`, one `slice_update` a slot
 (`per_slot`, what the cache did on every backend before) against one scatter per tensor
 (`scatter`, CUDA's form now). A cost per record that grows with S is a bank copied per write
-(the H200's 48-layer run: ~0.029 ms a slot, issue 38).
+(the H200's 48-layer run: ~0.029 ms a slot, issue 38, about what PCIe moves, not a device copy).
+Two more forms of `per_slot` say why a bank is copied: `per_slot_settled` writes after the device
+has finished the read and MLX's completion handlers have run (a buffer the read still holds cannot
+be donated), `per_slot_unread` into banks nothing has read since they were made, `per_slot_static`
+through MLX's static SliceUpdate (`bank[s:s+1] = value`) instead of the dynamic one `write_slots` builds.
 
 Every variant's banks are checked equal to `record`'s. Results as JSON on stdout or `--out`.
 
@@ -127,6 +131,16 @@ def host_pointer(array: mx.array) -> int:
     return np.array(array, copy=False).__array_interface__["data"][0]
 
 
+def write_static(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
+    bank = mx.array(bank)  # a handle of its own, as write_slots' scatter takes
+    for slot, value in zip(slots, values, strict=True):
+        bank[slot : slot + 1] = value[None]
+    return bank
+
+
+VARIANTS = ("per_slot", "scatter", "per_slot_settled", "per_slot_unread", "per_slot_static")
+
+
 def by_bank_size(offsets, stride, sizes, P, repeats, rng, advice) -> list[dict]:
     """ms per record of a pass of P records into scattered slots of banks of each size."""
     staging = mx.zeros((P * stride,), dtype=mx.uint8)
@@ -138,15 +152,22 @@ def by_bank_size(offsets, stride, sizes, P, repeats, rng, advice) -> list[dict]:
     views = tensor_views(staging, offsets, stride, P)
     rows = []
     for S in sizes:
-        for variant in ("per_slot", "scatter"):
+        for variant in VARIANTS:
             banks = {name: mx.zeros((S, *shape), dtype=mxd) + 1 for name, shape, npd, mxd, _, _ in offsets}
             mx.eval(list(banks.values()))
             times = []
             for rep in range(repeats + 1):
                 slots = rng.permutation(S)[:P].tolist()
-                mx.eval([mx.take(b, mx.array(slots[::-1]), axis=0).sum() for b in banks.values()])  # a reader
+                if variant != "per_slot_unread":
+                    mx.eval([mx.take(b, mx.array(slots[::-1]), axis=0).sum() for b in banks.values()])  # a reader
+                if variant == "per_slot_settled":
+                    mx.synchronize()
+                    time.sleep(0.005)  # MLX drops the read's hold on its inputs on a worker thread
                 t0 = time.perf_counter()
                 for name in banks:
+                    if variant == "per_slot_static":
+                        banks[name] = write_static(banks[name], [views[name][p] for p in range(P)], slots)
+                        continue
                     banks[name] = write_slots(banks[name], [views[name][p] for p in range(P)], slots,
                                               scatter=variant == "scatter")
                 mx.eval(list(banks.values()))
