@@ -69,6 +69,7 @@ _lock = threading.Lock()  # the counters and the progress line, from `compile_ah
 # While `compile_ahead` runs dry in a thread: (kernel, input dtypes, output dtypes, template) per call
 # (a thread's own: another thread's launches run as ever).
 _dry = threading.local()
+_dry_runs = [0]  # dry runs under way in any thread: a launch looks at its thread's only then
 
 
 def active() -> bool:
@@ -271,35 +272,62 @@ class PrecompiledKernel:
         self.error: str | None = ("reads shapes or strides (MLX passes them by value)"
                                   if reads_shapes(source, self.input_names) else None)
         self._binaries: dict[tuple, bytes] = {}
+        self._sources: dict[tuple, bytes] = {}  # launch sources by dtypes and template, for `_keys` as it was
+        self._keys, self._keys_reason = None, None
 
     def __call__(self, **call):
         """`call`: the keywords of MLX's kernel call (inputs, output_shapes, output_dtypes, grid,
         threadgroup, template, init_value, stream), passed to MLX's kernel as given where it runs."""
-        template, inputs = list(call.get("template") or []), call["inputs"]
-        recording = getattr(_dry, "calls", None)
-        if recording is not None:  # a dry run (`compile_ahead`): note the compile, launch nothing
-            if active() and self.error is None and all(isinstance(x, mx.array) for x in inputs):
-                recording.append((self, tuple(x.dtype for x in inputs), tuple(call["output_dtypes"]), tuple(template)))
-            return [mx.zeros(shape, dtype) for shape, dtype in zip(call["output_shapes"], call["output_dtypes"])]
-        binary = None
-        if active() and self.error is None and all(isinstance(x, mx.array) for x in inputs):
-            try:
-                binary = self.binary([x.dtype for x in inputs], list(call["output_dtypes"]), template)
-            except Exception as e:  # NVRTC, ctypes, the device query: any of them means MLX's build
-                self.error = f"{type(e).__name__}: {e}"
-                stats["errors"].append(f"{self.name}: {self.error}"[:500])
-                log.debug("kernel %s: MLX compiles it (%s)", self.name, self.error)
-        if binary is None:
-            stats["mlx_calls"] += 1
-            return self.fallback(**call)
-        if module_keys.keys.verified is None:
-            verify_keys()
-        source = module_keys.keys.source_for(self.name, binary)  # a short key where MLX finds the binary
+        inputs = call["inputs"]
+        if _dry_runs[0] and getattr(_dry, "calls", None) is not None:
+            return self._note(call)
+        # Every projection of every window launches here: the source to launch with is kept per
+        # dtypes and template values once a call found it (a few microseconds of Python a launch
+        # otherwise, ~100 launches a window), while strata's build and the keys are as they were.
+        keys = module_keys.keys
+        if keys is not self._keys or keys.reason is not self._keys_reason:
+            self._sources, self._keys, self._keys_reason = {}, keys, keys.reason
+        try:
+            memo = (tuple([x.dtype for x in inputs]), tuple(call["output_dtypes"]), tuple(call.get("template") or ()))
+        except AttributeError:  # an input that is no array (a Python scalar): MLX's kernel takes it
+            memo = None
+        source = self._sources.get(memo) if not _state["off"] else None
+        if source is None:
+            source = self._source(memo, inputs)
+            if source is None:
+                stats["mlx_calls"] += 1
+                return self.fallback(**call)
         return mx.fast.precompiled_cuda_kernel(
             name=self.name, compiled_source=source, inputs=inputs, output_shapes=call["output_shapes"],
             output_dtypes=call["output_dtypes"], scalars=[], grid=call["grid"], threadgroup=call["threadgroup"],
             init_value=call.get("init_value"), ensure_row_contiguous=self.ensure_row_contiguous,
             stream=call.get("stream"))
+
+    def _source(self, memo: tuple | None, inputs: list) -> bytes | None:
+        """The source to launch with for `memo` (input dtypes, output dtypes, template values):
+        the binary's key or the binary, now kept for the next call; None for MLX's build."""
+        if memo is None or not active() or self.error is not None or not all(isinstance(x, mx.array) for x in inputs):
+            return None
+        try:
+            binary = self.binary(list(memo[0]), list(memo[1]), list(memo[2]))
+        except Exception as e:  # NVRTC, ctypes, the device query: any of them means MLX's build
+            self.error = f"{type(e).__name__}: {e}"
+            stats["errors"].append(f"{self.name}: {self.error}"[:500])
+            log.debug("kernel %s: MLX compiles it (%s)", self.name, self.error)
+            return None
+        if module_keys.keys.verified is None:
+            verify_keys()
+        source = module_keys.keys.source_for(self.name, binary)  # a short key where MLX finds the binary
+        if module_keys.keys is self._keys and module_keys.keys.reason is self._keys_reason:
+            self._sources[memo] = source  # (a check or a write that just turned keys off: not kept)
+        return source
+
+    def _note(self, call: dict) -> list[mx.array]:
+        """A dry run (`compile_ahead`): note the compile this call needs, launch nothing."""
+        inputs, template = call["inputs"], tuple(call.get("template") or ())
+        if active() and self.error is None and all(isinstance(x, mx.array) for x in inputs):
+            _dry.calls.append((self, tuple(x.dtype for x in inputs), tuple(call["output_dtypes"]), template))
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(call["output_shapes"], call["output_dtypes"])]
 
     def binary(self, input_dtypes: list, output_dtypes: list, template: list) -> bytes:
         """The compiled kernel for these dtypes and template values: this process's, the kept
@@ -398,6 +426,8 @@ def compile_ahead(run) -> int:
     if not active() or threads() <= 1 or is_dry_run():
         return 0
     _dry.calls = []
+    with _lock:
+        _dry_runs[0] += 1
     try:
         try:
             run()
@@ -406,6 +436,8 @@ def compile_ahead(run) -> int:
         todo = list(dict.fromkeys(_dry.calls))
     finally:
         _dry.calls = None
+        with _lock:
+            _dry_runs[0] -= 1
     todo = [t for t in todo if not t[0].has(*t[1:])]
     if not todo:
         return 0

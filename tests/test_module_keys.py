@@ -134,3 +134,27 @@ def test_a_kept_module_file_of_the_right_size_is_not_written_again(setup, monkey
     path.write_bytes(b"CUBIN")  # a damaged file (another size): written again
     keys.file("k", b"CUBIN:k:1")
     assert path.read_bytes() == b"CUBIN:k:1"
+
+
+def test_a_launch_keeps_its_source_until_strata_builds_or_keys_are_turned_off(setup, monkeypatch):
+    """Launches after the first of a dtype take the source it found (no binary or key lookup);
+    turning keys or strata's build off, or an input that is no array, is seen at the next call."""
+    _fresh_keys(monkeypatch)
+    kernel = _kernel()
+    lookups = []
+    binary = kernel.binary
+    monkeypatch.setattr(kernel, "binary", lambda *a: lookups.append(a) or binary(*a))
+    _call(kernel), _call(kernel), _call(kernel)
+    assert len(lookups) == 1 and len({c["compiled_source"] for c in setup.launches[1:]}) == 1
+    assert setup.launches[-1]["compiled_source"].startswith(module_keys.PREFIX)
+    module_keys.keys.disable("test: whole binaries")
+    _call(kernel)
+    assert setup.launches[-1]["compiled_source"] == binary([mx.float32], [mx.float32], [("T", mx.float32)])
+    fallback = []
+    kernel.fallback = lambda **call: fallback.append(call) or [mx.zeros((8,))]
+    kernel(inputs=[1.5], output_shapes=[(8,)], output_dtypes=[mx.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    assert len(fallback) == 1  # a Python scalar: MLX's kernel
+    launched = len(setup.launches)
+    precompiled.disable("test: MLX's build")
+    _call(kernel)
+    assert len(fallback) == 2 and len(setup.launches) == launched

@@ -3,8 +3,10 @@
 strata's precompiled kernel (whole binary, and by key: metal_shaders/module_keys.py); then one
 decode window of the tiny 80B-A3B-shaped checkpoint (scripts/bench/step_ops.SHAPE, 8 layers,
 4-bit, bfloat16) split into build, dispatch (`async_eval` returning) and the wait for the device;
-the size of each strata kernel binary it launched; and whether dispatch releases the GIL (a
-spinning thread's count while the main thread dispatches, against its count idle).
+the size of each strata kernel binary it launched; whether dispatch releases the GIL (a
+spinning thread's count while the main thread dispatches, against its count idle); and, on any
+backend, the Python a precompiled launch costs before MLX's own (`call_python_us`: a 5-input
+kernel whose binary is held, MLX's launch stood in).
 
     OUT=. python -m scripts.lab.launch_cost                 # CUDA: about a minute, writes $OUT/launch_cost.json
     STRATA_KERNEL_KEYS=0 OUT=. python -m scripts.lab.launch_cost --tag whole    # the same with whole binaries
@@ -75,6 +77,47 @@ def chains() -> dict:
         out[name] = per_op(step)
         print(name, out[name], flush=True)
     return out
+
+
+def call_python_us(calls: int = 20000, repeats: int = 7) -> dict:
+    """µs of Python in one `PrecompiledKernel` call, MLX's launch stood in by a function that
+    returns its outputs (medians), beside the stand-in called alone."""
+    out = [mx.zeros((1, 256), dtype=mx.bfloat16)]
+    inputs = [mx.zeros((4,), dtype=mx.int32), mx.zeros((1, 256), dtype=mx.bfloat16),
+              *(mx.zeros((256, n), dtype=d) for n, d in ((32, mx.uint32), (4, mx.bfloat16), (4, mx.bfloat16)))]
+    mx.eval(out, inputs)
+    kernel = precompiled.PrecompiledKernel(None, name="launch_cost_python", input_names=["dims", "x", "w", "s", "b"],
+                                           output_names=["y"], source="y[0] = x[0];", header="",
+                                           ensure_row_contiguous=True, make_toolchain=lambda: None)
+    call = dict(inputs=inputs, output_shapes=[(1, 256)], output_dtypes=[mx.bfloat16], grid=(256, 1, 1),
+                threadgroup=(128, 1, 1), template=[("T", mx.bfloat16), ("ROWS", 1)], init_value=None)
+    kernel._binaries[(tuple(x.dtype for x in inputs), (mx.bfloat16,), tuple(call["template"]))] = b"CUBIN" * 8000
+
+    def launch(**_):
+        return out
+
+    def per_call(f) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            times.append((time.perf_counter() - t0) / calls)
+        return round(1e6 * statistics.median(times), 3)
+
+    saved = (getattr(mx.fast, "precompiled_cuda_kernel", None), module_keys.keys, dict(precompiled._state))
+    mx.fast.precompiled_cuda_kernel = launch
+    module_keys.keys = module_keys.ModuleKeys()
+    module_keys.keys.verified = False  # whole binaries: no key check, nothing written
+    precompiled._state.update(off=False, reason=None)
+    try:
+        result = {"stand_in_us": per_call(lambda: launch(**call)), "precompiled_call_us": per_call(lambda: kernel(**call))}
+    finally:
+        mx.fast.precompiled_cuda_kernel, module_keys.keys = saved[0], saved[1]
+        precompiled._state.clear()
+        precompiled._state.update(saved[2])
+    print("call_python_us", result, flush=True)
+    return result
 
 
 def window_split(directory: Path, n: int = 50, warmup: int = 10) -> dict:
@@ -162,6 +205,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tag", default="launch_cost", help="the output's name: $OUT/<tag>.json")
     args = parser.parse_args(argv)
     report = {"tree": git_commit(), "device": str(mx.default_device()), "mlx": mx.__version__}
+    report["call_python_us"] = call_python_us()
     report["chains_per_op"] = chains()
     report["window"] = window_split(args.dir)
     report["binary_bytes"] = binary_sizes()
