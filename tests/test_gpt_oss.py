@@ -8,7 +8,6 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from gpt_oss_checkpoints import (
     WINDOW,
     dequantize_blocks,
