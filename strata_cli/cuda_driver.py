@@ -1,10 +1,19 @@
-"""The CUDA driver through ctypes, for what MLX does not expose (free device memory, memory
-advice). Every call answers None or False where there is no driver or it refuses: callers then
-do as they would without the answer."""
+"""Whether MLX runs on CUDA, and the CUDA driver through ctypes for what MLX does not expose
+(free device memory, memory advice). Every driver call answers None or False where there is no
+driver or it refuses: callers then do as they would without the answer."""
 
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
+
+import mlx.core as mx
+
+
+def is_cuda() -> bool:
+    """Whether the default device is a GPU of MLX's CUDA backend."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def driver() -> ctypes.CDLL | None:
@@ -38,3 +47,32 @@ def free_memory() -> int | None:
     if lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)):
         return None
     return free.value
+
+
+def host_mapped(*, stay_on_host: bool = True) -> Callable[[int, int], bool] | None:
+    """`advise(address, size) -> advised`: map a managed range for GPU 0 (`cuMemAdvise`
+    SET_ACCESSED_BY), so that the GPU reads it over the bus instead of faulting its pages over,
+    and with `stay_on_host` prefer host memory for it too (the host writes it often); None when
+    there is no driver to ask (then the range works as MLX made it, its pages migrating)."""
+    lib = driver()
+    if lib is None or not hasattr(lib, "cuMemAdvise_v2"):
+        return None
+    advise = lib.cuMemAdvise_v2
+
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    advise.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, Location]
+    advise.restype = ctypes.c_int
+    set_preferred_location, set_accessed_by = 3, 5  # CU_MEM_ADVISE_*
+    host, device = 2, 1  # CU_MEM_LOCATION_TYPE_*
+
+    def run(address: int, size: int) -> bool:
+        # advice is a hint: a refusal leaves the range as MLX made it, correct and slower
+        if not has_context(lib):
+            return False
+        if stay_on_host and advise(address, size, set_preferred_location, Location(host, 0)):
+            return False
+        return not advise(address, size, set_accessed_by, Location(device, 0))
+
+    return run

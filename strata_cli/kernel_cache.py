@@ -27,6 +27,7 @@ import mlx.core as mx
 from metal_shaders import kept
 
 from .calibrate import backend_name, cache_dir
+from .cuda_driver import is_cuda
 
 PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 COLD_NOTICE = ("strata: compiling GPU kernels for this machine, once (kept in {path}); "
@@ -67,12 +68,6 @@ def strata_dir(backend: str, directory: Path | None = None) -> Path:
     """Where strata keeps its own compiled kernels and probe verdicts for this MLX version and GPU
     (beside MLX's modules, whoever chose MLX's directory)."""
     return default_kernel_dir(backend, directory) / "strata"
-
-
-def is_cuda() -> bool:
-    """Whether the default device is a GPU of MLX's CUDA backend."""
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def prepare_kernel_cache(*, cuda: bool | None = None, directory: Path | None = None) -> KernelCache:

@@ -44,8 +44,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from strata_cli.cuda_driver import host_mapped
 from strata_cli.experts.cache import write_slots
-from strata_cli.experts.staging import cuda_host_mapped
 
 # One 80B-A3B expert, 4-bit, group 64: (name, shape, numpy dtype, mlx dtype).
 EXPERT_80B = [
@@ -201,7 +201,7 @@ def main() -> None:
     offsets, stride = layout(EXPERT_TINY if args.tiny else EXPERT_80B)
     rng = np.random.default_rng(0)
     if args.bank_sizes:  # its own study: none of the pools and staging below
-        mapped = cuda_host_mapped() if mx.default_device() == mx.gpu and not args.tiny else None
+        mapped = host_mapped() if mx.default_device() == mx.gpu and not args.tiny else None
         save({"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
               "record_bytes": stride, "advised": mapped is not None,
               "rows": by_bank_size(offsets, stride, args.bank_sizes, args.passes[0], args.repeats, rng, mapped)},
@@ -218,7 +218,7 @@ def main() -> None:
     advice = None
     if mx.default_device() == mx.gpu and not args.tiny:
         try:
-            advice = cuda_host_mapped()(host_pointer(advised), max(args.passes) * stride)
+            advice = host_mapped()(host_pointer(advised), max(args.passes) * stride)
         except Exception as error:  # noqa: BLE001 - a lab probe: say why and go on
             advice = f"failed: {error}"
     variants = {

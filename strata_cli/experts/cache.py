@@ -47,12 +47,13 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from ..cuda_driver import host_mapped
 from ..kernel_cache import is_cuda
 from ..model.moe import SparseMoeBlock
 from ..options import StreamOptions
 from ..telemetry import ExpertWindowStats
 from .reads import ReadQueue
-from .staging import StagingArea, cuda_host_mapped
+from .staging import StagingArea
 from .store import DTYPES, BlockLayout, ExpertStore, layer_of
 
 # Per-block counters of one window (ExpertCache._counts columns).
@@ -195,7 +196,7 @@ class ExpertCache:
         self._routers = [(moe, moe.top_k) for _, moe in blocks]
         self._prefetch_rules: list[PrefetchRule | None] = [None] * len(self.paths)
         mx.eval([b.banks for b in self._blocks])
-        advise = cuda_host_mapped() if is_cuda() else None
+        advise = host_mapped() if is_cuda() else None
         # one scatter per bank tensor for a pass whose slots are scattered: on CUDA each write of
         # a bank cost as much as copying the bank (docs/benchmarks.md, "Streaming at full scale");
         # the CPU writes a slot in place, and its scatter is slower than a write per slot

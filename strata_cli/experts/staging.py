@@ -8,9 +8,9 @@ no per-record allocation.
 On CUDA an array MLX hands to the host lives in managed memory, whose pages migrate to whichever
 side touched them last: the GPU's copy faults a record over, and the next host write faults it
 back. That migration was the H200's 1.2 ms install of a 1.77 MB record
-(`scripts/lab/install_bench.py`). A chunk is advised to stay in host memory and be mapped for the
-GPU (`cuMemAdvise`), so the host writes locally and the GPU reads over the bus: 0.57 ms a record
-there, and less when the disk writes the slot itself.
+(`scripts/lab/install_bench.py`). A chunk is advised to stay in host memory and be mapped for
+the GPU (`cuda_driver.host_mapped`), so the host writes locally and the GPU reads over the bus:
+0.57 ms a record there, and less when the disk writes the slot itself.
 
 Reuse rule: MLX does not know the host writes into a chunk, so a slot is taken again only once
 every install that read it has run. An install gives back the banks it wrote
@@ -20,15 +20,12 @@ has already run them (the usual case, slots are reused oldest first) and a sync 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import deque
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
-
-from .. import cuda_driver
 
 SLOTS_PER_CHUNK = 16
 PAGE = 4096  # O_DIRECT's alignment (the layout's records are multiples of it)
@@ -93,30 +90,3 @@ class StagingArea:
             self._free.append(len(self._slots))
             self._slots.append(Slot(len(self._slots), data[start : start + self.stride],
                                     chunk[start : start + self.stride]))
-
-
-def cuda_host_mapped() -> Callable[[int, int], bool] | None:
-    """`advise(address, size) -> advised`: keep a managed range in host memory, mapped for GPU 0, through
-    the CUDA driver's `cuMemAdvise`; None when there is no driver to ask (then staging still
-    works, its pages migrating as MLX's own do)."""
-    lib = cuda_driver.driver()
-    if lib is None or not hasattr(lib, "cuMemAdvise_v2"):
-        return None
-    advise = lib.cuMemAdvise_v2
-
-    class Location(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-    advise.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, Location]
-    advise.restype = ctypes.c_int
-    set_preferred_location, set_accessed_by = 3, 5  # CU_MEM_ADVISE_*
-    host, device = 2, 1  # CU_MEM_LOCATION_TYPE_*
-
-    def run(address: int, size: int) -> bool:
-        # advice is a hint: a refusal leaves the range as MLX made it, correct and slower
-        if not cuda_driver.has_context(lib):
-            return False
-        return not (advise(address, size, set_preferred_location, Location(host, 0))
-                    or advise(address, size, set_accessed_by, Location(device, 0)))
-
-    return run
