@@ -11,17 +11,21 @@ strata's own compile (precompiled.py), and a probe that fails on it is run again
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
 
+from strata_cli.host_arrays import host_array
+
 from . import backends, kept, precompiled
 
 log = logging.getLogger("strata.kernels")
 
-_dims_cache: dict[tuple[int, ...], mx.array] = {}
+_dims_cache: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
+DIMS_KEPT = 256  # the sizes arrays kept, most recently used (attention's change every step)
 _kernels: dict[tuple[str, str], object] = {}
 VERDICTS = "verdicts"
 PROBE_DTYPES = (mx.float32, mx.bfloat16)  # a caller that names no dtype gets both
@@ -46,10 +50,17 @@ def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, head
 
 
 def dims(*values: int) -> mx.array:
-    """Shapes as an int32 array: one compile serves every shape, so a new one never waits for NVRTC."""
-    if values not in _dims_cache:
-        _dims_cache[values] = mx.array(values, dtype=mx.int32)
-    return _dims_cache[values]
+    """Shapes as an int32 array: one compile serves every shape, so a new one never waits for NVRTC.
+    Kept for the most recent DIMS_KEPT shapes (the attention kernels pass the cache's length, new
+    at every step), made by `host_array` so that a GPU reads a new one without a page fault."""
+    array = _dims_cache.get(values)
+    if array is None:
+        array = _dims_cache[values] = host_array(values, mx.int32)
+        if len(_dims_cache) > DIMS_KEPT:
+            _dims_cache.popitem(last=False)
+    else:
+        _dims_cache.move_to_end(values)
+    return array
 
 
 def backend() -> str | None:
