@@ -4,9 +4,11 @@ strata's precompiled kernel (whole binary, and by key: metal_shaders/module_keys
 decode window of the tiny 80B-A3B-shaped checkpoint (scripts/bench/step_ops.SHAPE, 8 layers,
 4-bit, bfloat16) split into build, dispatch (`async_eval` returning) and the wait for the device;
 the size of each strata kernel binary it launched; whether dispatch releases the GIL (a
-spinning thread's count while the main thread dispatches, against its count idle); and, on any
+spinning thread's count while the main thread dispatches, against its count idle); on any
 backend, the Python a precompiled launch costs before MLX's own (`call_python_us`: a 5-input
-kernel whose binary is held, MLX's launch stood in).
+kernel whose binary is held, MLX's launch stood in); and what a small array made on the host
+costs the op that reads it (`host_array_us`: 2 int32 values, in MLX's mapped pool, against 8 made
+by `mx.array` and by strata's `host_array`, each made anew and read by one add, evaluated).
 
     OUT=. python -m scripts.lab.launch_cost                 # CUDA: about a minute, writes $OUT/launch_cost.json
     STRATA_KERNEL_KEYS=0 OUT=. python -m scripts.lab.launch_cost --tag whole    # the same with whole binaries
@@ -33,6 +35,7 @@ from scripts.bench import compare_mlx_lm as compare
 from scripts.bench.step_ops import SHAPE
 from strata_cli.bench.runner import git_commit
 from strata_cli.engine.window import WindowEngine
+from strata_cli.host_arrays import host_array
 from strata_cli.kernel_cache import is_cuda
 from strata_cli.runtime import load_checkpoint
 
@@ -118,6 +121,23 @@ def call_python_us(calls: int = 20000, repeats: int = 7) -> dict:
         precompiled._state.update(saved[2])
     print("call_python_us", result, flush=True)
     return result
+
+
+def host_array_us(n: int = 200, repeats: int = 5) -> dict:
+    """µs a step of: make a small int32 array on the host, add 1 on the device, evaluate (medians)."""
+    forms = {"pool_2": lambda i: mx.array([i, i]), "mx_array_8": lambda i: mx.array([i] * 8),
+             "host_array_8": lambda i: host_array([i] * 8)}
+    out = {}
+    for name, make in forms.items():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for i in range(n):
+                mx.eval(make(i) + 1)
+            times.append((time.perf_counter() - t0) / n)
+        out[name] = round(1e6 * statistics.median(times), 2)
+    print("host_array_us", out, flush=True)
+    return out
 
 
 def window_split(directory: Path, n: int = 50, warmup: int = 10) -> dict:
@@ -206,6 +226,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     report = {"tree": git_commit(), "device": str(mx.default_device()), "mlx": mx.__version__}
     report["call_python_us"] = call_python_us()
+    report["host_array_us"] = host_array_us()
     report["chains_per_op"] = chains()
     report["window"] = window_split(args.dir)
     report["binary_bytes"] = binary_sizes()
