@@ -24,7 +24,9 @@ staging written into scattered slots by `ExpertCache`'s `write_slots`, one `slic
 Two more forms of `per_slot` say why a bank is copied: `per_slot_settled` writes after the device
 has finished the read and MLX's completion handlers have run (a buffer the read still holds cannot
 be donated), `per_slot_unread` into banks nothing has read since they were made, `per_slot_static`
-through MLX's static SliceUpdate (`bank[s:s+1] = value`) instead of the dynamic one `write_slots` builds.
+through MLX's static SliceUpdate (`bank[s:s+1] = value`) instead of the dynamic one `write_slots` builds,
+`per_slot_recycled` into banks made right after host-made arrays of their sizes were freed (CUDA's
+allocator may hand a device request a cached managed buffer, whose pages then migrate).
 
 Every variant's banks are checked equal to `record`'s. Results as JSON on stdout or `--out`.
 
@@ -138,7 +140,7 @@ def write_static(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx
     return bank
 
 
-VARIANTS = ("per_slot", "scatter", "per_slot_settled", "per_slot_unread", "per_slot_static")
+VARIANTS = ("per_slot", "scatter", "per_slot_settled", "per_slot_unread", "per_slot_static", "per_slot_recycled")
 
 
 def by_bank_size(offsets, stride, sizes, P, repeats, rng, advice) -> list[dict]:
@@ -153,6 +155,10 @@ def by_bank_size(offsets, stride, sizes, P, repeats, rng, advice) -> list[dict]:
     rows = []
     for S in sizes:
         for variant in VARIANTS:
+            if variant == "per_slot_recycled":  # host-made buffers of the banks' sizes, freed into MLX's cache
+                held = [mx.array(np.ones((S, *shape), dtype=npd)) for _, shape, npd, _, _, _ in offsets]
+                mx.eval(held)
+                del held
             banks = {name: mx.zeros((S, *shape), dtype=mxd) + 1 for name, shape, npd, mxd, _, _ in offsets}
             mx.eval(list(banks.values()))
             times = []
