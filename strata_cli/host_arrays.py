@@ -7,12 +7,13 @@ The first kernel that reads such an array faults its page over to the GPU, and t
 write into the recycled buffer faults it back: on the H200 a window's embedding lookup took
 0.03 ms at 1 and 2 tokens (8 bytes of ids) and 0.29-0.34 ms at 4 and 8 (docs/benchmarks.md).
 `host_array` maps the pages of each larger array for the GPU once (`cuda_driver.host_mapped`,
-the advice MLX gives its own pool), so the GPU reads them over the bus where they are. Off CUDA
-it is `mx.array`.
+the advice MLX gives its own pool), so the GPU reads them over the bus where they are. Off CUDA,
+or with STRATA_HOST_ARRAYS=0 (a comparison), it is `mx.array`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ import numpy as np
 
 from . import cuda_driver
 
+ENV = "STRATA_HOST_ARRAYS"  # 0: plain mx.array (the pages migrate as MLX leaves them)
 POOL_BYTES = 8  # MLX maps arrays this small itself (mlx/backend/cuda/allocator.cpp: small_block_size)
 PAGE = 4096
 MAX_PAGES = 1 << 16  # pages remembered as mapped; MLX recycles its buffers, so few ever are
@@ -37,7 +39,8 @@ class _Pages:
     def wanted(self) -> bool:
         device = mx.default_device()
         if self.device is None or device != self.device:
-            self.device, self.advise = device, cuda_driver.host_mapped(stay_on_host=False) if cuda_driver.is_cuda() else None
+            wanted = cuda_driver.is_cuda() and os.environ.get(ENV, "1") != "0"
+            self.device, self.advise = device, cuda_driver.host_mapped(stay_on_host=False) if wanted else None
         return self.advise is not None
 
     def map(self, array: mx.array) -> None:

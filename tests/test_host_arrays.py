@@ -50,6 +50,11 @@ def test_arrays_mlx_does_not_map_get_their_pages_mapped_once(advice):
     assert len(advice.calls) == 1 and tokens.tolist() == [[1, 2, 3, 4]]
 
 
+def test_the_environment_turns_mapping_off(advice, monkeypatch):
+    monkeypatch.setenv(host_arrays.ENV, "0")
+    assert host_arrays.host_array([[1, 2, 3, 4]]).tolist() == [[1, 2, 3, 4]] and advice.calls == []
+
+
 def test_a_driver_that_refuses_is_asked_no_more(advice):
     advice.answer = False
     for n in range(10):

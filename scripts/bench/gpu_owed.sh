@@ -8,6 +8,7 @@
 #   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
 #   bash scripts/bench/gpu_owed.sh tensor-cores  # 80B and GPT-OSS compares, tensor cores on / off alternating
 #   bash scripts/bench/gpu_owed.sh tc-forms  # 80B compares with each form of rows_mma left out in turn (~6 min)
+#   bash scripts/bench/gpu_owed.sh host-arrays  # 80B and GPT-OSS compares, host arrays mapped / not, alternating (~5 min)
 #   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
@@ -135,6 +136,23 @@ tc-forms)
             STRATA_TENSOR_CORES=$forms python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
                 $common --out "$OUT/tcf_${round}_${forms//,/-}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log tc-forms
         done
+    done
+    ;;
+host-arrays)
+    # issue 37: the window's host arrays (token ids, the attention's sizes, GPT-OSS's masks) mapped
+    # for the GPU against MLX's managed pages, alternating (strata_cli/host_arrays.py)
+    common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
+    for round in 1 2; do
+        for mapped in 1 0; do
+            echo "== qwen3_next round $round mapped $mapped" | log host-arrays
+            STRATA_HOST_ARRAYS=$mapped python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
+                $common --out "$OUT/ha_qwen3_next_${round}_${mapped}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log host-arrays
+        done
+    done
+    for mapped in 1 0; do
+        echo "== gpt_oss mapped $mapped" | log host-arrays
+        STRATA_HOST_ARRAYS=$mapped python -m scripts.bench.compare_mlx_lm --family gpt_oss --layers 4 --bits 0 \
+            $common --out "$OUT/ha_gpt_oss_${mapped}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log host-arrays
     done
     ;;
 kernels)
