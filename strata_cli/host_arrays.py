@@ -13,11 +13,11 @@ or with STRATA_HOST_ARRAYS=0 (a comparison), it is `mx.array`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Callable
 
 import mlx.core as mx
-import numpy as np
 
 from . import cuda_driver
 
@@ -44,7 +44,7 @@ class _Pages:
         return self.advise is not None
 
     def map(self, array: mx.array) -> None:
-        address = np.array(array, copy=False).__array_interface__["data"][0]
+        address = ctypes.addressof(ctypes.c_char.from_buffer(memoryview(array)))  # any dtype, bfloat16 too
         first, end = address - address % PAGE, address + array.nbytes
         pages = range(first, end, PAGE)
         if all(page in self.mapped for page in pages):

@@ -48,6 +48,9 @@ def test_arrays_mlx_does_not_map_get_their_pages_mapped_once(advice):
     assert address % host_arrays.PAGE == 0 and address <= _address(tokens) < _address(tokens) + 16 <= address + size
     host_arrays._pages.map(tokens)  # its page is mapped already: no second call
     assert len(advice.calls) == 1 and tokens.tolist() == [[1, 2, 3, 4]]
+    gates = host_arrays.host_array([0.5] * 16, mx.bfloat16)  # no PEP 3118 format: its address all the same
+    address = _address(gates.view(mx.uint16))
+    assert gates.tolist() == [0.5] * 16 and address - address % host_arrays.PAGE in host_arrays._pages.mapped
 
 
 def test_the_environment_turns_mapping_off(advice, monkeypatch):
