@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .probe import Probe, cases_at, dims, gpu_kernel
+from .probe import Probe, cases_at, gpu_kernel, step_dims
 
 MAX_HEAD_DIM = 256  # a lane keeps D/32 output dims in registers; the block's partials sit in shared memory
 WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 threads busy per row
@@ -153,7 +153,7 @@ def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float
                         HEADER, ensure_row_contiguous=False)
     # The dtypes are template values too (MLX caches a compile by name and template alone).
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
-    (out,) = kernel(inputs=[dims(B, Hq, Hkv, T, L), _scale(scale), q, keys, values], template=template,
+    (out,) = kernel(inputs=[step_dims(B, Hq, Hkv, T, L), _scale(scale), q, keys, values], template=template,
                     output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype], **launch(B, Hq, T))
     return out
 
@@ -299,7 +299,7 @@ def sink_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: 
     kernel = gpu_kernel("strata_attention_window_sinks_v1", ["dims", "scale", "q", "keys", "values", "sinks"], ["out"],
                         SINK_SOURCE, HEADER, ensure_row_contiguous=False)
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
-    (out,) = kernel(inputs=[dims(B, Hq, Hkv, T, L, ring_position(pos0, L, window), window), _scale(scale), q, keys,
+    (out,) = kernel(inputs=[step_dims(B, Hq, Hkv, T, L, ring_position(pos0, L, window), window), _scale(scale), q, keys,
                             values, sinks], template=template, output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype],
                     **launch(B, Hq, T))
     return out

@@ -11,7 +11,6 @@ strata's own compile (precompiled.py), and a probe that fails on it is run again
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -24,8 +23,8 @@ from . import backends, kept, precompiled
 
 log = logging.getLogger("strata.kernels")
 
-_dims_cache: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
-DIMS_KEPT = 256  # the sizes arrays kept, most recently used (attention's change every step)
+_dims_cache: dict[tuple[int, ...], mx.array] = {}
+_step_dims: list = [None, None]  # the last step's values and their array
 _kernels: dict[tuple[str, str], object] = {}
 VERDICTS = "verdicts"
 PROBE_DTYPES = (mx.float32, mx.bfloat16)  # a caller that names no dtype gets both
@@ -51,16 +50,19 @@ def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, head
 
 def dims(*values: int) -> mx.array:
     """Shapes as an int32 array: one compile serves every shape, so a new one never waits for NVRTC.
-    Kept for the most recent DIMS_KEPT shapes (the attention kernels pass the cache's length, new
-    at every step), made by `host_array` so that a GPU reads a new one without a page fault."""
-    array = _dims_cache.get(values)
-    if array is None:
-        array = _dims_cache[values] = host_array(values, mx.int32)
-        if len(_dims_cache) > DIMS_KEPT:
-            _dims_cache.popitem(last=False)
-    else:
-        _dims_cache.move_to_end(values)
-    return array
+    Kept per shape: on CUDA the first kernel that reads one moves its page to the GPU, once."""
+    if values not in _dims_cache:
+        _dims_cache[values] = mx.array(values, dtype=mx.int32)
+    return _dims_cache[values]
+
+
+def step_dims(*values: int) -> mx.array:
+    """`dims` for sizes that change at every step (an attention kernel's cache length or ring
+    position): made by `host_array`, so that on CUDA the kernel reads it where it is instead of
+    faulting its page over, and kept only until another step's (a window's attention layers share it)."""
+    if _step_dims[0] != values:
+        _step_dims[:] = [values, host_array(values, mx.int32)]
+    return _step_dims[1]
 
 
 def backend() -> str | None:

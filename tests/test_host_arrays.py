@@ -75,11 +75,14 @@ def test_a_window_maps_its_token_ids_and_a_serial_step_needs_not(advice, next_mo
     assert len(advice.calls) == 1
 
 
-def test_sizes_arrays_are_kept_for_the_most_recent_shapes(monkeypatch):
-    monkeypatch.setattr(probe, "_dims_cache", type(probe._dims_cache)())
-    monkeypatch.setattr(probe, "DIMS_KEPT", 4)
-    static = probe.dims(1, 16, 2)
-    for length in range(100, 110):  # an attention kernel's cache length: new every step
-        assert probe.dims(1, 16, 2, length).tolist() == [1, 16, 2, length]
-        assert probe.dims(1, 16, 2) is static  # used every step: kept
-    assert len(probe._dims_cache) == 4 and static.dtype == mx.int32
+def test_step_sizes_are_mapped_and_kept_for_one_step_and_shapes_are_kept_as_they_are(advice, monkeypatch):
+    monkeypatch.setattr(probe, "_dims_cache", {})
+    monkeypatch.setattr(probe, "_step_dims", [None, None])
+    static = probe.dims(1, 16, 2, 64)  # read by every window: its page moves to the GPU once, as ever
+    assert probe.dims(1, 16, 2, 64) is static and static.dtype == mx.int32 and advice.calls == []
+    first = probe.step_dims(1, 16, 2, 1, 100)  # an attention kernel's cache length: new every step
+    assert probe.step_dims(1, 16, 2, 1, 100) is first and first.tolist() == [1, 16, 2, 1, 100]
+    assert len(advice.calls) == 1  # mapped: its one reader needs no page fault
+    following = probe.step_dims(1, 16, 2, 1, 101)
+    assert following.tolist() == [1, 16, 2, 1, 101] and probe._step_dims[1] is following
+    assert len(probe._dims_cache) == 1  # the steps' sizes are not kept
