@@ -8,7 +8,7 @@
 #   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
 #   bash scripts/bench/gpu_owed.sh tensor-cores  # 80B and GPT-OSS compares, tensor cores on / off alternating
 #   bash scripts/bench/gpu_owed.sh tc-forms  # 80B compares with each form of rows_mma left out in turn (~6 min)
-#   bash scripts/bench/gpu_owed.sh host-arrays  # 80B and GPT-OSS compares, host arrays mapped / not, alternating (~5 min)
+#   bash scripts/bench/gpu_owed.sh switches  # 80B and GPT-OSS compares, host arrays and layer dispatch on / off (~6 min)
 #   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
@@ -19,7 +19,7 @@
 #   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #   bash scripts/bench/gpu_owed.sh selftest  # `strata selftest` as a fresh machine runs it (empty caches), then again
-#   STAGES="installs stream tc-forms" bash scripts/bench/gpu_owed.sh sequence  # those stages in turn
+#   STAGES="installs profile switches" bash scripts/bench/gpu_owed.sh sequence  # those stages in turn
 #   bash scripts/bench/gpu_owed.sh background STAGE [WAIT]  # STAGE in the background (unless one runs), wait
 #                                   # up to WAIT s (540), then copy the results into this call's $OUT
 #
@@ -138,21 +138,25 @@ tc-forms)
         done
     done
     ;;
-host-arrays)
-    # issue 37: the window's host arrays (token ids, the attention's sizes, GPT-OSS's masks) mapped
-    # for the GPU against MLX's managed pages, alternating (strata_cli/host_arrays.py)
+switches)
+    # issue 37: the window's host arrays mapped for the GPU (STRATA_HOST_ARRAYS) and its layers
+    # handed to the device as built (STRATA_LAYER_DISPATCH, layers a hand-off), each against off
     common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
     for round in 1 2; do
-        for mapped in 1 0; do
-            echo "== qwen3_next round $round mapped $mapped" | log host-arrays
-            STRATA_HOST_ARRAYS=$mapped python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
-                $common --out "$OUT/ha_qwen3_next_${round}_${mapped}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log host-arrays
+        for setting in "1 2" "0 2" "1 0" "0 0"; do
+            set -- $setting
+            echo "== qwen3_next round $round host arrays $1 layer dispatch $2" | log switches
+            STRATA_HOST_ARRAYS=$1 STRATA_LAYER_DISPATCH=$2 python -m scripts.bench.compare_mlx_lm --family qwen3_next \
+                --layers 8 --bits 4 $common --out "$OUT/sw_qwen3_next_${round}_ha$1_ld$2_$tree.json" 2>&1 \
+                | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log switches
         done
     done
-    for mapped in 1 0; do
-        echo "== gpt_oss mapped $mapped" | log host-arrays
-        STRATA_HOST_ARRAYS=$mapped python -m scripts.bench.compare_mlx_lm --family gpt_oss --layers 4 --bits 0 \
-            $common --out "$OUT/ha_gpt_oss_${mapped}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log host-arrays
+    for setting in "1 2" "0 0"; do
+        set -- $setting
+        echo "== gpt_oss host arrays $1 layer dispatch $2" | log switches
+        STRATA_HOST_ARRAYS=$1 STRATA_LAYER_DISPATCH=$2 python -m scripts.bench.compare_mlx_lm --family gpt_oss \
+            --layers 4 --bits 0 $common --out "$OUT/sw_gpt_oss_ha$1_ld$2_$tree.json" 2>&1 \
+            | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log switches
     done
     ;;
 kernels)

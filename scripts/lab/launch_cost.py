@@ -37,6 +37,7 @@ from strata_cli.bench.runner import git_commit
 from strata_cli.engine.window import WindowEngine
 from strata_cli.host_arrays import host_array
 from strata_cli.kernel_cache import is_cuda
+from strata_cli.model.dispatch import LayerDispatch
 from strata_cli.runtime import load_checkpoint
 
 CHAIN = 128
@@ -160,6 +161,7 @@ def window_split(directory: Path, n: int = 50, warmup: int = 10) -> dict:
 
     for T in (1, 8):
         rows = []
+        LayerDispatch.mode = "never"  # split at the window's one evaluation
         for i in range(warmup + n):
             tokens = rng.integers(0, SHAPE["vocab_size"], T).tolist()
             marks.clear()
@@ -175,6 +177,7 @@ def window_split(directory: Path, n: int = 50, warmup: int = 10) -> dict:
             if i >= warmup and marks:  # the CPU's host path may compute a window without mx.eval
                 rows.append((marks["built"] - start, marks["dispatched"] - marks["built"],
                              marks["done"] - marks["dispatched"], done - ran, done - start))
+        LayerDispatch.mode = "auto"
         names = ("build_ms", "dispatch_ms", "wait_ms", "commit_ms", "window_ms")
         out[f"T{T}"] = {k: round(1e3 * statistics.median(r[i] for r in rows), 3) for i, k in enumerate(names)} \
             if rows else {"note": "no mx.eval in the window (the CPU's host path)"}
