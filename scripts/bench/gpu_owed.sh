@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements the current tree owes (docs/benchmarks.md, "Not measured on the current
 # tree"), as stages meant to fit a 10-minute call each, in the order a loaned H200 should take them. Every
-# stage writes its JSON and log under $OUT (default ./gpu-out); MLX's CUDA build must be importable.
+# stage writes its JSON and log under $OUT (default ./gpu-out); MLX's CUDA build must be importable
+# (on a loaned machine: scripts/bench/device_kit.sh here, scripts/bench/device_setup.sh there).
 #
 #   bash scripts/bench/gpu_owed.sh startup   # first on a fresh machine: its caches are still empty
 #   bash scripts/bench/gpu_owed.sh installs  # a pass's install by cache size: a write per slot, one scatter, and why a bank is copied (~2 min)
