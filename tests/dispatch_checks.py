@@ -11,9 +11,9 @@ from strata_cli.model.layers import CpuShortCalls
 WINDOWS = [(1, [7]), (4, [9, 2, 11, 4]), (8, [5, 6, 7, 8, 1, 2, 3, 4]), (2, [12, 13])]
 
 
-def windows(model, prompt: list[int], every: int) -> list[tuple[mx.array, list[int]]]:
+def windows(model, prompt: list[int], pieces: int) -> list[tuple[mx.array, list[int]]]:
     """Logits and greedy tokens of WINDOWS after `prompt`, each committing all but its last row."""
-    LayerDispatch.every = every
+    LayerDispatch.pieces = pieces
     engine = WindowEngine(model)
     engine.prefill(prompt)
     out = []
@@ -26,19 +26,19 @@ def windows(model, prompt: list[int], every: int) -> list[tuple[mx.array, list[i
 
 
 def assert_dispatch_changes_nothing(model, monkeypatch, prompt: list[int], layers: int) -> None:
-    """Every 1 and 2 layers, dispatched windows equal whole ones bit for bit, and each window
-    dispatched (layers - 1) // every times (never after its last layer)."""
+    """In 2 pieces and in one piece a layer, dispatched windows equal whole ones bit for bit, and
+    each window is handed over (layers - 1) // (layers a piece) times (never after its last layer)."""
     monkeypatch.setattr(CpuShortCalls, "mode", "never")
     monkeypatch.setattr(LayerDispatch, "mode", "always")
-    monkeypatch.setattr(LayerDispatch, "every", 0)
+    monkeypatch.setattr(LayerDispatch, "pieces", 0)
     calls = []
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: calls.append(len(arrays)) or real(*arrays))
     whole = windows(model, prompt, 0)
     assert calls == []
-    for every in (1, 2):
+    for pieces in (2, layers):
         calls.clear()
-        pieces = windows(model, prompt, every)
-        assert len(calls) == len(WINDOWS) * ((layers - 1) // every)
-        for (a, tokens_a), (b, tokens_b) in zip(whole, pieces, strict=True):
+        dispatched = windows(model, prompt, pieces)
+        assert len(calls) == len(WINDOWS) * ((layers - 1) // -(-layers // pieces))
+        for (a, tokens_a), (b, tokens_b) in zip(whole, dispatched, strict=True):
             assert tokens_a == tokens_b and mx.array_equal(a, b).item()

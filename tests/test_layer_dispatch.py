@@ -17,7 +17,7 @@ def test_dispatched_windows_equal_whole_ones(next_model, monkeypatch):
 def test_serial_steps_and_calls_outside_a_window_do_not_dispatch(next_model, monkeypatch):
     monkeypatch.setattr(CpuShortCalls, "mode", "never")
     monkeypatch.setattr(LayerDispatch, "mode", "always")
-    monkeypatch.setattr(LayerDispatch, "every", 1)
+    monkeypatch.setattr(LayerDispatch, "pieces", 8)
     calls = []
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: calls.append(len(arrays)) or real(*arrays))

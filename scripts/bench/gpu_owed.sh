@@ -141,10 +141,10 @@ tc-forms)
     ;;
 switches)
     # issue 37: the window's host arrays mapped for the GPU (STRATA_HOST_ARRAYS) and its layers
-    # handed to the device as built (STRATA_LAYER_DISPATCH, layers a hand-off), each against off
+    # handed to the device as built (STRATA_LAYER_DISPATCH, pieces a window), each against off
     common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
     for round in 1 2; do
-        for setting in "1 2" "0 2" "1 0" "0 0"; do
+        for setting in "1 4" "0 4" "1 0" "0 0"; do
             set -- $setting
             echo "== qwen3_next round $round host arrays $1 layer dispatch $2" | log switches
             STRATA_HOST_ARRAYS=$1 STRATA_LAYER_DISPATCH=$2 python -m scripts.bench.compare_mlx_lm --family qwen3_next \
@@ -152,7 +152,7 @@ switches)
                 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log switches
         done
     done
-    for setting in "1 2" "0 0"; do
+    for setting in "1 4" "0 0"; do
         set -- $setting
         echo "== gpt_oss host arrays $1 layer dispatch $2" | log switches
         STRATA_HOST_ARRAYS=$1 STRATA_LAYER_DISPATCH=$2 python -m scripts.bench.compare_mlx_lm --family gpt_oss \

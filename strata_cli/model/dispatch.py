@@ -3,13 +3,14 @@
 A decode window is built on the host, layer by layer, then evaluated. Built whole, its graph
 keeps the device idle while the host builds it (0.9-1.0 ms of a 3-5 ms window on the H200's
 80B-A3B shape, docs/benchmarks.md), and then keeps the host idle while the device runs. Inside
-`LayerDispatch.window()` the layer loops give the device each `every` layers as soon as they are
-built (`mx.async_eval`), so the device runs them while the host builds the next ones. The window's
-arrays and arithmetic are the same; only when each part is evaluated changes.
+`LayerDispatch.window()` the layer loops hand the device the window in `pieces` runs of layers,
+each as soon as it is built (`mx.async_eval`), so the device runs one while the host builds the
+next (the last piece goes with the window's own evaluation). The window's arrays and arithmetic
+are the same; only when each part is evaluated changes.
 
 Only windows whose result the decode loop waits for take it (`WindowEngine.run`): serial steps
 already overlap one step's building with the step before (`WindowEngine.launch`), and the CPU's
-host path evaluates as it builds. STRATA_LAYER_DISPATCH=N sets `every` (0: off).
+host path evaluates as it builds. STRATA_LAYER_DISPATCH=N sets `pieces` (0 or 1: off).
 """
 
 from __future__ import annotations
@@ -24,24 +25,24 @@ import mlx.core as mx
 ENV = "STRATA_LAYER_DISPATCH"
 
 
-def _every_from_env() -> int:
+def _pieces_from_env() -> int:
     value = os.environ.get(ENV, "").strip()
-    return int(value) if value.isdigit() else 2
+    return int(value) if value.isdigit() else 4
 
 
 class LayerDispatch:
-    """`every`: layers a dispatch (0: off); `window()`: where windows dispatch (this thread);
-    `mode`: "auto" (GPU backends), "always" (the CPU too: the tests check the results are the
-    same), "never"."""
+    """`pieces`: runs of layers a window is handed over in (0, 1: whole); `window()`: where
+    windows are (this thread); `mode`: "auto" (GPU backends), "always" (the CPU too: the tests
+    check the results are the same), "never"."""
 
-    every = _every_from_env()
+    pieces = _pieces_from_env()
     mode = "auto"
     _inside = threading.local()
 
     @classmethod
     @contextmanager
     def window(cls) -> Iterator[None]:
-        """Layer loops run inside dispatch their layers as built (on a GPU)."""
+        """Layer loops run inside hand their layers over as built (on a GPU)."""
         before = getattr(cls._inside, "on", False)
         cls._inside.on = True
         try:
@@ -52,8 +53,10 @@ class LayerDispatch:
     @classmethod
     def after(cls, h: mx.array, done: int, total: int) -> None:
         """`done` of a loop's `total` layers are built, `h` their output: hand them to the device
-        at every `every`-th (never after the last: the window's own evaluation takes it)."""
-        every = cls.every
-        if (every and done % every == 0 and done < total and getattr(cls._inside, "on", False)
-                and cls.mode != "never" and (cls.mode == "always" or mx.default_device() == mx.gpu)):
+        at the end of each piece but the last (the window's own evaluation takes that one)."""
+        pieces = cls.pieces
+        if pieces < 2 or done >= total or not getattr(cls._inside, "on", False) or cls.mode == "never":
+            return
+        every = -(-total // pieces)  # layers a piece, rounded up
+        if done % every == 0 and (cls.mode == "always" or mx.default_device() == mx.gpu):
             mx.async_eval(h)
