@@ -25,15 +25,22 @@ def windows(model, prompt: list[int], pieces: int) -> list[tuple[mx.array, list[
     return out
 
 
-def assert_dispatch_changes_nothing(model, monkeypatch, prompt: list[int], layers: int) -> None:
-    """In 2 pieces and in one piece a layer, dispatched windows equal whole ones bit for bit, and
-    each window is handed over (layers - 1) // (layers a piece) times (never after its last layer)."""
+def counted_dispatches(monkeypatch, pieces: int) -> list[int]:
+    """The CPU's MLX path with dispatch on here too, in `pieces`; the list fills with each
+    `mx.async_eval`'s argument count."""
     monkeypatch.setattr(CpuShortCalls, "mode", "never")
     monkeypatch.setattr(LayerDispatch, "mode", "always")
-    monkeypatch.setattr(LayerDispatch, "pieces", 0)
+    monkeypatch.setattr(LayerDispatch, "pieces", pieces)
     calls = []
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: calls.append(len(arrays)) or real(*arrays))
+    return calls
+
+
+def assert_dispatch_changes_nothing(model, monkeypatch, prompt: list[int], layers: int) -> None:
+    """In 2 pieces and in one piece a layer, dispatched windows equal whole ones bit for bit, and
+    each window is handed over (layers - 1) // (layers a piece) times (never after its last layer)."""
+    calls = counted_dispatches(monkeypatch, 0)
     whole = windows(model, prompt, 0)
     assert calls == []
     for pieces in (2, layers):

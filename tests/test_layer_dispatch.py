@@ -3,11 +3,10 @@ the same logits and tokens, bit for bit, as the window evaluated whole (run here
 path, where the layers build a lazy graph as on a GPU); serial steps dispatch no layer."""
 
 import mlx.core as mx
-from dispatch_checks import assert_dispatch_changes_nothing
+from dispatch_checks import assert_dispatch_changes_nothing, counted_dispatches
 
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.dispatch import LayerDispatch
-from strata_cli.model.layers import CpuShortCalls
 
 
 def test_dispatched_windows_equal_whole_ones(next_model, monkeypatch):
@@ -15,12 +14,7 @@ def test_dispatched_windows_equal_whole_ones(next_model, monkeypatch):
 
 
 def test_serial_steps_and_calls_outside_a_window_do_not_dispatch(next_model, monkeypatch):
-    monkeypatch.setattr(CpuShortCalls, "mode", "never")
-    monkeypatch.setattr(LayerDispatch, "mode", "always")
-    monkeypatch.setattr(LayerDispatch, "pieces", 8)
-    calls = []
-    real = mx.async_eval
-    monkeypatch.setattr(mx, "async_eval", lambda *arrays: calls.append(len(arrays)) or real(*arrays))
+    calls = counted_dispatches(monkeypatch, 8)
     engine = WindowEngine(next_model)
     engine.prefill([3, 4, 5])
     engine.launch(6, 3)

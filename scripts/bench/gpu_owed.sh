@@ -143,20 +143,16 @@ switches)
     # issue 37: the window's host arrays mapped for the GPU (STRATA_HOST_ARRAYS) and its layers
     # handed to the device as built (STRATA_LAYER_DISPATCH, pieces a window), each against off
     common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
+    runs=()
     for round in 1 2; do
-        for setting in "1 4" "0 4" "1 0" "0 0"; do
-            set -- $setting
-            echo "== qwen3_next round $round host arrays $1 layer dispatch $2" | log switches
-            STRATA_HOST_ARRAYS=$1 STRATA_LAYER_DISPATCH=$2 python -m scripts.bench.compare_mlx_lm --family qwen3_next \
-                --layers 8 --bits 4 $common --out "$OUT/sw_qwen3_next_${round}_ha$1_ld$2_$tree.json" 2>&1 \
-                | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log switches
-        done
+        for setting in "1 4" "0 4" "1 0" "0 0"; do runs+=("qwen3_next 8 4 $round $setting"); done
     done
-    for setting in "1 4" "0 0"; do
-        set -- $setting
-        echo "== gpt_oss host arrays $1 layer dispatch $2" | log switches
-        STRATA_HOST_ARRAYS=$1 STRATA_LAYER_DISPATCH=$2 python -m scripts.bench.compare_mlx_lm --family gpt_oss \
-            --layers 4 --bits 0 $common --out "$OUT/sw_gpt_oss_ha$1_ld$2_$tree.json" 2>&1 \
+    runs+=("gpt_oss 4 0 1 1 4" "gpt_oss 4 0 1 0 0")
+    for run in "${runs[@]}"; do
+        set -- $run  # family, layers, bits, round, host arrays, pieces
+        echo "== $1 round $4 host arrays $5 layer dispatch $6" | log switches
+        STRATA_HOST_ARRAYS=$5 STRATA_LAYER_DISPATCH=$6 python -m scripts.bench.compare_mlx_lm --family $1 --layers $2 \
+            --bits $3 $common --out "$OUT/sw_${1}_${4}_ha$5_ld$6_$tree.json" 2>&1 \
             | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log switches
     done
     ;;
