@@ -48,6 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cuda_driver import host_mapped
+from ..host_arrays import host_array
 from ..kernel_cache import is_cuda
 from ..model.moe import SparseMoeBlock
 from ..options import StreamOptions
@@ -160,7 +161,7 @@ def write_slots(bank: mx.array, values: list[mx.array], slots: list[int], *, sca
         return mx.slice_update(bank, mx.stack(values), mx.array([first]), axes=(0,))
     if len(slots) > 1 and scatter:
         bank = mx.array(bank)  # a handle of its own: the assignment must not rewrite the caller's array
-        bank[mx.array(slots)] = mx.stack(values)
+        bank[host_array(slots, mx.int32)] = mx.stack(values)  # mapped for the GPU: no page fault
         return bank
     for slot, value in zip(slots, values, strict=True):
         bank = mx.slice_update(bank, value[None], mx.array([slot]), axes=(0,))
