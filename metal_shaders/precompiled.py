@@ -281,9 +281,10 @@ class PrecompiledKernel:
         inputs = call["inputs"]
         if _dry_runs[0] and getattr(_dry, "calls", None) is not None:
             return self._note(call)
-        # Every projection of every window launches here: the source to launch with is kept per
-        # dtypes and template values once a call found it (a few microseconds of Python a launch
-        # otherwise, ~100 launches a window), while strata's build and the keys are as they were.
+        # Every kernel outside a compiled trace launches here at every window (17 a T = 1 window
+        # on the 80B shape): the source to launch with is kept per dtypes and template values once
+        # a call found it (a few microseconds of Python a launch otherwise), while strata's build
+        # and the keys are as they were.
         keys = module_keys.keys
         if keys is not self._keys or keys.reason is not self._keys_reason:
             self._sources, self._keys, self._keys_reason = {}, keys, keys.reason
