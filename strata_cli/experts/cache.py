@@ -47,9 +47,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
-from ..cuda_driver import host_mapped
+from ..cuda_driver import host_mapped, is_cuda
 from ..host_arrays import host_array
-from ..kernel_cache import is_cuda
 from ..model.moe import SparseMoeBlock
 from ..options import StreamOptions
 from ..telemetry import ExpertWindowStats
