@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -34,9 +35,9 @@ from metal_shaders import module_keys, precompiled, probe
 from scripts.bench import compare_mlx_lm as compare
 from scripts.bench.step_ops import SHAPE
 from strata_cli.bench.runner import git_commit
+from strata_cli.cuda_driver import is_cuda
 from strata_cli.engine.window import WindowEngine
 from strata_cli.host_arrays import host_array
-from strata_cli.kernel_cache import is_cuda
 from strata_cli.model.dispatch import LayerDispatch
 from strata_cli.runtime import load_checkpoint
 
@@ -161,23 +162,22 @@ def window_split(directory: Path, n: int = 50, warmup: int = 10) -> dict:
 
     for T in (1, 8):
         rows = []
-        LayerDispatch.mode = "never"  # split at the window's one evaluation
-        for i in range(warmup + n):
-            tokens = rng.integers(0, SHAPE["vocab_size"], T).tolist()
-            marks.clear()
-            mx.eval = split_eval
-            try:
-                start = time.perf_counter()
-                engine.run(tokens, engine.length)
-                ran = time.perf_counter()
-            finally:
-                mx.eval = real_eval
-            engine.commit(T)
-            done = time.perf_counter()
-            if i >= warmup and marks:  # the CPU's host path may compute a window without mx.eval
-                rows.append((marks["built"] - start, marks["dispatched"] - marks["built"],
-                             marks["done"] - marks["dispatched"], done - ran, done - start))
-        LayerDispatch.mode = "auto"
+        with mock.patch.object(LayerDispatch, "mode", "never"):  # split at the window's one evaluation
+            for i in range(warmup + n):
+                tokens = rng.integers(0, SHAPE["vocab_size"], T).tolist()
+                marks.clear()
+                mx.eval = split_eval
+                try:
+                    start = time.perf_counter()
+                    engine.run(tokens, engine.length)
+                    ran = time.perf_counter()
+                finally:
+                    mx.eval = real_eval
+                engine.commit(T)
+                done = time.perf_counter()
+                if i >= warmup and marks:  # the CPU's host path may compute a window without mx.eval
+                    rows.append((marks["built"] - start, marks["dispatched"] - marks["built"],
+                                 marks["done"] - marks["dispatched"], done - ran, done - start))
         names = ("build_ms", "dispatch_ms", "wait_ms", "commit_ms", "window_ms")
         out[f"T{T}"] = {k: round(1e3 * statistics.median(r[i] for r in rows), 3) for i, k in enumerate(names)} \
             if rows else {"note": "no mx.eval in the window (the CPU's host path)"}
