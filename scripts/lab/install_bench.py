@@ -17,16 +17,13 @@ into (S, ...) slot banks, on whatever device MLX runs, each variant timed as hos
 
 `--bank-sizes S...` times instead what a pass costs by cache size: banks of S slots that own
 their buffers and were just read (as a layer's compute reads them), P records from advised
-staging written into scattered slots by `ExpertCache`'s `write_slots`, one `slice_update` a slot
-(`per_slot`, what the cache did on every backend before) against one scatter per tensor
-(`scatter`, CUDA's form now). A cost per record that grows with S is a bank copied per write
-(the H200's 48-layer run: ~0.029 ms a slot, issue 38, about what PCIe moves, not a device copy).
-Two more forms of `per_slot` say why a bank is copied: `per_slot_settled` writes after the device
-has finished the read and MLX's completion handlers have run (a buffer the read still holds cannot
-be donated), `per_slot_unread` into banks nothing has read since they were made, `per_slot_static`
-through MLX's static SliceUpdate (`bank[s:s+1] = value`) instead of the dynamic one `write_slots` builds,
-`per_slot_recycled` into banks made right after host-made arrays of their sizes were freed (CUDA's
-allocator may hand a device request a cached managed buffer, whose pages then migrate).
+staging written into scattered slots three ways: `static`, MLX's static slice update a slot
+(`bank[s:s+1] = v`, ExpertCache's `write_slots`), `dynamic`, `mx.slice_update` a slot with the
+slot as an index array (what the cache did before), and `scatter`, one scatter per tensor
+(`bank[slots] = values`). A cost per record that grows with S is a bank copied per write: on an
+H100 (MLX 0.32.4) the dynamic form went from 0.28 to 1.04 ms a record between 26 and 512 slots,
+the static one and the scatter stayed at 0.19-0.20 (docs/benchmarks.md, "Streaming at full scale").
+Each form's written slots are checked against the staged records.
 
 Every variant's banks are checked equal to `record`'s. Results as JSON on stdout or `--out`.
 
@@ -133,14 +130,19 @@ def host_pointer(array: mx.array) -> int:
     return np.array(array, copy=False).__array_interface__["data"][0]
 
 
-def write_static(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
-    bank = mx.array(bank)  # a handle of its own, as write_slots' scatter takes
+def write_dynamic(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
     for slot, value in zip(slots, values, strict=True):
-        bank[slot : slot + 1] = value[None]
+        bank = mx.slice_update(bank, value[None], mx.array([slot]), axes=(0,))
     return bank
 
 
-VARIANTS = ("per_slot", "scatter", "per_slot_settled", "per_slot_unread", "per_slot_static", "per_slot_recycled")
+def write_scatter(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
+    bank = mx.array(bank)  # a handle of its own, as write_slots takes
+    bank[mx.array(slots)] = mx.stack(values)
+    return bank
+
+
+WRITES = {"static": write_slots, "dynamic": write_dynamic, "scatter": write_scatter}
 
 
 def by_bank_size(offsets, stride, sizes, P, repeats, rng, advice) -> list[dict]:
@@ -154,31 +156,22 @@ def by_bank_size(offsets, stride, sizes, P, repeats, rng, advice) -> list[dict]:
     views = tensor_views(staging, offsets, stride, P)
     rows = []
     for S in sizes:
-        for variant in VARIANTS:
-            if variant == "per_slot_recycled":  # host-made buffers of the banks' sizes, freed into MLX's cache
-                held = [mx.array(np.ones((S, *shape), dtype=npd)) for _, shape, npd, _, _, _ in offsets]
-                mx.eval(held)
-                del held
+        for variant, write in WRITES.items():
             banks = {name: mx.zeros((S, *shape), dtype=mxd) + 1 for name, shape, npd, mxd, _, _ in offsets}
             mx.eval(list(banks.values()))
             times = []
             for rep in range(repeats + 1):
                 slots = rng.permutation(S)[:P].tolist()
-                if variant != "per_slot_unread":
-                    mx.eval([mx.take(b, mx.array(slots[::-1]), axis=0).sum() for b in banks.values()])  # a reader
-                if variant == "per_slot_settled":
-                    mx.synchronize()
-                    time.sleep(0.005)  # MLX drops the read's hold on its inputs on a worker thread
+                mx.eval([mx.take(b, mx.array(slots[::-1]), axis=0).sum() for b in banks.values()])  # a reader
                 t0 = time.perf_counter()
                 for name in banks:
-                    if variant == "per_slot_static":
-                        banks[name] = write_static(banks[name], [views[name][p] for p in range(P)], slots)
-                        continue
-                    banks[name] = write_slots(banks[name], [views[name][p] for p in range(P)], slots,
-                                              scatter=variant == "scatter")
+                    banks[name] = write(banks[name], [views[name][p] for p in range(P)], slots)
                 mx.eval(list(banks.values()))
                 if rep:
                     times.append((time.perf_counter() - t0) * 1e3 / P)
+            for name, bank in banks.items():  # the last pass's slots hold its records
+                if not mx.array_equal(bank[mx.array(slots)], views[name][:P]).item():
+                    raise SystemExit(f"{variant} wrote {name} wrong at {S} slots")
             row = {"variant": variant, "slots": S, "records_per_pass": P, "ms_per_record": statistics.median(times)}
             row["ms_per_record_per_slot"] = row["ms_per_record"] / S
             rows.append(row)

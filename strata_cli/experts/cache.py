@@ -6,9 +6,8 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
   weight/scales/biases), so the MLX graph never changes shape; an expert->slot table maps the
   router's ids to bank rows. A read lands in a staging slot (experts/staging.py: MLX memory the
   reader writes, kept on the host and mapped for a CUDA GPU), and a pass's loads write their bank
-  slots from device views of it (`write_slots`): one `slice_update` for slots in a run, one
-  scatter per tensor on CUDA, one `slice_update` a slot on the CPU, whose input buffer MLX
-  donates there, so a load copies one expert, not the bank. The writes are left lazy: they run
+  slots from device views of it (`write_slots`: one static slice update for slots in a run, else
+  one a slot, whose input buffer MLX donates, so a load copies one expert, not the bank). The writes are left lazy: they run
   with the layer's compute when the next routing readback evaluates it (no device sync of their own).
 - Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
   while it is loaded); the missing ones are read with `os.preadv` on a thread pool (O_DIRECT where
@@ -48,7 +47,6 @@ import mlx.core as mx
 import numpy as np
 
 from ..cuda_driver import host_mapped, is_cuda
-from ..host_arrays import host_array
 from ..model.moe import SparseMoeBlock
 from ..options import StreamOptions
 from ..telemetry import ExpertWindowStats
@@ -150,20 +148,20 @@ def picks_by_own_rule(moe) -> bool:
     return not isinstance(moe, SparseMoeBlock) and hasattr(moe.gate, "select")
 
 
-def write_slots(bank: mx.array, values: list[mx.array], slots: list[int], *, scatter: bool) -> mx.array:
-    """`bank` (S, ...) with `values[j]` (...) in slot `slots[j]`, lazily: one `slice_update` of
-    the stacked values where the slots run in order without gaps, one scatter where `scatter`
-    says so, otherwise one `slice_update` a slot (each donates its input buffer where nothing
-    else holds it: a write of one slot, not of the bank)."""
+def write_slots(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
+    """`bank` (S, ...) with `values[j]` (...) in slot `slots[j]`, lazily, by MLX's static slice
+    update (`bank[s:s+1] = v`): one for slots in a run without gaps, else one a slot. Each donates
+    its input buffer where nothing else holds it, so a write costs one slot, not the bank. The
+    dynamic form (`mx.slice_update` with an index array) copied the whole bank on CUDA: 0.28 ->
+    1.04 ms a record from 26 to 512 slots on an H100, the static form 0.19 at every size
+    (docs/benchmarks.md, "Streaming at full scale")."""
+    bank = mx.array(bank)  # a handle of its own: the assignments must not rewrite the caller's array
     first = slots[0] if slots else 0
     if len(slots) > 1 and slots == list(range(first, first + len(slots))):
-        return mx.slice_update(bank, mx.stack(values), mx.array([first]), axes=(0,))
-    if len(slots) > 1 and scatter:
-        bank = mx.array(bank)  # a handle of its own: the assignment must not rewrite the caller's array
-        bank[host_array(slots, mx.int32)] = mx.stack(values)  # mapped for the GPU: no page fault
+        bank[first : first + len(slots)] = mx.stack(values)
         return bank
     for slot, value in zip(slots, values, strict=True):
-        bank = mx.slice_update(bank, value[None], mx.array([slot]), axes=(0,))
+        bank[slot : slot + 1] = value[None]
     return bank
 
 
@@ -197,10 +195,6 @@ class ExpertCache:
         self._prefetch_rules: list[PrefetchRule | None] = [None] * len(self.paths)
         mx.eval([b.banks for b in self._blocks])
         advise = host_mapped() if is_cuda() else None
-        # one scatter per bank tensor for a pass whose slots are scattered: on CUDA each write of
-        # a bank cost as much as copying the bank (docs/benchmarks.md, "Streaming at full scale");
-        # the CPU writes a slot in place, and its scatter is slower than a write per slot
-        self._scatter = is_cuda()
         self._staging = {b.layout.stride: StagingArea(b.layout.stride, advise=advise) for b in self._blocks}
         # transitions[i][e, f]: how often expert f at block i+1 followed expert e at block i
         self._transitions = [np.zeros((E, E), np.float32) for _ in self.paths[:-1]]
@@ -276,8 +270,7 @@ class ExpertCache:
         in place (CUDA advice taken; 0 elsewhere), and how a pass's scattered slots are written
         (`write_slots`: "scatter" or "per_slot")."""
         areas = self._staging.values()
-        return {"slots": sum(a.size for a in areas), "advised_chunks": sum(a.advised for a in areas),
-                "bank_writes": "scatter" if self._scatter else "per_slot"}
+        return {"slots": sum(a.size for a in areas), "advised_chunks": sum(a.advised for a in areas)}
 
     def resident(self, path: str) -> list[int]:
         """Experts now resident in block `path`, least recently used first."""
@@ -450,8 +443,7 @@ class ExpertCache:
             slots = [slot for slot, _, _ in read]
             try:
                 for name in block.banks:
-                    block.banks[name] = write_slots(block.banks[name], [views[name] for _, views, _ in read], slots,
-                                                    scatter=self._scatter)
+                    block.banks[name] = write_slots(block.banks[name], [views[name] for _, views, _ in read], slots)
             finally:
                 for _, _, staged in read:
                     area.release(staged, readers=lambda: list(block.banks.values()))

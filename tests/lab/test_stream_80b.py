@@ -42,7 +42,6 @@ def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
         assert r["bytes_read_per_token"] > 0 and r["disk_bound_tokens_per_s"] > 0 and r["union_per_layer_by_T"]
         assert set(r["time_split_ms_per_token"]) == {"read_wait", "router_sync", "installs", "compute"}
         assert r["staging"]["slots"] > 0 and r["staging"]["advised_chunks"] == 0  # no CUDA advice on the CPU
-        assert r["staging"]["bank_writes"] == "per_slot"  # the CPU donates a bank: a write a slot
         serial = next(s for s in rows if s["cache_fraction"] == r["cache_fraction"] and s["mode"] == "serial"
                       and s["temperature"] == "cold")
         assert r["identical_to_serial"] == (None if r is serial else r["output"] == serial["output"])
