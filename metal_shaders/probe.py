@@ -17,8 +17,6 @@ from typing import Callable
 
 import mlx.core as mx
 
-from strata_cli.host_arrays import host_array
-
 from . import backends, kept, precompiled
 
 log = logging.getLogger("strata.kernels")
@@ -58,10 +56,10 @@ def dims(*values: int) -> mx.array:
 
 def step_dims(*values: int) -> mx.array:
     """`dims` for sizes that change at every step (an attention kernel's cache length or ring
-    position): made by `host_array`, so that on CUDA the kernel reads it where it is instead of
-    faulting its page over, and kept only until another step's (a window's attention layers share it)."""
+    position), kept only until another step's (a window's attention layers share it; `dims`
+    would keep every cache length's for the life of the process)."""
     if _step_dims[0] != values:
-        _step_dims[:] = [values, host_array(values, mx.int32)]
+        _step_dims[:] = [values, mx.array(values, dtype=mx.int32)]
     return _step_dims[1]
 
 

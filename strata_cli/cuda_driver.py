@@ -49,11 +49,11 @@ def free_memory() -> int | None:
     return free.value
 
 
-def host_mapped(*, stay_on_host: bool = True) -> Callable[[int, int], bool] | None:
-    """`advise(address, size) -> advised`: map a managed range for GPU 0 (`cuMemAdvise`
-    SET_ACCESSED_BY), so that the GPU reads it over the bus instead of faulting its pages over,
-    and with `stay_on_host` prefer host memory for it too (the host writes it often); None when
-    there is no driver to ask (then the range works as MLX made it, its pages migrating)."""
+def host_mapped() -> Callable[[int, int], bool] | None:
+    """`advise(address, size) -> advised`: keep a managed range in host memory (`cuMemAdvise`
+    SET_PREFERRED_LOCATION: the host writes it often) and map it for GPU 0 (SET_ACCESSED_BY), so
+    that the GPU reads it over the bus instead of faulting its pages over; None when there is no
+    driver to ask (then the range works as MLX made it, its pages migrating)."""
     lib = driver()
     if lib is None or not hasattr(lib, "cuMemAdvise_v2"):
         return None
@@ -71,7 +71,7 @@ def host_mapped(*, stay_on_host: bool = True) -> Callable[[int, int], bool] | No
         # advice is a hint: a refusal leaves the range as MLX made it, correct and slower
         if not has_context(lib):
             return False
-        if stay_on_host and advise(address, size, set_preferred_location, Location(host, 0)):
+        if advise(address, size, set_preferred_location, Location(host, 0)):
             return False
         return not advise(address, size, set_accessed_by, Location(device, 0))
 

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 
 from .healing import HealConstraint
-from .host_arrays import host_array
 from .options import GenerateOptions
 
 
@@ -182,15 +181,15 @@ class Processors:
                 ban_rows += [i] * len(banned)
                 ban_cols += list(banned)
         if rows:
-            r, c = host_array(rows), host_array(cols)
+            r, c = mx.array(rows), mx.array(cols)
             picked = logits[r, c]
             penalty = self.repetition_penalty
             # a zero logit stays 0: times a penalty that is inf in float32 it would be NaN
             repeated = mx.where(picked > 0, picked / penalty, mx.where(picked < 0, picked * penalty, picked))
-            new = mx.where(host_array(scale) > 0, repeated, picked) - host_array(shift)
+            new = mx.where(mx.array(scale) > 0, repeated, picked) - mx.array(shift)
             logits = logits.at[r, c].add(new - picked)
         if ban_rows:
-            logits = logits.at[host_array(ban_rows), host_array(ban_cols)].add(-mx.inf)
+            logits = logits.at[mx.array(ban_rows), mx.array(ban_cols)].add(-mx.inf)
         if any(state.tail for state in states):
             width = logits.shape[-1]
             every = mx.ones((width,), dtype=mx.bool_)

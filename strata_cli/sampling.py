@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .host_arrays import host_array
 from .options import MIN_SAMPLING_TEMPERATURE, GenerateOptions
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -101,7 +100,7 @@ class TokenChooser:
         draws = mx.stack([
             mx.random.categorical(logp[i], key=self.key(first + i)) for i in range(logits.shape[0])
         ])
-        drafts = host_array(list(inputs[1:]), mx.int32)
+        drafts = mx.array(list(inputs[1:]), mx.int32)
         probs = mx.exp(logp[mx.arange(len(inputs) - 1), drafts]) if len(inputs) > 1 else mx.zeros((0,))
         mx.eval(draws, probs)
         return Choice(draws.tolist(), probs.tolist())

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..host_arrays import host_array
 from ..model.layer_state import Pool
 from .state import ArraySpec, KVState, Mode, check_array, slot_kind
 
@@ -182,7 +181,7 @@ class RingTail(CompressorTail):
         if self.ring_kv is None:
             return None
         cells = range(tail_start(self.length, self.rate, self.overlap), self.length)
-        index = host_array([c % self.slots for c in cells], mx.int32)
+        index = mx.array([c % self.slots for c in cells], mx.int32)
         return self.ring_kv[:, index], self.ring_gate[:, index]
 
     def compress(self, kv: mx.array, gate: mx.array, pool: Pool) -> mx.array:
@@ -201,7 +200,7 @@ class RingTail(CompressorTail):
                 block = cell // self.rate
                 has_prev = self.overlap and block > 0
                 cells = range(cell + 1 - (1 + int(has_prev)) * self.rate, cell + 1)
-                index = host_array([c % self.slots for c in cells], mx.int32)
+                index = mx.array([c % self.slots for c in cells], mx.int32)
                 out = self._write_entries(pool(self.ring_kv[:, index], self.ring_gate[:, index], has_prev, block),
                                           block)
         return out

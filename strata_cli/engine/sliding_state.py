@@ -24,7 +24,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..host_arrays import host_array
 from ..model.layers import WINDOW_ROWS
 from .state import Mode, check_array, format_shape, slot_kind
 
@@ -67,9 +66,7 @@ class SlidingKVState:
             return self._masks[key]
         p = np.arange(pos0, pos0 + T)[:, None]
         back = (p - np.arange(self.capacity)[None, :]) % self.capacity  # how far back each cell's position is
-        # kept and read every time this key comes back: its page may move to the GPU, once; a
-        # mask made for one window only is mapped for the GPU where it is (host_arrays.py)
-        mask = (mx.array if full else host_array)(back < np.minimum(self.window, p + 1))
+        mask = mx.array(back < np.minimum(self.window, p + 1))
         if full:
             self._masks[key] = mask
         return mask

@@ -35,7 +35,6 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..host_arrays import host_array
 from ..model.dispatch import LayerDispatch
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
@@ -195,7 +194,7 @@ class WindowEngine:
         # the device runs the first layers while the host builds the rest (streamed experts read
         # their routing back at every layer already)
         with LayerDispatch.window() if self.expert_cache is None else nullcontext():
-            logits = self._forward(host_array([ids]), pos0, mode).squeeze(0)  # [0] would be 2 ops
+            logits = self._forward(mx.array([ids]), pos0, mode).squeeze(0)  # [0] would be 2 ops
         if logits.dtype == mx.float32 and self._host_logits(rows):
             greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
         else:

@@ -19,7 +19,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..host_arrays import host_array
 from ..model import host_experts
 from ..model.biased_experts import add_bias
 from ..model.layers import WINDOW_ROWS, swiglu
@@ -91,16 +90,16 @@ class StreamedSwitchGLU(nn.Module):
         parts, served = [], []
         for picks, slots, banks in self.cache.serve(self.path, x, inds):
             if picks is None:
-                return self.by_expert(x, host_array(slots), self._matmul(banks))
+                return self.by_expert(x, mx.array(slots), self._matmul(banks))
             # A pass's picks, one per row: a decode window's stay on the window's per-pick form
             # however many there are, so their bits never depend on how the cache split them.
-            out = self.by_expert(x[host_array(picks // k)], host_array(slots[:, None]), self._matmul(banks),
+            out = self.by_expert(x[mx.array(picks // k)], mx.array(slots[:, None]), self._matmul(banks),
                                  window=N <= WINDOW_ROWS)
             mx.eval(out)  # before the next pass overwrites slots this one reads
             parts.append(out[:, 0])
             served.append(picks)
         order = np.argsort(np.concatenate(served))
-        return mx.concatenate(parts)[host_array(order)].reshape(N, k, -1)
+        return mx.concatenate(parts)[mx.array(order)].reshape(N, k, -1)
 
     def host_forms(self) -> dict[str, host_experts.Form] | None:
         """The projections' forms where model/host_experts.py computes these experts (plain
