@@ -9,7 +9,7 @@
 #   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
 #   bash scripts/bench/gpu_owed.sh tensor-cores  # 80B and GPT-OSS compares, tensor cores on / off alternating
 #   bash scripts/bench/gpu_owed.sh tc-forms  # 80B compares with each form of rows_mma left out in turn (~6 min)
-#   bash scripts/bench/gpu_owed.sh switches  # 80B and GPT-OSS compares, host arrays and layer dispatch on / off (~6 min)
+#   bash scripts/bench/gpu_owed.sh small-ops # the embedding by T and a KV row's write by cache size, each op alone (~1 min)
 #   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
 #   bash scripts/bench/gpu_owed.sh tail      # the same 80B compare with the butterfly tail, to set beside it
@@ -20,7 +20,7 @@
 #   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #   bash scripts/bench/gpu_owed.sh selftest  # `strata selftest` as a fresh machine runs it (empty caches), then again
-#   STAGES="installs profile switches" bash scripts/bench/gpu_owed.sh sequence  # those stages in turn
+#   STAGES="installs small-ops profile" bash scripts/bench/gpu_owed.sh sequence  # those stages in turn
 #   bash scripts/bench/gpu_owed.sh background STAGE [WAIT]  # STAGE in the background (unless one runs), wait
 #                                   # up to WAIT s (540), then copy the results into this call's $OUT
 #
@@ -139,22 +139,10 @@ tc-forms)
         done
     done
     ;;
-switches)
-    # issue 37: the window's host arrays mapped for the GPU (STRATA_HOST_ARRAYS) and its layers
-    # handed to the device as built (STRATA_LAYER_DISPATCH, pieces a window), each against off
-    common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
-    runs=()
-    for round in 1 2; do
-        for setting in "1 4" "0 4" "1 0" "0 0"; do runs+=("qwen3_next 8 4 $round $setting"); done
-    done
-    runs+=("gpt_oss 4 0 1 1 4" "gpt_oss 4 0 1 0 0")
-    for run in "${runs[@]}"; do
-        set -- $run  # family, layers, bits, round, host arrays, pieces
-        echo "== $1 round $4 host arrays $5 layer dispatch $6" | log switches
-        STRATA_HOST_ARRAYS=$5 STRATA_LAYER_DISPATCH=$6 python -m scripts.bench.compare_mlx_lm --family $1 --layers $2 \
-            --bits $3 $common --out "$OUT/sw_${1}_${4}_ha$5_ld$6_$tree.json" 2>&1 \
-            | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log switches
-    done
+small-ops)
+    # issues 37 and 38: the 80B embedding at T = 1..8 (0.26-0.30 ms at T >= 4 in step_profile, ids
+    # mapped or not) and whether a KV row's write copies the buffer (install_bench's dynamic form did)
+    python -m scripts.lab.small_ops --out "$OUT/small_ops_$tree.json" 2>&1 | log small-ops
     ;;
 kernels)
     for round in 1 2; do
