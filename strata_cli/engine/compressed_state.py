@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..model.layer_state import Pool
+from ..rows_write import write_rows
 from .state import ArraySpec, KVState, Mode, check_array, slot_kind
 
 ENTRY_STEP = 64  # entry buffers grow in steps of this many entries
@@ -70,7 +71,7 @@ class CompressorTail:
         end = first + entries.shape[1]
         if entries.shape[1]:
             self.entries = _reserve(self.entries, end, entries)
-            self.entries = mx.slice_update(self.entries, entries, mx.array([first]), axes=(1,))
+            self.entries = write_rows(self.entries, entries, first, axis=1)
         return self.entries[:, :end] if self.entries is not None else entries
 
     def rows(self) -> tuple[mx.array, mx.array] | None:
@@ -193,9 +194,8 @@ class RingTail(CompressorTail):
         out = self.entries[:, : self.count] if self.count else None
         for i in range(T):
             cell = pos0 + i
-            at = mx.array([cell % self.slots])
-            self.ring_kv = mx.slice_update(self.ring_kv, kv[:, i : i + 1], at, axes=(1,))
-            self.ring_gate = mx.slice_update(self.ring_gate, gate[:, i : i + 1], at, axes=(1,))
+            self.ring_kv = write_rows(self.ring_kv, kv[:, i : i + 1], cell % self.slots, axis=1)
+            self.ring_gate = write_rows(self.ring_gate, gate[:, i : i + 1], cell % self.slots, axis=1)
             if cell % self.rate == self.rate - 1:
                 block = cell // self.rate
                 has_prev = self.overlap and block > 0

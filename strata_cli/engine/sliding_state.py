@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..model.layers import WINDOW_ROWS
+from ..rows_write import write_rows
 from .state import Mode, check_array, format_shape, slot_kind
 
 
@@ -88,7 +89,7 @@ class SlidingKVState:
         return self.keys, self.values, self.visible(pos0, T)
 
     def _written(self, pos0: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The ring with positions pos0.. written (at most `capacity` rows); `mx.slice_update`
+        """The ring with positions pos0.. written (at most `capacity` rows); `write_rows`
         never changes an array a snapshot still holds."""
         T = keys.shape[2]
         ring_k, ring_v = self.keys, self.values
@@ -96,9 +97,8 @@ class SlidingKVState:
         while done < T:  # at most two runs: up to the ring's end, then from its start
             cell = (pos0 + done) % self.capacity
             n = min(T - done, self.capacity - cell)
-            start = mx.array([cell])
-            ring_k = mx.slice_update(ring_k, keys[:, :, done : done + n], start, axes=(2,))
-            ring_v = mx.slice_update(ring_v, values[:, :, done : done + n], start, axes=(2,))
+            ring_k = write_rows(ring_k, keys[:, :, done : done + n], cell, axis=2)
+            ring_v = write_rows(ring_v, values[:, :, done : done + n], cell, axis=2)
             done += n
         return ring_k, ring_v
 

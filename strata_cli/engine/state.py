@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..model.layer_state import GDNRows, Scan, SSMRows
+from ..rows_write import write_rows
 
 KV_STEP = 256  # KV buffers grow in steps of this many cells, so shapes change rarely
 
@@ -103,8 +104,8 @@ class KVState:
 
     Cells past the committed length are stale: no mask ever reads them and later windows
     overwrite them, so a window writes its rows straight into the buffer and commit only moves
-    the length. Writes go through `mx.slice_update`, which never changes an array another
-    reference (a snapshot) still holds.
+    the length. Writes go through `write_rows`, which never changes an array another reference
+    (a snapshot) still holds.
     """
 
     def __init__(self):
@@ -129,10 +130,9 @@ class KVState:
         pos0, T, mode = self._window
         end = pos0 + T
         self._reserve(end, keys)
-        start = mx.array([pos0])
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+        self.keys = write_rows(self.keys, keys, pos0, axis=2)
         # One buffer when the layer reads its keys as values too (DeepSeek-V4's shared KV).
-        self.values = self.keys if values is keys else mx.slice_update(self.values, values, start, axes=(2,))
+        self.values = self.keys if values is keys else write_rows(self.values, values, pos0, axis=2)
         if mode is Mode.PARTIAL:
             self.length = pos0 + 1
         elif mode is Mode.COMMIT_ALL:
@@ -257,7 +257,7 @@ class LatentKVState(KVState):
             B, H, _, W = cells.shape
             fresh = mx.zeros((B, H, -(-end // KV_STEP) * KV_STEP - capacity, W), dtype=cells.dtype)
             self.keys = fresh if self.keys is None else mx.concatenate([self.keys, fresh], axis=2)
-        self.keys = mx.slice_update(self.keys, cells, mx.array([pos0]), axes=(2,))
+        self.keys = write_rows(self.keys, cells, pos0, axis=2)
         if mode is Mode.PARTIAL:
             self.length = pos0 + 1
         elif mode is Mode.COMMIT_ALL:

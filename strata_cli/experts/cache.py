@@ -49,6 +49,7 @@ import numpy as np
 from ..cuda_driver import host_mapped, is_cuda
 from ..model.moe import SparseMoeBlock
 from ..options import StreamOptions
+from ..rows_write import write_rows
 from ..telemetry import ExpertWindowStats
 from .reads import ReadQueue
 from .staging import StagingArea
@@ -149,19 +150,14 @@ def picks_by_own_rule(moe) -> bool:
 
 
 def write_slots(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
-    """`bank` (S, ...) with `values[j]` (...) in slot `slots[j]`, lazily, by MLX's static slice
-    update (`bank[s:s+1] = v`): one for slots in a run without gaps, else one a slot. Each donates
-    its input buffer where nothing else holds it, so a write costs one slot, not the bank. The
-    dynamic form (`mx.slice_update` with an index array) copied the whole bank on CUDA: 0.28 ->
-    1.04 ms a record from 26 to 512 slots on an H100, the static form 0.19 at every size
-    (docs/benchmarks.md, "Streaming at full scale")."""
-    bank = mx.array(bank)  # a handle of its own: the assignments must not rewrite the caller's array
+    """`bank` (S, ...) with `values[j]` (...) in slot `slots[j]`, lazily (`write_rows`, which
+    reuses the bank's buffer: a write costs one slot, not the bank): one write for slots in a run
+    without gaps, else one a slot."""
     first = slots[0] if slots else 0
     if len(slots) > 1 and slots == list(range(first, first + len(slots))):
-        bank[first : first + len(slots)] = mx.stack(values)
-        return bank
+        return write_rows(bank, mx.stack(values), first, axis=0)
     for slot, value in zip(slots, values, strict=True):
-        bank[slot : slot + 1] = value[None]
+        bank = write_rows(bank, value[None], slot, axis=0)
     return bank
 
 
