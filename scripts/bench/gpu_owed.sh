@@ -182,6 +182,10 @@ share)
     python -m scripts.lab.kernel_share --windows 1,8 --rounds 3 --out "$OUT/kernel_share_h200_$tree.json" 2>&1 | log share
     ;;
 stream)
+    # the 47.2 GB checkpoint wants the disk to itself: the H100 of 2026-12-05 had 48.2 GB left after
+    # installs, profile and switches, not enough; their checkpoints are rebuilt when a stage needs them
+    tmp=${TMPDIR:-/tmp}
+    rm -rf "$tmp/strata-compare" "$tmp/strata-step-profile" "$tmp/strata-launch-cost" /tmp/strata-step-ops
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-1200}" --temperatures cold \
         --fractions 0.1 0.25 0.05 0.5 1.0 --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream
     ;;

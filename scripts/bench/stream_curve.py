@@ -46,6 +46,7 @@ from strata_cli.model import qwen3_next
 from strata_cli.model.layout import to_mlx_layout
 from strata_cli.model.loader import FORMAT_KEY, FORMAT_VERSION
 from strata_cli.options import ConvertOptions, GenerateOptions, SpecOptions, StreamOptions
+from strata_cli.rows_write import write_rows
 from strata_cli.runtime import load_checkpoint
 from strata_cli.telemetry import DecodeStats
 from strata_cli.tokenizer import Tokenizer
@@ -358,15 +359,15 @@ def identity(outputs: dict, *, runs: int) -> dict:
 
 
 def bank_write_costs(shape=(512, 2048), slots=64, trials=8) -> dict:
-    """Milliseconds to put one expert matrix into a slot bank: slice_update (donated) against
-    re-stacking per-slot arrays (the alternative design)."""
+    """Milliseconds to put one expert matrix into a slot bank: the cache's write (`write_rows`,
+    donated) against re-stacking per-slot arrays (the alternative design)."""
     bank = mx.zeros((slots, *shape))
     new = mx.random.normal(shape)
     mx.eval(bank, new)
     times = []
     for i in range(trials):
         start = time.perf_counter()
-        bank = mx.slice_update(bank, new[None], mx.array([i % slots]), axes=(0,))
+        bank = write_rows(bank, new[None], i % slots, axis=0)
         mx.eval(bank)
         times.append(time.perf_counter() - start)
     per_slot = [mx.zeros(shape) for _ in range(slots)]
