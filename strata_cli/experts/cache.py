@@ -7,8 +7,9 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
   router's ids to bank rows. A read lands in a staging slot (experts/staging.py: MLX memory the
   reader writes, kept on the host and mapped for a CUDA GPU), and a pass's loads write their bank
   slots from device views of it (`write_slots`: one static slice update for slots in a run, else
-  one a slot, whose input buffer MLX donates, so a load copies one expert, not the bank). The writes are left lazy: they run
-  with the layer's compute when the next routing readback evaluates it (no device sync of their own).
+  one a slot, whose input buffer MLX donates, so a load copies one expert, not the bank). The
+  writes are left lazy: they run with the layer's compute when the next routing readback
+  evaluates it (no device sync of their own).
 - Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
   while it is loaded); the missing ones are read with `os.preadv` on a thread pool (O_DIRECT where
   the file system allows) and the least recently used unpinned slots take them. A union larger
@@ -262,9 +263,8 @@ class ExpertCache:
         )
 
     def staging(self) -> dict:
-        """Staging slots made, over every record size, how many of their chunks the GPU reads
-        in place (CUDA advice taken; 0 elsewhere), and how a pass's scattered slots are written
-        (`write_slots`: "scatter" or "per_slot")."""
+        """Staging slots made, over every record size, and how many of their chunks the GPU reads
+        in place (CUDA advice taken; 0 elsewhere)."""
         areas = self._staging.values()
         return {"slots": sum(a.size for a in areas), "advised_chunks": sum(a.advised for a in areas)}
 

@@ -12,8 +12,8 @@ Only windows whose result the decode loop waits for take it (`WindowEngine.run`)
 already overlap one step's building with the step before (`WindowEngine.launch`), and the CPU's
 host path evaluates as it builds. It is off unless STRATA_LAYER_DISPATCH=N asks for N pieces: on
 an H100 (MLX 0.32.4 CUDA, `python -m scripts.lab.layer_dispatch`, tree bd55861) a T = 1 window
-took 3.00 ms whole, 3.33 in 4 pieces and 3.53 in 8, T = 8 3.26 / 3.47 / 3.51: the hand-overs cost more than
-the overlap saves there (docs/benchmarks.md).
+took 3.00 ms whole, 3.33 in 4 pieces and 3.53 in 8, T = 8 3.26 / 3.47 / 3.51: the hand-overs
+cost more than the overlap saves there (docs/benchmarks.md).
 """
 
 from __future__ import annotations
