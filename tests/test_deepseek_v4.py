@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from dispatch_checks import assert_dispatch_changes_nothing
 from dsv4_checkpoints import hf_checkpoint, hf_model, hf_ties
 from hf_checkpoints import checkpoint_root, tokenizer_dir
 from hybrid_parity import NUM_TOKENS, check_greedy, check_logits, check_seeded_sampling, hf_greedy, strata_logits, strata_tokens
@@ -424,8 +423,3 @@ def test_capped_rings_are_never_padded(model, monkeypatch):
     assert not WindowEngine(model, EngineOptions(compressed_rollback="cap")).pads_windows
     with pytest.raises(ConfigError, match="cannot be padded"):
         WindowEngine(model, EngineOptions(compressed_rollback="cap", pad_windows=True))
-
-
-def test_windows_dispatched_layer_by_layer_equal_whole_ones(model, monkeypatch):
-    """Its own layer loop hands a window to the device as built (model/dispatch.py): the same bits."""
-    assert_dispatch_changes_nothing(model, monkeypatch, list(range(3, 30)), len(model.layers))

@@ -17,7 +17,6 @@ from hf_checkpoints import (
     prompt_text,
     tokenizer_dir,
 )
-from dispatch_checks import assert_dispatch_changes_nothing
 from hybrid_parity import (
     check_greedy,
     check_logits,
@@ -165,8 +164,3 @@ def test_gpu_prompt_form_matches_transformers(model, prompt_ids, monkeypatch):
     gather_mm is wrong, moe.sorted_gather_is_exact), here on the CPU."""
     monkeypatch.setattr("strata_cli.model.moe.sorted_gather_is_exact", lambda: False)
     check_logits(strata_logits(model, prompt_ids), hf_logits(hybrid_hf_model(FAMILY), prompt_ids), "GPU form")
-
-
-def test_windows_dispatched_layer_by_layer_equal_whole_ones(model, monkeypatch):
-    """Its own layer loop hands a window to the device as built (model/dispatch.py): the same bits."""
-    assert_dispatch_changes_nothing(model, monkeypatch, list(range(3, 30)), len(model.layers))

@@ -176,7 +176,6 @@ profile)
     for tool in ncu nsys nvcc; do echo "$tool: $(command -v $tool || echo none)"; done 2>&1 | log profile
     python -m scripts.bench.step_profile --models 80b --windows 1,2,4,8 --out "$OUT/step_profile_h200_$tree.json" 2>&1 | log profile
     python -m scripts.lab.launch_cost --tag "launch_cost_$tree" 2>&1 | log profile
-    python -m scripts.lab.layer_dispatch --out "$OUT/layer_dispatch_h200_$tree.json" 2>&1 | log profile
     ;;
 share)
     python -m scripts.lab.kernel_share --windows 1,8 --rounds 3 --out "$OUT/kernel_share_h200_$tree.json" 2>&1 | log share

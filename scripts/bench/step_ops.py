@@ -53,7 +53,6 @@ from strata_cli.bench.runner import git_commit
 from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.model.compiled import LayerCompile
-from strata_cli.model.dispatch import LayerDispatch
 from strata_cli.model.layers import CpuShortCalls, RowSplit
 from strata_cli.options import GenerateOptions, SpecOptions
 from strata_cli.runtime import load_checkpoint
@@ -281,13 +280,7 @@ def mlx_lm_steps(model, prompt: list[int], T: int, n: int, steps: Steps, vocab: 
 
 
 def measure(run, model, stand_ins: StandIns, n: int, *, count: bool = True) -> dict:
-    """Counts of an instrumented pass, then build times of a plain one (the wrappers cost time);
-    windows built whole (no layer handed to the device early: a step is one evaluation here)."""
-    with mock.patch.object(LayerDispatch, "mode", "never"):
-        return _measure(run, model, stand_ins, n, count=count)
-
-
-def _measure(run, model, stand_ins: StandIns, n: int, *, count: bool) -> dict:
+    """Counts of an instrumented pass, then build times of a plain one (the wrappers cost time)."""
     timed = Steps(stand_ins, count=False)
     if not count:
         run(timed)

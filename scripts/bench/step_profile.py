@@ -4,10 +4,8 @@ against evaluation, for T = 1 and T = 8 windows (issue 37), on whatever backend 
 For each model and each T it measures, from the same prefilled state, forced-acceptance windows
 (`WindowEngine.run` of T tokens, then `commit(T)`):
 
-- `window_ms`: the whole window as decoding runs it (compiled layer ends, every kernel, its
-  layers handed to the device as they are built: model/dispatch.py); `window_ms_whole`: the same
-  windows built whole, then evaluated;
-- `build_ms` / `eval_ms`: the whole windows split at their one `mx.eval`: the host's Python
+- `window_ms`: the whole window as decoding runs it (compiled layer ends, every kernel);
+- `build_ms` / `eval_ms`: the same windows split at their one `mx.eval`: the host's Python
   time building the lazy graph, then the evaluation (on a GPU: dispatch plus device time; on
   the CPU: the CPU stream's compute). `commit_ms` is the commit's own host time;
 - `ops`: MLX primitives in the window's graph as it runs (compiled), and, from the same window
@@ -48,7 +46,6 @@ import time
 from collections import Counter, defaultdict
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 import mlx.core as mx
@@ -75,10 +72,6 @@ try:
     from strata_cli.model import host_experts
 except ImportError:
     host_experts = None
-try:
-    from strata_cli.model.dispatch import LayerDispatch
-except ImportError:  # trees before it evaluate every window whole
-    LayerDispatch = SimpleNamespace(mode="never")
 from strata_cli.model.compiled import LayerCompile
 from strata_cli.model.host_blas import HostBlas
 from strata_cli.options import EngineOptions
@@ -199,15 +192,8 @@ def plain_window_ms(w: Windows, T: int, n: int, warmup: int) -> float:
 
 
 def window_times(w: Windows, T: int, n: int, warmup: int) -> dict:
-    """Plain windows (their layers handed to the device as built, as decoding runs them), the same
-    evaluated whole, then the whole ones split at their eval: build, eval and commit times."""
+    """Plain windows, then the same split at their eval: build, eval and commit times."""
     window_ms = plain_window_ms(w, T, n, warmup)
-    with mock.patch.object(LayerDispatch, "mode", "never"):
-        return {"window_ms": window_ms, "window_ms_whole": plain_window_ms(w, T, n, warmup),
-                **split_times(w, T, n, warmup)}
-
-
-def split_times(w: Windows, T: int, n: int, warmup: int) -> dict:
     w.reset()
     build, evals, commits = [], [], []
     marks = {}
@@ -232,7 +218,8 @@ def split_times(w: Windows, T: int, n: int, warmup: int) -> dict:
                 evals.append(marks.get("eval", ran) - marks.get("build", ran))
                 commits.append(done - ran)
     med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-    return {"build_ms": med(build), "eval_ms": med(evals), "commit_ms": med(commits)}
+    return {"window_ms": window_ms, "build_ms": med(build), "eval_ms": med(evals),
+            "commit_ms": med(commits)}
 
 
 def op_counts(w: Windows, model, T: int) -> dict:
@@ -390,13 +377,11 @@ def profiled_models(args):
                 print(f"{name} {dtype} T={T}: ops {row['ops']} (eager {row['ops_eager']}); per layer: "
                       + ", ".join(f"{k} {v}" for k, v in row["ops_per_layer"].items()), flush=True)
                 continue
-            row = {"T": T, **window_times(w, T, args.repeats, args.warmup)}
-            with mock.patch.object(LayerDispatch, "mode", "never"):  # they read a window's one graph
-                row.update({**op_counts(w, model, T), **kind_times(w, model, T, max(3, args.repeats // 3), 1)})
+            row = {"T": T, **window_times(w, T, args.repeats, args.warmup), **op_counts(w, model, T),
+                   **kind_times(w, model, T, max(3, args.repeats // 3), 1)}
             entry["windows"].append(row)
             top = sorted(row["ms_by_kind"].items(), key=lambda kv: -kv[1])[:6]
-            print(f"{name} {dtype} T={T}: window {row['window_ms']:.2f} ms, whole {row['window_ms_whole']:.2f} "
-                  f"(build {row['build_ms']:.2f}, eval "
+            print(f"{name} {dtype} T={T}: window {row['window_ms']:.2f} ms (build {row['build_ms']:.2f}, eval "
                   f"{row['eval_ms']:.2f}, commit {row['commit_ms']:.2f}); ops {row['ops']} ({row['host_reads']} host "
                   f"reads of {row['host_linears']} linears; eager, linears in MLX: "
                   f"{row['ops_eager']}); by kind ms: " + ", ".join(f"{k} {v:.2f}" for k, v in top), flush=True)

@@ -26,7 +26,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +36,6 @@ from scripts.bench.step_ops import SHAPE
 from strata_cli.bench.runner import git_commit
 from strata_cli.cuda_driver import is_cuda
 from strata_cli.engine.window import WindowEngine
-from strata_cli.model.dispatch import LayerDispatch
 from strata_cli.runtime import load_checkpoint
 
 CHAIN = 128
@@ -160,22 +158,21 @@ def window_split(directory: Path, n: int = 50, warmup: int = 10) -> dict:
 
     for T in (1, 8):
         rows = []
-        with mock.patch.object(LayerDispatch, "mode", "never"):  # split at the window's one evaluation
-            for i in range(warmup + n):
-                tokens = rng.integers(0, SHAPE["vocab_size"], T).tolist()
-                marks.clear()
-                mx.eval = split_eval
-                try:
-                    start = time.perf_counter()
-                    engine.run(tokens, engine.length)
-                    ran = time.perf_counter()
-                finally:
-                    mx.eval = real_eval
-                engine.commit(T)
-                done = time.perf_counter()
-                if i >= warmup and marks:  # the CPU's host path may compute a window without mx.eval
-                    rows.append((marks["built"] - start, marks["dispatched"] - marks["built"],
-                                 marks["done"] - marks["dispatched"], done - ran, done - start))
+        for i in range(warmup + n):
+            tokens = rng.integers(0, SHAPE["vocab_size"], T).tolist()
+            marks.clear()
+            mx.eval = split_eval
+            try:
+                start = time.perf_counter()
+                engine.run(tokens, engine.length)
+                ran = time.perf_counter()
+            finally:
+                mx.eval = real_eval
+            engine.commit(T)
+            done = time.perf_counter()
+            if i >= warmup and marks:  # the CPU's host path may compute a window without mx.eval
+                rows.append((marks["built"] - start, marks["dispatched"] - marks["built"],
+                             marks["done"] - marks["dispatched"], done - ran, done - start))
         names = ("build_ms", "dispatch_ms", "wait_ms", "commit_ms", "window_ms")
         out[f"T{T}"] = {k: round(1e3 * statistics.median(r[i] for r in rows), 3) for i, k in enumerate(names)} \
             if rows else {"note": "no mx.eval in the window (the CPU's host path)"}

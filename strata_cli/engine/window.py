@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from ..model.dispatch import LayerDispatch
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
 from .compressed_state import CompressedAttentionState
@@ -191,10 +189,7 @@ class WindowEngine:
         mode = Mode.PARTIAL if self.options.partial else Mode.WINDOW
         rows = self.window_rows(T, pos0)
         ids = list(tokens) + [tokens[-1]] * (rows - T)  # padded rows: never kept (commit checks keep <= T)
-        # the device runs the first layers while the host builds the rest (streamed experts read
-        # their routing back at every layer already)
-        with LayerDispatch.window() if self.expert_cache is None else nullcontext():
-            logits = self._forward(mx.array([ids]), pos0, mode).squeeze(0)  # [0] would be 2 ops
+        logits = self._forward(mx.array([ids]), pos0, mode).squeeze(0)  # [0] would be 2 ops
         if logits.dtype == mx.float32 and self._host_logits(rows):
             greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
         else:

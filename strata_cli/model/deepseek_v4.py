@@ -31,7 +31,6 @@ import mlx.nn as nn
 
 from .compressed_attention import Attention, per_row, unit_rms
 from .config import ConfigError, ModelConfig
-from .dispatch import LayerDispatch
 from .layers import RMSNorm, RowLinear, by_row, lookup_embedding, tied_logits
 from .moe import SparseMoeBlock, SwitchGLU, weighted_sum
 
@@ -362,9 +361,8 @@ class Model(nn.Module):
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last row only."""
         h = lookup_embedding(self.model.embed_tokens, tokens)
         streams = mx.broadcast_to(h[:, :, None], (*h.shape[:2], self.config.hc_mult, h.shape[-1]))
-        for done, (layer, state) in enumerate(zip(self.layers, states), start=1):
+        for layer, state in zip(self.layers, states):
             streams = layer(streams, state, tokens)
-            LayerDispatch.after(streams, done, len(self.layers))
         if last_only:
             streams = streams[:, -1:]
         h = self.model.norm(self.model.hc_head(streams))

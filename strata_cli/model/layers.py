@@ -15,7 +15,6 @@ from metal_shaders import add_norm, embed_rows, gated_norm
 from metal_shaders import rows_matvec as kernels
 
 from . import host_blas
-from .dispatch import LayerDispatch
 
 WINDOW_ROWS = 8  # a decode window: the root and at most 7 drafts
 PREFILL_MIN_ROWS = 16  # matmuls over at least this many rows take the prompt path
@@ -604,10 +603,8 @@ class DecoderStack(nn.Module):
 
     def run_layers(self, h: mx.array, states: list, start: int = 0, stop: int | None = None) -> mx.array:
         """Layers start..stop-1 over h, with their states (`states[state_span(start, stop)]`)."""
-        layers = self.layers[start:stop]
-        for done, (layer, state) in enumerate(zip(layers, states), start=1):
+        for layer, state in zip(self.layers[start:stop], states):
             h = layer(h, state)
-            LayerDispatch.after(h, done, len(layers))
         return h
 
     def logits_linear(self) -> nn.Module:

@@ -20,7 +20,6 @@ import mlx.nn as nn
 from .attention import GatedAttention
 from .compiled import Compiled, LayerCompile
 from .config import ConfigError, ModelConfig, time_step_limit
-from .dispatch import LayerDispatch
 from .layers import WINDOW_ROWS, RMSNorm, RowLinear, is_cpu_prompt, lookup_embedding, tied_logits, transposed
 from .layout import stack_experts
 from . import moe
@@ -321,10 +320,9 @@ class Model(nn.Module):
         return lookup_embedding(self.backbone.embeddings, tokens)
 
     def run_layers(self, h: mx.array, states: list, start: int = 0, stop: int | None = None) -> mx.array:
-        states, layers = iter(states), self.layers[start:stop]
-        for done, layer in enumerate(layers, start=1):
+        states = iter(states)
+        for layer in self.layers[start:stop]:
             h = layer(h, next(states) if layer.has_state else None)
-            LayerDispatch.after(h, done, len(layers))
         return h
 
     def head(self, h: mx.array, *, last_only: bool = False) -> mx.array:

@@ -14,7 +14,7 @@ def test_step_profile_demo_on_the_cpu(tmp_path, capsys):
     assert model["model"] == "demo" and [w["T"] for w in model["windows"]] == [1, 3]
     for window in model["windows"]:
         # the demo's window runs whole in numpy, embedding and logits too: no MLX graph to evaluate
-        assert window["window_ms"] > 0 and window["window_ms_whole"] > 0 and window["ops"] == 0 and window["host_reads"] == 0
+        assert window["window_ms"] > 0 and window["ops"] == 0 and window["host_reads"] == 0
         # the eager count with the linears in MLX is larger than what runs (traces, numpy linears)
         assert window["ops_eager"] > window["ops"]
         assert sum(window["ops_by_kind"].values()) == window["ops_eager"]
