@@ -2,6 +2,7 @@
 its values, and with no other holder the write reuses the buffer (MLX donates it)."""
 
 import ctypes
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -40,3 +41,13 @@ def test_a_buffer_nothing_else_holds_is_written_in_place():
         mx.eval(buffer)
         assert _address(buffer) == address
     assert np.array(buffer)[0, 0, :6, 0].tolist() == [1, 2, 3, 4, 5, 0]
+
+
+def test_no_module_writes_rows_by_the_dynamic_slice_update():
+    """`mx.slice_update` with an index array copies the whole buffer on CUDA (docs/benchmarks.md,
+    "The H100 loan of 2026-12-05"): eager writes go through `write_rows`."""
+    root = Path(__file__).resolve().parents[1]
+    calls = [f"{path.relative_to(root)}:{n}" for package in ("strata_cli", "metal_shaders")
+             for path in sorted((root / package).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), start=1) if "mx.slice_update(" in line]
+    assert calls == [], f"write with strata_cli.rows_write.write_rows instead: {calls}"
