@@ -22,7 +22,7 @@
 #   bash scripts/bench/gpu_owed.sh selftest  # `strata selftest` as a fresh machine runs it (empty caches), then again
 #   STAGES="installs small-ops profile" bash scripts/bench/gpu_owed.sh sequence  # those stages in turn
 #   bash scripts/bench/gpu_owed.sh background STAGE [WAIT]  # STAGE in the background (unless one runs), wait
-#                                   # up to WAIT s (540), then copy the results into this call's $OUT
+#                                   # up to WAIT s (540), then pack the results into this call's $OUT/gpu-owed.tgz
 #
 # A stage longer than a call (stream) runs as `background stream`, called again until it says
 # done, then `background stream-depth` and `background stream-prob` (they --resume its JSON). On
@@ -60,7 +60,9 @@ background)
     else
         echo "done $(date -u +%T)" | tee -a "$BG_DIR/stages.log"
     fi
-    [ "$(realpath "$BG_DIR")" = "$(realpath "$OUT")" ] || cp -r "$BG_DIR/." "$OUT/"
+    # one archive: a device call brings back only so many files (the H100 loan's third call left
+    # most of its JSON behind), and a later call's archive holds everything the earlier ones did
+    [ "$(realpath "$BG_DIR")" = "$(realpath "$OUT")" ] || tar czf "$OUT/gpu-owed.tgz" -C "$BG_DIR" .
     tail -n 25 "$BG_DIR"/*.stdout 2>/dev/null | cut -c1-300
     ;;
 sequence)

@@ -3,6 +3,7 @@ script's options, so the plan for the next GPU loan does not rot while no GPU is
 
 import re
 import subprocess
+import tarfile
 import sys
 from pathlib import Path
 
@@ -38,16 +39,18 @@ def test_the_plan_parses_as_bash():
     subprocess.run(["bash", "-n", str(PLAN)], check=True)
 
 
-def test_background_runs_a_stage_past_the_call_and_copies_its_files_into_out(tmp_path):
+def test_background_runs_a_stage_past_the_call_and_packs_its_files_into_out(tmp_path):
     """`background STAGE` keeps the stage's files in BG_DIR, which outlives a device call, and
-    copies them into the call's $OUT; a stage it does not know ends at once (usage, exit 2)."""
+    packs them into the call's $OUT (one archive); a stage it does not know ends at once (usage, exit 2)."""
     bg, out = tmp_path / "bg", tmp_path / "out"
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BG_DIR": str(bg), "OUT": str(out)}
     done = subprocess.run(["bash", str(PLAN), "background", "no-such-stage", "30"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, check=True)
     assert "done" in done.stdout and "still running" not in done.stdout
     assert "no-such-stage started" in (bg / "stages.log").read_text()
-    assert "bash scripts/bench/gpu_owed.sh startup" in (out / "no-such-stage.stdout").read_text()  # the usage
+    with tarfile.open(out / "gpu-owed.tgz") as archive:
+        usage = archive.extractfile("./no-such-stage.stdout").read().decode()
+    assert "bash scripts/bench/gpu_owed.sh startup" in usage
     again = subprocess.run(["bash", str(PLAN), "background"], cwd=tmp_path, env=env, capture_output=True, text=True,
                            check=True)  # no stage: wait for the last one (ended), copy again
     assert "done" in again.stdout and (bg / "stages.log").read_text().count("started") == 1
