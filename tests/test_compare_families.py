@@ -65,3 +65,18 @@ def test_prefill_repeats_zero_skips_the_prefill(tmp_path):
 
     family = json.loads(out.read_text())["families"]["gpt_oss"]
     assert "prefill" not in family and family["identity"]
+
+
+def test_window_rounds_take_each_ts_median_over_the_rounds(tmp_path):
+    """`--window-rounds 3`: three rounds of both engines' window costs, each T the rounds' median."""
+    import json
+    import statistics
+
+    out = tmp_path / "compare.json"
+    compare.main(["--tiny", "--family", "gpt_oss", "--repeats", "1", "--tokens", "6", "--window-rounds", "3",
+                  "--identity-dtypes", "float32", "--prefill-repeats", "0", "--dir", str(tmp_path), "--out", str(out)])
+    windows = json.loads(out.read_text())["families"]["gpt_oss"]["window_cost"]
+    for side in ("strata_ms", "mlx_lm_ms"):
+        rounds = windows[f"{side}_rounds"]
+        assert len(rounds) == 3 and sorted(windows[side]) == sorted(str(T) for T in range(1, 9))
+        assert all(windows[side][T] == statistics.median(r[T] for r in rounds) for T in windows[side])

@@ -275,6 +275,23 @@ def mlx_lm_window_costs(model, context: list[int], repeats: int, warmup: int, *,
     return costs
 
 
+def alternating_window_costs(engine, peer_model, prompt: list[int], repeats: int, rounds: int,
+                             vocab: int | None) -> dict:
+    """Window ms by T of strata and mlx-lm over `rounds` rounds, the two taking turns at going
+    first, each T's median over the rounds (a noisy machine's burst then moves one round, not one
+    side or one T); every round's figures are kept beside."""
+    runs = {"strata_ms": [], "mlx_lm_ms": []}
+    measure = {"strata_ms": lambda: window_costs(engine, len(prompt), repeats),
+               "mlx_lm_ms": lambda: mlx_lm_window_costs(peer_model, prompt, repeats, 3, vocab=vocab)}
+    for r in range(rounds):
+        for side in (("strata_ms", "mlx_lm_ms") if r % 2 == 0 else ("mlx_lm_ms", "strata_ms")):
+            runs[side].append(measure[side]())
+    out = {side: {T: statistics.median(run[T] for run in rounds_of) for T in rounds_of[0]}
+           for side, rounds_of in runs.items()}
+    out.update({f"{side}_rounds": rounds_of for side, rounds_of in runs.items()})
+    return out
+
+
 def identity(path: Path, dtype: str, prompt: list[int], tokens: int) -> dict:
     model = load_checkpoint(path, dtype=dtype)
     engine = WindowEngine(model, EngineOptions())
@@ -353,8 +370,7 @@ def run_family(args, family: str) -> dict:
     print(f"{family} serial decode: strata {serial['strata_tok_s']:.1f} tok/s, mlx-lm {serial['mlx_lm_tok_s']:.1f} "
           f"tok/s ({serial['ratio']:.2f}x)", flush=True)
     lap("serial")
-    windows = {"strata_ms": window_costs(engine, len(prompt), args.window_repeats),
-               "mlx_lm_ms": mlx_lm_window_costs(peer.model, prompt, args.window_repeats, 3, vocab=vocab)}
+    windows = alternating_window_costs(engine, peer.model, prompt, args.window_repeats, args.window_rounds, vocab)
     windows["strata_T8_over_T1"] = windows["strata_ms"]["8"] / windows["strata_ms"]["1"]
     windows["mlx_lm_T8_over_T1"] = windows["mlx_lm_ms"]["8"] / windows["mlx_lm_ms"]["1"]
     if mamba2.WINDOW_KERNELS and any(kind == "mamba2" for kind, _ in model.state_kinds) and mamba2_window.usable():
@@ -444,6 +460,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--window-repeats", type=int, default=20)
+    parser.add_argument("--window-rounds", type=int, default=1,
+                        help="rounds of the window costs, strata and mlx-lm taking turns at going first; "
+                             "each T's median over the rounds (3 on a noisy machine)")
     parser.add_argument("--prefill-tokens", type=int, default=None,
                         help="prefill length timed against mlx-lm (default 4,096, none for qwen3_next alone; "
                              "0: skip)")
@@ -464,6 +483,8 @@ def main(argv=None) -> dict:
     unknown = [f for f in args.families if f not in FAMILIES]
     if unknown or not args.families:
         parser.error(f"--family: unknown {unknown} (known: {', '.join(FAMILIES)})")
+    if args.window_rounds < 1:
+        parser.error("--window-rounds must be at least 1")
     if args.prefill_tokens is None:
         args.prefill_tokens = 0 if args.families == ["qwen3_next"] else 4096
     if args.tiny:

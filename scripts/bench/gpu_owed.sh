@@ -117,7 +117,7 @@ EOF
 tensor-cores)
     # issues 37 and 34: rows_mma's forms against rows_matvec's FMA forms (STRATA_TENSOR_CORES=0) on
     # one machine, three pairs per shape, alternating; bfloat16 identity in every run
-    common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
+    common="--repeats 2 --window-repeats 6 --window-rounds 3 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
     for round in 1 2 3; do
         for tc in 1 0; do
             for shape in "qwen3_next --layers 8 --bits 4" "gpt_oss --layers 4 --bits 0"; do
@@ -132,7 +132,7 @@ tensor-cores)
 tc-forms)
     # issue 37: which tensor-core forms pay on the 80B shape (kernel_bench had the routed gate
     # slower on them at 1 and 8 rows); STRATA_TENSOR_CORES names the forms left on, alternating
-    common="--repeats 2 --window-repeats 10 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
+    common="--repeats 2 --window-repeats 6 --window-rounds 3 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
     for round in 1 2; do
         for forms in 1 dense,affine,routed dense,affine 0; do
             echo "== qwen3_next round $round forms $forms" | log tc-forms
@@ -156,16 +156,16 @@ kernels)
     python -m scripts.bench.kernel_bench --dense --out "$OUT/kernel_bench_dense_$tree.json" 2>&1 | log kernels
     ;;
 compare)
-    python -m scripts.bench.compare_mlx_lm --layers 8 --bits 4 --repeats 2 --window-repeats 10 --identity-tokens 48 \
+    python -m scripts.bench.compare_mlx_lm --layers 8 --bits 4 --repeats 2 --window-repeats 10 --window-rounds 3 --identity-tokens 48 \
         --identity-dtypes float32,bfloat16 --prefill-tokens 4096 --no-demo-selftest --out "$OUT/compare_h200_80b_$tree.json" 2>&1 | log compare
     ;;
 gpt-oss)
-    python -m scripts.bench.compare_mlx_lm --family gpt_oss --layers 4 --bits 0 --repeats 2 --window-repeats 10 \
+    python -m scripts.bench.compare_mlx_lm --family gpt_oss --layers 4 --bits 0 --repeats 2 --window-repeats 10 --window-rounds 3 \
         --identity-tokens 48 --identity-dtypes bfloat16 --prefill-repeats 1 --no-demo-selftest \
         --out "$OUT/compare_h200_gpt_oss_$tree.json" 2>&1 | log gpt-oss
     ;;
 tail)
-    python - --layers 8 --bits 4 --repeats 2 --window-repeats 10 --identity-tokens 48 --identity-dtypes bfloat16 \
+    python - --layers 8 --bits 4 --repeats 2 --window-repeats 10 --window-rounds 3 --identity-tokens 48 --identity-dtypes bfloat16 \
         --prefill-repeats 0 --no-demo-selftest --out "$OUT/compare_h200_80b_butterfly.json" <<'EOF' 2>&1 | log compare
 import runpy, sys
 from scripts.bench.kernel_bench import use_butterfly_tail
