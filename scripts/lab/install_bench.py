@@ -22,7 +22,8 @@ staging written into scattered slots three ways: `static`, MLX's static slice up
 slot as an index array (what the cache did before), and `scatter`, one scatter per tensor
 (`bank[slots] = values`). A cost per record that grows with S is a bank copied per write: on an
 H100 (MLX 0.32.4) the dynamic form went from 0.28 to 1.04 ms a record between 26 and 512 slots,
-the static one and the scatter stayed at 0.19-0.20 (docs/benchmarks.md, "Streaming at full scale").
+the static one and the scatter stayed at 0.19-0.20 (docs/benchmarks.md, "The H100 loan of
+2026-12-05").
 Each form's written slots are checked against the staged records.
 
 Every variant's banks are checked equal to `record`'s. Results as JSON on stdout or `--out`.
