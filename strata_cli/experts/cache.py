@@ -407,8 +407,9 @@ class ExpertCache:
 
         The slot writes are left lazy: they run with the layer's own compute when the next
         routing readback evaluates it (the next layer's input depends on them), so an install
-        costs no device sync of its own. A pass's records go in with one write per bank tensor
-        where they can (`write_slots`); a read that failed leaves the ones before it installed."""
+        costs no device sync of its own. A pass's records go in together (`write_slots`: one
+        write per bank tensor for slots in a run, else one a slot); a read that failed leaves
+        the ones before it installed."""
         block, count = self._blocks[i], self._counts[i]
         path, area = self.paths[i], self._staging[block.layout.stride]
         began, waited = time.perf_counter(), 0.0
