@@ -17,6 +17,7 @@
 #   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
 #   bash scripts/bench/gpu_owed.sh share     # each kernel's share of a T = 1 and a T = 8 window, launched twice in place
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
+#   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
 #   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #   bash scripts/bench/gpu_owed.sh selftest  # `strata selftest` as a fresh machine runs it (empty caches), then again
@@ -36,6 +37,9 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 STREAM_DIR=${STREAM_DIR:-/tmp/strata-80b}
 tree=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# files are named by the card that measured them ("h200", "h100"): a loan may give either
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -oiE 'h[0-9]{3}' | tr 'A-Z' 'a-z' || true)
+card=${card:-gpu}
 log() { tee -a "$OUT/$1.log"; }
 
 case "${1:-}" in
@@ -74,7 +78,7 @@ sequence)
     ;;
 startup)
     python -m scripts.bench.startup --fresh parallel --later-runs 3 --process-timeout 240 --budget-seconds 420 \
-        --out "$OUT/h200_startup_$tree.json" 2>&1 | log startup
+        --out "$OUT/${card}_startup_$tree.json" 2>&1 | log startup
     ;;
 selftest)
     # issue 41: "strata selftest on a fresh GPU machine in minutes, not nine" (9 min 14 s before the kernel
@@ -90,9 +94,9 @@ selftest)
     ;;
 installs)
     python -m scripts.lab.install_bench --bank-sizes 26 52 128 512 --passes 9 --repeats 8 \
-        --out "$OUT/install_by_slots_h200_$tree.json" 2>&1 | log installs
+        --out "$OUT/install_by_slots_${card}_$tree.json" 2>&1 | log installs
     python -m scripts.lab.install_bench --bank-sizes 52 512 --passes 1 --repeats 8 \
-        --out "$OUT/install_by_slots_p1_h200_$tree.json" 2>&1 | log installs
+        --out "$OUT/install_by_slots_p1_${card}_$tree.json" 2>&1 | log installs
     ;;
 mma)
     # issue 37: the tensor-core forms' probe, case by case (what fails, if anything), then their times
@@ -157,16 +161,16 @@ kernels)
     ;;
 compare)
     python -m scripts.bench.compare_mlx_lm --layers 8 --bits 4 --repeats 2 --window-repeats 10 --window-rounds 3 --identity-tokens 48 \
-        --identity-dtypes float32,bfloat16 --prefill-tokens 4096 --no-demo-selftest --out "$OUT/compare_h200_80b_$tree.json" 2>&1 | log compare
+        --identity-dtypes float32,bfloat16 --prefill-tokens 4096 --no-demo-selftest --out "$OUT/compare_${card}_80b_$tree.json" 2>&1 | log compare
     ;;
 gpt-oss)
     python -m scripts.bench.compare_mlx_lm --family gpt_oss --layers 4 --bits 0 --repeats 2 --window-repeats 10 --window-rounds 3 \
         --identity-tokens 48 --identity-dtypes bfloat16 --prefill-repeats 1 --no-demo-selftest \
-        --out "$OUT/compare_h200_gpt_oss_$tree.json" 2>&1 | log gpt-oss
+        --out "$OUT/compare_${card}_gpt_oss_$tree.json" 2>&1 | log gpt-oss
     ;;
 tail)
     python - --layers 8 --bits 4 --repeats 2 --window-repeats 10 --window-rounds 3 --identity-tokens 48 --identity-dtypes bfloat16 \
-        --prefill-repeats 0 --no-demo-selftest --out "$OUT/compare_h200_80b_butterfly.json" <<'EOF' 2>&1 | log compare
+        --prefill-repeats 0 --no-demo-selftest --out "$OUT/compare_${card}_80b_butterfly.json" <<'EOF' 2>&1 | log compare
 import runpy, sys
 from scripts.bench.kernel_bench import use_butterfly_tail
 print(f"{use_butterfly_tail()} kernel bodies with the butterfly tail", flush=True)
@@ -176,11 +180,11 @@ EOF
 profile)
     # a kernel-level profiler would split the T = 8 window's device time by kernel: say which this machine has
     for tool in ncu nsys nvcc; do echo "$tool: $(command -v $tool || echo none)"; done 2>&1 | log profile
-    python -m scripts.bench.step_profile --models 80b --windows 1,2,4,8 --out "$OUT/step_profile_h200_$tree.json" 2>&1 | log profile
+    python -m scripts.bench.step_profile --models 80b --windows 1,2,4,8 --out "$OUT/step_profile_${card}_$tree.json" 2>&1 | log profile
     python -m scripts.lab.launch_cost --tag "launch_cost_$tree" 2>&1 | log profile
     ;;
 share)
-    python -m scripts.lab.kernel_share --windows 1,8 --rounds 3 --out "$OUT/kernel_share_h200_$tree.json" 2>&1 | log share
+    python -m scripts.lab.kernel_share --windows 1,8 --rounds 3 --out "$OUT/kernel_share_${card}_$tree.json" 2>&1 | log share
     ;;
 stream)
     # the 47.2 GB checkpoint wants the disk to itself: the H100 of 2026-12-05 had 48.2 GB left after
@@ -188,15 +192,22 @@ stream)
     tmp=${TMPDIR:-/tmp}
     rm -rf "$tmp/strata-compare" "$tmp/strata-step-profile" "$tmp/strata-launch-cost" /tmp/strata-step-ops
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-1200}" --temperatures cold \
-        --fractions 0.1 0.25 0.05 0.5 1.0 --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream
+        --fractions 0.1 0.25 0.05 0.5 1.0 --json-out "$OUT/${card}_stream_80b_$tree.json" 2>&1 | log stream
+    ;;
+stream-auto)
+    # auto against serial where one run each left it short of 0.97x (5%, 100%; 10% beside them):
+    # three rounds, the order turning, each row its median run; the checkpoint is the stream stage's
+    python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-720}" --temperatures cold \
+        --fractions 0.05 0.1 1.0 --modes serial auto --rounds 3 --moce none --disk-seconds 0.5 \
+        --json-out "$OUT/${card}_stream_auto_rounds_$tree.json" 2>&1 | log stream-auto
     ;;
 stream-depth)
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-420}" --temperatures cold --fractions 0.1 0.25 \
-        --readahead-depth 8 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-depth
+        --readahead-depth 8 --moce none --resume --json-out "$OUT/${card}_stream_80b_$tree.json" 2>&1 | log stream-depth
     ;;
 stream-prob)
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-420}" --temperatures cold --fractions 0.1 0.25 \
-        --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/h200_stream_80b_$tree.json" 2>&1 | log stream-prob
+        --readahead-min-prob 0.3 --moce none --resume --json-out "$OUT/${card}_stream_80b_$tree.json" 2>&1 | log stream-prob
     ;;
 *)
     sed -n '2,/^set -euo/p' "$self" | sed '$d'

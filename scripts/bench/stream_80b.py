@@ -63,7 +63,7 @@ from scripts.bench.moce_agreement import (
     label,
     parse_setting,
 )
-from strata_cli.calibrate import device_cost_prior
+from strata_cli.calibrate import backend_name, device_cost_prior
 from strata_cli.engine.window import WindowEngine
 from strata_cli.experts.cache import ExpertCache
 from strata_cli.experts.store import ExpertStore, layer_of
@@ -256,7 +256,9 @@ def measure_row(engine: WindowEngine, prompt: list[int], *, tokens: int, spec: S
 def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptions], *, E: int, dtype,
           disk_gbps: float, dropped: bool, warm_rows: set[int], deadline: float, report: dict, save, log) -> None:
     """Every cold row (cache size by mode), then every warm one: when the budget runs short, the
-    warm repeats go first. Rows land in report["rows"] as they finish."""
+    warm repeats go first. With `--rounds N` a cache size runs its modes N times over, each round
+    starting one mode later, and a row is its median run (`median_run`). Rows land in
+    report["rows"] as they are measured, each run updating its row."""
     cold_io = args.cold_io if dropped else "direct"  # without a drop, only O_DIRECT keeps the page cache out
     cold_here = set()  # the cold rows this process ran: what the page cache holds
     readahead = {"readahead_depth": args.readahead_depth, "readahead_min_prob": args.readahead_min_prob}
@@ -264,39 +266,59 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
     for temperature in args.temperatures:
         for fraction in args.fractions:
             slots = max(1, math.ceil(E * fraction))
-            for mode in args.modes:
+            todo = [m for m in args.modes if find(report["rows"], fraction, m, temperature, readahead) is None]
+            runs = {mode: [] for mode in todo}  # the modes the run this one resumes did not measure
+            for turn in range(args.rounds * len(todo)):
+                mode = todo[(turn + turn // len(todo)) % len(todo)]
                 name = f"{fraction:.0%} {mode} {temperature}{setting}"
-                if find(report["rows"], fraction, mode, temperature, readahead) is not None:
-                    continue  # measured by the run this one resumes
                 if time.perf_counter() > deadline:
-                    report["skipped"].append(name)
-                    log(f"budget reached: skipping {name}")
+                    if not runs[mode]:
+                        report["skipped"].append(name)
+                        log(f"budget reached: skipping {name}")
                     continue
                 io = cold_io if temperature == "cold" else "buffered"
                 engine = fresh_engine(model, path, slots=slots, io=io, threads=args.io_threads, dtype=dtype,
                                       warm_rows=warm_rows, readahead=readahead)
                 if temperature == "cold" and dropped:
                     stream_curve.drop_page_cache()
-                row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature, **readahead,
-                       **measure_row(engine, prompt, tokens=args.tokens, spec=modes[mode], disk_gbps=disk_gbps)}
+                runs[mode].append(measure_row(engine, prompt, tokens=args.tokens, spec=modes[mode],
+                                              disk_gbps=disk_gbps))
                 del engine  # it holds the cache: its banks must go before the next row allocates its own
+                row = {"cache_fraction": fraction, "slots": slots, "mode": mode, "temperature": temperature,
+                       **readahead, **median_run(runs[mode])}
                 if temperature == "warm":
                     primed = cold_io == "buffered" and (fraction, mode) in cold_here
                     row["page_cache"] = ("holds the cold run's reads" if primed
                                          else "not filled by a cold run of this row")
-                serial = find(report["rows"], fraction, "serial", "cold", readahead)
+                serial = None if (mode, temperature) == ("serial", "cold") else find(
+                    report["rows"], fraction, "serial", "cold", readahead)
                 row["identical_to_serial"] = None if serial is None else row["output"] == serial["output"]
+                earlier = find(report["rows"], fraction, mode, temperature, readahead)
+                if earlier is not None:
+                    report["rows"].remove(earlier)
                 report["rows"].append(row)
                 if temperature == "cold":
                     cold_here.add((fraction, mode))
-                split = row["time_split_ms_per_token"]
-                log(f"  {name:<18} {row['tokens_per_s']:7.2f} tok/s  {row['bytes_read_per_token'] / 1e6:8.1f} "
-                    f"MB/token  hit {row['hit_rate']:.0%}  late waits {row['late_waits']}  ms/token: reads "
+                last = runs[mode][-1]
+                split = last["time_split_ms_per_token"]
+                rounds = f" {len(runs[mode])}/{args.rounds}" if args.rounds > 1 else ""
+                log(f"  {name + rounds:<18} {last['tokens_per_s']:7.2f} tok/s  {last['bytes_read_per_token'] / 1e6:8.1f} "
+                    f"MB/token  hit {last['hit_rate']:.0%}  late waits {last['late_waits']}  ms/token: reads "
                     f"{split['read_wait']:.0f} / sync {split['router_sync']:.0f} / "
-                    f"installs {split['installs']:.0f} / compute {split['compute']:.0f}{sync_note(row)}  "
+                    f"installs {split['installs']:.0f} / compute {split['compute']:.0f}{sync_note(last)}  "
                     f"same as serial: {row['identical_to_serial']}  ({deadline - time.perf_counter():.0f} s of the sweep's budget left)")
                 save()
     release(model)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (the lower of two), with every run's tokens/s beside it
+    (`rounds_tokens_per_s`, in the order run) and whether every run decoded the same tokens."""
+    median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+    if len(runs) == 1:
+        return median
+    return {**median, "rounds_tokens_per_s": [r["tokens_per_s"] for r in runs],
+            "same_tokens_every_round": all(r["output"] == runs[0]["output"] for r in runs)}
 
 
 def sync_note(row: dict) -> str:
@@ -338,9 +360,12 @@ def release(model) -> None:
 
 
 def identical(rows: list[dict]) -> bool | None:
-    """Whether every speculative row compared with serial produced serial's tokens (None: no pair)."""
+    """Whether every speculative row compared with serial produced serial's tokens and every row's
+    rounds the same tokens (None: no pair)."""
     checked = [r["identical_to_serial"] for r in rows
                if r["mode"] != "serial" and r["identical_to_serial"] is not None]
+    if any(r.get("same_tokens_every_round") is False for r in rows):
+        return False  # a row's rounds decoded different tokens: no run is the reference
     return all(checked) if checked else None
 
 
@@ -412,11 +437,17 @@ def table(rows: list[dict]) -> str:
         unions = " ".join(f"{t}:{u:.1f}" for t, u in r["union_per_layer_by_T"].items())
         mode = r["mode"] + readahead_label(r)
         lines.append(f"| {r['cache_fraction']:.0%} | {mode} | {r['temperature']} | {r['io_mode']} | "
-                     f"{r['tokens_per_s']:.2f} | {r['bytes_read_per_token'] / 1e6:.1f} | {r['hit_rate']:.0%} | "
+                     f"{r['tokens_per_s']:.2f}{spread(r)} | {r['bytes_read_per_token'] / 1e6:.1f} | {r['hit_rate']:.0%} | "
                      f"{r['late_waits']} | {unions} | {s['read_wait']:.0f} / {s['router_sync']:.0f} / "
                      f"{s['installs']:.0f} / {s['compute']:.0f} | {'-' if bound is None else f'{bound:.2f}'} | "
                      f"{'-' if share is None else f'{share:.0%}'} | {r['identical_to_serial']} |")
     return "\n".join(lines)
+
+
+def spread(row: dict) -> str:
+    """" (1.20-1.31)": the range of a row's rounds, for the table ("" for one run)."""
+    rounds = row.get("rounds_tokens_per_s")
+    return f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds else ""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -431,6 +462,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", default=PROMPT, help="the prompt text (the demo model's tokenizer)")
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run each cache size's modes this many times over, each round starting one mode later, "
+                             "and keep each mode's median run (default 1): single runs of cold reads vary by 10-20%%")
     parser.add_argument("--temperatures", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
     parser.add_argument("--cold-io", choices=("buffered", "direct"), default="buffered",
                         help="reads of cold runs (default buffered, the page cache dropped first, so that the warm "
@@ -461,6 +495,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.resume and args.json_out is None:
         parser.error("--resume continues the run in --json-out; give --json-out")
     args.tokens = args.tokens or (8 if args.tiny else 16)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.tokens < 2:
         parser.error(f"--tokens must be at least 2, got {args.tokens}")
     if not all(0 < f <= 1 for f in [*args.fractions, args.moce_fraction]):
@@ -482,7 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-    report = {"tree": _commit(), "device": str(mx.default_device()), "layers": params["num_hidden_layers"],
+    report = {"tree": _commit(), "device": backend_name(), "layers": params["num_hidden_layers"],
               "model": params, "dtype": str(dtype).rsplit(".", 1)[-1], "tokens_per_run": args.tokens,
               "prompt": args.prompt, "skipped": [], "rows": []}
     if args.resume:

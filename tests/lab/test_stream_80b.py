@@ -88,3 +88,41 @@ def test_rows_are_kept_per_read_ahead_setting():
     # the label the log and the table give a setting, nothing on the default reads
     assert stream_80b.readahead_label(old) == "" and stream_80b.readahead_label(deep) == " D8 C0"
     assert stream_80b.readahead_label({"readahead_depth": None, "readahead_min_prob": 0.3}) == " D- C0.3"
+
+
+def test_rounds_turn_the_order_of_the_modes_and_keep_each_median(monkeypatch):
+    """--rounds 3: each round starts one mode later, every run updates its row, and a row is its
+    median run with every round's tokens/s; rounds that decode other tokens spoil the identity."""
+    from types import SimpleNamespace
+
+    order, speeds = [], {"serial": [1.0, 3.0, 2.0], "auto": [5.0, 4.0, 6.0], "draft3": [9.0, 7.0, 8.0]}
+
+    def measure(engine, prompt, *, tokens, spec, disk_gbps):
+        mode = {spec_: name for name, spec_ in modes.items()}[spec]
+        order.append(mode)
+        speed = speeds[mode][sum(m == mode for m in order) - 1]
+        return {"tokens_per_s": speed, "output": [1, 2], "hit_rate": 0.5, "late_waits": 0, "bytes_read_per_token": 1e6,
+                "time_split_ms_per_token": dict.fromkeys(("read_wait", "router_sync", "installs", "compute"), 1.0)}
+
+    modes = {"serial": "s", "draft3": "d", "auto": "a"}
+    plan = ["serial", "draft3", "auto", "draft3", "auto", "serial", "auto", "serial", "draft3"]
+    monkeypatch.setattr(stream_80b, "fresh_engine", lambda *a, **k: object())
+    monkeypatch.setattr(stream_80b, "measure_row", measure)
+    monkeypatch.setattr(stream_80b, "release", lambda model: None)
+    args = SimpleNamespace(cold_io="buffered", readahead_depth=None, readahead_min_prob=0.0, temperatures=["cold"],
+                           fractions=[0.5], modes=list(modes), rounds=3, io_threads=1, tokens=2)
+    report = {"rows": [], "skipped": []}
+    saves = []
+    stream_80b.sweep(None, None, [0], args, modes, E=4, dtype=None, disk_gbps=1.0, dropped=False, warm_rows=set(),
+                     deadline=float("inf"), report=report, save=lambda: saves.append(len(report["rows"])),
+                     log=lambda message: None)
+    assert order == plan and len(saves) == 9 and len(report["rows"]) == 3
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["serial"]["rounds_tokens_per_s"] == [1.0, 3.0, 2.0] and rows["serial"]["tokens_per_s"] == 2.0
+    assert rows["auto"]["tokens_per_s"] == 5.0 and rows["draft3"]["tokens_per_s"] == 8.0
+    assert all(r["same_tokens_every_round"] for r in rows.values())
+    assert rows["auto"]["identical_to_serial"] is True and rows["serial"]["identical_to_serial"] is None
+    assert stream_80b.identical(report["rows"]) is True
+    rows["serial"]["same_tokens_every_round"] = False
+    assert stream_80b.identical(report["rows"]) is False
+    assert stream_80b.spread(rows["serial"]) == " (1.00-3.00)" and stream_80b.spread({}) == ""
