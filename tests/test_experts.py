@@ -106,18 +106,41 @@ def test_write_slots_writes_each_slot_and_keeps_the_buffer(slots):
     bank = mx.array(start) + 0  # an evaluated array that owns its buffer
     mx.eval(bank)
     kept = bank
-    out = write_slots(bank, [mx.array(v) for v in values], slots)
+    out = write_slots(bank, [mx.array(v)[None] for v in values], slots)
     mx.eval(out)
     assert np.array_equal(np.array(out), want)
     assert np.array_equal(np.array(kept), start)  # the caller's array is not rewritten
     # with no other reference, the writes land in the bank's own buffer (MLX donates it)
     address = _address(out)
-    again = write_slots(out, [mx.array(v) * 2 for v in values], slots)
+    again = write_slots(out, [mx.array(v)[None] * 2 for v in values], slots)
     del out
     mx.eval(again)
     assert _address(again) == address
     want[slots] = np.stack(values) * 2
     assert np.array_equal(np.array(again), want)
+
+
+def test_a_reused_staging_slot_installs_its_new_record_through_the_views_it_keeps(checkpoints):
+    """Every expert of a block read one after another through one slot: the staging area hands
+    its slots out again after 16 reads, and the tensor views a slot keeps (made once, so an
+    install builds only its writes) must show the bytes the reader wrote last, never the first
+    record's."""
+    model = load_checkpoint(checkpoints[1], stream=StreamOptions(resident_experts=1, prefetch="off"))
+    cache, path = model.expert_cache, BLOCK.format(0)
+    with ExpertStore(checkpoints[1]) as store:
+        block = store.blocks[path]
+        pool = store.pools[block.stride]
+        for e in range(NUM_EXPERTS):
+            serve(model, 0, [[e]])
+            buf = pool.take()
+            want = store.to_arrays(path, store.read(path, e, buf), {})
+            pool.give(buf)
+            for name, bank in cache._blocks[0].banks.items():
+                assert mx.array_equal(bank[0].view(mx.uint8), want[name].view(mx.uint8)).item(), (e, name)
+    area = next(iter(cache._staging.values()))
+    assert area.size < NUM_EXPERTS  # slots were reused
+    kept = [slot.tensors for slot in area._slots]
+    assert all(len(views) == 1 for views in kept)  # one layout: one set of views a slot
 
 
 def test_passes_with_scattered_slots_serve_the_resident_outputs(checkpoints):

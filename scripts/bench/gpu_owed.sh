@@ -5,7 +5,7 @@
 # (on a loaned machine: scripts/bench/device_kit.sh here, scripts/bench/device_setup.sh there).
 #
 #   bash scripts/bench/gpu_owed.sh startup   # first on a fresh machine: its caches are still empty
-#   bash scripts/bench/gpu_owed.sh installs  # a pass's install by cache size: a write per slot, one scatter, and why a bank is copied (~2 min)
+#   bash scripts/bench/gpu_owed.sh installs  # a pass's install by cache size (a write per slot, one scatter, the bank copy); the cache's own install, views kept or built (~3 min)
 #   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
 #   bash scripts/bench/gpu_owed.sh tensor-cores  # 80B and GPT-OSS compares, tensor cores on / off alternating
 #   bash scripts/bench/gpu_owed.sh tc-forms  # 80B compares with each form of rows_mma left out in turn (~6 min)
@@ -97,6 +97,7 @@ installs)
         --out "$OUT/install_by_slots_${card}_$tree.json" 2>&1 | log installs
     python -m scripts.lab.install_bench --bank-sizes 52 512 --passes 1 --repeats 8 \
         --out "$OUT/install_by_slots_p1_${card}_$tree.json" 2>&1 | log installs
+    python -m scripts.lab.install_host --rounds 40 --out "$OUT/install_host_${card}_$tree.json" 2>&1 | log installs
     ;;
 mma)
     # issue 37: the tensor-core forms' probe, case by case (what fails, if anything), then their times

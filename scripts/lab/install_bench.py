@@ -131,15 +131,15 @@ def host_pointer(array: mx.array) -> int:
     return np.array(array, copy=False).__array_interface__["data"][0]
 
 
-def write_dynamic(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
-    for slot, value in zip(slots, values, strict=True):
-        bank = mx.slice_update(bank, value[None], mx.array([slot]), axes=(0,))
+def write_dynamic(bank: mx.array, rows: list[mx.array], slots: list[int]) -> mx.array:
+    for slot, row in zip(slots, rows, strict=True):
+        bank = mx.slice_update(bank, row, mx.array([slot]), axes=(0,))
     return bank
 
 
-def write_scatter(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
+def write_scatter(bank: mx.array, rows: list[mx.array], slots: list[int]) -> mx.array:
     bank = mx.array(bank)  # a handle of its own, as write_slots takes
-    bank[mx.array(slots)] = mx.stack(values)
+    bank[mx.array(slots)] = mx.concatenate(rows)
     return bank
 
 
@@ -166,7 +166,7 @@ def by_bank_size(offsets, stride, sizes, P, repeats, rng, advice) -> list[dict]:
                 mx.eval([mx.take(b, mx.array(slots[::-1]), axis=0).sum() for b in banks.values()])  # a reader
                 t0 = time.perf_counter()
                 for name in banks:
-                    banks[name] = write(banks[name], [views[name][p] for p in range(P)], slots)
+                    banks[name] = write(banks[name], [views[name][p:p + 1] for p in range(P)], slots)
                 mx.eval(list(banks.values()))
                 if rep:
                     times.append((time.perf_counter() - t0) * 1e3 / P)

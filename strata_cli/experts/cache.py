@@ -6,8 +6,9 @@ Legend: N = rows (tokens), k = experts per token, E = experts, S = slots per blo
   weight/scales/biases), so the MLX graph never changes shape; an expert->slot table maps the
   router's ids to bank rows. A read lands in a staging slot (experts/staging.py: MLX memory the
   reader writes, kept on the host and mapped for a CUDA GPU), and a pass's loads write their bank
-  slots from device views of it (`write_slots`: one static slice update for slots in a run, else
-  one a slot, whose input buffer MLX donates, so a load copies one expert, not the bank). The
+  slots from device views of it, which the staging slot keeps (`_record_rows`: an install builds
+  its writes only), by `write_slots`: one static slice update for slots in a run, else one a
+  slot, whose input buffer MLX donates, so a load copies one expert, not the bank. The
   writes are left lazy: they run with the layer's compute when the next routing readback
   evaluates it (no device sync of their own).
 - Demand reads: the window's union of experts at a block is pinned (nothing in it is evicted
@@ -141,6 +142,7 @@ class _Block:
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident experts, oldest first
         self.seen = np.zeros(num_experts, bool)  # ever loaded: a miss on a seen expert is a capacity miss
         self.inflight: dict[int, Future] = {}  # prefetches, expert -> future
+        self.layout_key = 0  # which staging views fit its records (ExpertCache numbers the layouts)
 
 
 def picks_by_own_rule(moe) -> bool:
@@ -150,15 +152,15 @@ def picks_by_own_rule(moe) -> bool:
     return not isinstance(moe, SparseMoeBlock) and hasattr(moe.gate, "select")
 
 
-def write_slots(bank: mx.array, values: list[mx.array], slots: list[int]) -> mx.array:
-    """`bank` (S, ...) with `values[j]` (...) in slot `slots[j]`, lazily (`write_rows`, which
+def write_slots(bank: mx.array, rows: list[mx.array], slots: list[int]) -> mx.array:
+    """`bank` (S, ...) with `rows[j]` (1, ...) in slot `slots[j]`, lazily (`write_rows`, which
     reuses the bank's buffer: a write costs one slot, not the bank): one write for slots in a run
     without gaps, else one a slot."""
     first = slots[0] if slots else 0
     if len(slots) > 1 and slots == list(range(first, first + len(slots))):
-        return write_rows(bank, mx.stack(values), first, axis=0)
-    for slot, value in zip(slots, values, strict=True):
-        bank = write_rows(bank, value[None], slot, axis=0)
+        return write_rows(bank, mx.concatenate(rows), first, axis=0)
+    for slot, row in zip(slots, rows, strict=True):
+        bank = write_rows(bank, row, slot, axis=0)
     return bank
 
 
@@ -188,6 +190,9 @@ class ExpertCache:
             raise ValueError(f"blocks must come in layer order, got layers {self.layers}")
         self._position = {path: i for i, path in enumerate(self.paths)}
         self._blocks = [_Block(store.blocks[path], num_slots, dtype, E) for path in self.paths]
+        layouts: dict[tuple, int] = {}  # blocks of one record layout share their staging slots' views
+        for block in self._blocks:
+            block.layout_key = layouts.setdefault(block.layout.tensors, len(layouts))
         self._routers = [(moe, moe.top_k) for _, moe in blocks]
         self._prefetch_rules: list[PrefetchRule | None] = [None] * len(self.paths)
         mx.eval([b.banks for b in self._blocks])
@@ -411,16 +416,16 @@ class ExpertCache:
         write per bank tensor for slots in a run, else one a slot); a read that failed leaves
         the ones before it installed."""
         block, count = self._blocks[i], self._counts[i]
-        path, area = self.paths[i], self._staging[block.layout.stride]
+        area = self._staging[block.layout.stride]
         began, waited = time.perf_counter(), 0.0
-        read: list[tuple[int, dict[str, mx.array], object]] = []  # (slot, tensor views, staging slot)
+        read: list[tuple[int, dict[str, mx.array], object]] = []  # (slot, the record's rows, staging slot)
         try:
             for n, ((e, future), slot) in enumerate(zip(pending, victims)):
                 start = time.perf_counter()
                 staged, _ = future.result()
                 waited += time.perf_counter() - start
                 try:
-                    read.append((int(slot), self.store.tensor_views(path, staged.flat, block.dtypes), staged))
+                    read.append((int(slot), self._record_rows(block, staged), staged))
                 except BaseException:
                     area.release(staged)
                     raise
@@ -440,11 +445,24 @@ class ExpertCache:
             slots = [slot for slot, _, _ in read]
             try:
                 for name in block.banks:
-                    block.banks[name] = write_slots(block.banks[name], [views[name] for _, views, _ in read], slots)
+                    block.banks[name] = write_slots(block.banks[name], [rows[name] for _, rows, _ in read], slots)
             finally:
                 for _, _, staged in read:
                     area.release(staged, readers=lambda: list(block.banks.values()))
             count[_C["install_seconds"]] += time.perf_counter() - began - waited
+
+    def _record_rows(self, block: _Block, staged) -> dict[str, mx.array]:
+        """The record in staging slot `staged` as a (1, ...) row of each bank, in the bank's
+        dtype. The views are made once per slot and layout and kept (the reader rewrites the
+        bytes under them): an install builds only its writes, and a cast where the bank's
+        dtype is not the record's."""
+        views = staged.tensors.get(block.layout_key)
+        if views is None:
+            views = self.store.tensor_views(block.layout.path, staged.flat, {})
+            views = staged.tensors[block.layout_key] = {name: v[None] for name, v in views.items()}
+            mx.eval(list(views.values()))  # views of the slot's buffer: no copy
+        return {name: v if v.dtype == block.dtypes[name] else v.astype(block.dtypes[name])
+                for name, v in views.items()}
 
     @staticmethod
     def _victims(block: _Block, n: int, *, pinned: np.ndarray) -> list[int]:

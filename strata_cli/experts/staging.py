@@ -33,12 +33,15 @@ PAGE = 4096  # O_DIRECT's alignment (the layout's records are multiples of it)
 
 class Slot:
     """One staging slot: `view` for the reader (a writable memoryview of `stride` bytes),
-    `flat` for the device (the same bytes as an MLX uint8 array)."""
+    `flat` for the device (the same bytes as an MLX uint8 array), and `tensors`, the device views
+    of a record's tensors in it by layout (experts/cache.py makes them once: the reader rewrites
+    the bytes under them)."""
 
-    __slots__ = ("index", "view", "flat")
+    __slots__ = ("index", "view", "flat", "tensors")
 
     def __init__(self, index: int, view: memoryview, flat: mx.array):
         self.index, self.view, self.flat = index, view, flat
+        self.tensors: dict[int, dict[str, mx.array]] = {}
 
 
 class StagingArea:
