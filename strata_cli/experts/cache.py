@@ -129,8 +129,9 @@ class DraftReadCost:
 class _Block:
     """One MoE block's slots: banks, the expert->slot table, LRU order and prefetches in flight."""
 
-    def __init__(self, layout: BlockLayout, num_slots: int, dtype: mx.Dtype, num_experts: int):
+    def __init__(self, layout: BlockLayout, num_slots: int, dtype: mx.Dtype, num_experts: int, layout_key: int):
         self.layout = layout
+        self.layout_key = layout_key  # which staging views fit its records: blocks of one layout share it
         self.dtypes = {}
         self.banks: dict[str, mx.array] = {}
         for t in layout.tensors:
@@ -142,7 +143,6 @@ class _Block:
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident experts, oldest first
         self.seen = np.zeros(num_experts, bool)  # ever loaded: a miss on a seen expert is a capacity miss
         self.inflight: dict[int, Future] = {}  # prefetches, expert -> future
-        self.layout_key = 0  # which staging views fit its records (ExpertCache numbers the layouts)
 
 
 def picks_by_own_rule(moe) -> bool:
@@ -189,10 +189,9 @@ class ExpertCache:
         if self.layers != sorted(self.layers):  # prefetch reads for the next block in this order
             raise ValueError(f"blocks must come in layer order, got layers {self.layers}")
         self._position = {path: i for i, path in enumerate(self.paths)}
-        self._blocks = [_Block(store.blocks[path], num_slots, dtype, E) for path in self.paths]
-        layouts: dict[tuple, int] = {}  # blocks of one record layout share their staging slots' views
-        for block in self._blocks:
-            block.layout_key = layouts.setdefault(block.layout.tensors, len(layouts))
+        layouts: dict[tuple, int] = {}  # a number for each record layout
+        self._blocks = [_Block(store.blocks[path], num_slots, dtype, E,
+                               layouts.setdefault(store.blocks[path].tensors, len(layouts))) for path in self.paths]
         self._routers = [(moe, moe.top_k) for _, moe in blocks]
         self._prefetch_rules: list[PrefetchRule | None] = [None] * len(self.paths)
         mx.eval([b.banks for b in self._blocks])
