@@ -197,9 +197,10 @@ stream)
     ;;
 stream-auto)
     # auto against serial where one run each left it short of 0.97x (5%, 100%; 10% beside them):
-    # three rounds, the order turning, each row its median run; the checkpoint is the stream stage's
+    # three rounds, the order turning, each row its median run; then where a warm token's host time
+    # goes at 10% (cProfile: "compute" was 137 ms a token on the H100); the stream stage's checkpoint
     python -m scripts.bench.stream_80b --dir "$STREAM_DIR" --budget-seconds "${STREAM_BUDGET:-720}" --temperatures cold \
-        --fractions 0.05 0.1 1.0 --modes serial auto --rounds 3 --moce none --disk-seconds 0.5 \
+        --fractions 0.05 0.1 1.0 --modes serial auto --rounds 3 --moce none --disk-seconds 0.5 --profile 0.1 \
         --json-out "$OUT/${card}_stream_auto_rounds_$tree.json" 2>&1 | log stream-auto
     ;;
 stream-depth)

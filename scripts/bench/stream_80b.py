@@ -22,6 +22,8 @@ after every row; a phase or row that would start after the budget is skipped and
    `speculative_identical`: draft3 and auto produced serial's tokens at every cache size.
 4. Cache-aware routing (MoCE, approximate) at `--moce-fraction` (25%): tokens/s against exact
    routing, cold, and teacher-forced top-1 agreement with exact greedy tokens (moce_agreement's parts).
+5. With `--profile FRACTION`: one warm serial decode at that cache size under cProfile, the
+   functions of most cumulative time per token (`profile`): where the host's time goes.
 
     python -m scripts.bench.stream_80b --tiny                                  # CPU, under a minute
     python -m scripts.bench.stream_80b --dir /tmp/strata-80b --budget-seconds 420 \\
@@ -38,12 +40,14 @@ read per token; `of_disk_bound` is the row's tokens/s over it (issue 38's target
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import gc
 import json
 import math
 import mmap
 import os
+import pstats
 import shutil
 import sys
 import threading
@@ -64,6 +68,7 @@ from scripts.bench.moce_agreement import (
     parse_setting,
 )
 from strata_cli.calibrate import backend_name, device_cost_prior
+from strata_cli.decode import generate
 from strata_cli.engine.window import WindowEngine
 from strata_cli.experts.cache import ExpertCache
 from strata_cli.experts.store import ExpertStore, layer_of
@@ -71,6 +76,7 @@ from strata_cli.experts.switch import StreamedSwitchGLU
 from strata_cli.model import qwen3_next
 from strata_cli.options import (
     MAX_SUFFIX_DRAFT,
+    GenerateOptions,
     SpecOptions,
     StreamOptions,
     parse_suffix_draft,
@@ -91,6 +97,7 @@ MODES = {
 }
 PROMPT = "The cat sat on the mat. The cat sat on the mat."  # repeats: the drafter has a suffix to match
 RECORD_SIZES = (4096, 16384, 65536)  # plus the whole expert record
+PROFILE_FUNCTIONS = 40  # the profile's functions of most cumulative time
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -311,6 +318,40 @@ def sweep(model, path: Path, prompt: list[int], args, modes: dict[str, SpecOptio
     release(model)
 
 
+def profile_row(model, path: Path, prompt: list[int], args, *, E: int, dtype, warm_rows: set[int]) -> dict:
+    """Where a streamed token's host time goes: serial decoding at the `--profile` cache size
+    under cProfile from the second token on (the prompt and the first token apart), warm (a run
+    before it puts the records in the page cache), the functions of most cumulative time per
+    token. cProfile adds its own cost to every Python call, and MLX's calls count in their
+    caller's own time, the device's work they wait for included."""
+    slots = max(1, math.ceil(E * args.profile))
+    profiler = cProfile.Profile()
+    for profiled in (False, True):
+        engine = fresh_engine(model, path, slots=slots, io="buffered", threads=args.io_threads, dtype=dtype,
+                              warm_rows=warm_rows)
+        steps = generate(engine, prompt, options=GenerateOptions(max_tokens=args.tokens), spec=MODES["serial"],
+                         eos_ids=())
+        next(steps)  # the prompt and the first token
+        start = time.perf_counter()
+        profiler.enable() if profiled else None
+        tokens = sum(len(step.tokens) for step in steps)
+        profiler.disable()
+        seconds = time.perf_counter() - start
+        del engine, steps
+    release(model)
+    root = Path(__file__).resolve().parents[2]
+
+    def where(file: str, line: int, name: str) -> str:
+        at = Path(file)
+        return f"{at.relative_to(root) if at.is_relative_to(root) else at.name}:{line}({name})"
+
+    entries = sorted(pstats.Stats(profiler).stats.items(), key=lambda kv: -kv[1][3])[:PROFILE_FUNCTIONS]
+    return {"cache_fraction": args.profile, "slots": slots, "tokens": tokens, "profiled_tokens_per_s": tokens / seconds,
+            "functions": [{"function": where(*key), "calls": nc, "own_ms_per_token": 1e3 * tt / tokens,
+                           "cumulative_ms_per_token": 1e3 * ct / tokens}
+                          for key, (_, nc, tt, ct, _) in entries]}
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run of median tokens/s (the lower of two), with every run's tokens/s beside it
     (`rounds_tokens_per_s`, in the order run) and whether every run decoded the same tokens."""
@@ -419,7 +460,7 @@ def resumed(path: Path, report: dict) -> dict:
     for key in ("model", "tokens_per_run", "prompt", "dtype"):
         if earlier.get(key) != report[key]:
             raise SystemExit(f"{path}: --resume needs the same {key} as that run ({earlier.get(key)!r})")
-    kept = {k: earlier[k] for k in ("build", "disk", "disk_read_gb_s", "moce") if k in earlier}
+    kept = {k: earlier[k] for k in ("build", "disk", "disk_read_gb_s", "moce", "profile") if k in earlier}
     return {**kept, "rows": earlier["rows"],
             "resumed_from": {"tree": earlier.get("tree"), "seconds": earlier.get("seconds")}}
 
@@ -483,6 +524,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moce-fraction", type=float, default=0.25)
     parser.add_argument("--moce-reserve", type=float, default=60.0,
                         help="seconds of the budget kept for the MoCE study (default 60)")
+    parser.add_argument("--profile", type=float, default=None, metavar="FRACTION",
+                        help="after the rows, profile one warm serial decode at this cache size (cProfile: the "
+                             "functions of most cumulative time per token, in the JSON's `profile`)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-seconds", type=float, default=450.0,
                         help="start no row after this many seconds less --moce-reserve, nor the MoCE study after "
@@ -499,7 +543,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.tokens < 2:
         parser.error(f"--tokens must be at least 2, got {args.tokens}")
-    if not all(0 < f <= 1 for f in [*args.fractions, args.moce_fraction]):
+    if not all(0 < f <= 1 for f in [*args.fractions, args.moce_fraction, *([args.profile] if args.profile else [])]):
         parser.error("cache fractions must be in (0, 1]")
     if args.moce != "none":
         parse_setting(args.moce)
@@ -584,6 +628,17 @@ def main(argv: list[str] | None = None) -> dict:
     reserve = args.moce_reserve if args.moce != "none" else 0.0
     sweep(model, path, prompt, args, modes, E=E, dtype=dtype, disk_gbps=report["disk_read_gb_s"], dropped=dropped,
           warm_rows=warm_rows, deadline=deadline - reserve, report=report, save=save, log=log)
+    if args.profile is None or "profile" in report:
+        pass
+    elif time.perf_counter() > deadline - reserve:
+        report["skipped"].append("profile")
+        log("budget reached: skipping the profile")
+    else:
+        report["profile"] = profile_row(model, path, prompt, args, E=E, dtype=dtype, warm_rows=warm_rows)
+        top = report["profile"]["functions"]
+        log(f"profile at {args.profile:.0%}: " + "; ".join(
+            f"{f['function']} {f['cumulative_ms_per_token']:.1f} ms" for f in top[:12]))
+        save()
     if args.moce == "none" or "moce" in report:
         pass
     elif time.perf_counter() > deadline:

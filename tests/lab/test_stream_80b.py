@@ -15,7 +15,7 @@ def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
     first = stream_80b.main([*common, "--disk-seconds", "0.02", "--modes", "serial", "--temperatures", "cold",
                              "--moce", "none"])
     assert len(first["rows"]) == 1 and "moce" not in first and not first["build"]["reused"]
-    report = stream_80b.main([*common, "--resume"])  # measures what the first run left out
+    report = stream_80b.main([*common, "--resume", "--profile", "0.5"])  # measures what the first run left out
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["rows"][0] == json.loads(json.dumps(first["rows"][0])) and report["disk"] == first["disk"]
     assert report["build"] == first["build"] and report["resumed_from"]["tree"] == first["tree"]
@@ -50,6 +50,12 @@ def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
     tampered = [dict(r) for r in rows]
     tampered[-1]["identical_to_serial"] = False
     assert stream_80b.identical(tampered) is False and stream_80b.identical(rows[:1]) is None
+
+    profile = report["profile"]  # a warm serial decode's host time by function, the first token apart
+    assert profile["tokens"] == 5 and len(profile["functions"]) == stream_80b.PROFILE_FUNCTIONS
+    served = next(f for f in profile["functions"] if f["function"].startswith("strata_cli/experts/cache.py")
+                  and f["function"].endswith("(serve)"))
+    assert 0 < served["own_ms_per_token"] <= served["cumulative_ms_per_token"] and served["calls"] >= 5 * 2
 
     moce = report["moce"]
     assert moce["approximate"] is True and 0 <= moce["top1_agreement"] <= 1 and moce["moce_tokens_per_s"] > 0
