@@ -333,7 +333,8 @@ def profile_row(model, path: Path, prompt: list[int], args, *, E: int, dtype, wa
                          eos_ids=())
         next(steps)  # the prompt and the first token
         start = time.perf_counter()
-        profiler.enable() if profiled else None
+        if profiled:
+            profiler.enable()
         tokens = sum(len(step.tokens) for step in steps)
         profiler.disable()
         seconds = time.perf_counter() - start
