@@ -23,7 +23,7 @@ after every row; a phase or row that would start after the budget is skipped and
 4. Cache-aware routing (MoCE, approximate) at `--moce-fraction` (25%): tokens/s against exact
    routing, cold, and teacher-forced top-1 agreement with exact greedy tokens (moce_agreement's parts).
 5. With `--profile FRACTION`: one warm serial decode at that cache size under cProfile, the
-   functions of most cumulative time per token (`profile`): where the host's time goes.
+   functions of most cumulative and of most own time per token (`profile`): where the host's time goes.
 
     python -m scripts.bench.stream_80b --tiny                                  # CPU, under a minute
     python -m scripts.bench.stream_80b --dir /tmp/strata-80b --budget-seconds 420 \\
@@ -47,6 +47,7 @@ import json
 import math
 import mmap
 import os
+import platform
 import pstats
 import shutil
 import sys
@@ -97,7 +98,7 @@ MODES = {
 }
 PROMPT = "The cat sat on the mat. The cat sat on the mat."  # repeats: the drafter has a suffix to match
 RECORD_SIZES = (4096, 16384, 65536)  # plus the whole expert record
-PROFILE_FUNCTIONS = 40  # the profile's functions of most cumulative time
+PROFILE_FUNCTIONS = 40  # the profile keeps this many functions of most cumulative time, and of most own time
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -322,8 +323,10 @@ def profile_row(model, path: Path, prompt: list[int], args, *, E: int, dtype, wa
     """Where a streamed token's host time goes: serial decoding at the `--profile` cache size
     under cProfile from the second token on (the prompt and the first token apart), warm (a run
     before it puts the records in the page cache), the functions of most cumulative time per
-    token. cProfile adds its own cost to every Python call, and MLX's calls count in their
-    caller's own time, the device's work they wait for included."""
+    token (`functions`) and of most own time (`own_functions`). cProfile adds its own cost to
+    every Python call, and MLX's calls count in their caller's own time, the device's work they
+    wait for included. From Python 3.12 cProfile also sees the reader threads' calls, in the
+    main thread's stack: a function waiting on a read then holds the reads' time too."""
     slots = max(1, math.ceil(E * args.profile))
     profiler = cProfile.Profile()
     for profiled in (False, True):
@@ -346,11 +349,14 @@ def profile_row(model, path: Path, prompt: list[int], args, *, E: int, dtype, wa
         at = Path(file)
         return f"{at.relative_to(root) if at.is_relative_to(root) else at.name}:{line}({name})"
 
-    entries = sorted(pstats.Stats(profiler).stats.items(), key=lambda kv: -kv[1][3])[:PROFILE_FUNCTIONS]
+    def listed(order: int) -> list[dict]:
+        entries = sorted(stats.items(), key=lambda kv: -kv[1][order])[:PROFILE_FUNCTIONS]
+        return [{"function": where(*key), "calls": nc, "own_ms_per_token": 1e3 * tt / tokens,
+                 "cumulative_ms_per_token": 1e3 * ct / tokens} for key, (_, nc, tt, ct, _) in entries]
+
+    stats = pstats.Stats(profiler).stats
     return {"cache_fraction": args.profile, "slots": slots, "tokens": tokens, "profiled_tokens_per_s": tokens / seconds,
-            "functions": [{"function": where(*key), "calls": nc, "own_ms_per_token": 1e3 * tt / tokens,
-                           "cumulative_ms_per_token": 1e3 * ct / tokens}
-                          for key, (_, nc, tt, ct, _) in entries]}
+            "python": platform.python_version(), "functions": listed(3), "own_functions": listed(2)}
 
 
 def median_run(runs: list[dict]) -> dict:

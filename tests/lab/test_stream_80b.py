@@ -56,6 +56,9 @@ def test_tiny_run_writes_every_field_and_compares_tokens(tmp_path):
     served = next(f for f in profile["functions"] if f["function"].startswith("strata_cli/experts/cache.py")
                   and f["function"].endswith("(serve)"))
     assert 0 < served["own_ms_per_token"] <= served["cumulative_ms_per_token"] and served["calls"] >= 5 * 2
+    own = [f["own_ms_per_token"] for f in profile["own_functions"]]
+    assert len(own) == stream_80b.PROFILE_FUNCTIONS and own == sorted(own, reverse=True)
+    assert own[0] >= max(f["own_ms_per_token"] for f in profile["functions"])
 
     moce = report["moce"]
     assert moce["approximate"] is True and 0 <= moce["top1_agreement"] <= 1 and moce["moce_tokens_per_s"] > 0
