@@ -128,6 +128,7 @@ class StreamedSwitchGLU(nn.Module):
         N, k = ids.shape
         out = np.empty((N, k, x.shape[-1]), dtype=np.float32)
         for picks, slots, banks in self.cache.serve(self.path, mx.array(x), mx.array(ids)):
+            mx.eval(list(banks.values()))  # the pass's installs at once, not at each bank's conversion
             views = host_experts.host_views([
                 banks[self.plain[proj]] if proj not in self.quantization
                 else SimpleNamespace(weight=banks[f"{proj}.weight"], scales=banks[f"{proj}.scales"],
