@@ -533,7 +533,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds of the budget kept for the MoCE study (default 60)")
     parser.add_argument("--profile", type=float, default=None, metavar="FRACTION",
                         help="after the rows, profile one warm serial decode at this cache size (cProfile: the "
-                             "functions of most cumulative time per token, in the JSON's `profile`)")
+                             "functions of most cumulative and of most own time per token, in the JSON's "
+                             "`profile`)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-seconds", type=float, default=450.0,
                         help="start no row after this many seconds less --moce-reserve, nor the MoCE study after "

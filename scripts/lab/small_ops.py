@@ -6,8 +6,8 @@
   ms at T = 1, 2 and 0.26-0.30 at T = 4, 8, with the ids' pages mapped for the GPU: is it the
   kernel, the ids, or neither (the profile's own split)?
 - `kv`: one window's row written into a KV buffer (1, 2, C, 256) of C cells, by `mx.slice_update`
-  with the position as an index array (KVState's form) and by a static slice update
-  (`buf[..., p:p+1, :] = row`), and whether the buffer kept its address (MLX donated it). On an
+  with the position as an index array (KVState's form before) and by strata's `write_rows` (a
+  static slice update, KVState's form now), and whether the buffer kept its address (MLX donated it). On an
   H100 the dynamic form copied a whole expert bank per write (scripts/lab/install_bench.py); a
   KV buffer copied a step costs O(context).
 
@@ -29,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from strata_cli.model.layers import lookup_embedding
+from strata_cli.rows_write import write_rows
 
 
 def _address(a: mx.array) -> int:
@@ -79,7 +80,7 @@ def kv_write_us(cells: list[int], steps: int, rounds: int) -> list[dict]:
                     if form == "dynamic":
                         buf = mx.slice_update(buf, row, mx.array([p]), axes=(2,))
                     else:
-                        buf[..., p : p + 1, :] = row
+                        buf = write_rows(buf, row, p, axis=2)
                     mx.eval(buf)
                 times[form].append(1e6 * (time.perf_counter() - start) / steps)
                 kept[form] = _address(buf) == first
