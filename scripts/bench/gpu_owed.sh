@@ -41,6 +41,8 @@ tree=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -oiE 'h[0-9]{3}' | tr 'A-Z' 'a-z' || true)
 card=${card:-gpu}
 log() { tee -a "$OUT/$1.log"; }
+# the tensor-core stages' short compares: bfloat16 identity, no prefill, the window rounds alternating
+short_compare="--repeats 2 --window-repeats 6 --window-rounds 3 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
 
 case "${1:-}" in
 background)
@@ -122,13 +124,12 @@ EOF
 tensor-cores)
     # issues 37 and 34: rows_mma's forms against rows_matvec's FMA forms (STRATA_TENSOR_CORES=0) on
     # one machine, three pairs per shape, alternating; bfloat16 identity in every run
-    common="--repeats 2 --window-repeats 6 --window-rounds 3 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
     for round in 1 2 3; do
         for tc in 1 0; do
             for shape in "qwen3_next --layers 8 --bits 4" "gpt_oss --layers 4 --bits 0"; do
                 set -- $shape
                 echo "== $1 round $round tensor cores $tc" | log tensor-cores
-                STRATA_TENSOR_CORES=$tc python -m scripts.bench.compare_mlx_lm --family $shape $common \
+                STRATA_TENSOR_CORES=$tc python -m scripts.bench.compare_mlx_lm --family $shape $short_compare \
                     --out "$OUT/tc_${1}_${round}_tc${tc}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log tensor-cores
             done
         done
@@ -137,12 +138,11 @@ tensor-cores)
 tc-forms)
     # issue 37: which tensor-core forms pay on the 80B shape (kernel_bench had the routed gate
     # slower on them at 1 and 8 rows); STRATA_TENSOR_CORES names the forms left on, alternating
-    common="--repeats 2 --window-repeats 6 --window-rounds 3 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
     for round in 1 2; do
         for forms in 1 dense,affine,routed dense,affine 0; do
             echo "== qwen3_next round $round forms $forms" | log tc-forms
             STRATA_TENSOR_CORES=$forms python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
-                $common --out "$OUT/tcf_${round}_${forms//,/-}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log tc-forms
+                $short_compare --out "$OUT/tcf_${round}_${forms//,/-}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log tc-forms
         done
     done
     ;;
