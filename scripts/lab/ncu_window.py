@@ -1,0 +1,305 @@
+"""Every kernel of a T = 1 and a T = 8 decode window, timed on the device by NVIDIA's Nsight
+Compute (`ncu`): where the step goes, kernel by kernel, with no launch of the host in the numbers
+(issue 37, "know where the step goes").
+
+step_profile splits a window into host build and evaluation, and kernel_share times a kernel
+by launching it twice inside the window; both leave the device's own time per kernel to
+inference. Here the window runs under ncu: the script starts itself as ncu's child, which loads
+the 8-layer 80B-A3B-shaped 4-bit checkpoint (step_profile's), prefills it, times plain windows
+unprofiled (`window_ms`), then profiles `--each` windows of every T between cuProfilerStart and
+cuProfilerStop, a marker kernel launched before each. ncu replays every kernel alone (clocks
+and caches left as they run: `--clock-control none --cache-control none`), so a kernel's
+duration is its own device time, and the sum over a window is the device's busy time; what the
+window's wall time holds beyond it is the host and the gaps between launches.
+
+The report, per T: each kernel (by name, in launch order) with its median duration over the
+windows, grid and block, registers a thread, and with `--detail` (a second ncu run) DRAM bytes
+read, DRAM throughput against peak and active warps against peak; by name, the sums; and the
+change from the first T to the last, largest first.
+
+    python -m scripts.lab.ncu_window --out ncu_window.json            # GPU with ncu (H100: ncu in /usr/local/cuda/bin)
+    python -m scripts.lab.ncu_window --parse report.csv --markers m.json  # read an exported report again
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+MARK = "strata_ncu_mark"
+TIME_METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread", "launch__grid_size", "launch__block_size",
+                "launch__occupancy_limit_registers")
+DETAIL_METRICS = ("dram__bytes_read.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                  "sm__warps_active.avg.pct_of_peak_sustained_active")
+# a metric's value in the report's unit, scaled to µs (times) or bytes
+UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+         "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+# -- reading ncu's CSV ----------------------------------------------------------------------------
+
+def short_name(name: str) -> str:
+    """A kernel's name without its return type, namespaces' noise, template arguments and parameters."""
+    name = name.strip().replace("(anonymous namespace)::", "")
+    if name.startswith("void "):
+        name = name[5:]
+    out, depth = [], 0
+    for ch in name.split("(", 1)[0]:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">" and depth > 0
+    return "".join(out)
+
+
+def number(text: str, unit: str) -> float | None:
+    text = text.replace(",", "").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value * UNITS.get(unit.strip(), 1.0)
+
+
+def launches(csv_text: str) -> list[dict]:
+    """ncu's details page as CSV (one line a kernel launch and metric) -> one dict a launch, in ID
+    order: its name, short name and each metric's value (times in µs, bytes in bytes)."""
+    rows = list(csv.DictReader(io.StringIO(csv_text[csv_text.find('"ID"'):])))
+    by_id: dict[int, dict] = {}
+    for row in rows:
+        if not row.get("ID", "").strip().isdigit():
+            continue
+        launch = by_id.setdefault(int(row["ID"]), {"name": row["Kernel Name"], "kernel": short_name(row["Kernel Name"])})
+        value = number(row.get("Metric Value", ""), row.get("Metric Unit", ""))
+        if value is not None:
+            launch[row["Metric Name"]] = value
+    return [by_id[i] for i in sorted(by_id)]
+
+
+def windows_of(found: list[dict], order: list[int]) -> dict[int, list[list[dict]]]:
+    """Launches split at the marker kernels: the i-th marker opens a window of T = order[i]."""
+    out: dict[int, list[list[dict]]] = defaultdict(list)
+    current = None
+    marks = 0
+    for launch in found:
+        if MARK in launch["kernel"]:
+            if marks >= len(order):
+                raise ValueError(f"more markers in the report than the {len(order)} windows the child ran")
+            current = []
+            out[order[marks]].append(current)
+            marks += 1
+        elif current is not None:
+            current.append(launch)
+    if marks != len(order):
+        raise ValueError(f"{marks} markers in the report, {len(order)} windows run: the report is not this run's")
+    return dict(out)
+
+
+def summarize(windows: list[list[dict]]) -> dict:
+    """One T's windows -> its kernels in launch order (the median of each metric over windows
+    that launched the same sequence), per-name sums and the device's busy µs."""
+    lengths = {len(w) for w in windows}
+    same = [w for w in windows if len(w) == max(lengths, key=[len(w) for w in windows].count)]
+    kernels = []
+    for i, first in enumerate(same[0]):
+        row = {"kernel": first["kernel"]}
+        for key in first:
+            if key in ("name", "kernel"):
+                continue
+            values = [w[i].get(key) for w in same if w[i]["kernel"] == first["kernel"] and w[i].get(key) is not None]
+            if values:
+                row[key] = statistics.median(values)
+        kernels.append(row)
+    by_name: dict[str, dict] = {}
+    for row in kernels:
+        entry = by_name.setdefault(row["kernel"], {"launches": 0, "us": 0.0, "dram_bytes": 0.0})
+        entry["launches"] += 1
+        entry["us"] += row.get("gpu__time_duration.sum", 0.0)
+        entry["dram_bytes"] += row.get("dram__bytes_read.sum", 0.0)
+    busy = sum(row.get("gpu__time_duration.sum", 0.0) for row in kernels)
+    return {"windows": len(windows), "windows_alike": len(same), "launch_counts": sorted(lengths), "kernels": kernels,
+            "by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1]["us"])), "busy_us": busy}
+
+
+def merge_detail(summary: dict, detail: dict) -> None:
+    """The detail run's metrics joined to the timing run's kernels, position by position, where
+    both launched the same sequence."""
+    if [k["kernel"] for k in summary["kernels"]] != [k["kernel"] for k in detail["kernels"]]:
+        summary["detail_mismatch"] = True
+        return
+    for mine, theirs in zip(summary["kernels"], detail["kernels"]):
+        mine.update({k: v for k, v in theirs.items() if k in DETAIL_METRICS})
+    for name, entry in summary["by_name"].items():
+        entry["dram_bytes"] = detail["by_name"].get(name, {}).get("dram_bytes", 0.0)
+
+
+def deltas(report: dict) -> list[dict]:
+    """Per kernel name, the last T's µs less the first T's, largest first."""
+    Ts = sorted(report["T"], key=int)
+    lo, hi = report["T"][Ts[0]]["by_name"], report["T"][Ts[-1]]["by_name"]
+    names = set(lo) | set(hi)
+    rows = [{"kernel": n, "first_us": lo.get(n, {}).get("us", 0.0), "last_us": hi.get(n, {}).get("us", 0.0)}
+            for n in names]
+    for row in rows:
+        row["delta_us"] = row["last_us"] - row["first_us"]
+    return sorted(rows, key=lambda r: -r["delta_us"])
+
+
+def render(report: dict) -> str:
+    Ts = sorted(report["T"], key=int)
+    lines = []
+    for T in Ts:
+        s = report["T"][T]
+        wall = report.get("window_ms", {}).get(T)
+        lines.append(f"T = {T}: device busy {s['busy_us'] / 1e3:.3f} ms in {len(s['kernels'])} kernels"
+                     + (f", window {wall:.3f} ms unprofiled" if wall else ""))
+        for name, e in list(s["by_name"].items())[:25]:
+            gb = e["dram_bytes"] / 1e9
+            lines.append(f"  {name[:60]:60s} x{e['launches']:3d} {e['us']:9.1f} us" + (f"  {gb:.4f} GB" if gb else ""))
+    if len(Ts) > 1:
+        lines.append(f"T = {Ts[-1]} less T = {Ts[0]}, by kernel (us):")
+        for row in deltas(report)[:15]:
+            lines.append(f"  {row['kernel'][:60]:60s} {row['first_us']:9.1f} -> {row['last_us']:9.1f} ({row['delta_us']:+.1f})")
+    return "\n".join(lines)
+
+
+# -- the child: windows under ncu -----------------------------------------------------------------
+
+def profiler(start: bool) -> None:
+    """cuProfilerStart / Stop on the context MLX uses (ncu profiles only between them)."""
+    from strata_cli import cuda_driver
+    lib = cuda_driver.driver()
+    if lib is None or not cuda_driver.has_context(lib):
+        raise SystemExit("ncu_window: no CUDA driver context to start the profiler in")
+    rc = (lib.cuProfilerStart if start else lib.cuProfilerStop)()
+    if rc:
+        raise SystemExit(f"ncu_window: cuProfiler{'Start' if start else 'Stop'} returned CUDA error {rc}")
+
+
+def child(args) -> None:
+    import mlx.core as mx
+
+    from metal_shaders.probe import gpu_kernel
+    from scripts.bench.step_profile import Windows, checkpoint_80b, plain_window_ms
+    from strata_cli.runtime import load_checkpoint
+
+    mark = gpu_kernel(MARK, ["a"], ["out"], "    if (thread_x == 0 && block_x == 0) out[0] = a[0] + 1.0f;\n")
+    one = mx.zeros((1,), dtype=mx.float32)
+    path = args.model or checkpoint_80b(args.dir, layers=args.layers, tiny=False)
+    model = load_checkpoint(path, dtype="bfloat16")
+    w = Windows(model, args.context, args.seed)
+    Ts = [int(t) for t in args.windows.split(",")]
+    wall = {str(T): plain_window_ms(w, T, args.repeats, 3) for T in Ts}  # unprofiled, each its own warm-up
+    for T in Ts:
+        plain_window_ms(w, T, 2, 0)
+    order = [T for T in Ts for _ in range(args.each)]
+    w.reset()
+    mx.synchronize()
+    profiler(True)
+    for T in order:
+        (out,) = mark(inputs=[one], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
+                      output_dtypes=[mx.float32])
+        mx.eval(out)
+        mx.synchronize()
+        w.one(T)
+        mx.synchronize()
+    profiler(False)
+    Path(args.child).write_text(json.dumps({"order": order, "window_ms": wall, "model": str(path)}) + "\n")
+
+
+# -- the parent: ncu around the child, then the report --------------------------------------------
+
+def ncu_path() -> str:
+    found = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    if not found:
+        raise SystemExit("ncu_window: no ncu on this machine (Nsight Compute; /usr/local/cuda/bin/ncu on the H100s)")
+    return found
+
+
+def profile_run(ncu: str, metrics: tuple[str, ...], child_args: list[str], work: Path, tag: str) -> tuple[str, dict]:
+    """One ncu run of the child: the exported CSV and the child's own record."""
+    report, record = work / f"{tag}", work / f"{tag}.json"
+    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none",
+           "--metrics", ",".join(metrics), "-f", "-o", str(report),
+           sys.executable, "-m", "scripts.lab.ncu_window", "--child", str(record), *child_args]
+    print("$ " + " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, text=True, capture_output=True)
+    sys.stdout.write(done.stdout[-3000:])
+    if done.returncode or not record.exists():
+        sys.stderr.write(done.stderr[-3000:])
+        raise SystemExit(f"ncu_window: the profiled run failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+    exported = subprocess.run([ncu, "-i", f"{report}.ncu-rep", "--csv", "--page", "details", "--print-units", "base"],
+                              text=True, capture_output=True, check=True).stdout
+    (work / f"{tag}.csv").write_text(exported)
+    return exported, json.loads(record.read_text())
+
+
+def build_report(time_csv: str, record: dict, detail_csv: str | None = None, detail_record: dict | None = None) -> dict:
+    report = {"window_ms": record["window_ms"], "model": record.get("model"), "T": {}}
+    timed = windows_of(launches(time_csv), record["order"])
+    detailed = windows_of(launches(detail_csv), detail_record["order"]) if detail_csv else {}
+    for T, windows in sorted(timed.items()):
+        report["T"][str(T)] = summarize(windows)
+        if T in detailed:
+            merge_detail(report["T"][str(T)], summarize(detailed[T]))
+    report["deltas"] = deltas(report)
+    return report
+
+
+def main(argv=None) -> dict | None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--windows", default="1,8", help="row counts T")
+    parser.add_argument("--each", type=int, default=3, help="profiled windows of each T (medians over them)")
+    parser.add_argument("--repeats", type=int, default=20, help="unprofiled windows timed for window_ms")
+    parser.add_argument("--context", type=int, default=512, help="prefilled tokens")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint (default: step_profile's 80B-A3B shape)")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-step-profile")
+    parser.add_argument("--detail", action="store_true", help="a second ncu run for DRAM bytes, throughput and warps")
+    parser.add_argument("--keep", type=Path, default=None, help="keep ncu's reports and CSVs in this folder")
+    parser.add_argument("--parse", type=Path, default=None, help="read an exported CSV instead of profiling")
+    parser.add_argument("--markers", type=Path, default=None, help="with --parse: the child's JSON record")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args)
+        return None
+    if args.parse:
+        if not args.markers:
+            parser.error("--parse needs --markers (the child's JSON record)")
+        report = build_report(args.parse.read_text(), json.loads(args.markers.read_text()))
+    else:
+        ncu = ncu_path()
+        child_args = ["--windows", args.windows, "--each", str(args.each), "--repeats", str(args.repeats),
+                      "--context", str(args.context), "--layers", str(args.layers), "--seed", str(args.seed),
+                      "--dir", str(args.dir)] + (["--model", str(args.model)] if args.model else [])
+        work = args.keep or Path(tempfile.mkdtemp(prefix="ncu-window-"))
+        work.mkdir(parents=True, exist_ok=True)
+        time_csv, record = profile_run(ncu, TIME_METRICS, child_args, work, "time")
+        detail = profile_run(ncu, DETAIL_METRICS, child_args, work, "detail") if args.detail else (None, None)
+        report = build_report(time_csv, record, *detail)
+    try:
+        from strata_cli.bench.runner import git_commit
+        report["commit"] = git_commit()
+    except Exception:  # a report read back off the machine that made it
+        pass
+    print(render(report), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""scripts/lab/ncu_window.py's reading of ncu's CSV: launches in ID order with their metrics in
+µs and bytes, windows split at the markers, medians over windows, the change between Ts."""
+
+import csv
+import io
+
+import pytest
+
+from scripts.lab import ncu_window as nw
+
+HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Section Name",
+          "Metric Name", "Metric Unit", "Metric Value"]
+
+
+def report(launches: list[tuple[str, dict[str, tuple[str, str]]]]) -> str:
+    """ncu's details page for these launches (name, {metric: (unit, value)}), after its banner."""
+    out = io.StringIO()
+    out.write("==PROF== Disconnected from process 1\n")
+    writer = csv.writer(out, quoting=csv.QUOTE_ALL)
+    writer.writerow(HEADER)
+    for i, (name, metrics) in enumerate(launches):
+        for metric, (unit, value) in metrics.items():
+            writer.writerow([i, 1, "python", "h", name, 1, 7, "Command line profiler metrics", metric, unit, value])
+    return out.getvalue()
+
+
+def timed(us: float, unit: str = "nsecond") -> dict:
+    value = us * {"nsecond": 1e3, "usecond": 1.0, "msecond": 1e-3}[unit]
+    return {"gpu__time_duration.sum": (unit, f"{value:,.3f}"), "launch__registers_per_thread": ("register/thread", "64")}
+
+
+def windows_csv(per_T: dict[int, list[list[tuple[str, float]]]]) -> tuple[str, list[int]]:
+    launches, order = [], []
+    for T, windows in per_T.items():
+        for window in windows:
+            launches.append((nw.MARK, timed(1.0)))
+            order.append(T)
+            launches += [(name, timed(us)) for name, us in window]
+    return report(launches), order
+
+
+def test_short_name_drops_types_templates_and_parameters():
+    assert nw.short_name("void mlx::core::cu::(anonymous namespace)::gemv<bf16, 8>(const float *, int)") == \
+        "mlx::core::cu::gemv"
+    assert nw.short_name("strata_rows_gather_qmatvec_v4") == "strata_rows_gather_qmatvec_v4"
+
+
+def test_launches_scale_units_and_keep_id_order():
+    text = report([("b", timed(1500.0)), ("a", timed(2.5, "usecond")),
+                   ("c", {"dram__bytes_read.sum": ("Mbyte", "1.5"), "gpu__time_duration.sum": ("msecond", "0.01")})])
+    found = nw.launches(text)
+    assert [f["kernel"] for f in found] == ["b", "a", "c"]
+    assert found[0]["gpu__time_duration.sum"] == pytest.approx(1500.0)  # "1,500,000.000" ns
+    assert found[1]["gpu__time_duration.sum"] == pytest.approx(2.5)
+    assert found[2]["dram__bytes_read.sum"] == pytest.approx(1.5e6)
+    assert found[2]["gpu__time_duration.sum"] == pytest.approx(10.0)
+
+
+def test_windows_medians_sums_and_deltas():
+    text, order = windows_csv({
+        1: [[("gemv", 10.0), ("down", 20.0)], [("gemv", 12.0), ("down", 22.0)], [("gemv", 11.0), ("down", 90.0)]],
+        8: [[("gemv", 10.0), ("down", 60.0), ("down", 5.0)], [("gemv", 14.0), ("down", 62.0), ("down", 5.0)]],
+    })
+    report_ = nw.build_report(text, {"order": order, "window_ms": {"1": 0.5, "8": 0.9}})
+    one, eight = report_["T"]["1"], report_["T"]["8"]
+    assert [k["gpu__time_duration.sum"] for k in one["kernels"]] == pytest.approx([11.0, 22.0])  # medians
+    assert one["busy_us"] == pytest.approx(33.0)
+    assert eight["by_name"]["down"] == {"launches": 2, "us": pytest.approx(66.0), "dram_bytes": 0.0}
+    assert [(d["kernel"], d["delta_us"]) for d in report_["deltas"]] == [("down", pytest.approx(44.0)),
+                                                                           ("gemv", pytest.approx(1.0))]
+    assert "T = 8 less T = 1" in nw.render(report_)
+
+
+def test_markers_must_match_the_child_record():
+    text, order = windows_csv({1: [[("gemv", 1.0)]], 8: [[("gemv", 2.0)]]})
+    with pytest.raises(ValueError, match="markers"):
+        nw.build_report(text, {"order": order + [8], "window_ms": {}})
+    with pytest.raises(ValueError, match="more markers"):
+        nw.build_report(text, {"order": order[:1], "window_ms": {}})
+
+
+def test_windows_of_a_different_length_are_left_out_of_the_medians():
+    text, order = windows_csv({1: [[("a", 1.0)], [("a", 3.0)], [("a", 2.0), ("late", 9.0)]]})
+    summary = nw.build_report(text, {"order": order, "window_ms": {}})["T"]["1"]
+    assert summary["windows_alike"] == 2 and summary["launch_counts"] == [1, 2]
+    assert [k["kernel"] for k in summary["kernels"]] == ["a"]
+    assert summary["busy_us"] == pytest.approx(2.0)
