@@ -13,9 +13,10 @@ duration is its own device time, and the sum over a window is the device's busy 
 window's wall time holds beyond it is the host and the gaps between launches.
 
 The report, per T: each kernel (by name, in launch order) with its median duration over the
-windows, grid and block, registers a thread, and with `--detail` (a second ncu run) DRAM bytes
-read, DRAM throughput against peak and active warps against peak; by name, the sums; and the
-change from the first T to the last, largest first.
+windows, grid and block, registers a thread, and with `--detail` (a second ncu run, caches
+flushed before each kernel: the bytes a kernel reads when its inputs are not already in L2, at
+most what it reads in the window) DRAM bytes read, DRAM throughput against peak and active warps
+against peak; by name, the sums; and the change from the first T to the last, largest first.
 
     python -m scripts.lab.ncu_window --out ncu_window.json            # GPU with ncu (H100: ncu in /usr/local/cuda/bin)
     python -m scripts.lab.ncu_window --parse report.csv --markers m.json  # read an exported report again
@@ -226,10 +227,13 @@ def ncu_path() -> str:
     return found
 
 
-def profile_run(ncu: str, metrics: tuple[str, ...], child_args: list[str], work: Path, tag: str) -> tuple[str, dict]:
-    """One ncu run of the child: the exported CSV and the child's own record."""
+def profile_run(ncu: str, metrics: tuple[str, ...], child_args: list[str], work: Path, tag: str,
+                cache: str = "none") -> tuple[str, dict]:
+    """One ncu run of the child: the exported CSV and the child's own record. `cache`: ncu's
+    --cache-control (`all` flushes the caches before each pass, so a metric needing several
+    passes never reads what the pass before it left in L2)."""
     report, record = work / f"{tag}", work / f"{tag}.json"
-    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none",
+    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", cache,
            "--metrics", ",".join(metrics), "-f", "-o", str(report),
            sys.executable, "-m", "scripts.lab.ncu_window", "--child", str(record), *child_args]
     print("$ " + " ".join(cmd), flush=True)
@@ -288,7 +292,7 @@ def main(argv=None) -> dict | None:
         work = args.keep or Path(tempfile.mkdtemp(prefix="ncu-window-"))
         work.mkdir(parents=True, exist_ok=True)
         time_csv, record = profile_run(ncu, TIME_METRICS, child_args, work, "time")
-        detail = profile_run(ncu, DETAIL_METRICS, child_args, work, "detail") if args.detail else (None, None)
+        detail = profile_run(ncu, DETAIL_METRICS, child_args, work, "detail", "all") if args.detail else (None, None)
         report = build_report(time_csv, record, *detail)
     try:
         from strata_cli.bench.runner import git_commit
