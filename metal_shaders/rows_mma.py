@@ -7,8 +7,8 @@ output columns are the MMA's 16 rows (A, the weights, dequantized to bfloat16), 
 its 8 columns (B, x; a row past R is zeros). Output element (column n, row r) is then a function of
 weight row n and x row r alone: the tensor core forms each output element from its own A row and B
 column, and the K loop (chunks of 32 values, 4 lanes × 32 per step, 8 MMAs a step, in order)
-depends on K alone (a block's 4 warps take every 4th step of it; their partial sums are added in
-warp order). A 1-row call pays for 8 rows of MMA, which costs little next to reading the weights;
+depends on K alone (a tile's SPLIT warps take every SPLIT-th step of it, their partial sums added
+in warp order: SPLIT and the other loop settings are the process's, never the window's). A 1-row call pays for 8 rows of MMA, which costs little next to reading the weights;
 a window's 8 rows cost about what one does, where rows_matvec's FMA forms do 8x the multiplies and
 loads (the 80B shape's head at 8 rows: 0.17 against 0.33 ms on the H200; docs/benchmarks.md,
 "Window projections on tensor cores").
@@ -39,8 +39,10 @@ ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a s
 FORMS = ("dense", "affine", "routed", "glu")  # rows_matvec's calls that take these kernels by default
 MAX_ROWS = 8  # B's columns: a window's rows (or one expert's picks)
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
-WARPS = 4  # warps per block: they split K (a block of 16 columns reads them in 4 streams)
-PLAIN_COLS = 16  # output columns a block: the MMA's 16 rows
+WARPS = 4  # warps per block
+SPLIT = 4  # warps summing one tile's K (1 or WARPS): 4, one tile a block read in 4 streams
+UNROLL = 1  # K steps a warp loads before it multiplies (when loads are issued; never the sum)
+PLAIN_COLS = 16  # output columns a tile: the MMA's 16 rows
 GLU_COLS = 8  # GLU forms: A rows 0-7 gate columns, 8-15 the same columns of up
 
 # The instructions the bodies name, as PTX (the emulator, scripts/lab/mma_emulate.py, supplies
@@ -78,45 +80,68 @@ __device__ __forceinline__ void strata_pairs(const V* p, bool vec, unsigned (&ou
         for (int i = 0; i < 16; ++i) out[i] = h[2 * i] | (static_cast<unsigned>(h[2 * i + 1]) << 16);
     }
 }
-// chunk u of an affine-quantized row (BITS 4 or 8, group GS >= 32): scale · q + bias, rounded to bf16
+// A lane's chunk of one weight row, per form: `load` reads chunk u's raw words (and scale), `pairs`
+// converts them to 16 bf16 pairs. Apart, so a warp can have the loads of UNROLL steps in flight
+// before it converts and multiplies any of them.
+// Dense bfloat16 rows: the raw words are the pairs.
+template <typename V>
+struct strata_dense_chunk {
+    unsigned p[16];
+    __device__ __forceinline__ void load(const V* w, int u, bool vec) { strata_pairs(w + u * 32, vec, p); }
+    __device__ __forceinline__ void pairs(unsigned (&out)[16]) const {
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) out[i] = p[i];
+    }
+};
+// Affine-quantized rows (BITS 4 or 8, group GS >= 32): scale · q + bias, rounded to bf16
 template <int BITS, int GS, typename S>
-__device__ __forceinline__ void strata_affine_pairs(const unsigned* w, const S* s, const S* b, int u, bool vec,
-                                                    unsigned (&out)[16]) {
-    constexpr int VALS = 32 / BITS, WORDS = 32 / VALS;
-    constexpr unsigned MASK = (1u << BITS) - 1u;
-    const float scale = static_cast<float>(s[(u * 32) / GS]), bias = static_cast<float>(b[(u * 32) / GS]);
+struct strata_affine_chunk {
+    static constexpr int VALS = 32 / BITS, WORDS = 32 / VALS;
     unsigned q[WORDS];
-    #pragma unroll
-    for (int i = 0; i < WORDS / 4; ++i) {
-        const uint4 v = strata_words(w + u * WORDS + 4 * i, vec);
-        q[4 * i] = v.x; q[4 * i + 1] = v.y; q[4 * i + 2] = v.z; q[4 * i + 3] = v.w;
+    float scale, bias;
+    __device__ __forceinline__ void load(const unsigned* w, const S* s, const S* b, int u, bool vec) {
+        scale = static_cast<float>(s[(u * 32) / GS]);
+        bias = static_cast<float>(b[(u * 32) / GS]);
+        #pragma unroll
+        for (int i = 0; i < WORDS / 4; ++i) {
+            const uint4 v = strata_words(w + u * WORDS + 4 * i, vec);
+            q[4 * i] = v.x; q[4 * i + 1] = v.y; q[4 * i + 2] = v.z; q[4 * i + 3] = v.w;
+        }
     }
-    #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const unsigned lo = (q[(2 * i) / VALS] >> (BITS * ((2 * i) % VALS))) & MASK;
-        const unsigned hi = (q[(2 * i + 1) / VALS] >> (BITS * ((2 * i + 1) % VALS))) & MASK;
-        out[i] = strata_bf16x2(fmaf(scale, strata_u2f(lo), bias), fmaf(scale, strata_u2f(hi), bias));
+    __device__ __forceinline__ void pairs(unsigned (&out)[16]) const {
+        constexpr unsigned MASK = (1u << BITS) - 1u;
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const unsigned lo = (q[(2 * i) / VALS] >> (BITS * ((2 * i) % VALS))) & MASK;
+            const unsigned hi = (q[(2 * i + 1) / VALS] >> (BITS * ((2 * i + 1) % VALS))) & MASK;
+            out[i] = strata_bf16x2(fmaf(scale, strata_u2f(lo), bias), fmaf(scale, strata_u2f(hi), bias));
+        }
     }
-}
+};
 // an e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as a float, exact
 __device__ __forceinline__ float strata_e2m1(unsigned c) {
     const unsigned e = (c >> 1) & 3u, m = c & 1u;
     const unsigned bits = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3F000000u : 0u);
     return strata_bits_float(bits | ((c & 8u) << 28));
 }
-// chunk u of an MXFP4 row (one group: 32 codes, 8 a word, low nibble first, one e8m0 scale):
+// MXFP4 rows (a chunk is one group: 32 codes, 8 a word, low nibble first, one e8m0 scale):
 // code · 2^(s - 127), exact in bfloat16
-__device__ __forceinline__ void strata_mxfp4_pairs(const unsigned* w, const unsigned char* s, int u, bool vec,
-                                                   unsigned (&out)[16]) {
-    const float scale = strata_e8m0(s[u]);
-    const uint4 v = strata_words(w + u * 4, vec);
-    const unsigned q[4] = {v.x, v.y, v.z, v.w};
-    #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const unsigned word = q[i / 4], at = 8 * (i % 4);
-        out[i] = strata_bf16x2(strata_e2m1(word >> at) * scale, strata_e2m1(word >> (at + 4)) * scale);
+struct strata_mxfp4_chunk {
+    uint4 v;
+    float scale;
+    __device__ __forceinline__ void load(const unsigned* w, const unsigned char* s, int u, bool vec) {
+        scale = strata_e8m0(s[u]);
+        v = strata_words(w + u * 4, vec);
     }
-}
+    __device__ __forceinline__ void pairs(unsigned (&out)[16]) const {
+        const unsigned q[4] = {v.x, v.y, v.z, v.w};
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const unsigned word = q[i / 4], at = 8 * (i % 4);
+            out[i] = strata_bf16x2(strata_e2m1(word >> at) * scale, strata_e2m1(word >> (at + 4)) * scale);
+        }
+    }
+};
 """
 
 # The preludes say, per lane: `xg` (x row of B's column g, or null: zeros), `o0`, `o1` (the
@@ -170,51 +195,68 @@ _GATHER = _LANES + """
     const int o0 = pick_at(2 * q), o1 = pick_at(2 * q + 1);
 """
 # Where a block's A rows come from: `na`, `nb` (weight rows of A rows g and g + 8) and each
-# form's per-row pointers. Plain: 16 output columns a block; GLU: 8, gate row n in A row g, the
-# up's row n in A row g + 8.
-_COLUMNS_PLAIN = """
-    const int n0 = column_block * 16, warp = thread_x >> 5;
+# form's per-row pointers. Plain: 16 output columns a tile; GLU: 8, gate row n in A row g, the
+# up's row n in A row g + 8. A block of WARPS warps holds WARPS / SPLIT tiles, each summed over K
+# by SPLIT warps (`kw`, this warp's share); SPLIT is 1 or WARPS, so a block's warps either all
+# share one tile (and the return below) or never wait on each other after it.
+_TILE = """
+    const int warp = thread_x >> 5, kw = warp % SPLIT;
+    const int n0 = (column_block * (WARPS / SPLIT) + warp / SPLIT) * TILE_COLS;
     if (n0 >= N) return;
-    const int na = n0 + g < N ? n0 + g : n0, nb = n0 + g + 8 < N ? n0 + g + 8 : n0;
 """
-_COLUMNS_GLU = """
-    const int n0 = column_block * 8, warp = thread_x >> 5;
-    if (n0 >= N) return;
-    const int na = n0 + g < N ? n0 + g : n0, nb = na;
+_COLUMNS_PLAIN = _TILE.replace("TILE_COLS", "16") + """    const int na = n0 + g < N ? n0 + g : n0, nb = n0 + g + 8 < N ? n0 + g + 8 : n0;
 """
+_COLUMNS_GLU = _TILE.replace("TILE_COLS", "8") + """    const int na = n0 + g < N ? n0 + g : n0, nb = na;
+"""
+# The K loop: a warp takes steps kw, kw + SPLIT, ... (a step: 4 chunks, lane q chunk q of it), in
+# that order, UNROLL steps at a time, loading all of them (at a real chunk: one past K reads chunk
+# 0, then counts zeros) before it converts and multiplies any. UNROLL changes when loads are
+# issued, never the sum; a step past K adds zeros (an MMA of zeros). The SPLIT warps of a tile
+# then add their partial sums in warp order.
 _LOOP = """
     const int KC = K / 32;
     const bool xvec = strata_aligned16(x, static_cast<size_t>(K) * 2);
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int u0 = 4 * warp; u0 < KC; u0 += 4 * WARPS) {
-        const int u = u0 + q;
-        unsigned a[16], b[16], xv[16];
-        if (u < KC) {
+    for (int u0 = 4 * kw; u0 < KC; u0 += 4 * SPLIT * UNROLL) {
+        CHUNK ca[UNROLL], cb[UNROLL];
+        unsigned xv[UNROLL][16];
+        #pragma unroll
+        for (int st = 0; st < UNROLL; ++st) {
+            const int u = u0 + 4 * SPLIT * st + q, at = u < KC ? u : 0;
 LOAD_A
-            if (xg) strata_pairs(xg + u * 32, xvec, xv);
+            if (xg) strata_pairs(xg + at * 32, xvec, xv[st]);
             else {
                 #pragma unroll
-                for (int i = 0; i < 16; ++i) xv[i] = 0u;
+                for (int i = 0; i < 16; ++i) xv[st][i] = 0u;
             }
-        } else {
-            #pragma unroll
-            for (int i = 0; i < 16; ++i) a[i] = b[i] = xv[i] = 0u;
         }
         #pragma unroll
-        for (int j = 0; j < 8; ++j) strata_mma(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xv[2 * j], xv[2 * j + 1]);
+        for (int st = 0; st < UNROLL; ++st) {
+            unsigned a[16], b[16];
+            ca[st].pairs(a);
+            cb[st].pairs(b);
+            if (u0 + 4 * SPLIT * st + q >= KC) {
+                #pragma unroll
+                for (int i = 0; i < 16; ++i) a[i] = b[i] = xv[st][i] = 0u;
+            }
+            #pragma unroll
+            for (int j = 0; j < 8; ++j)
+                strata_mma(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xv[st][2 * j], xv[st][2 * j + 1]);
+        }
     }
-    // the warps' partial sums, added in warp order by warp 0
-    STRATA_SHARED float part[WARPS][32][4];
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) part[warp][lane][i] = d[i];
-    strata_sync();
-    if (warp != 0) return;
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float sum = part[0][lane][i];
+    if (SPLIT > 1) {  // the tile's warps' partial sums, added in warp order by its first warp
+        STRATA_SHARED float part[WARPS][32][4];
         #pragma unroll
-        for (int w = 1; w < WARPS; ++w) sum += part[w][lane][i];
-        d[i] = sum;
+        for (int i = 0; i < 4; ++i) part[warp][lane][i] = d[i];
+        strata_sync();
+        if (kw != 0) return;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float sum = part[warp][lane][i];
+            #pragma unroll
+            for (int w = 1; w < SPLIT; ++w) sum += part[warp + w][lane][i];
+            d[i] = sum;
+        }
     }
 """
 # D's values: d[0], d[1] column na, rows o0, o1; d[2], d[3] column nb, rows o0, o1.
@@ -253,27 +295,27 @@ def _affine(up: bool = False, gather: bool = False) -> str:
         lines.append(f"    const unsigned* w_{name} = w{src}{at('KW')} + static_cast<size_t>({row}) * KW;")
         lines.append(f"    const auto s_{name} = scales{src}{at('KG')} + static_cast<size_t>({row}) * KG;")
         lines.append(f"    const auto b_{name} = biases{src}{at('KG')} + static_cast<size_t>({row}) * KG;")
-    load = ("            strata_affine_pairs<BITS, GS>(w_a, s_a, b_a, u, wvec, a);\n"
-            "            strata_affine_pairs<BITS, GS>(w_b, s_b, b_b, u, wvec, b);")
-    return "\n".join(lines) + "\n", load
+    load = ("            ca[st].load(w_a, s_a, b_a, at, wvec);\n"
+            "            cb[st].load(w_b, s_b, b_b, at, wvec);")
+    return "\n".join(lines) + "\n", "strata_affine_chunk<BITS, GS, TS>", load
 
 
-def _body(prelude: str, columns: str, pointers: tuple[str, str], write: str) -> str:
-    setup, load = pointers
-    return prelude + columns + setup + _LOOP.replace("LOAD_A", load) + write
+def _body(prelude: str, columns: str, pointers: tuple[str, str, str], write: str) -> str:
+    setup, chunk, load = pointers
+    return prelude + columns + setup + _LOOP.replace("CHUNK", chunk).replace("LOAD_A", load) + write
 
 
 _DENSE_POINTERS = ("""    const bool wvec = strata_aligned16(w, static_cast<size_t>(K) * 2);
     const T* w_a = w + static_cast<size_t>(na) * K;
     const T* w_b = w + static_cast<size_t>(nb) * K;
-""", "            strata_pairs(w_a + u * 32, wvec, a);\n            strata_pairs(w_b + u * 32, wvec, b);")
+""", "strata_dense_chunk<T>", "            ca[st].load(w_a, at, wvec);\n            cb[st].load(w_b, at, wvec);")
 _MXFP4_POINTERS = ("""    const int KW = K / 8, KC32 = K / 32;
     const bool wvec = strata_aligned16(w, static_cast<size_t>(KW) * 4);
     const unsigned* w_a = w + static_cast<size_t>(e) * N * KW + static_cast<size_t>(na) * KW;
     const unsigned* w_b = w + static_cast<size_t>(e) * N * KW + static_cast<size_t>(nb) * KW;
     const unsigned char* s_a = scales + static_cast<size_t>(e) * N * KC32 + static_cast<size_t>(na) * KC32;
     const unsigned char* s_b = scales + static_cast<size_t>(e) * N * KC32 + static_cast<size_t>(nb) * KC32;
-""", "            strata_mxfp4_pairs(w_a, s_a, u, wvec, a);\n            strata_mxfp4_pairs(w_b, s_b, u, wvec, b);")
+""", "strata_mxfp4_chunk", "            ca[st].load(w_a, s_a, at, wvec);\n            cb[st].load(w_b, s_b, at, wvec);")
 
 DENSE = _body(_PLAIN, _COLUMNS_PLAIN, _DENSE_POINTERS, _WRITE_PLAIN)
 QUANTIZED = _body(_PLAIN, _COLUMNS_PLAIN, _affine(), _WRITE_PLAIN)
@@ -293,10 +335,17 @@ def _kernel(name: str, inputs: list[str], body: str):
 
 
 def _grid(N: int, cols: int, picks: int = 1, picks_x: bool = False) -> tuple[tuple, tuple]:
-    blocks = -(-N // cols)  # a block's warps share its columns, each taking every WARPS-th step of K
+    if SPLIT not in (1, WARPS):
+        raise ValueError(f"rows_mma's SPLIT is 1 or WARPS ({WARPS}), got {SPLIT}")
+    blocks = -(-N // (cols * (WARPS // SPLIT)))  # WARPS / SPLIT tiles a block
     threads = WARPS * 32
     grid = (picks * threads, blocks, 1) if picks_x else (blocks * threads, picks, 1)
     return grid, (threads, 1, 1)
+
+
+def _loop_template() -> list[tuple[str, int]]:
+    """The K loop's template values (read at each call, so a study can set them: scripts.lab.mma_loop.py)."""
+    return [("WARPS", WARPS), ("SPLIT", SPLIT), ("UNROLL", UNROLL)]
 
 
 def rows(x: mx.array) -> tuple[int, int]:
@@ -347,7 +396,7 @@ def rows_matvec(x: mx.array, w: mx.array) -> mx.array:
     N = w.shape[0]
     grid, block = _grid(N, PLAIN_COLS)
     (out,) = _kernel("strata_mma_matvec_v2", ["dims", "x", "w"], DENSE)(
-        inputs=[dims(R, K, N), x, w], template=[("T", x.dtype), ("WARPS", WARPS)], grid=grid, threadgroup=block,
+        inputs=[dims(R, K, N), x, w], template=[("T", x.dtype), *_loop_template()], grid=grid, threadgroup=block,
         output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
     return out
 
@@ -361,7 +410,7 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     grid, block = _grid(N, PLAIN_COLS)
     (out,) = _kernel("strata_mma_qmatvec_v2", ["dims", "x", "w", "scales", "biases"], QUANTIZED)(
         inputs=[dims(R, K, N), x, w, scales, biases],
-        template=[("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size), ("WARPS", WARPS)],
+        template=[("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size), *_loop_template()],
         grid=grid, threadgroup=block, output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
     return out
 
@@ -388,7 +437,7 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     (out,) = _kernel("strata_mma_gather_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "idx"], GATHER_QUANTIZED)(
         inputs=[dims(M, K, N, per), x, w, scales, biases, experts],
         template=[("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size),
-                  ("WARPS", WARPS), ("SHARE", share or 1), ("PICKS_X", False)],
+                  *_loop_template(), ("SHARE", share or 1), ("PICKS_X", False)],
         grid=grid, threadgroup=block, output_shapes=[_gather_shape(x, per, N)], output_dtypes=[x.dtype])
     return out
 
@@ -404,7 +453,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
                                                           "biases_up", "idx"], GATHER_QUANTIZED_GLU)(
         inputs=[dims(M, K, N, per), x, *gate, *up, experts],
         template=[("T", x.dtype), ("TS", gate[1].dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size),
-                  ("WARPS", WARPS), ("SHARE", share or 1), ("PICKS_X", False)],
+                  *_loop_template(), ("SHARE", share or 1), ("PICKS_X", False)],
         grid=grid, threadgroup=block, output_shapes=[_gather_shape(x, per, N)], output_dtypes=[x.dtype])
     return out
 
@@ -420,7 +469,7 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     grid, block = _grid(N, PLAIN_COLS, M, picks_x)
     (out,) = _kernel("strata_mma_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4)(
         inputs=[dims(M, K, N, 1), x, w, scales, experts],
-        template=[("T", x.dtype), ("TI", experts.dtype), ("WARPS", WARPS), ("SHARE", share or 1),
+        template=[("T", x.dtype), ("TI", experts.dtype), *_loop_template(), ("SHARE", share or 1),
                   ("PICKS_X", picks_x)],
         grid=grid, threadgroup=block, output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
     return out

@@ -34,14 +34,28 @@ def test_picks_sharing_rows_give_the_copied_rows_bits(emulated):
 
 @pytest.mark.parametrize("old, new", [
     ("a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1]", "a[2 * j + 1], b[2 * j], a[2 * j], b[2 * j + 1]"),  # A's k halves
-    ("xv[2 * j], xv[2 * j + 1]);", "xv[2 * j + 1], xv[2 * j]);"),  # B's
-    ("strata_pairs(xg + u * 32", "strata_pairs(xg + (u0 + (q ^ 1)) * 32"),  # B from another lane's chunk
+    ("xv[st][2 * j], xv[st][2 * j + 1]);", "xv[st][2 * j + 1], xv[st][2 * j]);"),  # B's
+    ("strata_pairs(xg + at * 32", "strata_pairs(xg + (at ^ 1) * 32"),  # B from another lane's chunk
 ], ids=["A fragment", "B fragment", "chunk"])
 def test_the_check_fails_a_wrong_fragment_or_chunk(emulated, monkeypatch, old, new):
     assert rows_mma.QUANTIZED.count(old) == 1
     monkeypatch.setattr(rows_mma, "QUANTIZED", rows_mma.QUANTIZED.replace(old, new))
     (case,) = [c for c in rows_mma.probe_cases() if c[0] == "affine"]
     assert rows_mma.check_case(*case[1:]) is not None
+
+
+@pytest.mark.parametrize("split, unroll", [(1, 1), (1, 4), (4, 2)])
+@pytest.mark.parametrize("what", ["affine", "routed GLU", "routed MXFP4"])
+def test_each_k_loop_setting_is_row_invariant_and_near_the_reference(emulated, monkeypatch, what, split, unroll):
+    """SPLIT (warps summing a tile's K: one tile a warp at 1) and UNROLL (steps loaded before any
+    is multiplied) keep every row its 1-row call's bits; UNROLL never changes a bit."""
+    (case,) = [c for c in rows_mma.probe_cases() if c[0] == what]
+    _, kernel, ref, x, experts = case
+    monkeypatch.setattr(rows_mma, "SPLIT", split)
+    base = kernel(x, experts)
+    monkeypatch.setattr(rows_mma, "UNROLL", unroll)
+    assert rows_mma.check_case(kernel, ref, x, experts) is None
+    assert mx.array_equal(kernel(x, experts), base).item()
 
 
 def test_the_cpu_never_takes_the_tensor_core_forms():
@@ -105,3 +119,14 @@ def test_launch_shapes():
     assert rows_mma._grid(151936, rows_mma.PLAIN_COLS) == ((9496 * 128, 1, 1), (128, 1, 1))
     assert rows_mma._grid(512, rows_mma.GLU_COLS, 80) == ((64 * 128, 80, 1), (128, 1, 1))
     assert rows_mma._grid(2880, rows_mma.PLAIN_COLS, 12, True) == ((12 * 128, 180, 1), (128, 1, 1))
+
+
+def test_a_block_of_warps_that_each_own_a_tile(monkeypatch):
+    """SPLIT 1: each of a block's 4 warps sums its own tile over all of K, so a block holds 4
+    tiles; a SPLIT between 1 and WARPS would leave warps waiting on others that returned."""
+    monkeypatch.setattr(rows_mma, "SPLIT", 1)
+    assert rows_mma._grid(2048, rows_mma.PLAIN_COLS, 80) == ((32 * 128, 80, 1), (128, 1, 1))
+    assert rows_mma._grid(512, rows_mma.GLU_COLS, 80) == ((16 * 128, 80, 1), (128, 1, 1))
+    monkeypatch.setattr(rows_mma, "SPLIT", 2)
+    with pytest.raises(ValueError, match="SPLIT is 1 or WARPS"):
+        rows_mma._grid(2048, rows_mma.PLAIN_COLS)

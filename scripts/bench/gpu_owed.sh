@@ -17,7 +17,7 @@
 #   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
 #   bash scripts/bench/gpu_owed.sh share     # each kernel's share of a T = 1 and a T = 8 window, launched twice in place
 #   bash scripts/bench/gpu_owed.sh ncu       # every kernel of a T = 1 and a T = 8 window timed by Nsight Compute (~4 min)
-#   bash scripts/bench/gpu_owed.sh warps     # rows_mma's K loop over 1, 2, 4 and 8 warps a block, kernel by kernel (~4 min)
+#   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
 #   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
@@ -191,8 +191,8 @@ ncu)
     python -m scripts.lab.ncu_window --detail --keep "$OUT/ncu_${card}_$tree" --out "$OUT/ncu_window_${card}_$tree.json" 2>&1 | log ncu
     rm -f "$OUT/ncu_${card}_$tree"/*.ncu-rep  # the CSVs hold what the report read; the reports are large
     ;;
-warps)
-    python -m scripts.lab.mma_warps --out "$OUT/mma_warps_${card}_$tree.json" 2>&1 | log warps
+mma-loop)
+    python -m scripts.lab.mma_loop --out "$OUT/mma_loop_${card}_$tree.json" 2>&1 | log mma-loop
     ;;
 share)
     python -m scripts.lab.kernel_share --windows 1,8 --rounds 3 --out "$OUT/kernel_share_${card}_$tree.json" 2>&1 | log share

@@ -1,0 +1,105 @@
+"""rows_mma's tensor-core kernels under each setting of their K loop, at the 80B-A3B shapes, R = 1
+and 8 (issue 37: the routed experts' down projection at 8 rows cost 0.104 ms against MLX's 0.059
+on the H200).
+
+A setting is WARPS/SPLIT/UNROLL: warps a block; warps summing one 16-column tile's K (SPLIT = WARPS,
+today's 4/4: one tile a block, the warps' partial sums added in warp order; SPLIT = 1: each warp
+its own tile over all of K, no shared memory, a quarter of the blocks); steps a warp loads before
+it multiplies any (when loads are issued, never the sum). SPLIT sets the sum's order (a function
+of K and the setting), so each setting is checked row-invariant in every record. At K = 512 (the
+down projections) each of today's 4 warps does one step, and 80 picks make 10,240 blocks of 128
+threads, each reading 4 KB: the hypothesis is too few bytes in flight. Each setting runs
+kernel_bench's routed-expert and plain-shape timings (MLX's own calls beside them as the
+baseline), the settings alternating over `--rounds`; a table gives each setting's median ms per
+shape and R.
+
+    python -m scripts.lab.mma_loop --out mma_loop.json     # GPU, about 6 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+
+from metal_shaders import rows_mma
+from scripts.bench import kernel_bench as kb
+
+EXPERTS = {"experts_down": (512, 2048), "experts_gate": (2048, 512)}  # K, N; 512 experts, top-10
+SHAPES = {"shared_down": (512, 2048), "o_proj/in_proj": (2048, 2048), "lm_head": (2048, 151936)}
+SETTINGS = "4/4/1,4/4/4,4/1/1,4/1/4,2/1/4,8/8/1"
+
+
+def one_setting(setting: str, *, repeats: int, inner: int) -> list[dict]:
+    # read at each call: the template values and the grid
+    rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = (int(v) for v in setting.split("/"))
+    records = []
+    for name, (K, N) in EXPERTS.items():
+        records += kb.bench_experts(name, 512, K, N, 10, use_kernel=True, repeats=repeats, inner=inner,
+                                    peak_gbs=4800.0)
+    for name, (K, N) in SHAPES.items():
+        records += kb.bench_shape(name, K, N, use_kernel=True, repeats=repeats, inner=inner, peak_gbs=4800.0, cols=())
+    return [{**r, "setting": setting} for r in records if r["R"] in (1, 8) and "mlx" in r["ms"]]
+
+
+def table(records: list[dict], settings: list[str]) -> list[dict]:
+    cells = defaultdict(list)
+    for r in records:
+        cells[r["shape"], r["R"], r["setting"]].append(r["ms"]["kernel"])
+        cells[r["shape"], r["R"], "mlx"].append(r["ms"]["mlx"])
+        cells[r["shape"], r["R"], "fma"].append(r["ms"].get("fma", float("nan")))
+    rows = []
+    for shape, R in dict.fromkeys((r["shape"], r["R"]) for r in records):
+        row = {"shape": shape, "R": R}
+        for key in [*settings, "fma", "mlx"]:
+            row[str(key)] = statistics.median(cells[shape, R, key])
+        row["identical_to_1_row"] = all(r["identical_to_1_row"] for r in records if (r["shape"], r["R"]) == (shape, R))
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", default=SETTINGS,
+                        help="WARPS/SPLIT/UNROLL settings, each round in this order (SPLIT is 1 or WARPS)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    settings = args.settings.split(",")
+    for setting in settings:
+        values = setting.split("/")
+        if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values) or values[1] not in ("1", values[0]):
+            parser.error(f"a setting is WARPS/SPLIT/UNROLL with SPLIT 1 or WARPS, got {setting!r}")
+    if not rows_mma.usable():
+        raise SystemExit(f"mma_loop: the tensor-core kernels do not run here ({rows_mma.status()})")
+    records = []
+    for rnd in range(args.rounds):
+        for setting in settings:
+            records += one_setting(setting, repeats=args.repeats, inner=args.inner)
+            print(f"round {rnd + 1}: {setting} done", flush=True)
+    rows = table(records, settings)
+    head = f"{'shape':16s} {'R':>2s} " + " ".join(f"{s:>7s}" for s in settings) + f" {'fma':>7s} {'mlx':>7s} same"
+    print(head)
+    for row in rows:
+        print(f"{row['shape']:16s} {row['R']:2d} " + " ".join(f"{row[s]:7.4f}" for s in [*settings, 'fma', 'mlx'])
+              + f" {row['identical_to_1_row']}")
+    report = {"device": str(mx.default_device()), "mlx": mx.__version__, "settings": settings, "rounds": args.rounds,
+              "table": rows, "records": records}
+    try:
+        from strata_cli.bench.runner import git_commit
+        report["commit"] = git_commit()
+    except Exception:
+        pass
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
