@@ -80,18 +80,16 @@ __device__ __forceinline__ void strata_pairs(const V* p, bool vec, unsigned (&ou
         for (int i = 0; i < 16; ++i) out[i] = h[2 * i] | (static_cast<unsigned>(h[2 * i + 1]) << 16);
     }
 }
-// A lane's chunk of one weight row, per form: `load` reads chunk u's raw words (and scale), `pairs`
-// converts them to 16 bf16 pairs. Apart, so a warp can have the loads of UNROLL steps in flight
-// before it converts and multiplies any of them.
+// A lane's chunk of one weight row, per form: `load` reads chunk u's raw words (and scale), `pair(i)`
+// converts them to bf16 pair i of 16. Apart, so a warp can have the loads of UNROLL steps in flight
+// before it converts and multiplies any of them, and converts a pair only as its MMA takes it
+// (16 converted pairs a row held at once cost an SM blocks).
 // Dense bfloat16 rows: the raw words are the pairs.
 template <typename V>
 struct strata_dense_chunk {
     unsigned p[16];
     __device__ __forceinline__ void load(const V* w, int u, bool vec) { strata_pairs(w + u * 32, vec, p); }
-    __device__ __forceinline__ void pairs(unsigned (&out)[16]) const {
-        #pragma unroll
-        for (int i = 0; i < 16; ++i) out[i] = p[i];
-    }
+    __device__ __forceinline__ unsigned pair(int i) const { return p[i]; }
 };
 // Affine-quantized rows (BITS 4 or 8, group GS >= 32): scale · q + bias, rounded to bf16
 template <int BITS, int GS, typename S>
@@ -108,14 +106,11 @@ struct strata_affine_chunk {
             q[4 * i] = v.x; q[4 * i + 1] = v.y; q[4 * i + 2] = v.z; q[4 * i + 3] = v.w;
         }
     }
-    __device__ __forceinline__ void pairs(unsigned (&out)[16]) const {
+    __device__ __forceinline__ unsigned pair(int i) const {
         constexpr unsigned MASK = (1u << BITS) - 1u;
-        #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const unsigned lo = (q[(2 * i) / VALS] >> (BITS * ((2 * i) % VALS))) & MASK;
-            const unsigned hi = (q[(2 * i + 1) / VALS] >> (BITS * ((2 * i + 1) % VALS))) & MASK;
-            out[i] = strata_bf16x2(fmaf(scale, strata_u2f(lo), bias), fmaf(scale, strata_u2f(hi), bias));
-        }
+        const unsigned lo = (q[(2 * i) / VALS] >> (BITS * ((2 * i) % VALS))) & MASK;
+        const unsigned hi = (q[(2 * i + 1) / VALS] >> (BITS * ((2 * i + 1) % VALS))) & MASK;
+        return strata_bf16x2(fmaf(scale, strata_u2f(lo), bias), fmaf(scale, strata_u2f(hi), bias));
     }
 };
 // an e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as a float, exact
@@ -133,13 +128,9 @@ struct strata_mxfp4_chunk {
         scale = strata_e8m0(s[u]);
         v = strata_words(w + u * 4, vec);
     }
-    __device__ __forceinline__ void pairs(unsigned (&out)[16]) const {
-        const unsigned q[4] = {v.x, v.y, v.z, v.w};
-        #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const unsigned word = q[i / 4], at = 8 * (i % 4);
-            out[i] = strata_bf16x2(strata_e2m1(word >> at) * scale, strata_e2m1(word >> (at + 4)) * scale);
-        }
+    __device__ __forceinline__ unsigned pair(int i) const {
+        const unsigned word = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w, at = 8 * (i % 4);
+        return strata_bf16x2(strata_e2m1(word >> at) * scale, strata_e2m1(word >> (at + 4)) * scale);
     }
 };
 """
@@ -183,9 +174,11 @@ _GATHER = _LANES + """
     const int M = dims[0];
     const int m = PICKS_X ? block_x : block_y;
     const int column_block = PICKS_X ? block_y : block_x;
-""" + stage_picks("SHARE") + """    // the pick in B's column s: the s-th pick of e from m on (-1: none)
+""" + stage_picks("SHARE") + """    // the pick in B's column s: the s-th pick of e from m on (-1: none); a block of one pick has
+    // m alone (said outright: the scan's registers cost an SM a block of the 80B shape's down)
     auto pick_at = [&](int s) {
         if (s >= SHARE) return -1;
+        if (SHARE == 1) return m;
         for (int i = m, c = 0; i < M; ++i)
             if (picks[i] == e && c++ == s) return i;
         return -1;
@@ -232,16 +225,14 @@ LOAD_A
         }
         #pragma unroll
         for (int st = 0; st < UNROLL; ++st) {
-            unsigned a[16], b[16];
-            ca[st].pairs(a);
-            cb[st].pairs(b);
-            if (u0 + 4 * SPLIT * st + q >= KC) {
-                #pragma unroll
-                for (int i = 0; i < 16; ++i) a[i] = b[i] = xv[st][i] = 0u;
-            }
+            const bool live = u0 + 4 * SPLIT * st + q < KC;
             #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                strata_mma(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xv[st][2 * j], xv[st][2 * j + 1]);
+            for (int j = 0; j < 8; ++j) {
+                const unsigned a0 = live ? ca[st].pair(2 * j) : 0u, a1 = live ? ca[st].pair(2 * j + 1) : 0u;
+                const unsigned b0 = live ? cb[st].pair(2 * j) : 0u, b1 = live ? cb[st].pair(2 * j + 1) : 0u;
+                const unsigned x0 = live ? xv[st][2 * j] : 0u, x1 = live ? xv[st][2 * j + 1] : 0u;
+                strata_mma(d, a0, b0, a1, b1, x0, x1);
+            }
         }
     }
     if (SPLIT > 1) {  // the tile's warps' partial sums, added in warp order by its first warp

@@ -33,8 +33,8 @@ def test_picks_sharing_rows_give_the_copied_rows_bits(emulated):
 
 
 @pytest.mark.parametrize("old, new", [
-    ("a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1]", "a[2 * j + 1], b[2 * j], a[2 * j], b[2 * j + 1]"),  # A's k halves
-    ("xv[st][2 * j], xv[st][2 * j + 1]);", "xv[st][2 * j + 1], xv[st][2 * j]);"),  # B's
+    ("strata_mma(d, a0, b0, a1, b1, x0, x1)", "strata_mma(d, a1, b0, a0, b1, x0, x1)"),  # A's k halves
+    ("strata_mma(d, a0, b0, a1, b1, x0, x1)", "strata_mma(d, a0, b0, a1, b1, x1, x0)"),  # B's
     ("strata_pairs(xg + at * 32", "strata_pairs(xg + (at ^ 1) * 32"),  # B from another lane's chunk
 ], ids=["A fragment", "B fragment", "chunk"])
 def test_the_check_fails_a_wrong_fragment_or_chunk(emulated, monkeypatch, old, new):

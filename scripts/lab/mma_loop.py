@@ -14,19 +14,28 @@ baseline), the settings alternating over `--rounds`; a table gives each setting'
 shape and R.
 
     python -m scripts.lab.mma_loop --out mma_loop.json     # GPU, about 6 minutes
+    python -m scripts.lab.mma_loop --ptxas                 # here, with nvcc: registers, spills, occupancy
+
+`--ptxas` compiles every form (affine plain, routed and routed GLU at 4 bits in groups of 64,
+dense and routed MXFP4; bfloat16 rows) under each setting for sm_90 with nvcc, and prints ptxas's registers and spills a thread and the
+blocks and warps an SM can hold at that count (65,536 registers, 64 warps and 32 blocks an SM;
+registers allotted a warp in units of 256): what bounds the loads in flight before any GPU runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import subprocess
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
 
-from metal_shaders import rows_mma
+from metal_shaders import backends, rows_mma
 from scripts.bench import kernel_bench as kb
 
 EXPERTS = {"experts_down": (512, 2048), "experts_gate": (2048, 512)}  # K, N; 512 experts, top-10
@@ -44,6 +53,50 @@ def one_setting(setting: str, *, repeats: int, inner: int) -> list[dict]:
     for name, (K, N) in SHAPES.items():
         records += kb.bench_shape(name, K, N, use_kernel=True, repeats=repeats, inner=inner, peak_gbs=4800.0, cols=())
     return [{**r, "setting": setting} for r in records if r["R"] in (1, 8) and "mlx" in r["ms"]]
+
+
+def occupancy(registers: int, threads: int) -> dict:
+    """Blocks and warps one sm_90 SM holds for a kernel of `registers` a thread and `threads` a
+    block (registers and warps only; shared memory here is at most 2 KB a block)."""
+    warps = threads // 32
+    per_warp = -(-registers * 32 // 256) * 256
+    blocks = min(65536 // (per_warp * warps), 64 // warps, 32)
+    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * warps}
+
+
+def ptxas(settings: list[str], workdir: Path) -> list[dict]:
+    """Each body under each setting, compiled for sm_90: registers, spills, occupancy."""
+    bf16 = "const __nv_bfloat16*"
+    affine = {"dims": "const int32_t*", "x": bf16, "w": "const uint32_t*", "scales": bf16, "biases": bf16}
+    routed = {**affine, "idx": "const uint32_t*"}
+    forms = {"QUANTIZED": affine, "GATHER_QUANTIZED": routed,
+             "GATHER_QUANTIZED_GLU": {**routed, "w_up": "const uint32_t*", "scales_up": bf16, "biases_up": bf16},
+             "DENSE": {"dims": "const int32_t*", "x": bf16, "w": bf16},
+             "GATHER_MXFP4": {**routed, "scales": "const uint8_t*", "biases": None}}
+    rows = []
+    for setting in settings:
+        warps, split, unroll = (int(v) for v in setting.split("/"))
+        for form, inputs in forms.items():
+            args = [f"{t} {n}" for n, t in inputs.items() if t] + ["__nv_bfloat16* out"]
+            consts = (f"using T = __nv_bfloat16; using TS = __nv_bfloat16; using TI = uint32_t; constexpr int BITS = 4; "
+                      f"constexpr int GS = 64; constexpr int WARPS = {warps}; constexpr int SPLIT = {split}; "
+                      f"constexpr int UNROLL = {unroll}; constexpr int SHARE = 1; constexpr bool PICKS_X = false;")
+            source = ("#include <cstdint>\n#include <cuda_bf16.h>\n" + backends.header(backends.CUDA, rows_mma.header())
+                      + f"namespace mlx::core::cu {{\n__global__ void k({', '.join(args)}) {{\n{consts}\n"
+                      + f"{backends.source(backends.CUDA, getattr(rows_mma, form))}\n}}\n}}\n")
+            path = workdir / f"{form}_{setting.replace('/', '_')}.cu"
+            path.write_text(source)
+            run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
+                                  "-Xptxas", "-v"], capture_output=True, text=True)
+            if run.returncode:
+                raise SystemExit(f"mma_loop: {form} at {setting} does not compile:\n{run.stderr[-2000:]}")
+            registers = int(re.findall(r"Used (\d+) registers", run.stderr)[-1])
+            spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)[-1]
+            rows.append({"setting": setting, "form": form, "registers": registers,
+                         "spill_bytes": int(spills[0]) + int(spills[1]), **occupancy(registers, warps * 32)})
+            print(f"{setting:7s} {form:22s} {registers:4d} registers, spills {spills[0]}/{spills[1]} B, "
+                  f"{rows[-1]['blocks_per_sm']:2d} blocks / {rows[-1]['warps_per_sm']:2d} warps an SM", flush=True)
+    return rows
 
 
 def table(records: list[dict], settings: list[str]) -> list[dict]:
@@ -69,6 +122,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--ptxas", action="store_true", help="compile each setting with nvcc here (no GPU): registers")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     settings = args.settings.split(",")
@@ -76,6 +130,12 @@ def main(argv=None) -> dict:
         values = setting.split("/")
         if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values) or values[1] not in ("1", values[0]):
             parser.error(f"a setting is WARPS/SPLIT/UNROLL with SPLIT 1 or WARPS, got {setting!r}")
+    if args.ptxas:
+        with tempfile.TemporaryDirectory(prefix="strata-mma-loop-") as tmp:
+            report = {"settings": settings, "ptxas": ptxas(settings, Path(tmp))}
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+        return report
     if not rows_mma.usable():
         raise SystemExit(f"mma_loop: the tensor-core kernels do not run here ({rows_mma.status()})")
     records = []
