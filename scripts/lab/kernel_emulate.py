@@ -1686,6 +1686,20 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
     return kernels_out
 
 
+def nvcc_compile(path: Path, source: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`source` written to `path` (.cu) and compiled for sm_90 by nvcc: the run, and ptxas's
+    registers, stack and spill bytes a thread (None where it printed none)."""
+    path.write_text(source)
+    run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
+                          "-Xptxas", "-v"], capture_output=True, text=True)
+    registers = re.findall(r"Used (\d+) registers", run.stderr)
+    stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    if not (registers and stack):
+        return run, None
+    return run, {"registers": int(registers[-1]), "stack": int(stack[-1][0]), "spill_stores": int(stack[-1][1]),
+                 "spill_loads": int(stack[-1][2])}
+
+
 def nvcc_check(workdir: Path, *, butterfly: bool = False) -> bool:
     """Compile every kernel body for sm_90 (a file per kernel: each header stands alone) and print
     ptxas's registers, stack and spills and the PTX's warp shuffles per kernel. `butterfly`: the
@@ -1700,17 +1714,13 @@ def nvcc_check(workdir: Path, *, butterfly: bool = False) -> bool:
                   + f"__global__ void custom_kernel_{name}({', '.join(params)}) {{\n{consts}\n"
                   + f"{backends.source(backends.CUDA, body)}\n}}\n}}\n")
         path = workdir / f"{name}.cu"
-        path.write_text(source)
-        run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
-                              "-Xptxas", "-v"], capture_output=True, text=True)
+        run, found = nvcc_compile(path, source)
         ptx = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", str(path), "-o", str(path.with_suffix(".ptx"))],
                              capture_output=True, text=True)
         shuffles = (sum("shfl.sync" in line for line in path.with_suffix(".ptx").read_text().splitlines())
                     if ptx.returncode == 0 else "?")
-        registers = re.findall(r"Used (\d+) registers", run.stderr)
-        stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
-        figures = (f"{registers[-1]} registers, {stack[-1][0]} B stack, {shuffles} shuffles, spills "
-                   f"{stack[-1][1]}/{stack[-1][2]} B" if registers and stack else "")
+        figures = (f"{found['registers']} registers, {found['stack']} B stack, {shuffles} shuffles, spills "
+                   f"{found['spill_stores']}/{found['spill_loads']} B" if found else "")
         print(f"nvcc sm_90 {name:28s} {'ok' if run.returncode == 0 else 'FAIL'}  {figures}", flush=True)
         if run.returncode:
             print(run.stderr, flush=True)

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -37,6 +35,7 @@ import mlx.core as mx
 
 from metal_shaders import backends, rows_mma
 from scripts.bench import kernel_bench as kb
+from scripts.lab.kernel_emulate import nvcc_compile
 
 EXPERTS = {"experts_down": (512, 2048), "experts_gate": (2048, 512)}  # K, N; 512 experts, top-10
 SHAPES = {"shared_down": (512, 2048), "o_proj/in_proj": (2048, 2048), "lm_head": (2048, 151936)}
@@ -84,18 +83,13 @@ def ptxas(settings: list[str], workdir: Path) -> list[dict]:
             source = ("#include <cstdint>\n#include <cuda_bf16.h>\n" + backends.header(backends.CUDA, rows_mma.header())
                       + f"namespace mlx::core::cu {{\n__global__ void k({', '.join(args)}) {{\n{consts}\n"
                       + f"{backends.source(backends.CUDA, getattr(rows_mma, form))}\n}}\n}}\n")
-            path = workdir / f"{form}_{setting.replace('/', '_')}.cu"
-            path.write_text(source)
-            run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
-                                  "-Xptxas", "-v"], capture_output=True, text=True)
-            if run.returncode:
+            run, found = nvcc_compile(workdir / f"{form}_{setting.replace('/', '_')}.cu", source)
+            if run.returncode or not found:
                 raise SystemExit(f"mma_loop: {form} at {setting} does not compile:\n{run.stderr[-2000:]}")
-            registers = int(re.findall(r"Used (\d+) registers", run.stderr)[-1])
-            spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)[-1]
-            rows.append({"setting": setting, "form": form, "registers": registers,
-                         "spill_bytes": int(spills[0]) + int(spills[1]), **occupancy(registers, warps * 32)})
-            print(f"{setting:7s} {form:22s} {registers:4d} registers, spills {spills[0]}/{spills[1]} B, "
-                  f"{rows[-1]['blocks_per_sm']:2d} blocks / {rows[-1]['warps_per_sm']:2d} warps an SM", flush=True)
+            rows.append({"setting": setting, "form": form, **found, **occupancy(found["registers"], warps * 32)})
+            print(f"{setting:7s} {form:22s} {found['registers']:4d} registers, spills {found['spill_stores']}/"
+                  f"{found['spill_loads']} B, {rows[-1]['blocks_per_sm']:2d} blocks / {rows[-1]['warps_per_sm']:2d} "
+                  "warps an SM", flush=True)
     return rows
 
 
