@@ -8,8 +8,9 @@ its 8 columns (B, x; a row past R is zeros). Output element (column n, row r) is
 weight row n and x row r alone: the tensor core forms each output element from its own A row and B
 column, and the K loop (chunks of 32 values, 4 lanes × 32 per step, 8 MMAs a step, in order)
 depends on K alone (a tile's SPLIT warps take every SPLIT-th step of it, their partial sums added
-in warp order: SPLIT and the other loop settings are the process's, never the window's). A 1-row call pays for 8 rows of MMA, which costs little next to reading the weights;
-a window's 8 rows cost about what one does, where rows_matvec's FMA forms do 8x the multiplies and
+in warp order: SPLIT and the other loop settings are the process's, never the window's). A 1-row
+call pays for 8 rows of MMA, which costs little next to reading the weights; a window's 8 rows
+cost about what one does, where rows_matvec's FMA forms do 8x the multiplies and
 loads (the 80B shape's head at 8 rows: 0.17 against 0.33 ms on the H200; docs/benchmarks.md,
 "Window projections on tensor cores").
 
@@ -274,7 +275,7 @@ _WRITE_GLU = """
 GLU_HEADER = "#define STRATA_GLU(G, U) ((G) / (1.0f + expf(-(G))) * (U))\n"
 
 
-def _affine(up: bool = False, gather: bool = False) -> str:
+def _affine(up: bool = False, gather: bool = False) -> tuple[str, str, str]:
     """Pointers and the A loads of affine weights: plain, or at expert e (gather); A row g + 8 from
     the up's arrays (`up`, GLU forms) or from the same matrix."""
     at = lambda per: f" + static_cast<size_t>(e) * N * {per}" if gather else ""  # noqa: E731
