@@ -17,9 +17,10 @@ shape and R.
     python -m scripts.lab.mma_loop --ptxas                 # here, with nvcc: registers, spills, occupancy
 
 `--ptxas` compiles every form (affine plain, routed and routed GLU at 4 bits in groups of 64,
-dense and routed MXFP4; bfloat16 rows) under each setting for sm_90 with nvcc, and prints ptxas's registers and spills a thread and the
-blocks and warps an SM can hold at that count (65,536 registers, 64 warps and 32 blocks an SM;
-registers allotted a warp in units of 256): what bounds the loads in flight before any GPU runs.
+dense and routed MXFP4; bfloat16 rows) under each setting for sm_90 with nvcc, and prints
+ptxas's registers and spills a thread and the blocks and warps an SM can hold at that count
+(65,536 registers, 64 warps and 32 blocks an SM; registers allotted a warp in units of 256):
+what bounds the loads in flight before any GPU runs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import mlx.core as mx
 from metal_shaders import backends, rows_mma
 from scripts.bench import kernel_bench as kb
 from scripts.lab.kernel_emulate import nvcc_compile
+from strata_cli.bench.runner import git_commit
 
 EXPERTS = {"experts_down": (512, 2048), "experts_gate": (2048, 512)}  # K, N; 512 experts, top-10
 SHAPES = {"shared_down": (512, 2048), "o_proj/in_proj": (2048, 2048), "lm_head": (2048, 151936)}
@@ -77,9 +79,10 @@ def ptxas(settings: list[str], workdir: Path) -> list[dict]:
         warps, split, unroll = (int(v) for v in setting.split("/"))
         for form, inputs in forms.items():
             args = [f"{t} {n}" for n, t in inputs.items() if t] + ["__nv_bfloat16* out"]
-            consts = (f"using T = __nv_bfloat16; using TS = __nv_bfloat16; using TI = uint32_t; constexpr int BITS = 4; "
-                      f"constexpr int GS = 64; constexpr int WARPS = {warps}; constexpr int SPLIT = {split}; "
-                      f"constexpr int UNROLL = {unroll}; constexpr int SHARE = 1; constexpr bool PICKS_X = false;")
+            consts = ("using T = __nv_bfloat16; using TS = __nv_bfloat16; using TI = uint32_t; "
+                      "constexpr int BITS = 4; constexpr int GS = 64; constexpr int SHARE = 1; "
+                      f"constexpr bool PICKS_X = false; constexpr int WARPS = {warps}; constexpr int SPLIT = {split}; "
+                      f"constexpr int UNROLL = {unroll};")
             source = ("#include <cstdint>\n#include <cuda_bf16.h>\n" + backends.header(backends.CUDA, rows_mma.header())
                       + f"namespace mlx::core::cu {{\n__global__ void k({', '.join(args)}) {{\n{consts}\n"
                       + f"{backends.source(backends.CUDA, getattr(rows_mma, form))}\n}}\n}}\n")
@@ -103,7 +106,7 @@ def table(records: list[dict], settings: list[str]) -> list[dict]:
     for shape, R in dict.fromkeys((r["shape"], r["R"]) for r in records):
         row = {"shape": shape, "R": R}
         for key in [*settings, "fma", "mlx"]:
-            row[str(key)] = statistics.median(cells[shape, R, key])
+            row[key] = statistics.median(cells[shape, R, key])
         row["identical_to_1_row"] = all(r["identical_to_1_row"] for r in records if (r["shape"], r["R"]) == (shape, R))
         rows.append(row)
     return rows
@@ -133,23 +136,22 @@ def main(argv=None) -> dict:
     if not rows_mma.usable():
         raise SystemExit(f"mma_loop: the tensor-core kernels do not run here ({rows_mma.status()})")
     records = []
-    for rnd in range(args.rounds):
-        for setting in settings:
-            records += one_setting(setting, repeats=args.repeats, inner=args.inner)
-            print(f"round {rnd + 1}: {setting} done", flush=True)
+    default = f"{rows_mma.WARPS}/{rows_mma.SPLIT}/{rows_mma.UNROLL}"
+    try:
+        for rnd in range(args.rounds):
+            for setting in settings:
+                records += one_setting(setting, repeats=args.repeats, inner=args.inner)
+                print(f"round {rnd + 1}: {setting} done", flush=True)
+    finally:
+        rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = (int(v) for v in default.split("/"))
     rows = table(records, settings)
     head = f"{'shape':16s} {'R':>2s} " + " ".join(f"{s:>7s}" for s in settings) + f" {'fma':>7s} {'mlx':>7s} same"
     print(head)
     for row in rows:
         print(f"{row['shape']:16s} {row['R']:2d} " + " ".join(f"{row[s]:7.4f}" for s in [*settings, 'fma', 'mlx'])
               + f" {row['identical_to_1_row']}")
-    report = {"device": str(mx.default_device()), "mlx": mx.__version__, "settings": settings, "rounds": args.rounds,
-              "table": rows, "records": records}
-    try:
-        from strata_cli.bench.runner import git_commit
-        report["commit"] = git_commit()
-    except Exception:
-        pass
+    report = {"commit": git_commit(), "device": str(mx.default_device()), "mlx": mx.__version__, "settings": settings,
+              "rounds": args.rounds, "table": rows, "records": records}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return report

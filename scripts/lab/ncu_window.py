@@ -34,8 +34,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
+
+from strata_cli.bench.runner import git_commit
 
 MARK = "strata_ncu_mark"
 TIME_METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread", "launch__grid_size", "launch__block_size",
@@ -80,7 +82,8 @@ def launches(csv_text: str) -> list[dict]:
     for row in rows:
         if not row.get("ID", "").strip().isdigit():
             continue
-        launch = by_id.setdefault(int(row["ID"]), {"name": row["Kernel Name"], "kernel": short_name(row["Kernel Name"])})
+        name = row["Kernel Name"]
+        launch = by_id.setdefault(int(row["ID"]), {"name": name, "kernel": short_name(name)})
         value = number(row.get("Metric Value", ""), row.get("Metric Unit", ""))
         if value is not None:
             launch[row["Metric Name"]] = value
@@ -109,8 +112,9 @@ def windows_of(found: list[dict], order: list[int]) -> dict[int, list[list[dict]
 def summarize(windows: list[list[dict]]) -> dict:
     """One T's windows -> its kernels in launch order (the median of each metric over windows
     that launched the same sequence), per-name sums and the device's busy µs."""
-    lengths = {len(w) for w in windows}
-    same = [w for w in windows if len(w) == max(lengths, key=[len(w) for w in windows].count)]
+    lengths = Counter(len(w) for w in windows)
+    usual = lengths.most_common(1)[0][0]  # a window that launched more or fewer kernels is left out
+    same = [w for w in windows if len(w) == usual]
     kernels = []
     for i, first in enumerate(same[0]):
         row = {"kernel": first["kernel"]}
@@ -170,7 +174,8 @@ def render(report: dict) -> str:
     if len(Ts) > 1:
         lines.append(f"T = {Ts[-1]} less T = {Ts[0]}, by kernel (us):")
         for row in deltas(report)[:15]:
-            lines.append(f"  {row['kernel'][:60]:60s} {row['first_us']:9.1f} -> {row['last_us']:9.1f} ({row['delta_us']:+.1f})")
+            lines.append(f"  {row['kernel'][:60]:60s} {row['first_us']:9.1f} -> {row['last_us']:9.1f} "
+                         f"({row['delta_us']:+.1f})")
     return "\n".join(lines)
 
 
@@ -294,11 +299,7 @@ def main(argv=None) -> dict | None:
         time_csv, record = profile_run(ncu, TIME_METRICS, child_args, work, "time")
         detail = profile_run(ncu, DETAIL_METRICS, child_args, work, "detail", "all") if args.detail else (None, None)
         report = build_report(time_csv, record, *detail)
-    try:
-        from strata_cli.bench.runner import git_commit
-        report["commit"] = git_commit()
-    except Exception:  # a report read back off the machine that made it
-        pass
+    report["commit"] = git_commit()
     print(render(report), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -26,7 +26,8 @@ def report(launches: list[tuple[str, dict[str, tuple[str, str]]]]) -> str:
 
 def timed(us: float, unit: str = "nsecond") -> dict:
     value = us * {"nsecond": 1e3, "usecond": 1.0, "msecond": 1e-3}[unit]
-    return {"gpu__time_duration.sum": (unit, f"{value:,.3f}"), "launch__registers_per_thread": ("register/thread", "64")}
+    return {"gpu__time_duration.sum": (unit, f"{value:,.3f}"),
+            "launch__registers_per_thread": ("register/thread", "64")}
 
 
 def windows_csv(per_T: dict[int, list[list[tuple[str, float]]]]) -> tuple[str, list[int]]:
