@@ -1686,10 +1686,16 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
     return kernels_out
 
 
-def nvcc_compile(path: Path, source: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """`source` written to `path` (.cu) and compiled for sm_90 by nvcc: the run, and ptxas's
+def nvcc_compile(path: Path, header: str, params: list[str], consts: str,
+                 body: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """A kernel `body` as the CUDA backend wraps it (its header, `params`, the template values
+    as `consts`), written to `path` (.cu) and compiled for sm_90 by nvcc: the run, and ptxas's
     registers, stack and spill bytes a thread (None where it printed none)."""
-    path.write_text(source)
+    path.write_text("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n"
+                    + backends.header(backends.CUDA, header)
+                    + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+                    + f"__global__ void custom_kernel_{path.stem}({', '.join(params)}) {{\n{consts}\n"
+                    + f"{backends.source(backends.CUDA, body)}\n}}\n}}\n")
     run = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(path.with_suffix(".o")),
                           "-Xptxas", "-v"], capture_output=True, text=True)
     registers = re.findall(r"Used (\d+) registers", run.stderr)
@@ -1707,14 +1713,8 @@ def nvcc_check(workdir: Path, *, butterfly: bool = False) -> bool:
     old = butterfly_bodies() if butterfly else {}
     ok = True
     for name, header, params, consts, body in cuda_wrappers():
-        body = old.get(id(body), body)
-        source = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n"
-                  + backends.header(backends.CUDA, header)
-                  + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-                  + f"__global__ void custom_kernel_{name}({', '.join(params)}) {{\n{consts}\n"
-                  + f"{backends.source(backends.CUDA, body)}\n}}\n}}\n")
         path = workdir / f"{name}.cu"
-        run, found = nvcc_compile(path, source)
+        run, found = nvcc_compile(path, header, params, consts, old.get(id(body), body))
         ptx = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", str(path), "-o", str(path.with_suffix(".ptx"))],
                              capture_output=True, text=True)
         shuffles = (sum("shfl.sync" in line for line in path.with_suffix(".ptx").read_text().splitlines())

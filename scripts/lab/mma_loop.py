@@ -34,7 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from metal_shaders import backends, rows_mma
+from metal_shaders import rows_mma
 from scripts.bench import kernel_bench as kb
 from scripts.lab.kernel_emulate import nvcc_compile
 from strata_cli.bench.runner import git_commit
@@ -83,10 +83,8 @@ def ptxas(settings: list[str], workdir: Path) -> list[dict]:
                       "constexpr int BITS = 4; constexpr int GS = 64; constexpr int SHARE = 1; "
                       f"constexpr bool PICKS_X = false; constexpr int WARPS = {warps}; constexpr int SPLIT = {split}; "
                       f"constexpr int UNROLL = {unroll};")
-            source = ("#include <cstdint>\n#include <cuda_bf16.h>\n" + backends.header(backends.CUDA, rows_mma.header())
-                      + f"namespace mlx::core::cu {{\n__global__ void k({', '.join(args)}) {{\n{consts}\n"
-                      + f"{backends.source(backends.CUDA, getattr(rows_mma, form))}\n}}\n}}\n")
-            run, found = nvcc_compile(workdir / f"{form}_{setting.replace('/', '_')}.cu", source)
+            run, found = nvcc_compile(workdir / f"{form}_{setting.replace('/', '_')}.cu", rows_mma.header(), args,
+                                      consts, getattr(rows_mma, form))
             if run.returncode or not found:
                 raise SystemExit(f"mma_loop: {form} at {setting} does not compile:\n{run.stderr[-2000:]}")
             rows.append({"setting": setting, "form": form, **found, **occupancy(found["registers"], warps * 32)})
