@@ -11,6 +11,7 @@ strata's own compile (precompiled.py), and a probe that fails on it is run again
 from __future__ import annotations
 
 import logging
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -46,11 +47,53 @@ def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, head
     return _kernels[name, which]
 
 
+# On CUDA, MLX keeps an array made from host values in managed memory: up to 8 bytes in a pool it
+# maps for the GPU, anything larger in pages that small arrays share and that migrate to whichever
+# side touched them last. A kernel reading such a page after the host wrote any array on it waits
+# for a page fault: under ncu on an H100 (tree a2b63c9) a T = 8 window's embedding took 142 µs
+# against 5 at T = 1, and a T = 1 window's first MoE combine 200 µs against 6 in the other layers.
+# So host ints a window's kernels read go through the pool (`device_ints`) and `dims` are copied to
+# device memory once. STRATA_HOST_UPLOAD=0 makes them plain arrays (the comparison).
+POOL_INTS = 2  # int32s in one of MLX's pooled 8-byte buffers (mlx/backend/cuda/allocator.cpp)
+MAX_UPLOAD_INTS = 16  # more (a prompt's ids) are made as one array: the fault is paid once for many rows
+_upload = {"enabled": os.environ.get("STRATA_HOST_UPLOAD", "1") != "0", "device": None, "on": False}
+
+
+def uploads() -> bool:
+    """Whether host ints go to kernels through MLX's pool (CUDA, unless STRATA_HOST_UPLOAD=0)."""
+    device = mx.default_device()
+    if _upload["device"] is None or _upload["device"] != device:
+        _upload["device"], _upload["on"] = device, _upload["enabled"] and backend() == backends.CUDA
+    return _upload["on"]
+
+
+def device_ints(values) -> mx.array:
+    """`values` as an int32 array that a CUDA kernel reads without a page fault: made from 8-byte
+    pieces in MLX's mapped pool and joined on the GPU into device memory. Elsewhere (or for more
+    than MAX_UPLOAD_INTS values) `mx.array`."""
+    values = list(values)
+    if len(values) <= POOL_INTS or len(values) > MAX_UPLOAD_INTS or not uploads():
+        return mx.array(values, dtype=mx.int32)
+    return mx.concatenate([mx.array(values[i:i + POOL_INTS], dtype=mx.int32) for i in range(0, len(values), POOL_INTS)])
+
+
+def _in_device_memory(array: mx.array) -> mx.array:
+    """A copy of a host-made array that lives in device memory (a GPU op's output), where no host
+    write ever moves its page; the array itself where it cannot be evaluated now (inside a trace)."""
+    copy = array + 0
+    try:
+        mx.eval(copy)
+    except (RuntimeError, ValueError):
+        return array
+    return copy
+
+
 def dims(*values: int) -> mx.array:
     """Shapes as an int32 array: one compile serves every shape, so a new one never waits for NVRTC.
-    Kept per shape: on CUDA the first kernel that reads one moves its page to the GPU, once."""
+    Kept per shape, on CUDA in device memory."""
     if values not in _dims_cache:
-        _dims_cache[values] = mx.array(values, dtype=mx.int32)
+        array = mx.array(values, dtype=mx.int32)
+        _dims_cache[values] = _in_device_memory(array) if uploads() and len(values) > POOL_INTS else array
     return _dims_cache[values]
 
 
@@ -59,7 +102,7 @@ def step_dims(*values: int) -> mx.array:
     position), kept only until another step's (a window's attention layers share it; `dims`
     would keep every cache length's for the life of the process)."""
     if _step_dims[0] != values:
-        _step_dims[:] = [values, mx.array(values, dtype=mx.int32)]
+        _step_dims[:] = [values, device_ints(values)]
     return _step_dims[1]
 
 

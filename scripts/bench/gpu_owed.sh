@@ -17,6 +17,7 @@
 #   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
 #   bash scripts/bench/gpu_owed.sh share     # each kernel's share of a T = 1 and a T = 8 window, launched twice in place
 #   bash scripts/bench/gpu_owed.sh ncu       # every kernel of a T = 1 and a T = 8 window timed by Nsight Compute (~4 min)
+#   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
@@ -190,6 +191,23 @@ ncu)
     # issue 37: the device's own time per kernel, T = 1 against T = 8 (no host in it), with DRAM bytes and occupancy
     python -m scripts.lab.ncu_window --detail --keep "$OUT/ncu_${card}_$tree" --out "$OUT/ncu_window_${card}_$tree.json" 2>&1 | log ncu
     rm -f "$OUT/ncu_${card}_$tree"/*.ncu-rep  # the CSVs hold what the report read; the reports are large
+    ;;
+upload)
+    # issue 37: host ints through MLX's pool and dims in device memory (STRATA_HOST_UPLOAD=1, the
+    # default) against plain managed arrays (0): each kernel's device time under ncu, then short
+    # compares alternating (ncu at a2b63c9: the T = 8 embedding 142 us, a T = 1 combine 200 us)
+    for mode in 0 1; do
+        STRATA_HOST_UPLOAD=$mode python -m scripts.lab.ncu_window --keep "$OUT/ncu_upload${mode}_${card}_$tree" \
+            --out "$OUT/ncu_upload${mode}_${card}_$tree.json" 2>&1 | grep -v "==PROF==" | log upload
+        rm -f "$OUT/ncu_upload${mode}_${card}_$tree"/*.ncu-rep
+    done
+    for round in 1 2; do
+        for mode in 0 1; do
+            echo "== round $round STRATA_HOST_UPLOAD=$mode" | log upload
+            STRATA_HOST_UPLOAD=$mode python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
+                $short_compare --out "$OUT/upload_${round}_${mode}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
+        done
+    done
     ;;
 mma-loop)
     python -m scripts.lab.mma_loop --out "$OUT/mma_loop_${card}_$tree.json" 2>&1 | log mma-loop

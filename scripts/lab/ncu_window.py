@@ -20,6 +20,7 @@ against peak; by name, the sums; and the change from the first T to the last, la
 
     python -m scripts.lab.ncu_window --out ncu_window.json            # GPU with ncu (H100: ncu in /usr/local/cuda/bin)
     python -m scripts.lab.ncu_window --parse report.csv --markers m.json  # read an exported report again
+    python -m scripts.lab.ncu_window --parse KEEP_DIR                     # or a --keep folder, detail too
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ TIME_METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread", "launc
                 "launch__occupancy_limit_registers")
 DETAIL_METRICS = ("dram__bytes_read.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
                   "sm__warps_active.avg.pct_of_peak_sustained_active")
-# a metric's value in the report's unit, scaled to µs (times) or bytes
-UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+# a metric's value in the report's unit, scaled to µs (times) or bytes; ncu 2025 writes "ns",
+# older ones "nsecond". Counts, percentages and the like keep their value.
+UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6,
          "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+UNITLESS = {"", "%", "block", "register/thread", "thread", "warp", "cycle", "inst"}
 
 
 # -- reading ncu's CSV ----------------------------------------------------------------------------
@@ -71,7 +74,10 @@ def number(text: str, unit: str) -> float | None:
         value = float(text)
     except ValueError:
         return None
-    return value * UNITS.get(unit.strip(), 1.0)
+    unit = unit.strip()
+    if unit not in UNITS and unit not in UNITLESS:
+        raise ValueError(f"ncu_window: unknown metric unit {unit!r}: add it to UNITS or UNITLESS")
+    return value * UNITS.get(unit, 1.0)
 
 
 def launches(csv_text: str) -> list[dict]:
@@ -265,6 +271,16 @@ def build_report(time_csv: str, record: dict, detail_csv: str | None = None, det
     return report
 
 
+def kept_run(folder: Path, name: str) -> tuple[str | None, dict | None]:
+    """One run's CSV and child record from a --keep folder; (None, None) where it has none."""
+    csv_path, record = folder / f"{name}.csv", folder / f"{name}.json"
+    if not csv_path.exists() or not record.exists():
+        if name == "time":
+            raise SystemExit(f"ncu_window: {folder} holds no time.csv and time.json (a --keep folder)")
+        return None, None
+    return csv_path.read_text(), json.loads(record.read_text())
+
+
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", default="1,8", help="row counts T")
@@ -277,7 +293,8 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-step-profile")
     parser.add_argument("--detail", action="store_true", help="a second ncu run for DRAM bytes, throughput and warps")
     parser.add_argument("--keep", type=Path, default=None, help="keep ncu's reports and CSVs in this folder")
-    parser.add_argument("--parse", type=Path, default=None, help="read an exported CSV instead of profiling")
+    parser.add_argument("--parse", type=Path, default=None,
+                        help="read an exported CSV (with --markers), or a --keep folder, instead of profiling")
     parser.add_argument("--markers", type=Path, default=None, help="with --parse: the child's JSON record")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -285,7 +302,9 @@ def main(argv=None) -> dict | None:
     if args.child:
         child(args)
         return None
-    if args.parse:
+    if args.parse and args.parse.is_dir():
+        report = build_report(*kept_run(args.parse, "time"), *kept_run(args.parse, "detail"))
+    elif args.parse:
         if not args.markers:
             parser.error("--parse needs --markers (the child's JSON record)")
         report = build_report(args.parse.read_text(), json.loads(args.markers.read_text()))

@@ -34,6 +34,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from metal_shaders.probe import device_ints
+
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
 from .compressed_state import CompressedAttentionState
@@ -189,7 +191,7 @@ class WindowEngine:
         mode = Mode.PARTIAL if self.options.partial else Mode.WINDOW
         rows = self.window_rows(T, pos0)
         ids = list(tokens) + [tokens[-1]] * (rows - T)  # padded rows: never kept (commit checks keep <= T)
-        logits = self._forward(mx.array([ids]), pos0, mode).squeeze(0)  # [0] would be 2 ops
+        logits = self._forward(device_ints(ids).reshape(1, -1), pos0, mode).squeeze(0)  # [0] would be 2 ops
         if logits.dtype == mx.float32 and self._host_logits(rows):
             greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
         else:

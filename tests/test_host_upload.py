@@ -1,0 +1,74 @@
+"""Host ints a window's kernels read (token ids, per-step sizes) and the kept shape arrays: on CUDA
+they reach the GPU through MLX's pool and device memory (probe.device_ints, probe.dims), never with
+other values, another dtype or another shape than `mx.array` gives."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal_shaders import probe
+from strata_cli.engine.window import WindowEngine
+from strata_cli.options import EngineOptions
+
+
+@pytest.fixture
+def uploading(monkeypatch):
+    """The CUDA path on this machine's CPU: pieces joined by concatenate, dims copied by an op."""
+    monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
+    monkeypatch.setattr(probe, "_dims_cache", {})
+    monkeypatch.setattr(probe, "_step_dims", [None, None])
+
+
+def test_off_cuda_host_ints_are_plain_arrays():
+    assert not probe.uploads()
+    ids = probe.device_ints([5, 6, 7])
+    assert ids.dtype == mx.int32 and ids.tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 16, 17, 40])
+def test_uploaded_ints_keep_values_dtype_and_shape(uploading, n):
+    values = [int(v) for v in np.random.default_rng(n).integers(0, 151_936, n)]
+    ids = probe.device_ints(values)
+    assert ids.dtype == mx.int32 and ids.shape == (n,) and ids.tolist() == values
+
+
+def test_uploaded_ints_come_in_pool_sized_pieces(uploading, monkeypatch):
+    made = []
+    real = mx.array
+    monkeypatch.setattr(mx, "array", lambda values, *a, **k: made.append(len(values)) or real(values, *a, **k))
+    probe.device_ints(range(7))
+    assert made == [2, 2, 2, 1]  # each an 8-byte pooled buffer at most
+    made.clear()
+    probe.device_ints(range(probe.MAX_UPLOAD_INTS + 1))  # a prompt's ids: one array
+    assert made == [probe.MAX_UPLOAD_INTS + 1]
+
+
+def test_dims_and_step_dims_keep_their_values_when_uploaded(uploading):
+    kept = probe.dims(8, 2048, 512)
+    assert kept.tolist() == [8, 2048, 512] and probe.dims(8, 2048, 512) is kept
+    assert probe.step_dims(1, 16, 2, 8, 517).tolist() == [1, 16, 2, 8, 517]
+    assert probe.step_dims(1, 16, 2, 8, 518).tolist() == [1, 16, 2, 8, 518]
+
+
+def test_dims_left_as_made_where_they_cannot_be_evaluated(uploading, monkeypatch):
+    def refuse(*arrays):
+        raise ValueError("an eval inside a trace")
+
+    monkeypatch.setattr(mx, "eval", refuse)
+    assert probe.dims(3, 4, 5).tolist() == [3, 4, 5]
+
+
+def test_a_window_gives_the_same_logits_with_its_ids_uploaded(tiny_model, monkeypatch):
+    prompt = [3, 14, 15, 92, 65, 35]
+    window = [89, 79, 32, 38, 46]
+
+    def run():
+        engine = WindowEngine(tiny_model, EngineOptions())
+        engine.prefill(prompt)
+        out = engine.run(window, engine.length)
+        return np.array(out.logits), out.tokens
+
+    plain_logits, plain_tokens = run()
+    monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
+    uploaded_logits, uploaded_tokens = run()
+    assert uploaded_tokens == plain_tokens and np.array_equal(uploaded_logits, plain_logits)
