@@ -201,13 +201,21 @@ upload)
             --out "$OUT/ncu_upload${mode}_${card}_$tree.json" 2>&1 | grep -v "==PROF==" | log upload
         rm -f "$OUT/ncu_upload${mode}_${card}_$tree"/*.ncu-rep
     done
-    for round in 1 2; do
+    for round in $(seq "${UPLOAD_ROUNDS:-2}"); do
         for mode in 0 1; do
             echo "== round $round STRATA_HOST_UPLOAD=$mode" | log upload
             STRATA_HOST_UPLOAD=$mode python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
                 $short_compare --out "$OUT/upload_${round}_${mode}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
         done
     done
+    # and rows_mma's K loop at 4/1/1, mma-loop's winner on the H100 at a2b63c9 (other bits: its identity runs here)
+    echo "== STRATA_HOST_UPLOAD=1, rows_mma 4/1/1" | log upload
+    python - --family qwen3_next --layers 8 --bits 4 $short_compare --out "$OUT/upload_loop411_$tree.json" <<'EOF' 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
+import runpy
+from metal_shaders import rows_mma
+rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = 4, 1, 1
+runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
+EOF
     ;;
 mma-loop)
     python -m scripts.lab.mma_loop --out "$OUT/mma_loop_${card}_$tree.json" 2>&1 | log mma-loop
