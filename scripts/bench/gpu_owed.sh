@@ -17,7 +17,7 @@
 #   bash scripts/bench/gpu_owed.sh profile   # where the T = 8 window's extra time goes (step_profile, launch_cost)
 #   bash scripts/bench/gpu_owed.sh share     # each kernel's share of a T = 1 and a T = 8 window, launched twice in place
 #   bash scripts/bench/gpu_owed.sh ncu       # every kernel of a T = 1 and a T = 8 window timed by Nsight Compute (~4 min)
-#   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min)
+#   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min; UPLOAD_ROUNDS=0: ncu only)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
@@ -209,6 +209,7 @@ upload)
         done
     done
     # and rows_mma's K loop at 4/1/1, mma-loop's winner on the H100 at a2b63c9 (other bits: its identity runs here)
+    [ "${UPLOAD_ROUNDS:-2}" -gt 0 ] || exit 0
     echo "== STRATA_HOST_UPLOAD=1, rows_mma 4/1/1" | log upload
     python - --family qwen3_next --layers 8 --bits 4 $short_compare --out "$OUT/upload_loop411_$tree.json" <<'EOF' 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
 import runpy
