@@ -52,15 +52,22 @@ def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, head
 # side touched them last. A kernel reading such a page after the host wrote any array on it waits
 # for a page fault: under ncu on an H100 (tree a2b63c9) a T = 8 window's embedding took 142 µs
 # against 5 at T = 1, and a T = 1 window's first MoE combine 200 µs against 6 in the other layers.
-# So host ints a window's kernels read go through the pool (`device_ints`) and `dims` are copied to
-# device memory once. STRATA_HOST_UPLOAD=0 makes them plain arrays (the comparison).
+# With STRATA_HOST_UPLOAD=1, host ints a window's kernels read go through the pool (`device_ints`)
+# and `dims` are copied to device memory once. Off by default until a GPU has timed it both ways
+# (gpu_owed.sh upload).
 POOL_INTS = 2  # int32s in one of MLX's pooled 8-byte buffers (mlx/backend/cuda/allocator.cpp)
 MAX_UPLOAD_INTS = 16  # more (a prompt's ids) are made as one array: the fault is paid once for many rows
-_upload = {"enabled": os.environ.get("STRATA_HOST_UPLOAD", "1") != "0", "device": None, "on": False}
+
+
+def upload_asked() -> bool:
+    return os.environ.get("STRATA_HOST_UPLOAD", "0") == "1"
+
+
+_upload = {"enabled": upload_asked(), "device": None, "on": False}
 
 
 def uploads() -> bool:
-    """Whether host ints go to kernels through MLX's pool (CUDA, unless STRATA_HOST_UPLOAD=0)."""
+    """Whether host ints go to kernels through MLX's pool (CUDA, with STRATA_HOST_UPLOAD=1)."""
     device = mx.default_device()
     if _upload["device"] is None or _upload["device"] != device:
         _upload["device"], _upload["on"] = device, _upload["enabled"] and backend() == backends.CUDA

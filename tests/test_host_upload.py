@@ -19,6 +19,14 @@ def uploading(monkeypatch):
     monkeypatch.setattr(probe, "_step_dims", [None, None])
 
 
+def test_uploads_are_asked_for_by_the_environment(monkeypatch):
+    assert not probe.upload_asked()  # off until a GPU has timed it both ways
+    monkeypatch.setenv("STRATA_HOST_UPLOAD", "1")
+    assert probe.upload_asked()
+    monkeypatch.setenv("STRATA_HOST_UPLOAD", "0")
+    assert not probe.upload_asked()
+
+
 def test_off_cuda_host_ints_are_plain_arrays():
     assert not probe.uploads()
     ids = probe.device_ints([5, 6, 7])

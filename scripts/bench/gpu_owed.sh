@@ -193,9 +193,10 @@ ncu)
     rm -f "$OUT/ncu_${card}_$tree"/*.ncu-rep  # the CSVs hold what the report read; the reports are large
     ;;
 upload)
-    # issue 37: host ints through MLX's pool and dims in device memory (STRATA_HOST_UPLOAD=1, the
-    # default) against plain managed arrays (0): each kernel's device time under ncu, then short
-    # compares alternating (ncu at a2b63c9: the T = 8 embedding 142 us, a T = 1 combine 200 us)
+    # issue 37: host ints through MLX's pool and dims in device memory (STRATA_HOST_UPLOAD=1)
+    # against plain managed arrays (0, the default until this stage has run): each kernel's device
+    # time under ncu, then short compares alternating (ncu at a2b63c9: the T = 8 embedding 142 us,
+    # a T = 1 combine 200 us)
     for mode in 0 1; do
         STRATA_HOST_UPLOAD=$mode python -m scripts.lab.ncu_window --keep "$OUT/ncu_upload${mode}_${card}_$tree" \
             --out "$OUT/ncu_upload${mode}_${card}_$tree.json" 2>&1 | grep -v "==PROF==" | log upload
@@ -211,7 +212,7 @@ upload)
     # and rows_mma's K loop at 4/1/1, mma-loop's winner on the H100 at a2b63c9 (other bits: its identity runs here)
     [ "${UPLOAD_ROUNDS:-2}" -gt 0 ] || exit 0
     echo "== STRATA_HOST_UPLOAD=1, rows_mma 4/1/1" | log upload
-    python - --family qwen3_next --layers 8 --bits 4 $short_compare --out "$OUT/upload_loop411_$tree.json" <<'EOF' 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
+    STRATA_HOST_UPLOAD=1 python - --family qwen3_next --layers 8 --bits 4 $short_compare --out "$OUT/upload_loop411_$tree.json" <<'EOF' 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
 import runpy
 from metal_shaders import rows_mma
 rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = 4, 1, 1
