@@ -67,11 +67,14 @@ SCAN = """
 # takes channels l, l+32, ... of its head: conv over the K window rows (float32 fused
 # multiply-adds, j = 0..K-1), silu; a query/key head is l2-normalised (squares summed in the
 # lane's channel order, then the xor butterfly: every lane ends with the same bits), the query
-# also times Dk^-0.5. A value head's lane 0 writes that head's g and beta.
-# dims: B, T, Hk, Hv, Dk, Dv, K; window is (B, K-1+T, C).
+# also times Dk^-0.5. A value head's lane 0 writes that head's g and beta. The conv reads the
+# committed history (B, K-1, C) and the window's raw inputs (B, T, C) where they are, and the call
+# writes them joined (window_out, (B, K-1+T, C): the conv state's next history is a slice of it):
+# the lane of row t and channel c copies raw row t's channel c, and at t = 0 the history's.
+# dims: B, T, Hk, Hv, Dk, Dv, K.
 PREPARE = """
     const int B = dims[0], T = dims[1], Hk = dims[2], Hv = dims[3], Dk = dims[4], Dv = dims[5], K = dims[6];
-    const int C = 2 * Hk * Dk + Hv * Dv, W = K - 1 + T;
+    const int C = 2 * Hk * Dk + Hv * Dv, H = K - 1, W = H + T;
     const int lane = thread_x & 31;
     const int warp = (block_x * block_dim + thread_x) >> 5;
     const int segments = 2 * Hk + Hv;
@@ -87,10 +90,17 @@ PREPARE = """
         const int c = c0 + lane + 32 * m;
         float acc = 0.0f;
         if (lane + 32 * m < D) {
-            for (int j = 0; j < K; ++j)
-                acc = fmaf(static_cast<float>(window[(static_cast<size_t>(b) * W + t + j) * C + c]),
-                           static_cast<float>(conv_weight[static_cast<size_t>(c) * K + j]), acc);
+            for (int j = 0; j < K; ++j) {
+                const int r = t + j;
+                const TX xin = r < H ? history[(static_cast<size_t>(b) * H + r) * C + c]
+                                    : raw[(static_cast<size_t>(b) * T + r - H) * C + c];
+                acc = fmaf(static_cast<float>(xin), static_cast<float>(conv_weight[static_cast<size_t>(c) * K + j]), acc);
+            }
             acc = acc / (1.0f + expf(-acc));
+            window_out[(static_cast<size_t>(b) * W + H + t) * C + c] = raw[(static_cast<size_t>(b) * T + t) * C + c];
+            if (t == 0)
+                for (int r = 0; r < H; ++r)
+                    window_out[(static_cast<size_t>(b) * W + r) * C + c] = history[(static_cast<size_t>(b) * H + r) * C + c];
         }
         x[m] = acc;
         squares = fmaf(acc, acc, squares);
@@ -166,30 +176,37 @@ def gdn_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
     return y, S_out
 
 
-def gdn_prepare(window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
+PREPARE_INPUTS = ["dims", "history", "raw", "conv_weight", "a", "b_in", "A_log", "dt_bias"]
+PREPARE_OUTPUTS = ["q_out", "k_out", "v_out", "g_out", "beta_out", "window_out"]
+
+
+def gdn_prepare(history, raw, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
     """Causal conv + silu + l2norm + scale + gating of a window's rows, on a GPU, in float32.
 
     Args:
-        window: (B, K-1+T, C) raw conv inputs with the K-1 history rows first (model dtype).
+        history: (B, K-1, C) the committed raw conv inputs; raw: (B, T, C) the window's (model dtype).
         conv_weight: (C, K). a, b: (B, T, Hv). A_log, dt_bias: (Hv,).
 
     Returns:
-        q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); all float32.
+        q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv), all float32; and the window
+        (B, K-1+T, C): history and raw joined, in raw's dtype (what a concatenate gives).
     """
-    B, W, C = window.shape
+    B, T, C = raw.shape
     K = conv_weight.shape[1]
-    T, Hv = a.shape[1], a.shape[2]
+    Hv = a.shape[2]
     Hk, Dk = num_k_heads, head_k_dim
     Dv = (C - 2 * Hk * Dk) // Hv
-    kernel = gpu_kernel("strata_gdn_prepare_v2",
-                         ["dims", "window", "conv_weight", "a", "b_in", "A_log", "dt_bias"],
-                         ["q_out", "k_out", "v_out", "g_out", "beta_out"], PREPARE, HEADER)
+    if history.shape != (B, K - 1, C) or history.dtype != raw.dtype:
+        raise ValueError(f"gdn_prepare: history {history.shape} {history.dtype} does not go with raw {raw.shape} "
+                         f"{raw.dtype} and a {K}-tap conv")
+    kernel = gpu_kernel("strata_gdn_prepare_v3", PREPARE_INPUTS, PREPARE_OUTPUTS, PREPARE, HEADER)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
-    template = [("TX", window.dtype), ("TW", conv_weight.dtype), ("TA", a.dtype), ("TB", b.dtype),
+    template = [("TX", raw.dtype), ("TW", conv_weight.dtype), ("TA", a.dtype), ("TB", b.dtype),
                 ("TL", A_log.dtype), ("TD", dt_bias.dtype), ("PER", max(Dk, Dv) // 32)]
-    outputs = kernel(inputs=[dims(B, T, Hk, Hv, Dk, Dv, K), window, conv_weight, a, b, A_log, dt_bias],
-                     template=template, output_dtypes=[mx.float32] * 5,
-                     output_shapes=[(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv)],
+    outputs = kernel(inputs=[dims(B, T, Hk, Hv, Dk, Dv, K), history, raw, conv_weight, a, b, A_log, dt_bias],
+                     template=template, output_dtypes=[mx.float32] * 5 + [raw.dtype],
+                     output_shapes=[(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv),
+                                    (B, K - 1 + T, C)],
                      **prepare_launch(B, T, Hk, Hv))
     return tuple(outputs)
 
@@ -275,14 +292,16 @@ def check(dtypes=PROBE_DTYPES) -> str | None:
         a, b = (mx.random.normal((B, T, Hv), key=key).astype(dtype) for key in keys[2:4])
         A_log, dt_bias = mx.random.uniform(-1, 1, (Hv,), key=keys[4]), mx.random.uniform(0, 1, (Hv,), key=keys[5])
         heads = {"num_k_heads": Hk, "head_k_dim": Dk}
-        together = gdn_prepare(window, weight, a, b, A_log, dt_bias, **heads)
-        alone = [gdn_prepare(window[:, t : t + K], weight, a[:, t : t + 1], b[:, t : t + 1], A_log, dt_bias, **heads)
-                 for t in range(T)]
+        *together, joined = gdn_prepare(window[:, : K - 1], window[:, K - 1 :], weight, a, b, A_log, dt_bias, **heads)
+        alone = [gdn_prepare(window[:, t : t + K - 1], window[:, t + K - 1 : t + K], weight, a[:, t : t + 1],
+                             b[:, t : t + 1], A_log, dt_bias, **heads)[:5] for t in range(T)]
         alone = [mx.concatenate(parts, axis=1) for parts in zip(*alone)]
         expected = reference_prepare(window, weight, a, b, A_log, dt_bias, **heads)
-        mx.eval(together, alone, expected)
+        mx.eval(together, joined, alone, expected)
         if not all(mx.array_equal(x, y).item() for x, y in zip(together, alone)):
             return f"gdn_prepare rows differ with the row count ({dtype})"
+        if not (joined.dtype == window.dtype and mx.array_equal(joined, window).item()):
+            return f"gdn_prepare's joined window is not its history and rows ({dtype})"
         tol = 1e-5 if dtype == mx.float32 else 2e-2  # the reference's conv rounds to bfloat16
         if not all(mx.allclose(x, y, rtol=tol, atol=tol).item() for x, y in zip(together, expected)):
             return f"gdn_prepare and reference disagree ({dtype})"

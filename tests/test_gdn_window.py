@@ -93,10 +93,11 @@ def _emulated_kernels(monkeypatch, emulator, calls):
         calls.append(("scan", q.shape[1]))
         return tuple(mx.array(x) for x in emulator.scan(*(np.array(a) for a in (q, k, v, g, beta, S))))
 
-    def prepare(window, w, a, b, A_log, dt_bias, **heads):  # bfloat16 inputs are read as float32, as the kernel does
+    def prepare(history, raw, w, a, b, A_log, dt_bias, **heads):  # bfloat16 read as float32, as the kernel does
         calls.append(("prepare", a.shape[1]))
-        arrays = (np.array(x.astype(mx.float32)) for x in (window, w, a, b, A_log, dt_bias))
-        return tuple(mx.array(x) for x in emulator.prepare(*arrays, **heads))
+        arrays = (np.array(x.astype(mx.float32)) for x in (history, raw, w, a, b, A_log, dt_bias))
+        *rows, window = emulator.prepare(*arrays, **heads)
+        return (*(mx.array(x) for x in rows), mx.array(window).astype(raw.dtype))
 
     monkeypatch.setattr(gdn_window, "usable", lambda dtype=None: True)
     monkeypatch.setattr(gdn_window, "gdn_scan", scan)
@@ -158,6 +159,24 @@ def test_speculation_with_the_kernels_is_token_identical_to_serial(monkeypatch, 
     assert {n for kind, n in calls if kind == "scan"} > {1}  # multi-row windows went through the kernel
 
 
+@pytest.mark.parametrize("fold, partial", [("lazy", False), ("eager", True)])
+def test_rejected_drafts_leave_the_kernels_joined_history_as_serial_decoding(monkeypatch, emulator, fold, partial):
+    """Forced rejections through the emulated kernels, whose prepare joins history and rows
+    itself (the conv state keeps that join): every keep of T = 2..8 at one offset, logits and
+    committed state against serial decoding, which takes the same kernels at T = 1."""
+    from state_checks import check_forced_rejections, serial_decode
+
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.options import EngineOptions
+
+    model = random_model(tiny_qwen3_next_config(linear_key_head_dim=32, linear_value_head_dim=32), seed=3)
+    calls = []
+    _emulated_kernels(monkeypatch, emulator, calls)
+    serial = serial_decode(model, 20)
+    assert check_forced_rejections(model, EngineOptions(fold=fold, partial=partial), serial, 8, 1e-5) == 35
+    assert {n for kind, n in calls if kind == "prepare"} >= set(range(1, 9))  # every window size took the kernel
+
+
 def test_kernel_bench_times_the_gdn_window_on_the_cpu():
     from scripts.bench import kernel_bench
 
@@ -195,11 +214,13 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
 
     monkeypatch.setattr(gdn_window, "gpu_kernel", fake)
     B, T, Hk, Hv, Dk, Dv, K = 2, 3, 2, 4, 32, 64, 4
-    window = mx.zeros((B, K - 1 + T, 2 * Hk * Dk + Hv * Dv), dtype=mx.bfloat16)
+    C = 2 * Hk * Dk + Hv * Dv
+    history, raw = mx.zeros((B, K - 1, C), dtype=mx.bfloat16), mx.zeros((B, T, C), dtype=mx.bfloat16)
     a = mx.zeros((B, T, Hv), dtype=mx.bfloat16)
-    q, k, v, g, beta = gdn_window.gdn_prepare(window, mx.zeros((window.shape[-1], K), dtype=mx.bfloat16), a, a,
-                                              mx.zeros((Hv,)), mx.zeros((Hv,)), num_k_heads=Hk, head_k_dim=Dk)
+    q, k, v, g, beta, window = gdn_window.gdn_prepare(history, raw, mx.zeros((C, K), dtype=mx.bfloat16), a, a,
+                                                      mx.zeros((Hv,)), mx.zeros((Hv,)), num_k_heads=Hk, head_k_dim=Dk)
     assert [x.shape for x in (q, k, v, g, beta)] == [(B, T, Hk, Dk)] * 2 + [(B, T, Hv, Dv)] + [(B, T, Hv)] * 2
+    assert window.shape == (B, K - 1 + T, C) and window.dtype == mx.bfloat16
     y, S = gdn_window.gdn_scan(q, k, v, g, beta, mx.zeros((B, Hv, Dk, Dv)))
     assert y.shape == (B, T, Hv, Dv) and S.shape == (B, Hv, Dk, Dv)
     (prepare_source, prepare), (scan_source, scan) = calls
@@ -208,7 +229,11 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
     assert dict(prepare["template"]) == {"TX": mx.bfloat16, "TW": mx.bfloat16, "TA": mx.bfloat16, "TB": mx.bfloat16,
                                          "TL": mx.float32, "TD": mx.float32, "PER": 2}
     assert dict(scan["template"])["DK"] == Dk and len(scan["template"]) == 7
-    assert all(d == mx.float32 for d in prepare["output_dtypes"] + scan["output_dtypes"])
+    assert all(d == mx.float32 for d in prepare["output_dtypes"][:5] + scan["output_dtypes"])
+    assert prepare["output_dtypes"][5] == mx.bfloat16  # the joined window keeps the rows' dtype
+    with pytest.raises(ValueError, match="does not go with raw"):
+        gdn_window.gdn_prepare(history[:, 1:], raw, mx.zeros((C, K), dtype=mx.bfloat16), a, a, mx.zeros((Hv,)),
+                               mx.zeros((Hv,)), num_k_heads=Hk, head_k_dim=Dk)
 
 
 @pytest.mark.parametrize("nk, nv", [(2, 4), (3, 3)])

@@ -356,11 +356,12 @@ def bench_gdn(name: str, Hk: int, Hv: int, Dk: int, Dv: int, *, use_kernel: bool
     mx.eval(window, weight, a, b, A_log, dt_bias, S)
 
     def step(R, t0=0, *, kernel=use_kernel, state=S):
-        prepare, scan = ((gdn_window.gdn_prepare, gdn_window.gdn_scan) if kernel
-                         else (gdn_window.reference_prepare, gdn_window.reference_scan))
-        rows = prepare(window[:, t0 : t0 + conv_kernel - 1 + R], weight, a[:, t0 : t0 + R], b[:, t0 : t0 + R],
-                       A_log, dt_bias, **heads)
-        return scan(*rows, state)
+        joined = window[:, t0 : t0 + conv_kernel - 1 + R]
+        ab = (weight, a[:, t0 : t0 + R], b[:, t0 : t0 + R], A_log, dt_bias)
+        if kernel:  # the history and rows as the layer hands them over; the joined window left out
+            rows = gdn_window.gdn_prepare(joined[:, : conv_kernel - 1], joined[:, conv_kernel - 1 :], *ab, **heads)[:5]
+            return gdn_window.gdn_scan(*rows, state)
+        return gdn_window.reference_scan(*gdn_window.reference_prepare(joined, *ab, **heads), state)
 
     return _scan_records(step, S, name=name, K=C, N=Hv * Dv, repeats=repeats, inner=inner, peak_gbs=peak_gbs)
 

@@ -370,8 +370,7 @@ int main(int argc, char** argv) {
 # name: (inputs, outputs, body); every array float32 but dims
 GDN_KINDS = {
     "scan": (["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], gdn_window.SCAN),
-    "prepare": (["dims", "window", "conv_weight", "a", "b_in", "A_log", "dt_bias"],
-                ["q_out", "k_out", "v_out", "g_out", "beta_out"], gdn_window.PREPARE),
+    "prepare": (gdn_window.PREPARE_INPUTS, gdn_window.PREPARE_OUTPUTS, gdn_window.PREPARE),
 }
 
 
@@ -425,17 +424,17 @@ class GDNEmulator:
         return self._run("scan", Dk, [np.array([B, T, Hk, Hv, Dv], np.int32), q, k, v, g, beta, S],
                          gdn_window.scan_launch(B, Hv, Dv), [(B, T, Hv, Dv), (B, Hv, Dk, Dv)])
 
-    def prepare(self, window, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
-        """gdn_window.gdn_prepare's launch, emulated: [q, k, v, g, beta]."""
-        B, W, C = window.shape
+    def prepare(self, history, raw, conv_weight, a, b, A_log, dt_bias, *, num_k_heads: int, head_k_dim: int):
+        """gdn_window.gdn_prepare's launch, emulated: [q, k, v, g, beta, window]."""
+        B, T, C = raw.shape
         K = conv_weight.shape[1]
-        T, Hv = a.shape[1:]
+        Hv = a.shape[2]
         Hk, Dk = num_k_heads, head_k_dim
         Dv = (C - 2 * Hk * Dk) // Hv
         return self._run("prepare", max(Dk, Dv) // 32,
-                         [np.array([B, T, Hk, Hv, Dk, Dv, K], np.int32), window, conv_weight, a, b, A_log, dt_bias],
-                         gdn_window.prepare_launch(B, T, Hk, Hv),
-                         [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv)])
+                         [np.array([B, T, Hk, Hv, Dk, Dv, K], np.int32), history, raw, conv_weight, a, b, A_log,
+                          dt_bias], gdn_window.prepare_launch(B, T, Hk, Hv),
+                         [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv), (B, K - 1 + T, C)])
 
 
 # name: (inputs, outputs, body); every array float32 but dims
@@ -544,14 +543,16 @@ def check_gdn(emu: GDNEmulator, B: int, Hk: int, Hv: int, Dk: int, Dv: int, *, r
     heads = {"num_k_heads": Hk, "head_k_dim": Dk}
     K = w.shape[1]
     np_in = [_f32(x) for x in (window, w, a, b, A_log, dt_bias)]
-    alone = [emu.prepare(np_in[0][:, t : t + K], np_in[1], np_in[2][:, t : t + 1], np_in[3][:, t : t + 1],
-                         *np_in[4:], **heads) for t in range(T_max)]
+    alone = [emu.prepare(np_in[0][:, t : t + K - 1], np_in[0][:, t + K - 1 : t + K], np_in[1], np_in[2][:, t : t + 1],
+                         np_in[3][:, t : t + 1], *np_in[4:], **heads)[:5] for t in range(T_max)]
     alone = [np.concatenate(parts, axis=1) for parts in zip(*alone)]
     ok = True
     for T in rows:
-        got = emu.prepare(np_in[0][:, : K - 1 + T], np_in[1], np_in[2][:, :T], np_in[3][:, :T], *np_in[4:], **heads)
+        *got, joined = emu.prepare(np_in[0][:, : K - 1], np_in[0][:, K - 1 : K - 1 + T], np_in[1], np_in[2][:, :T],
+                                   np_in[3][:, :T], *np_in[4:], **heads)
         expected = gdn_window.reference_prepare(window[:, : K - 1 + T], w, a[:, :T], b[:, :T], A_log, dt_bias, **heads)
-        same = all(np.array_equal(x, y[:, :T]) for x, y in zip(got, alone))
+        same = (all(np.array_equal(x, y[:, :T]) for x, y in zip(got, alone))
+                and np.array_equal(joined, np_in[0][:, : K - 1 + T]))  # the window joined, every cell written
         diff = max(_relative(x, _f32(y)) for x, y in zip(got, expected))
         ok &= _report(f"gdn_prepare Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}", T, same, diff, tol)
 
@@ -1613,9 +1614,9 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                           (MAPPED_KINDS, "", kernels.COLS))
               for kind in kinds for rows_ in (1, 8)),
             (f"gdn_prepare_{tn}", gdn_window.HEADER,
-             ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight", f"const {t}* a",
-              f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
-             + [f"float* {n}" for n in GDN_KINDS["prepare"][1]],
+             ["const int32_t* dims", f"const {t}* history", f"const {t}* raw", f"const {t}* conv_weight",
+              f"const {t}* a", f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
+             + [f"float* {n}" for n in GDN_KINDS["prepare"][1][:-1]] + [f"{t}* window_out"],
              f"using TX = {t}; using TW = {t}; using TA = {t}; using TB = {t}; using TL = float; using TD = float; "
              "constexpr int PER = 4;", gdn_window.PREPARE),
         ]

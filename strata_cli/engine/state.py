@@ -320,12 +320,22 @@ class GDNState:
 
     def conv_window(self, raw: mx.array) -> mx.array:
         """Prepend the committed history to the window's raw conv inputs (B, T, C)."""
-        B, T, C = raw.shape
+        return self.take_window(mx.concatenate([self.conv_history(raw), raw], axis=1))
+
+    def conv_history(self, raw: mx.array) -> mx.array:
+        """The committed history (B, K-1, C) before the window's raw conv inputs `raw` (B, T, C),
+        for a kernel that joins them itself (`take_window` then takes its join)."""
+        B, _, C = raw.shape
         if self.history is None:
             self.history = mx.zeros((B, self.num_history, C), dtype=raw.dtype)
-        self._joined, self._joined_host = mx.concatenate([self.history, raw], axis=1), None
-        self._slide_history(T)
-        return self._joined
+        return self.history
+
+    def take_window(self, joined: mx.array) -> mx.array:
+        """This window's history and raw conv inputs joined, (B, K-1+T, C): kept for the history
+        a commit leaves."""
+        self._joined, self._joined_host = joined, None
+        self._slide_history(joined.shape[1] - self.num_history)
+        return joined
 
     def conv_window_host(self, raw: np.ndarray) -> np.ndarray:
         """`conv_window` for numpy rows (B, T, C), float32, as the CPU's host path computes: the

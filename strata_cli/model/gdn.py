@@ -234,16 +234,17 @@ class GatedDeltaNet(nn.Module):
     def core(self, raw: mx.array, b: mx.array, a: mx.array, state: RecurrentState) -> mx.array:
         """Causal conv over the state's history and the gated-delta recurrence from its state."""
         T = raw.shape[1]
-        window = state.conv_window(raw)
         is_kernel = self.takes_kernels(T, raw.dtype)
         heads = {"num_k_heads": self.num_k_heads, "head_k_dim": self.head_k_dim}
-        if is_kernel:
-            prepare = partial(gdn_window.gdn_prepare, **heads)
-        elif LayerCompile.applies_to_state(T):
-            prepare = compiled_prepare(self.num_k_heads, self.head_k_dim)
+        if is_kernel:  # the kernel joins history and rows itself (no concatenate's two copies)
+            *prepared, window = gdn_window.gdn_prepare(state.conv_history(raw), raw, self.conv1d.weight, a, b,
+                                                       self.A_log, self.dt_bias, **heads)
+            state.take_window(window)
+            q, k, v, g, beta = prepared
         else:
-            prepare = partial(gdn_window.reference_prepare, **heads)
-        q, k, v, g, beta = prepare(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias)
+            prepare = (compiled_prepare(self.num_k_heads, self.head_k_dim) if LayerCompile.applies_to_state(T)
+                       else partial(gdn_window.reference_prepare, **heads))
+            q, k, v, g, beta = prepare(state.conv_window(raw), self.conv1d.weight, a, b, self.A_log, self.dt_bias)
         # Prompt chunks take the chunked form; decode windows keep the exact per-row scan (the
         # state's commit folds reuse the same `scan`, so they repeat the window's arithmetic).
         if is_kernel:

@@ -84,6 +84,12 @@ class RecurrentState(Protocol):
     def conv_window(self, raw: mx.array) -> mx.array:
         """Prepend the committed history to the window's raw conv inputs (B, T, C)."""
 
+    def conv_history(self, raw: mx.array) -> mx.array:
+        """The committed history (B, K-1, C), for a kernel that joins it to `raw` itself."""
+
+    def take_window(self, joined: mx.array) -> mx.array:
+        """The window such a kernel joined, (B, K-1+T, C), kept as `conv_window` keeps its own."""
+
     def conv_window_host(self, raw: np.ndarray) -> np.ndarray:
         """`conv_window` for numpy rows (the CPU's host path): the same cells, in numpy."""
 
