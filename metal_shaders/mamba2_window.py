@@ -61,10 +61,13 @@ SCAN = """
 # One thread per (b, t, conv channel c) and per (b, t, head h). A channel: conv over its K window
 # rows (float32 fused multiply-adds, j = 0..K-1) plus the bias, silu, written to x, B or C. A
 # head: dt = clip(softplus(dt + dt_bias), lo, hi) (softplus as MLX's logaddexp(u, 0)) and
-# g = dt·(-exp(A_log)). dims: B, T, H, P, G, N, K; window is (B, K-1+T, C); limits (lo, hi).
+# g = dt·(-exp(A_log)). The conv reads the committed history (B, K-1, C) and the window's raw
+# rows (B, T, C) where they are, and the call writes them joined (window_out, (B, K-1+T, C)): the
+# thread of row t and channel c copies raw row t's channel c, and at t = 0 the history's.
+# dims: B, T, H, P, G, N, K; limits (lo, hi).
 PREPARE = """
     const int B = dims[0], T = dims[1], H = dims[2], P = dims[3], G = dims[4], N = dims[5], K = dims[6];
-    const int HP = H * P, C = HP + 2 * G * N, W = K - 1 + T;
+    const int HP = H * P, C = HP + 2 * G * N, HIST = K - 1, W = HIST + T;
     const int gid = block_x * block_dim + thread_x;
     if (gid >= B * T * (C + H)) return;
     const int per_row = C + H;
@@ -73,9 +76,16 @@ PREPARE = """
     const int t = static_cast<int>(bt % T), b = static_cast<int>(bt / T);
     if (r < C) {
         float acc = 0.0f;
-        for (int j = 0; j < K; ++j)
-            acc = fmaf(static_cast<float>(window[(static_cast<size_t>(b) * W + t + j) * C + r]),
-                       static_cast<float>(conv_weight[static_cast<size_t>(r) * K + j]), acc);
+        for (int j = 0; j < K; ++j) {
+            const int row = t + j;
+            const T0 xin = row < HIST ? history[(static_cast<size_t>(b) * HIST + row) * C + r]
+                                      : raw[(static_cast<size_t>(b) * T + row - HIST) * C + r];
+            acc = fmaf(static_cast<float>(xin), static_cast<float>(conv_weight[static_cast<size_t>(r) * K + j]), acc);
+        }
+        window_out[(static_cast<size_t>(b) * W + HIST + t) * C + r] = raw[(static_cast<size_t>(b) * T + t) * C + r];
+        if (t == 0)
+            for (int row = 0; row < HIST; ++row)
+                window_out[(static_cast<size_t>(b) * W + row) * C + r] = history[(static_cast<size_t>(b) * HIST + row) * C + r];
         acc = acc + static_cast<float>(conv_bias[r]);
         acc = acc / (1.0f + expf(-acc));
         if (r < HP) x_out[bt * HP + r] = acc;
@@ -132,34 +142,41 @@ def mamba2_scan(x, Bm, Cm, dt, g, S) -> tuple[mx.array, mx.array]:
     return y, S_out
 
 
-def mamba2_prepare(window, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_heads: int, head_dim: int,
+PREPARE_INPUTS = ["dims", "history", "raw", "conv_weight", "conv_bias", "dt_in", "dt_bias", "A_log", "limits"]
+PREPARE_OUTPUTS = ["x_out", "B_out", "C_out", "dt_out", "g_out", "window_out"]
+
+
+def mamba2_prepare(history, raw, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_heads: int, head_dim: int,
                    n_groups: int, state_size: int, dt_limits: tuple[float, float]):
     """Causal conv + bias + silu + split, and dt's softplus, limits and log decay of a window's
     rows, on a GPU, in float32.
 
     Args:
-        window: (B, K-1+T, C) raw conv inputs with the K-1 history rows first (model dtype).
+        history: (B, K-1, C) the committed raw conv inputs; raw: (B, T, C) the window's (model dtype).
         conv_weight: (C, K). conv_bias: (C,) or None. dt: (B, T, H) raw. dt_bias, A_log: (H,).
         dt_limits: (min, max) of dt after the softplus.
 
     Returns:
-        x (B, T, H, P); Bm, Cm (B, T, G, N); dt, g (B, T, H); all float32.
+        x (B, T, H, P); Bm, Cm (B, T, G, N); dt, g (B, T, H), all float32; and the window
+        (B, K-1+T, C): history and raw joined, in raw's dtype (what a concatenate gives).
     """
-    B, W, C = window.shape
+    B, T, C = raw.shape
     K = conv_weight.shape[1]
-    T, H = dt.shape[1], dt.shape[2]
+    H = dt.shape[2]
     P, G, N = head_dim, n_groups, state_size
+    if history.shape != (B, K - 1, C) or history.dtype != raw.dtype:
+        raise ValueError(f"mamba2_prepare: history {history.shape} {history.dtype} does not go with raw {raw.shape} "
+                         f"{raw.dtype} and a {K}-tap conv")
     if conv_bias is None:
         conv_bias = _constant(("zeros", C), lambda: mx.zeros((C,), dtype=mx.float32))  # + 0 changes no value
     limits = _constant(("limits", *dt_limits), lambda: mx.array(dt_limits, dtype=mx.float32))
-    kernel = gpu_kernel("strata_mamba2_prepare",
-                        ["dims", "window", "conv_weight", "conv_bias", "dt_in", "dt_bias", "A_log", "limits"],
-                        ["x_out", "B_out", "C_out", "dt_out", "g_out"], PREPARE)
+    kernel = gpu_kernel("strata_mamba2_prepare_v2", PREPARE_INPUTS, PREPARE_OUTPUTS, PREPARE)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
-    template = [(f"T{i}", a.dtype) for i, a in enumerate((window, conv_weight, conv_bias, dt, dt_bias, A_log))]
-    outputs = kernel(inputs=[dims(B, T, H, P, G, N, K), window, conv_weight, conv_bias, dt, dt_bias, A_log, limits],
-                     template=template, output_dtypes=[mx.float32] * 5,
-                     output_shapes=[(B, T, H, P), (B, T, G, N), (B, T, G, N), (B, T, H), (B, T, H)],
+    template = [(f"T{i}", a.dtype) for i, a in enumerate((raw, conv_weight, conv_bias, dt, dt_bias, A_log))]
+    outputs = kernel(inputs=[dims(B, T, H, P, G, N, K), history, raw, conv_weight, conv_bias, dt, dt_bias, A_log,
+                             limits],
+                     template=template, output_dtypes=[mx.float32] * 5 + [raw.dtype],
+                     output_shapes=[(B, T, H, P), (B, T, G, N), (B, T, G, N), (B, T, H), (B, T, H), (B, K - 1 + T, C)],
                      **prepare_launch(B, T, C, H))
     return tuple(outputs)
 
@@ -245,19 +262,22 @@ def check(dtypes=PROBE_DTYPES) -> str | None:
     shapes = {"num_heads": H, "head_dim": P, "n_groups": G, "state_size": N, "dt_limits": (0.001, float("inf"))}
     for dtype in dtypes:
         window, weight, bias, dt, dt_bias, A_log = probe_inputs(B, T, H, P, G, N, K=K, dtype=dtype, seed=21)
-        together = mamba2_prepare(window, weight, bias, dt, dt_bias, A_log, **shapes)
-        alone = [mamba2_prepare(window[:, t : t + K], weight, bias, dt[:, t : t + 1], dt_bias, A_log, **shapes)
-                 for t in range(T)]
+        *together, joined = mamba2_prepare(window[:, : K - 1], window[:, K - 1 :], weight, bias, dt, dt_bias, A_log,
+                                           **shapes)
+        alone = [mamba2_prepare(window[:, t : t + K - 1], window[:, t + K - 1 : t + K], weight, bias, dt[:, t : t + 1],
+                                dt_bias, A_log, **shapes)[:5] for t in range(T)]
         alone = [mx.concatenate(parts, axis=1) for parts in zip(*alone)]
         # The kernel reads the inputs' values and computes in float32: so is the reference here
         # (in the model dtype its conv would round to it, 3e-2 off in bfloat16).
         as_float32 = [a.astype(mx.float32) for a in (window, weight, bias, dt, dt_bias, A_log)]
         expected = reference_prepare(*as_float32, **shapes)
-        mx.eval(together, alone, expected)
+        mx.eval(together, joined, alone, expected)
         if not all(mx.array_equal(x, y).item() for x, y in zip(together, alone)):
             return f"mamba2_prepare rows differ with the row count ({dtype})"
         if not all(mx.allclose(x, y, rtol=1e-5, atol=1e-5).item() for x, y in zip(together, expected)):
             return f"mamba2_prepare and reference disagree ({dtype})"
+        if not (joined.dtype == window.dtype and mx.array_equal(joined, window).item()):
+            return f"mamba2_prepare's joined window is not its history and rows ({dtype})"
     x, Bm, Cm, dt, g = together
     S = mx.random.normal((B, H, P, N), key=mx.random.key(22)) * 0.1
     y, S_final = mamba2_scan(x, Bm, Cm, dt, g, S)

@@ -199,6 +199,14 @@ def test_the_start_up_probe_passes_row_invariant_kernels_and_refuses_others(monk
 
     monkeypatch.setattr(gdn_window, "gdn_scan", drifting_scan)
     assert gdn_window.check() == "gdn_scan rows differ with the row count"
+    emulated_prepare = gdn_window.gdn_prepare
+
+    def stale_history(history, raw, *rest, **heads):  # the rows right, the joined window's history not
+        *rows, window = emulated_prepare(history, raw, *rest, **heads)
+        return (*rows, mx.concatenate([mx.zeros_like(history), raw], axis=1))
+
+    monkeypatch.setattr(gdn_window, "gdn_prepare", stale_history)
+    assert gdn_window.check() == "gdn_prepare's joined window is not its history and rows (mlx.core.float32)"
 
 
 def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):

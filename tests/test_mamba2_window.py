@@ -92,10 +92,12 @@ def _emulated_kernels(monkeypatch, emulator, calls):
         calls.append(("scan", x.shape[1]))
         return tuple(mx.array(a) for a in emulator.scan(*(np.array(a) for a in (x, Bm, Cm, dt, g, S))))
 
-    def prepare(window, w, bias, dt, dt_bias, A_log, **shapes):  # bfloat16 inputs read as float32, as the kernel does
+    def prepare(history, raw, w, bias, dt, dt_bias, A_log, **shapes):  # bfloat16 read as float32, as the kernel does
         calls.append(("prepare", dt.shape[1]))
-        arrays = [None if a is None else np.array(a.astype(mx.float32)) for a in (window, w, bias, dt, dt_bias, A_log)]
-        return tuple(mx.array(a) for a in emulator.prepare(*arrays, **shapes))
+        arrays = [None if a is None else np.array(a.astype(mx.float32))
+                  for a in (history, raw, w, bias, dt, dt_bias, A_log)]
+        *rows, window = emulator.prepare(*arrays, **shapes)
+        return (*(mx.array(a) for a in rows), mx.array(window).astype(raw.dtype))
 
     monkeypatch.setattr(mamba2_window, "usable", lambda dtype=None: True)
     monkeypatch.setattr(mamba2_window, "mamba2_scan", scan)
@@ -157,6 +159,24 @@ def test_speculation_with_the_kernels_is_token_identical_to_serial(monkeypatch, 
     assert {n for kind, n in calls if kind == "scan"} > {1}  # multi-row windows went through the kernel
 
 
+@pytest.mark.parametrize("fold, partial", [("lazy", False), ("eager", True)])
+def test_rejected_drafts_leave_the_kernels_joined_history_as_serial_decoding(monkeypatch, emulator, fold, partial):
+    """Forced rejections through the emulated kernels, whose prepare joins history and rows
+    itself (the conv state keeps that join): every keep of T = 2..8 at one offset, logits and
+    committed state against serial decoding, which takes the same kernels at T = 1."""
+    from state_checks import check_forced_rejections, serial_decode
+
+    from strata_cli.bench import hybrid_probe
+    from strata_cli.options import EngineOptions
+
+    model = hybrid_probe.build_model()
+    calls = []
+    _emulated_kernels(monkeypatch, emulator, calls)
+    serial = serial_decode(model, 20)
+    assert check_forced_rejections(model, EngineOptions(fold=fold, partial=partial), serial, 8, 1e-5) == 35
+    assert {n for kind, n in calls if kind == "prepare"} >= set(range(1, 9))  # every window size took the kernel
+
+
 def test_the_start_up_probe_passes_row_invariant_kernels_and_refuses_others(monkeypatch, emulator):
     """The probe's own checks (float32 and bfloat16), run here on the emulated kernels."""
     calls = []
@@ -191,12 +211,13 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
     monkeypatch.setattr(mamba2_window, "gpu_kernel", fake)
     B, T, H, P, G, N, K = 2, 3, 4, 16, 2, 32, 4
     C = H * P + 2 * G * N
-    window = mx.zeros((B, K - 1 + T, C), dtype=mx.bfloat16)
+    history, raw = mx.zeros((B, K - 1, C), dtype=mx.bfloat16), mx.zeros((B, T, C), dtype=mx.bfloat16)
     dt = mx.zeros((B, T, H), dtype=mx.bfloat16)
     shapes = dict(SHAPES, dt_limits=(0.001, 0.5))
-    x, Bm, Cm, step, g = mamba2_window.mamba2_prepare(window, mx.zeros((C, K), dtype=mx.bfloat16), None, dt,
-                                                      mx.zeros((H,)), mx.zeros((H,)), **shapes)
+    x, Bm, Cm, step, g, window = mamba2_window.mamba2_prepare(history, raw, mx.zeros((C, K), dtype=mx.bfloat16), None,
+                                                              dt, mx.zeros((H,)), mx.zeros((H,)), **shapes)
     assert [a.shape for a in (x, Bm, Cm, step, g)] == [(B, T, H, P)] + [(B, T, G, N)] * 2 + [(B, T, H)] * 2
+    assert window.shape == (B, K - 1 + T, C) and window.dtype == mx.bfloat16
     y, S = mamba2_window.mamba2_scan(x, Bm, Cm, step, g, mx.zeros((B, H, P, N)))
     assert y.shape == (B, T, H, P) and S.shape == (B, H, P, N)
     (prepare_source, prepare_inputs, prepare), (scan_source, _, scan) = calls
@@ -208,7 +229,11 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
     assert [d for _, d in prepare["template"]] == [mx.bfloat16, mx.bfloat16, mx.float32, mx.bfloat16, mx.float32,
                                                    mx.float32]
     assert dict(scan["template"])["NS"] == N and len(scan["template"]) == 7
-    assert all(d == mx.float32 for d in prepare["output_dtypes"] + scan["output_dtypes"])
+    assert all(d == mx.float32 for d in prepare["output_dtypes"][:5] + scan["output_dtypes"])
+    assert prepare["output_dtypes"][5] == mx.bfloat16  # the joined window keeps the rows' dtype
+    with pytest.raises(ValueError, match="does not go with raw"):
+        mamba2_window.mamba2_prepare(history[:, 1:], raw, mx.zeros((C, K), dtype=mx.bfloat16), None, dt,
+                                     mx.zeros((H,)), mx.zeros((H,)), **shapes)
 
 
 def test_kernel_bench_times_the_mamba2_window_on_the_cpu():

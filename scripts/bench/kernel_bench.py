@@ -406,11 +406,13 @@ def bench_mamba2(name: str, H: int, P: int, G: int, N: int, *, use_kernel: bool,
     mx.eval(window, weight, bias, dt, dt_bias, A_log, S)
 
     def step(R, t0=0, *, kernel=use_kernel, state=S):
-        prepare, scan = ((mamba2_window.mamba2_prepare, mamba2_window.mamba2_scan) if kernel
-                         else (mamba2_window.reference_prepare, mamba2_window.reference_scan))
-        rows = prepare(window[:, t0 : t0 + conv_kernel - 1 + R], weight, bias, dt[:, t0 : t0 + R], dt_bias, A_log,
-                       **shapes)
-        return scan(*rows, state)
+        joined = window[:, t0 : t0 + conv_kernel - 1 + R]
+        rest = (weight, bias, dt[:, t0 : t0 + R], dt_bias, A_log)
+        if kernel:  # the history and rows as the layer hands them over; the joined window left out
+            rows = mamba2_window.mamba2_prepare(joined[:, : conv_kernel - 1], joined[:, conv_kernel - 1 :], *rest,
+                                                **shapes)[:5]
+            return mamba2_window.mamba2_scan(*rows, state)
+        return mamba2_window.reference_scan(*mamba2_window.reference_prepare(joined, *rest, **shapes), state)
 
     return _scan_records(step, S, name=name, K=H * P + 2 * G * N, N=H * P, repeats=repeats, inner=inner,
                          peak_gbs=peak_gbs)

@@ -440,8 +440,7 @@ class GDNEmulator:
 # name: (inputs, outputs, body); every array float32 but dims
 MAMBA2_KINDS = {
     "scan": (["dims", "x", "Bm", "Cm", "dt", "g", "S"], ["y", "S_out"], mamba2_window.SCAN),
-    "prepare": (["dims", "window", "conv_weight", "conv_bias", "dt_in", "dt_bias", "A_log", "limits"],
-                ["x_out", "B_out", "C_out", "dt_out", "g_out"], mamba2_window.PREPARE),
+    "prepare": (mamba2_window.PREPARE_INPUTS, mamba2_window.PREPARE_OUTPUTS, mamba2_window.PREPARE),
 }
 
 
@@ -464,18 +463,18 @@ class Mamba2Emulator(GDNEmulator):
         return self._run("scan", N, [np.array([B, T, H, G, P], np.int32), x, Bm, Cm, dt, g, S],
                          mamba2_window.scan_launch(B, H, P), [(B, T, H, P), (B, H, P, N)])
 
-    def prepare(self, window, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_heads: int, head_dim: int,
+    def prepare(self, history, raw, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_heads: int, head_dim: int,
                 n_groups: int, state_size: int, dt_limits: tuple[float, float]):
-        """mamba2_window.mamba2_prepare's launch, emulated: [x, B, C, dt, g]."""
-        B, W, C = window.shape
+        """mamba2_window.mamba2_prepare's launch, emulated: [x, B, C, dt, g, window]."""
+        B, T, C = raw.shape
         K = conv_weight.shape[1]
-        T, H, P, G, N = dt.shape[1], num_heads, head_dim, n_groups, state_size
+        H, P, G, N = num_heads, head_dim, n_groups, state_size
         if conv_bias is None:
             conv_bias = np.zeros(C, np.float32)
-        return self._run("prepare", 0, [np.array([B, T, H, P, G, N, K], np.int32), window, conv_weight, conv_bias, dt,
-                                        dt_bias, A_log, np.array(dt_limits, np.float32)],
+        return self._run("prepare", 0, [np.array([B, T, H, P, G, N, K], np.int32), history, raw, conv_weight,
+                                        conv_bias, dt, dt_bias, A_log, np.array(dt_limits, np.float32)],
                          mamba2_window.prepare_launch(B, T, C, H),
-                         [(B, T, H, P), (B, T, G, N), (B, T, G, N), (B, T, H), (B, T, H)])
+                         [(B, T, H, P), (B, T, G, N), (B, T, G, N), (B, T, H), (B, T, H), (B, K - 1 + T, C)])
 
 
 def check_mamba2(emu: Mamba2Emulator, B: int, H: int, P: int, G: int, N: int, *, rows=range(1, 9), tol=1e-5,
@@ -490,16 +489,18 @@ def check_mamba2(emu: Mamba2Emulator, B: int, H: int, P: int, G: int, N: int, *,
     K = w.shape[1]
     np_bias = None if conv_bias is None else _f32(conv_bias)
     np_in = [_f32(x) for x in (window, w, dt, dt_bias, A_log)]
-    alone = [emu.prepare(np_in[0][:, t : t + K], np_in[1], np_bias, np_in[2][:, t : t + 1], *np_in[3:], **shapes)
-             for t in range(T_max)]
+    alone = [emu.prepare(np_in[0][:, t : t + K - 1], np_in[0][:, t + K - 1 : t + K], np_in[1], np_bias,
+                         np_in[2][:, t : t + 1], *np_in[3:], **shapes)[:5] for t in range(T_max)]
     alone = [np.concatenate(parts, axis=1) for parts in zip(*alone)]
     ok = True
     where = f"H={H} P={P} G={G} N={N}" + ("" if bias else " no bias")
     for T in rows:
-        got = emu.prepare(np_in[0][:, : K - 1 + T], np_in[1], np_bias, np_in[2][:, :T], *np_in[3:], **shapes)
+        *got, joined = emu.prepare(np_in[0][:, : K - 1], np_in[0][:, K - 1 : K - 1 + T], np_in[1], np_bias,
+                                   np_in[2][:, :T], *np_in[3:], **shapes)
         expected = mamba2_window.reference_prepare(window[:, : K - 1 + T], w, conv_bias, dt[:, :T], dt_bias, A_log,
                                                    **shapes)
-        same = all(np.array_equal(x, y[:, :T]) for x, y in zip(got, alone))
+        same = (all(np.array_equal(x, y[:, :T]) for x, y in zip(got, alone))
+                and np.array_equal(joined, np_in[0][:, : K - 1 + T]))  # the window joined, every cell written
         diff = max(_relative(x, _f32(y)) for x, y in zip(got, expected))
         ok &= _report(f"mamba2_prepare {where}", T, same, diff, tol)
 
@@ -1621,9 +1622,10 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
              "constexpr int PER = 4;", gdn_window.PREPARE),
         ]
         kernels_out.append((f"mamba2_prepare_{tn}", "",
-                            ["const int32_t* dims", f"const {t}* window", f"const {t}* conv_weight",
+                            ["const int32_t* dims", f"const {t}* history", f"const {t}* raw", f"const {t}* conv_weight",
                              f"const {t}* conv_bias", f"const {t}* dt_in", "const float* dt_bias", "const float* A_log",
-                             "const float* limits"] + [f"float* {n}" for n in MAMBA2_KINDS["prepare"][1]],
+                             "const float* limits"] + [f"float* {n}" for n in MAMBA2_KINDS["prepare"][1][:-1]]
+                            + [f"{t}* window_out"],
                             " ".join(f"using T{i} = {u};" for i, u in enumerate((t, t, t, t, "float", "float"))),
                             mamba2_window.PREPARE))
         for D in (64, 256):  # inputs passed as views: each with its strides, as MLX declares them

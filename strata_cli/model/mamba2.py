@@ -203,11 +203,14 @@ class Mamba2Mixer(nn.Module):
         y (B, T, I) float32, the D skip included."""
         B, T, _ = xBC.shape
         is_kernel = self.takes_kernels(T, xBC.dtype)
-        prepare = mamba2_window.mamba2_prepare if is_kernel else mamba2_window.reference_prepare
-        x, b, c, dt, g = prepare(state.conv_window(xBC), self.conv1d.weight, self.conv1d.get("bias"), dt,
-                                 self.dt_bias, self.A_log, num_heads=self.num_heads, head_dim=self.head_dim,
-                                 n_groups=self.n_groups, state_size=self.state_size,
-                                 dt_limits=(self.dt_min, self.dt_max))
+        shapes = {"num_heads": self.num_heads, "head_dim": self.head_dim, "n_groups": self.n_groups,
+                  "state_size": self.state_size, "dt_limits": (self.dt_min, self.dt_max)}
+        conv = (self.conv1d.weight, self.conv1d.get("bias"), dt, self.dt_bias, self.A_log)
+        if is_kernel:  # the kernel joins history and rows itself (no concatenate's two copies)
+            x, b, c, dt, g, window = mamba2_window.mamba2_prepare(state.conv_history(xBC), xBC, *conv, **shapes)
+            state.take_window(window)
+        else:
+            x, b, c, dt, g = mamba2_window.reference_prepare(state.conv_window(xBC), *conv, **shapes)
         # Prompt chunks take the chunked form; decode windows keep the exact per-row scan (the
         # state's commit folds reuse the same `scan`, so they repeat the window's arithmetic).
         if is_kernel:
