@@ -237,10 +237,9 @@ class GatedDeltaNet(nn.Module):
         is_kernel = self.takes_kernels(T, raw.dtype)
         heads = {"num_k_heads": self.num_k_heads, "head_k_dim": self.head_k_dim}
         if is_kernel:  # the kernel joins history and rows itself (no concatenate's two copies)
-            *prepared, window = gdn_window.gdn_prepare(state.conv_history(raw), raw, self.conv1d.weight, a, b,
-                                                       self.A_log, self.dt_bias, **heads)
+            q, k, v, g, beta, window = gdn_window.gdn_prepare(state.conv_history(raw), raw, self.conv1d.weight, a, b,
+                                                              self.A_log, self.dt_bias, **heads)
             state.take_window(window)
-            q, k, v, g, beta = prepared
         else:
             prepare = (compiled_prepare(self.num_k_heads, self.head_k_dim) if LayerCompile.applies_to_state(T)
                        else partial(gdn_window.reference_prepare, **heads))
