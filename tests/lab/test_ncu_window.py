@@ -57,6 +57,36 @@ def test_launches_scale_units_and_keep_id_order():
     assert found[2]["gpu__time_duration.sum"] == pytest.approx(10.0)
 
 
+def test_the_short_units_ncu_2025_writes_and_no_unknown_one():
+    """The H100 loan's ncu wrote "ns" (its report was read as µs, 1000x too long, until this)."""
+    found = nw.launches(report([("a", {"gpu__time_duration.sum": ("ns", "5,056"),
+                                       "launch__occupancy_limit_registers": ("block", "64")})]))
+    assert found[0]["gpu__time_duration.sum"] == pytest.approx(5.056)
+    assert found[0]["launch__occupancy_limit_registers"] == 64
+    with pytest.raises(ValueError, match="unknown metric unit 'fortnight'"):
+        nw.launches(report([("a", {"gpu__time_duration.sum": ("fortnight", "1")})]))
+
+
+def test_a_keep_folder_is_read_again_detail_and_all(tmp_path, capsys):
+    import json
+
+    text, order = windows_csv({1: [[("gemv", 10.0)]], 8: [[("gemv", 12.0)]]})
+    record = {"order": order, "window_ms": {"1": 0.5, "8": 0.6}, "model": "m"}
+    (tmp_path / "time.csv").write_text(text)
+    (tmp_path / "time.json").write_text(json.dumps(record))
+    out = nw.main(["--parse", str(tmp_path)])
+    assert out["T"]["8"]["busy_us"] == pytest.approx(12.0) and "detail_mismatch" not in out["T"]["1"]
+    detail = report([(nw.MARK, {"dram__bytes_read.sum": ("byte", "1")}), ("gemv", {"dram__bytes_read.sum": ("byte", "7")}),
+                     (nw.MARK, {"dram__bytes_read.sum": ("byte", "1")}), ("gemv", {"dram__bytes_read.sum": ("byte", "9")})])
+    (tmp_path / "detail.csv").write_text(detail)
+    (tmp_path / "detail.json").write_text(json.dumps(record))
+    out = nw.main(["--parse", str(tmp_path)])
+    assert out["T"]["8"]["by_name"]["gemv"]["dram_bytes"] == 9.0
+    (tmp_path / "time.csv").unlink()
+    with pytest.raises(SystemExit, match="holds no time.csv"):
+        nw.main(["--parse", str(tmp_path)])
+
+
 def test_windows_medians_sums_and_deltas():
     text, order = windows_csv({
         1: [[("gemv", 10.0), ("down", 20.0)], [("gemv", 12.0), ("down", 22.0)], [("gemv", 11.0), ("down", 90.0)]],
