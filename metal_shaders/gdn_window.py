@@ -9,8 +9,8 @@ On the H200 a GDN layer's decode window is ~37 tiny MLX ops between its projecti
 these two calls replace them. Both are row-invariant: a row's arithmetic is a function of that
 row's inputs and the shapes, never of T, so a T-row call gives the bits of T chained 1-row calls
 (what lossless speculation needs) — every sum runs in one fixed order: `gdn_scan` sums over Dk
-sequentially in one thread, `gdn_prepare` sums a head's squares lane-sequentially and then over
-a fixed xor butterfly of warp shuffles.
+in SCAN_SPLIT parts, each in order, joined by a xor butterfly; `gdn_prepare` sums a head's
+squares lane-sequentially and then over a fixed xor butterfly of warp shuffles.
 
 One body per kernel for CUDA and Metal (backends.py); `reference_*` (pure MLX) is what the CPU
 runs and what the tests hold the kernels to; `usable()` probes the kernels once on the running
@@ -25,43 +25,55 @@ import mlx.nn as nn
 from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
 
 L2_EPS = 1e-6  # the reference's l2norm epsilon, added to sum(x^2)
-MAX_HEAD_DIM = 256  # gdn_scan keeps a state column of Dk floats in registers
+MAX_HEAD_DIM = 256  # gdn_scan keeps Dk / SCAN_SPLIT floats of a state column in registers
 THREADS = 128
 
-# One thread per (batch b, value head h, state column j): it holds column j of S (Dk floats)
-# and runs every row in order, with fused multiply-adds over i = 0..Dk-1. dims: B, T, Hk, Hv, Dv.
+# SCAN_SPLIT threads per (batch b, value head h, state column j): thread `part` holds rows
+# part·DK/SCAN_SPLIT ... of column j of S in registers (a whole column of 128 spilled at 255
+# registers, and 32 blocks left most SMs idle) and runs every row in order, with fused
+# multiply-adds over its rows in order; each row's two sums over Dk (S^T k and S^T q) add the
+# parts' partial sums by the xor butterfly over the SCAN_SPLIT lanes (offsets 1, 2: every lane
+# ends with the same bits, a + b being b + a). The order is a function of Dk alone.
+# dims: B, T, Hk, Hv, Dv.
+SCAN_SPLIT = 4
 SCAN = """
+    constexpr int PART_ROWS = DK / SCAN_SPLIT;
     const int B = dims[0], T = dims[1], Hk = dims[2], Hv = dims[3], Dv = dims[4];
     const int gid = block_x * block_dim + thread_x;
-    if (gid >= B * Hv * Dv) return;
-    const int j = gid % Dv, h = (gid / Dv) % Hv, b = gid / (Dv * Hv);
-    const int kh = h / (Hv / Hk);
-    float s[DK];
+    const int part = gid % SCAN_SPLIT, column = gid / SCAN_SPLIT;
+    if (column >= B * Hv * Dv) return;  // whole warps only: B·Hv·Dv·SCAN_SPLIT is a multiple of 32
+    const int j = column % Dv, h = (column / Dv) % Hv, b = column / (Dv * Hv);
+    const int kh = h / (Hv / Hk), i0 = part * PART_ROWS;
+    float s[PART_ROWS];
     const size_t s0 = static_cast<size_t>(b * Hv + h) * DK * Dv + j;
     #pragma unroll
-    for (int i = 0; i < DK; ++i) s[i] = S[s0 + static_cast<size_t>(i) * Dv];
+    for (int i = 0; i < PART_ROWS; ++i) s[i] = S[s0 + static_cast<size_t>(i0 + i) * Dv];
     for (int t = 0; t < T; ++t) {
         const size_t bth = static_cast<size_t>(b * T + t) * Hv + h;
-        const size_t qk0 = (static_cast<size_t>(b * T + t) * Hk + kh) * DK;
+        const size_t qk0 = (static_cast<size_t>(b * T + t) * Hk + kh) * DK + i0;
         const float decay = expf(g[bth]);
         float memory = 0.0f;
         #pragma unroll
-        for (int i = 0; i < DK; ++i) {
+        for (int i = 0; i < PART_ROWS; ++i) {
             s[i] *= decay;
             memory = fmaf(s[i], k[qk0 + i], memory);
         }
+        #pragma unroll
+        for (int off = 1; off < SCAN_SPLIT; off <<= 1) memory += strata_xor(memory, off);
         const float delta = (v[bth * Dv + j] - memory) * beta[bth];
         float out = 0.0f;
         #pragma unroll
-        for (int i = 0; i < DK; ++i) {
+        for (int i = 0; i < PART_ROWS; ++i) {
             s[i] = fmaf(k[qk0 + i], delta, s[i]);
             out = fmaf(s[i], q[qk0 + i], out);
         }
-        y[bth * Dv + j] = out;
+        #pragma unroll
+        for (int off = 1; off < SCAN_SPLIT; off <<= 1) out += strata_xor(out, off);
+        if (part == 0) y[bth * Dv + j] = out;
     }
     #pragma unroll
-    for (int i = 0; i < DK; ++i) S_out[s0 + static_cast<size_t>(i) * Dv] = s[i];
-"""
+    for (int i = 0; i < PART_ROWS; ++i) S_out[s0 + static_cast<size_t>(i0 + i) * Dv] = s[i];
+""".replace("SCAN_SPLIT", str(SCAN_SPLIT))
 
 # One warp per (b, t, segment); segments: Hk query heads, Hk key heads, Hv value heads. Lane l
 # takes channels l, l+32, ... of its head: conv over the K window rows (float32 fused
@@ -140,8 +152,9 @@ def supports(head_k_dim: int, head_v_dim: int) -> bool:
 
 
 def scan_launch(B: int, Hv: int, Dv: int) -> dict:
-    """Grid (in threads, as MLX's custom kernels take it) and block of one `gdn_scan` call."""
-    blocks = -(-(B * Hv * Dv) // THREADS)
+    """Grid (in threads, as MLX's custom kernels take it) and block of one `gdn_scan` call:
+    SCAN_SPLIT threads a state column."""
+    blocks = -(-(B * Hv * Dv * SCAN_SPLIT) // THREADS)
     return {"grid": (blocks * THREADS, 1, 1), "threadgroup": (THREADS, 1, 1)}
 
 
@@ -166,7 +179,7 @@ def gdn_scan(q, k, v, g, beta, S) -> tuple[mx.array, mx.array]:
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
-    kernel = gpu_kernel("strata_gdn_scan_v2", ["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], SCAN,
+    kernel = gpu_kernel("strata_gdn_scan_v3", ["dims", "q", "k", "v", "g", "beta", "S"], ["y", "S_out"], SCAN,
                          HEADER)
     config = scan_launch(B, Hv, Dv)
     # The dtypes are template values too (MLX caches a compile by name and template alone).

@@ -83,7 +83,7 @@ def test_supported_head_dims_and_launch_shapes():
     assert gdn_window.supports(128, 128) and gdn_window.supports(64, 32)
     assert not gdn_window.supports(8, 8) and not gdn_window.supports(128, 320) and not gdn_window.supports(48, 64)
     scan = gdn_window.scan_launch(1, 32, 128)
-    assert scan["threadgroup"] == (gdn_window.THREADS, 1, 1) and scan["grid"][0] == 32 * 128
+    assert scan["threadgroup"] == (gdn_window.THREADS, 1, 1) and scan["grid"][0] == 32 * 128 * gdn_window.SCAN_SPLIT
     prepare = gdn_window.prepare_launch(1, 3, 16, 32)  # a warp per (row, head segment)
     assert prepare["grid"][0] == 3 * (2 * 16 + 32) * 32
 
