@@ -169,10 +169,13 @@ def test_rejected_drafts_leave_the_kernels_joined_history_as_serial_decoding(mon
     from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.options import EngineOptions
 
-    model = random_model(tiny_qwen3_next_config(linear_key_head_dim=32, linear_value_head_dim=32), seed=3)
+    # one GDN layer and one attention layer: each emulated call is a process of its own
+    config = tiny_qwen3_next_config(linear_key_head_dim=32, linear_value_head_dim=32, num_hidden_layers=2,
+                                    full_attention_interval=2)
+    model = random_model(config, seed=3)
     calls = []
     _emulated_kernels(monkeypatch, emulator, calls)
-    serial = serial_decode(model, 20)
+    serial = serial_decode(model, 17)  # pos0 8, a window of 8, the row after it
     assert check_forced_rejections(model, EngineOptions(fold=fold, partial=partial), serial, 8, 1e-5) == 35
     assert {n for kind, n in calls if kind == "prepare"} >= set(range(1, 9))  # every window size took the kernel
 
