@@ -74,14 +74,16 @@ def uploads() -> bool:
     return _upload["on"]
 
 
-def device_ints(values) -> mx.array:
-    """`values` as an int32 array that a CUDA kernel reads without a page fault: made from 8-byte
-    pieces in MLX's mapped pool and joined on the GPU into device memory. Elsewhere (or for more
-    than MAX_UPLOAD_INTS values) `mx.array`."""
+def device_ints(values, *, row: bool = False) -> mx.array:
+    """`values` as an int32 array, (n,) or with `row` (1, n), that a CUDA kernel reads without a
+    page fault: made from 8-byte pieces in MLX's mapped pool and joined on the GPU into device
+    memory. Elsewhere (or for more than MAX_UPLOAD_INTS values) `mx.array`: no op more."""
     values = list(values)
+    shaped = (lambda v: [v]) if row else (lambda v: v)  # noqa: E731
     if len(values) <= POOL_INTS or len(values) > MAX_UPLOAD_INTS or not uploads():
-        return mx.array(values, dtype=mx.int32)
-    return mx.concatenate([mx.array(values[i:i + POOL_INTS], dtype=mx.int32) for i in range(0, len(values), POOL_INTS)])
+        return mx.array(shaped(values), dtype=mx.int32)
+    pieces = [mx.array(shaped(values[i:i + POOL_INTS]), dtype=mx.int32) for i in range(0, len(values), POOL_INTS)]
+    return mx.concatenate(pieces, axis=-1)
 
 
 def _in_device_memory(array: mx.array) -> mx.array:

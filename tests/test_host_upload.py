@@ -31,6 +31,7 @@ def test_off_cuda_host_ints_are_plain_arrays():
     assert not probe.uploads()
     ids = probe.device_ints([5, 6, 7])
     assert ids.dtype == mx.int32 and ids.tolist() == [5, 6, 7]
+    assert probe.device_ints([5, 6, 7], row=True).tolist() == [[5, 6, 7]]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 16, 17, 40])
@@ -38,6 +39,8 @@ def test_uploaded_ints_keep_values_dtype_and_shape(uploading, n):
     values = [int(v) for v in np.random.default_rng(n).integers(0, 151_936, n)]
     ids = probe.device_ints(values)
     assert ids.dtype == mx.int32 and ids.shape == (n,) and ids.tolist() == values
+    ids = probe.device_ints(values, row=True)  # a window's ids, (1, T) as the model takes them
+    assert ids.dtype == mx.int32 and ids.shape == (1, n) and ids.tolist() == [values]
 
 
 def test_uploaded_ints_come_in_pool_sized_pieces(uploading, monkeypatch):

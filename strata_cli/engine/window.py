@@ -191,7 +191,7 @@ class WindowEngine:
         mode = Mode.PARTIAL if self.options.partial else Mode.WINDOW
         rows = self.window_rows(T, pos0)
         ids = list(tokens) + [tokens[-1]] * (rows - T)  # padded rows: never kept (commit checks keep <= T)
-        logits = self._forward(device_ints(ids).reshape(1, -1), pos0, mode).squeeze(0)  # [0] would be 2 ops
+        logits = self._forward(device_ints(ids, row=True), pos0, mode).squeeze(0)  # [0] would be 2 ops
         if logits.dtype == mx.float32 and self._host_logits(rows):
             greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
         else:
