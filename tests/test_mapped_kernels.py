@@ -1,9 +1,11 @@
 """metal_shaders/rows_matvec.py's column-mapped forms: output column j from weight row map[j], so
-GDN's decode-window head writes [conv inputs | z | b | a] in one launch, with no gather after it.
+GDN's decode-window head writes [conv inputs | z | b | a] in one launch, with no gather after it,
+each of the four contiguous (no copy before the kernels that read them).
 
 There is no GPU here: the bodies run through scripts/lab/kernel_emulate.py (g++, float32 and
 bfloat16 in software). Each row of an R-row call must equal its 1-row call bit for bit, and the
-call must equal the plain kernel's output with its columns gathered by the map bit for bit; a
+call (its segments side by side) must equal the plain kernel's output with its columns gathered
+by the map bit for bit; a
 GDN layer's head through the emulated mapped kernel must give today's bits (the plain kernel and
 one gather).
 """
@@ -56,46 +58,79 @@ def test_the_check_fails_a_body_that_ignores_the_map(emulate, emulator, tmp_path
     assert not emulate.check_mapped(emulate.Emulator(tmp_path), kind, rows=(2,), columns=reversed_map)
 
 
-def test_mapped_bodies_change_only_the_weight_row_read():
-    """Taking the map's read out gives the plain body back, character for character: the
-    arithmetic, the reduction order and the output index are the plain kernel's. The plain
-    bodies stay as they were (their compiled cubins are kept by source)."""
+@pytest.mark.parametrize("kind", ["dense_mapped", "quantized_mapped"])
+def test_the_check_fails_a_body_that_writes_rows_whole(emulate, emulator, tmp_path, monkeypatch, kind):
+    """A body that writes the plain (R, N) layout, not segment by segment: at R > 1 the
+    segments it leaves are other rows' columns (at R = 1 the two layouts are one)."""
+    params, body, extra = emulate.KINDS[kind]
+    whole = body.replace(kernels._SEGMENT_OUT, kernels._PLAIN_OUT)
+    assert whole != body
+    monkeypatch.setitem(emulate.KINDS, kind, (params, whole, extra))
+    assert emulate.check_mapped(emulate.Emulator(tmp_path), kind, rows=(1,))
+    assert not emulate.check_mapped(emulate.Emulator(tmp_path), kind, rows=(2,))
+
+
+def test_mapped_bodies_change_only_the_weight_row_read_and_the_output_index():
+    """Taking the map's read out and writing the plain index gives the plain body back,
+    character for character: the arithmetic and the reduction order are the plain kernel's. The
+    plain bodies stay as they were (their compiled cubins are kept by source)."""
     for mapped, plain in ((kernels.DENSE_MAPPED, kernels.DENSE), (kernels.QUANTIZED_MAPPED, kernels.QUANTIZED)):
-        assert mapped.count(MAPPED_ROW) == 1 and "mapped[" not in plain and "col_map" not in plain
-        assert mapped.replace(kernels._MAPPED_ROWS, "").replace(MAPPED_ROW, PLAIN_ROW) == plain
+        assert mapped.count(MAPPED_ROW) == 1 and mapped.count(kernels._SEGMENT_OUT) == plain.count(kernels._PLAIN_OUT)
+        assert "mapped[" not in plain and "col_map" not in plain
+        assert (mapped.replace(kernels._MAPPED_ROWS, "").replace(MAPPED_ROW, PLAIN_ROW)
+                .replace(kernels._SEGMENT_OUT, kernels._PLAIN_OUT)) == plain
         assert not precompiled.reads_shapes(mapped, ["dims", "x", "w", "scales", "biases", "col_map"])
 
 
-def test_mapped_calls_pass_the_map_as_data(monkeypatch):
-    """What the wrappers hand to the kernel maker: their own names and bodies, the map last,
-    N its length (as data), the plain kernels' template values, the output (..., N)."""
+def test_mapped_calls_pass_the_layout_as_data(monkeypatch):
+    """What the wrappers hand to the kernel maker: their own names and bodies, the layout's data
+    last, N its column count (as data), the plain kernels' template values, a flat (R·N,) output
+    cut into its segments."""
     calls = []
 
     def fake(name, inputs, source, extra=""):
         def kernel(**kw):
             calls.append((name, inputs, source, kw))
-            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+            return [mx.arange(kw["output_shapes"][0][0]).astype(kw["output_dtypes"][0])]
         return kernel
 
     monkeypatch.setattr(kernels, "_kernel", fake)
     w = mx.zeros((40, 128))
     q = mx.quantize(w, 64, 4)
     x = mx.zeros((1, 3, 128), dtype=mx.bfloat16)
-    columns = mx.array([39, 0, 5, 5, 7], dtype=mx.uint32)
-    assert kernels.rows_matvec_mapped(x, w, columns).shape == (1, 3, 5)
-    assert kernels.rows_qmatvec_mapped(x, *q, columns, group_size=64, bits=4).shape == (1, 3, 5)
+    layout = kernels.ColumnLayout(mx.array([39, 0, 5, 5, 7], dtype=mx.uint32), (2,))
+    assert layout.data.tolist() == [39, 0, 5, 5, 7] + [0, 0, 2, 2, 2] + [2, 2, 3, 3, 3]
+    dense = kernels.rows_matvec_mapped(x, w, layout)
+    assert [p.shape for p in dense] == [(1, 3, 2), (1, 3, 3)]
+    assert dense[0].reshape(-1).tolist() == list(range(6)) and dense[1].reshape(-1).tolist() == list(range(6, 15))
+    quantized = kernels.rows_qmatvec_mapped(x, *q, layout, group_size=64, bits=4)
+    assert [p.shape for p in quantized] == [(1, 3, 2), (1, 3, 3)]
     (dname, dinputs, dsource, dkw), (qname, qinputs, qsource, qkw) = calls
     assert dsource is kernels.DENSE_MAPPED and qsource is kernels.QUANTIZED_MAPPED
     assert "mapped" in dname and "mapped" in qname and dname != "strata_rows_matvec_v3"
     assert dinputs[-1] == qinputs[-1] == "col_map"
-    assert dkw["inputs"][-1] is columns and qkw["inputs"][-1] is columns
+    assert dkw["inputs"][-1] is layout.data and qkw["inputs"][-1] is layout.data
     assert dkw["inputs"][0].tolist() == qkw["inputs"][0].tolist() == [3, 128, 5]
+    assert dkw["output_shapes"] == qkw["output_shapes"] == [(15,)]
     assert dict(dkw["template"]) == {"T": mx.bfloat16, "TW": mx.float32, "ROWS": 4, "COLS": kernels.COLS}
     assert dict(qkw["template"]) == {"T": mx.bfloat16, "TS": mx.float32, "BITS": 4, "GS": 64, "ROWS": 4,
                                      "COLS": kernels.COLS}
-    for bad in (columns.astype(mx.int32), columns.reshape(1, 5)):
-        with pytest.raises(ValueError, match="column map"):
-            kernels.rows_matvec_mapped(x, w, bad)
+    columns = mx.array([1, 2, 3], dtype=mx.uint32)
+    for bad in ((columns.reshape(1, 3), ()), (columns, (0,)), (columns, (2, 2)), (columns, (3,))):
+        with pytest.raises(ValueError, match="column map|do not split"):
+            kernels.ColumnLayout(*bad)
+
+
+def test_segments_are_runs_of_the_flat_output_and_one_segment_is_the_plain_layout():
+    """Each part a flat output is cut into is one run of it, rows one after another (a slice and
+    a reshape: a kernel reading it needs no copy); with no bounds the one part is the (..., N)
+    rows as written."""
+    out = mx.arange(2 * 3 * 7)
+    parts = kernels.ColumnLayout(mx.arange(7), (4, 5)).parts(out, (2, 3))
+    assert [p.shape for p in parts] == [(2, 3, 4), (2, 3, 1), (2, 3, 2)]
+    assert parts[1].reshape(-1).tolist() == list(range(24, 30))
+    (whole,) = kernels.ColumnLayout(mx.arange(7)).parts(out, (2, 3))
+    assert whole.tolist() == out.reshape(2, 3, 7).tolist()
 
 
 # -- the model's use ----------------------------------------------------------------------------
@@ -181,8 +216,10 @@ def test_column_maps_index_windows_without_a_broadcast():
     assert columns.flat.dtype == mx.uint32 and columns.flat.tolist() == [2, 0, 1]
     assert [c.shape for c in columns.by_rows] == [(1, T, 3) for T in range(1, layers.WINDOW_ROWS + 1)]
     y = mx.arange(24).reshape(2, 4, 3)
-    assert columns.take(y[:1]).tolist() == y[:1, :, [2, 0, 1]].tolist()
-    assert columns.take(y).tolist() == y[:, :, [2, 0, 1]].tolist()
+    assert [p.tolist() for p in columns.take(y[:1])] == [y[:1, :, [2, 0, 1]].tolist()]
+    assert [p.tolist() for p in columns.take(y)] == [y[:, :, [2, 0, 1]].tolist()]
+    split = layers.ColumnMap(mx.array([2, 0, 1]), (1,))
+    assert [p.tolist() for p in split.take(y)] == [y[:, :, [2]].tolist(), y[:, :, [0, 1]].tolist()]
 
 
 # -- the start-up probe -------------------------------------------------------------------------
@@ -196,7 +233,8 @@ def test_the_probe_passes_the_emulated_kernels_and_refuses_a_wrong_map(monkeypat
     assert {kind for kind, _ in calls} == {"dense", "dense_mapped", "quantized", "quantized_mapped"}
     assert ("dense_mapped", 1) in calls and ("quantized_mapped", 8) in calls
     emulated = kernels.rows_matvec_mapped
-    monkeypatch.setattr(kernels, "rows_matvec_mapped", lambda x, w, columns: emulated(x, w, mx.sort(columns)))
+    monkeypatch.setattr(kernels, "rows_matvec_mapped", lambda x, w, layout: emulated(
+        x, w, kernels.ColumnLayout(mx.sort(layout.data[: layout.N]), layout.bounds)))
     assert kernels._check_mapped(dtypes=(mx.float32,)) == (
         "column-mapped kernel and the plain kernel's gathered columns differ (mlx.core.float32)")
 
@@ -211,7 +249,7 @@ def test_a_failing_mapped_probe_turns_only_the_mapped_forms_off(monkeypatch, cap
     columns = layers.ColumnMap(mx.array([39, 1, 2]))
     x = mx.zeros((1, 2, 64))
     with caplog.at_level(logging.WARNING, logger="strata.kernels"):
-        assert linear.mapped(x, columns).shape == (1, 2, 3)
+        assert [p.shape for p in linear.mapped(x, columns)] == [(1, 2, 3)]
     assert "row-invariant column-mapped matrix kernels disabled" in caplog.text
     assert kernels.mapped_status() == {"usable": False, "probed": True,
                                        "error": "column-mapped kernel and reference disagree (mlx.core.float32)"}
@@ -228,16 +266,16 @@ def test_the_cpu_and_prompt_chunks_never_take_the_mapped_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "rows_matvec_mapped", unexpected)
     monkeypatch.setattr(kernels, "rows_qmatvec_mapped", unexpected)
     linear = randomized(layers.RowLinear(64, 40, bias=False), 62)
-    columns = layers.ColumnMap(mx.array([39, 1, 2]))
+    columns = layers.ColumnMap(mx.array([39, 1, 2]), (1,))
     x = mx.random.normal((1, 2, 64), key=mx.random.key(8))
-    expected = linear(x)[..., mx.array([39, 1, 2])]
-    assert mx.array_equal(linear.mapped(x, columns), expected).item()  # the CPU: no probe passes
+    expected = mx.split(linear(x)[..., mx.array([39, 1, 2])], [1], axis=-1)
+    assert same_bits(linear.mapped(x, columns), expected)  # the CPU: no probe passes
     monkeypatch.setattr(kernels, "kernels_usable", lambda dtype=None: True)
     monkeypatch.setattr(kernels, "mapped_usable", lambda dtype=None: True)
     monkeypatch.setattr(kernels, "rows_matvec", kernels.reference_matvec)
     chunk = mx.random.normal((1, 9, 64), key=mx.random.key(9))
-    assert linear.mapped(chunk, columns).shape == (1, 9, 3)  # a prompt chunk
+    assert [p.shape for p in linear.mapped(chunk, columns)] == [(1, 9, 1), (1, 9, 2)]  # a prompt chunk
     biased = randomized(layers.RowLinear(64, 40, bias=True), 63)
-    assert biased.mapped(x, columns).shape == (1, 2, 3)  # a bias: the plain kernel and a gather
+    assert [p.shape for p in biased.mapped(x, columns)] == [(1, 2, 1), (1, 2, 2)]  # a bias: a gather
     monkeypatch.setattr(layers.RowSplit, "mode", "never")
-    assert mx.array_equal(linear.mapped(x, columns), expected).item()
+    assert same_bits(linear.mapped(x, columns), expected)

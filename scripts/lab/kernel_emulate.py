@@ -13,10 +13,10 @@ rows than one block takes (affine, and MXFP4 in each decode form). The GLU forms
 kernels (gate and up in one launch, silu(gate)·up written; dense, affine 4 and 8 bits, routed
 experts) run in float32 and bfloat16: for R = 1..8 each row (pick) equals its 1-row call bit for
 bit and stays within GLU_TOLERANCE of the reference, and each product, written alone, is the
-plain kernel's bits. The column-mapped forms (output column j from weight row map[j]: dense and
-affine 4 and 8 bits, float32 and bfloat16) equal, for R = 1..8, each row's 1-row call and the
-plain kernel's call with its columns gathered by the map bit for bit (`--only mapped` runs
-these alone). The GDN window kernels (metal_shaders/gdn_window.py) run the same
+plain kernel's bits. The column-mapped forms (output column j from weight row map[j], each
+segment of columns written contiguous: dense and affine 4 and 8 bits, float32 and bfloat16)
+equal, for R = 1..8 and their segments side by side, each row's 1-row call and the plain
+kernel's call with its columns gathered by the map bit for bit (`--only mapped` runs these alone). The GDN window kernels (metal_shaders/gdn_window.py) run the same
 way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
 (relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
 model's (2, 4, 64, 64) and a batch of 2; so do the Mamba-2 window kernels
@@ -1319,11 +1319,18 @@ BUTTERFLY_GLU_TAIL = """
 TAIL_KINDS = ("dense", "quantized", "gather", "gather_mxfp4", "dense_glu", "quantized_glu", "gather_glu")
 
 
+def _segmented(tail: str, row: str) -> str:
+    """A tail whose write (of row `row`) lands where the column-mapped bodies write (rows_matvec._mapped)."""
+    return tail.replace(f"out[static_cast<size_t>({row}) * N + n0 + c]", kernels._SEGMENT_OUT.replace("out_row", row))
+
+
 def butterfly_kinds() -> dict:
     """KINDS with every matrix body's tail swapped for the butterfly's."""
     swapped = {}
+    tails = ((kernels._GLU_TAIL, BUTTERFLY_GLU_TAIL), (kernels._TAIL, BUTTERFLY_TAIL),
+             (_segmented(kernels._TAIL, "out_row"), _segmented(BUTTERFLY_TAIL, "row[r]")))
     for kind, (params, body, extra) in KINDS.items():
-        for tail, butterfly in ((kernels._GLU_TAIL, BUTTERFLY_GLU_TAIL), (kernels._TAIL, BUTTERFLY_TAIL)):
+        for tail, butterfly in tails:
             if body.endswith(tail):
                 body = body[: -len(tail)] + butterfly
                 break
@@ -1412,36 +1419,41 @@ def mapped_case(kind: str, dtype, *, K: int, N: int, bits: int = 4, gs: int = 64
         reference = kernels.reference_qmatvec(wide, q, *(a.astype(mx.float32) for a in rest), group_size=gs,
                                               bits=bits)
 
-    def inputs(i0: int, i1: int, columns: mx.array | None = None) -> list:
-        n = N if columns is None else columns.size
+    def inputs(i0: int, i1: int, layout: kernels.ColumnLayout | None = None) -> list:
+        n = N if layout is None else layout.N
         ws = [np.array(a) if a.dtype == mx.uint32 else raw_bits(a) for a in weights]
         return [np.array([i1 - i0, K, n], np.int32), raw_bits(x[i0:i1]), *ws,
-                *([] if columns is None else [np.array(columns)])]
+                *([] if layout is None else [np.array(layout.data)])]
 
     return inputs, reference.astype(dtype)
 
 
 def check_mapped(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N: int = 38, bits: int = 4,
-                 gs: int = 64, rows=range(1, 9), columns: mx.array | None = None) -> bool:
-    """For each R in `rows`: every row of an R-row call of column-mapped kind `kind` equals its
-    1-row call bit for bit and the plain kind's R-row call with its columns gathered by the map
-    bit for bit, and stays within MAPPED_TOLERANCE (of the largest value) of the reference.
-    `columns`: the map, (n,) uint32 of values < N (default kernels.probe_column_map: every row
-    reordered, three again, a column tail)."""
+                 gs: int = 64, rows=range(1, 9), columns: mx.array | None = None, bounds=None) -> bool:
+    """For each R in `rows`: every row of an R-row call of column-mapped kind `kind` (its
+    segments side by side) equals its 1-row call bit for bit and the plain kind's R-row call with
+    its columns gathered by the map bit for bit, and stays within MAPPED_TOLERANCE (of the largest
+    value) of the reference. `columns`: the map, (n,) uint32 of values < N, and `bounds` its
+    segments (default kernels.probe_column_map and probe_bounds: every row reordered, three again,
+    a column tail, three segments that split warps' columns)."""
     R_max = max(rows)
     inputs, reference = mapped_case(kind, dtype, K=K, N=N, bits=bits, gs=gs, rows=R_max)
     columns = kernels.probe_column_map(N) if columns is None else columns
+    layout = kernels.ColumnLayout(columns, kernels.probe_bounds(columns.size) if bounds is None else bounds)
     plain = MAPPED_KINDS[kind]
 
     def run(i0: int, i1: int, kind_: str = kind) -> np.ndarray:
-        mapped = kind_ == kind
-        return emu.launch(kind_, inputs(i0, i1, columns if mapped else None), rows=i1 - i0, blocks_y=1,
-                          N=columns.size if mapped else N, out_rows=i1 - i0, bits=bits, gs=gs, dtype=dtype)
+        if kind_ != kind:
+            return emu.launch(kind_, inputs(i0, i1), rows=i1 - i0, blocks_y=1, N=N, out_rows=i1 - i0, bits=bits,
+                              gs=gs, dtype=dtype)
+        out = emu.launch(kind_, inputs(i0, i1, layout), rows=i1 - i0, blocks_y=1, N=layout.N, out_rows=i1 - i0,
+                         bits=bits, gs=gs, dtype=dtype)
+        return np.array(kernels.joined(layout.parts(mx.array(out.reshape(-1)), (i1 - i0,))))
 
     alone = np.concatenate([run(i, i + 1) for i in range(R_max)])
     expected = _f32(mx.take(reference, columns, axis=-1))
     name = f"{kind} {f'{bits}-bit ' if plain == 'quantized' else ''}K={K} N={N}->{columns.size} " \
-           f"{str(dtype).split('.')[-1]}"
+           f"{len(layout.bounds) + 1} parts {str(dtype).split('.')[-1]}"
     ok = True
     for R in rows:
         got = run(0, R)
@@ -1451,7 +1463,6 @@ def check_mapped(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N:
                       float(np.abs(got - e).max() / np.abs(e).max()), MAPPED_TOLERANCE[dtype])
         print(f"{'':34s} == the plain {plain} kernel's columns, gathered: {gathered}", flush=True)
     return ok
-
 
 MAPPED_CASES = (("dense_mapped", mx.float32, 4, 64), ("dense_mapped", mx.bfloat16, 4, 64),
                 ("quantized_mapped", mx.float32, 4, 64), ("quantized_mapped", mx.bfloat16, 4, 64),

@@ -108,14 +108,14 @@ def projection_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[mx.array, ..
 
 
 @lru_cache
-def stacked_columns(nk: int, nv: int, dk: int, dv: int) -> tuple[ColumnMap, list[int]]:
+def stacked_columns(nk: int, nv: int, dk: int, dv: int) -> ColumnMap:
     """The columns of the stacked projection [qkvz | ba] (`layers.StackedRows`) that make
-    [conv inputs | z | b | a], in that order (`RowLinear.mapped`: one launch on a GPU window,
-    else one gather), and the split points between the four."""
+    [conv inputs | z | b | a], in that order and split into the four (`RowLinear.mapped`: one
+    launch on a GPU window, each part contiguous; else one gather)."""
     raw, z, b, a = (c.reshape(-1) for c in projection_columns(nk, nv, dk, dv))
     width = 2 * nk * dk + 2 * nv * dv  # in_proj_qkvz's columns; in_proj_ba's follow them
-    columns = ColumnMap(mx.concatenate([raw, z, b + width, a + width]))
-    return columns, [int(e) for e in (raw.size, raw.size + z.size, raw.size + z.size + b.size)]
+    bounds = (raw.size, raw.size + z.size, raw.size + z.size + b.size)
+    return ColumnMap(mx.concatenate([raw, z, b + width, a + width]), bounds)
 
 
 class CausalConv1d(nn.Module):
@@ -197,8 +197,8 @@ class GatedDeltaNet(nn.Module):
         if rows is None:
             qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
             return traced_on_host(self, "_split", self.split, x.size // x.shape[-1], x.dtype)(qkvz, ba)
-        columns, bounds = stacked_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
-        raw, z, b, a = mx.split(rows.fused.mapped(x, columns), bounds, axis=-1)
+        columns = stacked_columns(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        raw, z, b, a = rows.fused.mapped(x, columns)
         return raw, self.gate_by_heads(z), b, a
 
     def gate_by_heads(self, z: mx.array) -> mx.array:

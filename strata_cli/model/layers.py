@@ -222,27 +222,31 @@ def transposed(module: nn.Module, name: str) -> mx.array:
 
 
 class ColumnMap:
-    """Which of a linear's output columns a caller reads, in its order (`RowLinear.mapped`):
-    `flat` (n,) uint32 for the column-mapped kernel, and for MLX's gather a contiguous
-    (1, T, n) index per window size T <= WINDOW_ROWS, made once, so that `take_along_axis`
-    needs no broadcast op. A plain object, kept by its maker (never a module's parameter)."""
+    """Which of a linear's output columns a caller reads, in its order, split at `bounds` into
+    the arrays it reads (`RowLinear.mapped`): `layout` for the column-mapped kernel (each part
+    written contiguous), and for MLX's gather a contiguous (1, T, n) index per window size
+    T <= WINDOW_ROWS, made once, so that `take_along_axis` needs no broadcast op. A plain object,
+    kept by its maker (never a module's parameter)."""
 
-    __slots__ = ("flat", "by_rows")
+    __slots__ = ("flat", "layout", "by_rows")
 
-    def __init__(self, columns: mx.array):
+    def __init__(self, columns: mx.array, bounds=()):
         self.flat = columns.reshape(-1).astype(mx.uint32)
+        self.layout = kernels.ColumnLayout(self.flat, bounds)
         n = self.flat.size
         self.by_rows = tuple(mx.contiguous(mx.broadcast_to(self.flat, (1, T, n))) for T in range(1, WINDOW_ROWS + 1))
         mx.eval(self.flat, self.by_rows)
 
-    def take(self, y: mx.array) -> mx.array:
-        """y[..., flat]: one gather (a (1, T) window's index made already; others broadcast)."""
+    def take(self, y: mx.array) -> list[mx.array]:
+        """y[..., flat] split at the bounds: one gather (a (1, T) window's index made already;
+        others broadcast), then views."""
         lead = y.shape[:-1]
         if len(lead) == 2 and lead[0] == 1 and 1 <= lead[1] <= WINDOW_ROWS:
             index = self.by_rows[lead[1] - 1]
         else:
             index = mx.broadcast_to(self.flat, (*lead, self.flat.size))
-        return mx.take_along_axis(y, index, axis=-1)
+        taken = mx.take_along_axis(y, index, axis=-1)
+        return mx.split(taken, list(self.layout.bounds), axis=-1) if self.layout.bounds else [taken]
 
 
 class RowLinear(nn.Linear):
@@ -272,13 +276,14 @@ class RowLinear(nn.Linear):
         """Whether the row-invariant kernel takes this call (a window's rows, a shape it takes)."""
         return bool(kernel_rows(x)) and kernels.supports(x.shape[-1])
 
-    def mapped(self, x: mx.array, columns: ColumnMap) -> mx.array:
-        """self(x)'s columns `columns.flat`, in that order: on a GPU window (where `self(x)`
-        takes the kernel and the column-mapped forms passed their probe) in one launch that
-        reads each column's weight row in place, the same bits as the plain kernel's columns;
-        elsewhere `self(x)` and one gather (`ColumnMap.take`)."""
+    def mapped(self, x: mx.array, columns: ColumnMap) -> list[mx.array]:
+        """self(x)'s columns `columns.flat`, in that order, split at its bounds: on a GPU window
+        (where `self(x)` takes the kernel and the column-mapped forms passed their probe) in one
+        launch that reads each column's weight row in place and writes each part contiguous, the
+        same bits as the plain kernel's columns; elsewhere `self(x)`, one gather and views
+        (`ColumnMap.take`)."""
         if "bias" not in self and self.takes_kernel(x) and kernels.mapped_usable(x.dtype):
-            return kernels.rows_matvec_mapped(x, self.weight, columns.flat)
+            return kernels.rows_matvec_mapped(x, self.weight, columns.layout)
         return columns.take(self(x))
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
@@ -338,11 +343,11 @@ class RowQuantizedLinear(nn.QuantizedLinear):
         return (bool(kernel_rows(x)) and self.mode == "affine" and self.get("biases") is not None
                 and kernels.supports(x.shape[-1], group_size=self.group_size, bits=self.bits))
 
-    def mapped(self, x: mx.array, columns: ColumnMap) -> mx.array:
+    def mapped(self, x: mx.array, columns: ColumnMap) -> list[mx.array]:
         """`RowLinear.mapped` for affine-quantized weights (each column's scales and biases read
         from its weight row's)."""
         if "bias" not in self and self.takes_kernel(x) and kernels.mapped_usable(x.dtype):
-            return kernels.rows_qmatvec_mapped(x, self.weight, self.scales, self.biases, columns.flat,
+            return kernels.rows_qmatvec_mapped(x, self.weight, self.scales, self.biases, columns.layout,
                                                group_size=self.group_size, bits=self.bits)
         return columns.take(self(x))
 
