@@ -22,6 +22,7 @@ from functools import partial
 import mlx.core as mx
 
 from . import rows_mma
+from .columns import ColumnLayout, joined, probe_layout, segment_index
 from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
 from .rows_mma import reference_glu, rows
 
@@ -365,12 +366,9 @@ GATHER_QUANTIZED_GLU = _glu(GATHER_QUANTIZED.replace(_GATHER_POINTERS, _GATHER_P
 # Column-mapped forms: output column j is computed from weight row col_map[j] (for quantized
 # weights its scales' and biases' rows too), so one launch writes a projection's columns in the
 # order its consumers read them (GDN's [conv inputs | z | b | a] from the stacked [qkvz | ba]),
-# with no gather after it, and in segments (`ColumnLayout`): column j of row r lands at
-# s·R + r·w + (j - s), s and w its segment's first column and width (col_map[N + j], col_map[2N + j]),
-# so each segment of an R-row call is one contiguous (R, w) array (a strided column slice would
-# cost its consumer's kernel a copy). Only which weight row a column reads and where its value
-# lands change, never the arithmetic: out's segment rows are the plain kernel's out[r, col_map[j]]
-# bit for bit. The weight rows are read once per thread, before the reduction; N is the map's
+# with no gather after it, each of its parts contiguous (columns.py says where a column lands).
+# Only which weight row a column reads and where its value lands change, never the arithmetic:
+# out's segment rows are the plain kernel's out[r, col_map[j]] bit for bit. The weight rows are read once per thread, before the reduction; N is the map's
 # column count.
 _PLAIN_ROW = "const int n = n0 + c < N ? n0 + c : n0;"
 _MAPPED_ROWS = """    int mapped[COLS];  // the weight row of output column n0 + c (a missing column repeats a real one's)
@@ -379,8 +377,7 @@ _MAPPED_ROWS = """    int mapped[COLS];  // the weight row of output column n0 +
 """
 _EARLY_EXIT = "    if (n0 >= N) return;\n"
 _PLAIN_OUT = "out[static_cast<size_t>(out_row) * N + n0 + c]"
-_SEGMENT_OUT = ("out[static_cast<size_t>(col_map[N + n0 + c]) * R + static_cast<size_t>(out_row) * col_map[2 * N + n0 + c]"
-                " + (n0 + c - col_map[N + n0 + c])]")
+_SEGMENT_OUT = f"out[{segment_index('out_row', 'n0 + c')}]"
 
 
 def _mapped(body: str) -> str:
@@ -460,62 +457,42 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     return _launch(kernel, [dims(R, K, N), x, w, scales, biases], template, x.shape[:-1], R, N, x.dtype, cols)
 
 
-class ColumnLayout:
-    """A column-mapped call's columns: `columns` (N,) the weight row of each output column, in
-    segments split at `bounds` (column indices, increasing); `data` (3N,) uint32 is the kernel's
-    col_map (the rows, then each column's segment start, then its segment's width), made once.
-    `parts` cuts a call's output into its segments, each a contiguous (..., width) array."""
-
-    __slots__ = ("data", "bounds", "N")
-
-    def __init__(self, columns: mx.array, bounds=()):
-        if columns.ndim != 1:
-            raise ValueError(f"a column map is (N,), got {columns.shape}")
-        self.N = N = columns.size
-        self.bounds = tuple(int(b) for b in bounds)
-        edges = (0, *self.bounds, N)
-        if any(lo >= hi for lo, hi in zip(edges, edges[1:])):
-            raise ValueError(f"segment bounds {self.bounds} do not split {N} columns")
-        start = mx.concatenate([mx.full((hi - lo,), lo) for lo, hi in zip(edges, edges[1:])])
-        width = mx.concatenate([mx.full((hi - lo,), hi - lo) for lo, hi in zip(edges, edges[1:])])
-        self.data = mx.concatenate([columns.astype(mx.uint32), start.astype(mx.uint32), width.astype(mx.uint32)])
-        mx.eval(self.data)
-
-    def parts(self, out: mx.array, lead: tuple[int, ...]) -> list[mx.array]:
-        """A call's flat output (R·N,) -> its segments, (*lead, width) each (slices: no copy)."""
-        R = out.size // self.N
-        edges = (0, *self.bounds, self.N)
-        pieces = mx.split(out, [R * b for b in self.bounds]) if self.bounds else [out]
-        return [p.reshape(*lead, hi - lo) for p, lo, hi in zip(pieces, edges, edges[1:])]
-
-
-def _mapped_launch(kernel, inputs, template, x: mx.array, R: int, layout: ColumnLayout, cols: int) -> list[mx.array]:
+def _mapped_launch(kernel, inputs, template, x: mx.array, R: int, layout: ColumnLayout, cols: int) -> mx.array:
     config = launch_config(R, layout.N, cols=cols)
     (out,) = kernel(inputs=inputs, template=template + config["template"], grid=config["grid"],
                     threadgroup=config["threadgroup"], output_shapes=[(R * layout.N,)], output_dtypes=[x.dtype])
+    return out
+
+
+def rows_matvec_mapped(x: mx.array, w: mx.array, layout: ColumnLayout, *, cols: int = COLS,
+                       tensor_cores: bool = True) -> list[mx.array]:
+    """`mx.split(rows_matvec(x, w)[..., columns], bounds, -1)` in one launch (`layout`: the
+    columns and the split): output column j computed from weight row columns[j] (each < w's rows),
+    the same bits as the plain kernel's column, each segment contiguous (`tensor_cores`: rows_mma's
+    form, as `rows_matvec`'s)."""
+    R, K = rows(x)
+    if tensor_cores and w.dtype == mx.bfloat16 and rows_mma.supports(x, K, form="mapped"):
+        return layout.parts(rows_mma.rows_matvec_mapped(x, w, layout), x.shape[:-1])
+    kernel = _kernel("strata_rows_matvec_mapped_v3", ["dims", "x", "w", "col_map"], DENSE_MAPPED)
+    template = [("T", x.dtype), ("TW", w.dtype)]
+    out = _mapped_launch(kernel, [dims(R, K, layout.N), x, w, layout.data], template, x, R, layout, cols)
     return layout.parts(out, x.shape[:-1])
 
 
-def rows_matvec_mapped(x: mx.array, w: mx.array, layout: ColumnLayout, *, cols: int = COLS) -> list[mx.array]:
-    """`mx.split(rows_matvec(x, w)[..., columns], bounds, -1)` in one launch (`layout`: the
-    columns and the split): output column j computed from weight row columns[j] (each < w's rows),
-    the same bits as the plain kernel's column, each segment contiguous."""
-    R, K = rows(x)
-    kernel = _kernel("strata_rows_matvec_mapped_v3", ["dims", "x", "w", "col_map"], DENSE_MAPPED)
-    template = [("T", x.dtype), ("TW", w.dtype)]
-    return _mapped_launch(kernel, [dims(R, K, layout.N), x, w, layout.data], template, x, R, layout, cols)
-
-
 def rows_qmatvec_mapped(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, layout: ColumnLayout, *,
-                        group_size: int, bits: int, cols: int = COLS) -> list[mx.array]:
+                        group_size: int, bits: int, cols: int = COLS, tensor_cores: bool = True) -> list[mx.array]:
     """`rows_qmatvec`'s columns in one launch, as `rows_matvec_mapped` (each column's scales and
     biases from its weight row's)."""
     R, K = rows(x)
+    if tensor_cores and rows_mma.supports(x, K, group_size=group_size, bits=bits, form="mapped"):
+        out = rows_mma.rows_qmatvec_mapped(x, w, scales, biases, layout, group_size=group_size, bits=bits)
+        return layout.parts(out, x.shape[:-1])
     kernel = _kernel("strata_rows_qmatvec_mapped_v3", ["dims", "x", "w", "scales", "biases", "col_map"],
                      QUANTIZED_MAPPED)
     template = [("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size)]
-    return _mapped_launch(kernel, [dims(R, K, layout.N), x, w, scales, biases, layout.data], template, x, R, layout,
-                          cols)
+    out = _mapped_launch(kernel, [dims(R, K, layout.N), x, w, scales, biases, layout.data], template, x, R, layout,
+                         cols)
+    return layout.parts(out, x.shape[:-1])
 
 
 def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, experts: mx.array, *,
@@ -575,9 +552,12 @@ def rows_glu_matvec(x: mx.array, w_gate: mx.array, w_up: mx.array, *, cols: int 
 
 
 def rows_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array], up: tuple[mx.array, mx.array, mx.array],
-                     *, group_size: int, bits: int, cols: int = GLU_COLS) -> mx.array:
+                     *, group_size: int, bits: int, cols: int = GLU_COLS, tensor_cores: bool = True) -> mx.array:
     """`rows_glu_matvec` over affine-quantized gate and up, each (weight, scales, biases) of
-    one quantization: each product the bits of `rows_qmatvec`'s."""
+    one quantization: each product the bits of `rows_qmatvec`'s (`tensor_cores`: rows_mma's
+    form, as `rows_matvec`'s)."""
+    if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits, form="plain-glu"):
+        return rows_mma.rows_glu_qmatvec(x, gate, up, group_size=group_size, bits=bits)
     R, K = rows(x)
     N = gate[0].shape[0]
     kernel = _kernel("strata_rows_glu_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
@@ -800,7 +780,7 @@ def _check_glu(dtypes=PROBE_DTYPES) -> str | None:
         quantized = partial(reference_qmatvec, group_size=64, bits=4)
         cases = (
             (lambda a: rows_glu_matvec(a, wg, wu), lambda a: reference_glu(reference_matvec(a, wg), reference_matvec(a, wu))),
-            (lambda a: rows_glu_qmatvec(a, qg, qu, group_size=64, bits=4),
+            (lambda a: rows_glu_qmatvec(a, qg, qu, group_size=64, bits=4, tensor_cores=False),
              lambda a: reference_glu(quantized(a, *qg), quantized(a, *qu))),
         )
         for kernel, reference in cases:
@@ -837,41 +817,22 @@ def _check_gather_glu(dtype) -> str | None:
     return error
 
 
-def probe_column_map(N: int) -> mx.array:
-    """The probe's column map over N weight rows: every row once, reordered, then three again, so
-    there are more output columns than rows and a column tail (N + 3 is no multiple of COLS for
-    N a multiple of 4)."""
-    order = (mx.arange(N) * 7 + 3) % N  # a permutation while N is prime to 7
-    return mx.concatenate([order, mx.array([0, N - 1, 5])]).astype(mx.uint32)
-
-
-def probe_bounds(n: int) -> tuple[int, int]:
-    """Split points of the probe's n columns into three segments (for n = N + 3 none a multiple
-    of COLS wide: a warp's columns cross from one segment into the next)."""
-    return (n // 3 + 1, n - 2)
-
-
-def joined(parts: list[mx.array]) -> mx.array:
-    """A column-mapped call's segments side by side: what the plain kernel's gathered columns give."""
-    return mx.concatenate(parts, axis=-1)
-
-
 def _check_mapped(dtypes=PROBE_DTYPES) -> str | None:
     """None when the column-mapped forms pass on this device, else what failed: each row equals
     its 1-row call bit for bit, the call (its segments side by side) equals the plain kernel's
     output gathered by the map bit for bit, and the reference's gathered columns within tolerance
     (so a probe that asks before the plain kernels' own never passes on their word alone)."""
     K, N = 512, 200
-    columns = probe_column_map(N)
-    layout = ColumnLayout(columns, probe_bounds(columns.size))
+    layout = probe_layout(N)
+    columns = layout.columns
     for dtype in dtypes:
         x = mx.random.normal((MAX_ROWS, K), key=mx.random.key(19)).astype(dtype)
         w = (mx.random.normal((N, K), key=mx.random.key(20)) * K**-0.5).astype(dtype)
         qw, qs, qb = mx.quantize(w, 64, 4)
         cases = (
-            (lambda a: joined(rows_matvec_mapped(a, w, layout)), lambda a: rows_matvec(a, w, tensor_cores=False),
-             lambda a: reference_matvec(a, w)),
-            (lambda a: joined(rows_qmatvec_mapped(a, qw, qs, qb, layout, group_size=64, bits=4)),
+            (lambda a: joined(rows_matvec_mapped(a, w, layout, tensor_cores=False)),
+             lambda a: rows_matvec(a, w, tensor_cores=False), lambda a: reference_matvec(a, w)),
+            (lambda a: joined(rows_qmatvec_mapped(a, qw, qs, qb, layout, group_size=64, bits=4, tensor_cores=False)),
              lambda a: rows_qmatvec(a, qw, qs, qb, group_size=64, bits=4, tensor_cores=False),
              lambda a: reference_qmatvec(a, qw, qs, qb, group_size=64, bits=4)),
         )

@@ -34,10 +34,13 @@ import os
 import mlx.core as mx
 
 from . import backends, probe
+from .columns import ColumnLayout, joined, probe_layout, segment_index
 from .probe import Probe, dims, gpu_kernel
 
 ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a suspect GPU); a list: those forms
-FORMS = ("dense", "affine", "routed", "glu")  # rows_matvec's calls that take these kernels by default
+# rows_matvec's calls that take these kernels by default: plain dense and affine matrices, routed
+# experts, their GLU join, the GLU of one affine pair (shared experts, MLPs), column-mapped projections
+FORMS = ("dense", "affine", "routed", "glu", "plain-glu", "mapped")
 MAX_ROWS = 8  # B's columns: a window's rows (or one expert's picks)
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
 WARPS = 4  # warps per block
@@ -202,6 +205,11 @@ _COLUMNS_PLAIN = _TILE.replace("TILE_COLS", "16") + """    const int na = n0 + g
 """
 _COLUMNS_GLU = _TILE.replace("TILE_COLS", "8") + """    const int na = n0 + g < N ? n0 + g : n0, nb = na;
 """
+# Column-mapped: A row g reads weight row col_map[n0 + g] (columns.py; a missing column repeats
+# the tile's first)
+_COLUMNS_MAPPED = _TILE.replace("TILE_COLS", "16") + """    const int na = static_cast<int>(col_map[n0 + g < N ? n0 + g : n0]);
+    const int nb = static_cast<int>(col_map[n0 + g + 8 < N ? n0 + g + 8 : n0]);
+"""
 # The K loop: a warp takes steps kw, kw + SPLIT, ... (a step: 4 chunks, lane q chunk q of it), in
 # that order, UNROLL steps at a time, loading all of them (at a real chunk: one past K reads chunk
 # 0, then counts zeros) before it converts and multiplies any. UNROLL changes when loads are
@@ -262,6 +270,11 @@ _WRITE_PLAIN = """
         if (o1 >= 0) out[static_cast<size_t>(o1) * N + n0 + g + 8] = static_cast<T>(d[3]);
     }
 """
+_WRITE_MAPPED = _WRITE_PLAIN  # each value where columns.py's layout puts it
+for _row in ("o0", "o1"):
+    for _column in ("n0 + g", "n0 + g + 8"):
+        _WRITE_MAPPED = _WRITE_MAPPED.replace(f"out[static_cast<size_t>({_row}) * N + {_column}]",
+                                              f"out[{segment_index(_row, _column)}]")
 # Gate and up rounded to T as the plain outputs are, then joined in float32 and rounded once
 # (GLU_HEADER, rows_matvec's GLU forms' too).
 _WRITE_GLU = """
@@ -311,6 +324,9 @@ _MXFP4_POINTERS = ("""    const int KW = K / 8, KC32 = K / 32;
 
 DENSE = _body(_PLAIN, _COLUMNS_PLAIN, _DENSE_POINTERS, _WRITE_PLAIN)
 QUANTIZED = _body(_PLAIN, _COLUMNS_PLAIN, _affine(), _WRITE_PLAIN)
+QUANTIZED_GLU = _body(_PLAIN, _COLUMNS_GLU, _affine(up=True), _WRITE_GLU)
+DENSE_MAPPED = _body(_PLAIN, _COLUMNS_MAPPED, _DENSE_POINTERS, _WRITE_MAPPED)
+QUANTIZED_MAPPED = _body(_PLAIN, _COLUMNS_MAPPED, _affine(), _WRITE_MAPPED)
 GATHER_QUANTIZED = _body(_GATHER, _COLUMNS_PLAIN, _affine(gather=True), _WRITE_PLAIN)
 GATHER_QUANTIZED_GLU = _body(_GATHER, _COLUMNS_GLU, _affine(up=True, gather=True), _WRITE_GLU)
 GATHER_MXFP4 = _body(_GATHER, _COLUMNS_PLAIN, _MXFP4_POINTERS, _WRITE_PLAIN)
@@ -404,6 +420,47 @@ def rows_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
         inputs=[dims(R, K, N), x, w, scales, biases],
         template=[("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size), *_loop_template()],
         grid=grid, threadgroup=block, output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
+    return out
+
+
+def rows_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array], up: tuple[mx.array, mx.array, mx.array],
+                     *, group_size: int, bits: int) -> mx.array:
+    """silu(x @ gateᵀ) · (x @ upᵀ) of one affine pair (rows_matvec.rows_glu_qmatvec), at most 8 rows."""
+    R, K = rows(x)
+    _check_rows(R)
+    N = gate[0].shape[0]
+    grid, block = _grid(N, GLU_COLS)
+    (out,) = _kernel("strata_mma_glu_qmatvec_v1", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
+                                                   "biases_up"], QUANTIZED_GLU)(
+        inputs=[dims(R, K, N), x, *gate, *up],
+        template=[("T", x.dtype), ("TS", gate[1].dtype), ("BITS", bits), ("GS", group_size), *_loop_template()],
+        grid=grid, threadgroup=block, output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
+    return out
+
+
+def rows_matvec_mapped(x: mx.array, w: mx.array, layout: ColumnLayout) -> mx.array:
+    """rows_matvec's columns `layout` names, laid out as it says: the flat (R·N,) output (its
+    `parts` cut it), at most 8 rows, w (N, K) bfloat16."""
+    R, K = rows(x)
+    _check_rows(R)
+    grid, block = _grid(layout.N, PLAIN_COLS)
+    (out,) = _kernel("strata_mma_matvec_mapped_v1", ["dims", "x", "w", "col_map"], DENSE_MAPPED)(
+        inputs=[dims(R, K, layout.N), x, w, layout.data], template=[("T", x.dtype), *_loop_template()], grid=grid,
+        threadgroup=block, output_shapes=[(R * layout.N,)], output_dtypes=[x.dtype])
+    return out
+
+
+def rows_qmatvec_mapped(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, layout: ColumnLayout, *,
+                        group_size: int, bits: int) -> mx.array:
+    """`rows_matvec_mapped` of affine weights (each column's scales and biases its weight row's)."""
+    R, K = rows(x)
+    _check_rows(R)
+    grid, block = _grid(layout.N, PLAIN_COLS)
+    (out,) = _kernel("strata_mma_qmatvec_mapped_v1", ["dims", "x", "w", "scales", "biases", "col_map"],
+                     QUANTIZED_MAPPED)(
+        inputs=[dims(R, K, layout.N), x, w, scales, biases, layout.data],
+        template=[("T", x.dtype), ("TS", scales.dtype), ("BITS", bits), ("GS", group_size), *_loop_template()],
+        grid=grid, threadgroup=block, output_shapes=[(R * layout.N,)], output_dtypes=[x.dtype])
     return out
 
 
@@ -535,6 +592,8 @@ def probe_cases() -> list[tuple[str, object, object, mx.array, mx.array | None]]
     gate, up = mx.quantize(we[0], 32, 4), mx.quantize(we[1], 32, 4)
     fp4 = mx.quantize(we[0], 32, 4, mode="mxfp4")
     dense_gate, dense_up = _dense(*gate, group_size=32), _dense(*up, group_size=32)
+    qw_up = mx.quantize(we[1][0], 32, 4)
+    layout = probe_layout(N)
     return [
         ("dense", lambda a, _: rows_matvec(a, w), lambda a, _: reference(a, _dense(w)), x, None),
         ("affine", lambda a, _: rows_qmatvec(a, *qw, group_size=32, bits=4),
@@ -545,7 +604,36 @@ def probe_cases() -> list[tuple[str, object, object, mx.array, mx.array | None]]
          lambda a, e: reference_glu(reference(a, dense_gate, e), reference(a, dense_up, e)), picks, experts),
         ("routed MXFP4", lambda a, e: rows_gather_mxfp4matvec(a, *fp4, e, share=MAX_ROWS),
          lambda a, e: reference(a, _dense(*fp4, None, group_size=32, mode="mxfp4"), e), picks, experts),
+        ("plain GLU", lambda a, _: rows_glu_qmatvec(a, qw, qw_up, group_size=32, bits=4),
+         lambda a, _: reference_glu(reference(a, _dense(*qw, group_size=32)), reference(a, _dense(*qw_up, group_size=32))),
+         x, None),
+        ("mapped dense", lambda a, _: _joined(rows_matvec_mapped(a, w, layout), a, layout),
+         lambda a, _: mx.take(reference(a, _dense(w)), layout.columns, axis=-1), x, None),
+        ("mapped affine", lambda a, _: _joined(rows_qmatvec_mapped(a, *qw, layout, group_size=32, bits=4), a, layout),
+         lambda a, _: mx.take(reference(a, _dense(*qw, group_size=32)), layout.columns, axis=-1), x, None),
     ]
+
+
+def _joined(out: mx.array, x: mx.array, layout: ColumnLayout) -> mx.array:
+    return joined(layout.parts(out, x.shape[:-1]))
+
+
+def check_mapped_columns() -> str | None:
+    """None when the column-mapped forms' segments, side by side, are the plain forms' columns
+    gathered by the map bit for bit (a window of 8 rows and one of 3), else what failed."""
+    K, N, dtype = 576, 200, mx.bfloat16  # K: 4.5 steps, groups of 64
+    x = mx.random.normal((MAX_ROWS, K), key=mx.random.key(29)).astype(dtype)
+    w = (mx.random.normal((N, K), key=mx.random.key(30)) * K**-0.5).astype(dtype)
+    qw = mx.quantize(w, 64, 4)
+    layout = probe_layout(N)
+    for what, mapped, plain in (
+            ("mapped dense", lambda a: rows_matvec_mapped(a, w, layout), lambda a: rows_matvec(a, w)),
+            ("mapped affine", lambda a: rows_qmatvec_mapped(a, *qw, layout, group_size=64, bits=4),
+             lambda a: rows_qmatvec(a, *qw, group_size=64, bits=4))):
+        for a in (x, x[:3]):
+            if not mx.array_equal(_joined(mapped(a), a, layout), mx.take(plain(a), layout.columns, axis=-1)).item():
+                return f"{what}: its columns differ from the plain form's gathered columns"
+    return None
 
 
 def check_case(kernel, ref, x: mx.array, experts: mx.array | None) -> str | None:
@@ -589,4 +677,4 @@ def _check(dtypes=(mx.bfloat16,)) -> str | None:
         error = check_case(kernel, ref, x, experts)
         if error:
             return f"{what}: {error}"
-    return check_shared_rows()
+    return check_shared_rows() or check_mapped_columns()

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 
 from metal_shaders import backends, precompiled
 from metal_shaders import rows_matvec as kernels
+from metal_shaders.columns import ColumnLayout
 from scripts.bench.synthetic import randomized
 from strata_cli.model import gdn, layers
 from strata_cli.model.quant import quantize
@@ -98,7 +99,7 @@ def test_mapped_calls_pass_the_layout_as_data(monkeypatch):
     w = mx.zeros((40, 128))
     q = mx.quantize(w, 64, 4)
     x = mx.zeros((1, 3, 128), dtype=mx.bfloat16)
-    layout = kernels.ColumnLayout(mx.array([39, 0, 5, 5, 7], dtype=mx.uint32), (2,))
+    layout = ColumnLayout(mx.array([39, 0, 5, 5, 7], dtype=mx.uint32), (2,))
     assert layout.data.tolist() == [39, 0, 5, 5, 7] + [0, 0, 2, 2, 2] + [2, 2, 3, 3, 3]
     dense = kernels.rows_matvec_mapped(x, w, layout)
     assert [p.shape for p in dense] == [(1, 3, 2), (1, 3, 3)]
@@ -118,7 +119,7 @@ def test_mapped_calls_pass_the_layout_as_data(monkeypatch):
     columns = mx.array([1, 2, 3], dtype=mx.uint32)
     for bad in ((columns.reshape(1, 3), ()), (columns, (0,)), (columns, (2, 2)), (columns, (3,))):
         with pytest.raises(ValueError, match="column map|do not split"):
-            kernels.ColumnLayout(*bad)
+            ColumnLayout(*bad)
 
 
 def test_segments_are_runs_of_the_flat_output_and_one_segment_is_the_plain_layout():
@@ -126,10 +127,10 @@ def test_segments_are_runs_of_the_flat_output_and_one_segment_is_the_plain_layou
     a reshape: a kernel reading it needs no copy); with no bounds the one part is the (..., N)
     rows as written."""
     out = mx.arange(2 * 3 * 7)
-    parts = kernels.ColumnLayout(mx.arange(7), (4, 5)).parts(out, (2, 3))
+    parts = ColumnLayout(mx.arange(7), (4, 5)).parts(out, (2, 3))
     assert [p.shape for p in parts] == [(2, 3, 4), (2, 3, 1), (2, 3, 2)]
     assert parts[1].reshape(-1).tolist() == list(range(24, 30))
-    (whole,) = kernels.ColumnLayout(mx.arange(7)).parts(out, (2, 3))
+    (whole,) = ColumnLayout(mx.arange(7)).parts(out, (2, 3))
     assert whole.tolist() == out.reshape(2, 3, 7).tolist()
 
 
@@ -233,8 +234,8 @@ def test_the_probe_passes_the_emulated_kernels_and_refuses_a_wrong_map(monkeypat
     assert {kind for kind, _ in calls} == {"dense", "dense_mapped", "quantized", "quantized_mapped"}
     assert ("dense_mapped", 1) in calls and ("quantized_mapped", 8) in calls
     emulated = kernels.rows_matvec_mapped
-    monkeypatch.setattr(kernels, "rows_matvec_mapped", lambda x, w, layout: emulated(
-        x, w, kernels.ColumnLayout(mx.sort(layout.data[: layout.N]), layout.bounds)))
+    monkeypatch.setattr(kernels, "rows_matvec_mapped", lambda x, w, layout, **kw: emulated(
+        x, w, ColumnLayout(mx.sort(layout.columns), layout.bounds), **kw))
     assert kernels._check_mapped(dtypes=(mx.float32,)) == (
         "column-mapped kernel and the plain kernel's gathered columns differ (mlx.core.float32)")
 

@@ -11,6 +11,7 @@ import pytest
 
 from metal_shaders import backends, rows_mma
 from metal_shaders import rows_matvec as kernels
+from metal_shaders.columns import ColumnLayout
 from scripts.lab.mma_emulate import MmaEmulator
 
 
@@ -30,6 +31,30 @@ def test_each_form_is_row_invariant_and_near_the_reference(emulated, what):
 
 def test_picks_sharing_rows_give_the_copied_rows_bits(emulated):
     assert rows_mma.check_shared_rows() is None
+
+
+def test_mapped_forms_give_the_plain_forms_columns_gathered(emulated):
+    assert rows_mma.check_mapped_columns() is None
+
+
+@pytest.mark.parametrize("mistake", ["weight row", "layout"])
+def test_the_check_fails_a_mapped_form_that_ignores_the_map_or_the_layout(emulated, monkeypatch, mistake):
+    """A mapped body that reads weight row n0 + g (the plain form's), or writes the plain (R, N)
+    layout: its segments side by side are no longer the plain columns gathered."""
+    body = rows_mma.QUANTIZED_MAPPED
+    if mistake == "weight row":
+        wrong = body.replace(rows_mma._COLUMNS_MAPPED, rows_mma._COLUMNS_PLAIN)
+    else:
+        wrong = body.replace(rows_mma._WRITE_MAPPED, rows_mma._WRITE_PLAIN)
+    assert wrong != body
+    monkeypatch.setattr(rows_mma, "QUANTIZED_MAPPED", wrong)
+    assert rows_mma.check_mapped_columns() == "mapped affine: its columns differ from the plain form's gathered columns"
+
+
+def test_mapped_bodies_change_only_the_weight_rows_read_and_the_output_index():
+    for mapped, plain in ((rows_mma.DENSE_MAPPED, rows_mma.DENSE), (rows_mma.QUANTIZED_MAPPED, rows_mma.QUANTIZED)):
+        assert (mapped.replace(rows_mma._COLUMNS_MAPPED, rows_mma._COLUMNS_PLAIN)
+                .replace(rows_mma._WRITE_MAPPED, rows_mma._WRITE_PLAIN)) == plain
 
 
 @pytest.mark.parametrize("old, new", [
@@ -90,7 +115,7 @@ def test_the_environment_names_the_forms_left_on(monkeypatch):
         assert {f for f in rows_mma.FORMS if rows_mma.supports(bf, 128, form=f)} == on
         assert rows_mma.supports(bf, 128) == bool(on)  # a call that names no form: any form on
     monkeypatch.setenv(rows_mma.ENV, "dense,mxfp")
-    with pytest.raises(ValueError, match="comma list of dense, affine, routed, glu; got 'dense,mxfp'"):
+    with pytest.raises(ValueError, match="comma list of dense, affine, routed, glu, plain-glu, mapped; got 'dense,mxfp'"):
         rows_mma.supports(bf, 128, form="dense")
 
 
@@ -111,6 +136,18 @@ def test_rows_matvec_sends_bfloat16_windows_to_tensor_cores_unless_told(monkeypa
     assert emulated.launches == 1 and not fma
     kernels.rows_qmatvec(x, qw, qs, qb, group_size=64, bits=4, tensor_cores=False)
     assert fma == ["strata_rows_qmatvec_v4"] and emulated.launches == 1
+    # the GLU of one pair and the column-mapped forms likewise
+    up = mx.quantize(w[::-1], 64, 4)
+    glu = kernels.rows_glu_qmatvec(x, (qw, qs, qb), up, group_size=64, bits=4)
+    expected = rows_mma.reference_glu(expected, rows_mma.reference(x, rows_mma._dense(*up, group_size=64)))
+    assert np.allclose(np.array(glu.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=0.03)
+    layout = ColumnLayout(mx.array([5, 0, 47, 3, 3], dtype=mx.uint32), (2,))
+    for tc in (True, False):
+        parts = kernels.rows_qmatvec_mapped(x, qw, qs, qb, layout, group_size=64, bits=4, tensor_cores=tc)
+        assert [p.shape for p in parts] == [(3, 2), (3, 3)]
+        parts = kernels.rows_matvec_mapped(x, w, layout, tensor_cores=tc)
+    assert emulated.launches == 4
+    assert fma[1:] == ["strata_rows_qmatvec_mapped_v3", "strata_rows_matvec_mapped_v3"]
 
 
 def test_launch_shapes():

@@ -9,6 +9,7 @@
 #   bash scripts/bench/gpu_owed.sh mma       # rows_mma's tensor-core forms: each probe case, then kernel_bench
 #   bash scripts/bench/gpu_owed.sh tensor-cores  # 80B and GPT-OSS compares, tensor cores on / off alternating
 #   bash scripts/bench/gpu_owed.sh tc-forms  # 80B compares with each form of rows_mma left out in turn (~6 min)
+#   bash scripts/bench/gpu_owed.sh new-forms # the same for the plain GLU and column-mapped forms (~6 min)
 #   bash scripts/bench/gpu_owed.sh small-ops # the embedding by T and a KV row's write by cache size, each op alone (~1 min)
 #   bash scripts/bench/gpu_owed.sh kernels   # the reduce-scatter tail against the butterfly, alternating
 #   bash scripts/bench/gpu_owed.sh compare   # 80B shape against mlx-lm: float32 + bfloat16 identity, prefill
@@ -111,7 +112,7 @@ mma)
 import time
 from metal_shaders import rows_mma
 cases = [(what, lambda c=c: rows_mma.check_case(*c)) for what, *c in rows_mma.probe_cases()]
-for what, check in [*cases, ("shared rows", rows_mma.check_shared_rows)]:
+for what, check in [*cases, ("shared rows", rows_mma.check_shared_rows), ("mapped columns", rows_mma.check_mapped_columns)]:
     start = time.perf_counter()
     try:
         error = check()
@@ -146,6 +147,18 @@ tc-forms)
             echo "== qwen3_next round $round forms $forms" | log tc-forms
             STRATA_TENSOR_CORES=$forms python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
                 $short_compare --out "$OUT/tcf_${round}_${forms//,/-}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log tc-forms
+        done
+    done
+    ;;
+new-forms)
+    # issue 37: the newer tensor-core forms (the GLU of one pair: the shared
+    # expert; column-mapped: GDN's in_proj), each left out in turn against all on, alternating
+    old="dense,affine,routed,glu"
+    for round in 1 2; do
+        for forms in 1 $old $old,mapped $old,plain-glu; do
+            echo "== qwen3_next round $round forms $forms" | log new-forms
+            STRATA_TENSOR_CORES=$forms python -m scripts.bench.compare_mlx_lm --family qwen3_next --layers 8 --bits 4 \
+                $short_compare --out "$OUT/nf_${card}_${round}_${forms//,/-}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log new-forms
         done
     done
     ;;

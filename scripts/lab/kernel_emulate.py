@@ -92,6 +92,7 @@ import numpy as np
 
 from metal_shaders import (add_norm, attention_prep, attention_window, backends, embed_rows, gated_norm, gdn_window,
                            mamba2_window, moe_combine, router_window)
+from metal_shaders import columns as columns_
 from metal_shaders import rows_matvec as kernels
 
 SHIM_BASE = r"""
@@ -1419,7 +1420,7 @@ def mapped_case(kind: str, dtype, *, K: int, N: int, bits: int = 4, gs: int = 64
         reference = kernels.reference_qmatvec(wide, q, *(a.astype(mx.float32) for a in rest), group_size=gs,
                                               bits=bits)
 
-    def inputs(i0: int, i1: int, layout: kernels.ColumnLayout | None = None) -> list:
+    def inputs(i0: int, i1: int, layout: columns_.ColumnLayout | None = None) -> list:
         n = N if layout is None else layout.N
         ws = [np.array(a) if a.dtype == mx.uint32 else raw_bits(a) for a in weights]
         return [np.array([i1 - i0, K, n], np.int32), raw_bits(x[i0:i1]), *ws,
@@ -1434,12 +1435,12 @@ def check_mapped(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N:
     segments side by side) equals its 1-row call bit for bit and the plain kind's R-row call with
     its columns gathered by the map bit for bit, and stays within MAPPED_TOLERANCE (of the largest
     value) of the reference. `columns`: the map, (n,) uint32 of values < N, and `bounds` its
-    segments (default kernels.probe_column_map and probe_bounds: every row reordered, three again,
+    segments (default columns.probe_column_map and probe_bounds: every row reordered, three again,
     a column tail, three segments that split warps' columns)."""
     R_max = max(rows)
     inputs, reference = mapped_case(kind, dtype, K=K, N=N, bits=bits, gs=gs, rows=R_max)
-    columns = kernels.probe_column_map(N) if columns is None else columns
-    layout = kernels.ColumnLayout(columns, kernels.probe_bounds(columns.size) if bounds is None else bounds)
+    columns = columns_.probe_column_map(N) if columns is None else columns
+    layout = columns_.ColumnLayout(columns, columns_.probe_bounds(columns.size) if bounds is None else bounds)
     plain = MAPPED_KINDS[kind]
 
     def run(i0: int, i1: int, kind_: str = kind) -> np.ndarray:
@@ -1448,7 +1449,7 @@ def check_mapped(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N:
                               gs=gs, dtype=dtype)
         out = emu.launch(kind_, inputs(i0, i1, layout), rows=i1 - i0, blocks_y=1, N=layout.N, out_rows=i1 - i0,
                          bits=bits, gs=gs, dtype=dtype)
-        return np.array(kernels.joined(layout.parts(mx.array(out.reshape(-1)), (i1 - i0,))))
+        return np.array(columns_.joined(layout.parts(mx.array(out.reshape(-1)), (i1 - i0,))))
 
     alone = np.concatenate([run(i, i + 1) for i in range(R_max)])
     expected = _f32(mx.take(reference, columns, axis=-1))
