@@ -16,7 +16,7 @@ shape and R.
     python -m scripts.lab.mma_loop --out mma_loop.json     # GPU, about 6 minutes
     python -m scripts.lab.mma_loop --ptxas                 # here, with nvcc: registers, spills, occupancy
 
-`--ptxas` compiles every form (affine plain, routed and routed GLU at 4 bits in groups of 64,
+`--ptxas` compiles every form (affine plain, GLU, column-mapped, routed and routed GLU at 4 bits in groups of 64,
 dense and routed MXFP4; bfloat16 rows) under each setting for sm_90 with nvcc, and prints
 ptxas's registers and spills a thread and the blocks and warps an SM can hold at that count
 (65,536 registers, 64 warps and 32 blocks an SM; registers allotted a warp in units of 256):
@@ -72,7 +72,10 @@ def ptxas(settings: list[str], workdir: Path) -> list[dict]:
     routed = {**affine, "idx": "const uint32_t*"}
     forms = {"QUANTIZED": affine, "GATHER_QUANTIZED": routed,
              "GATHER_QUANTIZED_GLU": {**routed, "w_up": "const uint32_t*", "scales_up": bf16, "biases_up": bf16},
+             "QUANTIZED_GLU": {**affine, "w_up": "const uint32_t*", "scales_up": bf16, "biases_up": bf16},
+             "QUANTIZED_MAPPED": {**affine, "col_map": "const uint32_t*"},
              "DENSE": {"dims": "const int32_t*", "x": bf16, "w": bf16},
+             "DENSE_MAPPED": {"dims": "const int32_t*", "x": bf16, "w": bf16, "col_map": "const uint32_t*"},
              "GATHER_MXFP4": {**routed, "scales": "const uint8_t*", "biases": None}}
     rows = []
     for setting in settings:
