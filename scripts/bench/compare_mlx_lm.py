@@ -56,7 +56,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import attention_window, gdn_window, mamba2_window
+from metal_shaders import attention_window, gdn_window, mamba2_window, rows_mma
 from metal_shaders import rows_matvec as kernels
 
 from scripts.bench.window_cost import QWEN3_NEXT_80B_A3B
@@ -439,7 +439,9 @@ def run(args, *, after_each=None) -> dict:
 
 def _record(families: dict) -> dict:
     common = {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
-              "commit": git_commit(), "kernels": kernels.status(), "gdn_kernels": gdn_window.status(),
+              "commit": git_commit(), "kernels": kernels.status(), "glu_kernels": kernels.glu_status(),
+              "mapped_kernels": kernels.mapped_status(),
+              "tensor_cores": {**rows_mma.status(), "forms": sorted(rows_mma.forms_on())}, "gdn_kernels": gdn_window.status(),
               "mamba2_kernels": {**mamba2_window.status(), "switched_on": mamba2.WINDOW_KERNELS},
               "attention_kernel": attention_window.status(), "sink_attention_kernel": attention_window.sinks_status()}
     if list(families) == ["qwen3_next"]:  # the record this script always wrote for the 80B shape
