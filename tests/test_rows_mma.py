@@ -167,3 +167,14 @@ def test_a_block_of_warps_that_each_own_a_tile(monkeypatch):
     monkeypatch.setattr(rows_mma, "SPLIT", 2)
     with pytest.raises(ValueError, match="SPLIT is 1 or WARPS"):
         rows_mma._grid(2048, rows_mma.PLAIN_COLS)
+
+
+def test_a_k_loop_setting_is_read_and_set_as_written(monkeypatch):
+    from scripts.lab import mma_loop
+    for name in ("WARPS", "SPLIT", "UNROLL"):
+        monkeypatch.setattr(rows_mma, name, getattr(rows_mma, name))
+    mma_loop.apply("8/1/2")
+    assert (rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL) == (8, 1, 2)
+    for bad in ("4/2/1", "4/4", "4/4/0", "a/4/1"):
+        with pytest.raises(ValueError, match="WARPS/SPLIT/UNROLL"):
+            mma_loop.parse(bad)

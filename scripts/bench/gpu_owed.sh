@@ -227,8 +227,8 @@ upload)
     echo "== STRATA_HOST_UPLOAD=1, rows_mma 4/1/1" | log upload
     STRATA_HOST_UPLOAD=1 python - --family qwen3_next --layers 8 --bits 4 $short_compare --out "$OUT/upload_loop411_$tree.json" <<'EOF' 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
 import runpy
-from metal_shaders import rows_mma
-rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = 4, 1, 1
+from scripts.lab import mma_loop
+mma_loop.apply("4/1/1")
 runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
 EOF
     ;;

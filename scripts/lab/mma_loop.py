@@ -44,9 +44,22 @@ SHAPES = {"shared_down": (512, 2048), "o_proj/in_proj": (2048, 2048), "lm_head":
 SETTINGS = "4/4/1,4/4/4,4/1/1,4/1/4,2/1/4,8/8/1"
 
 
+def parse(setting: str) -> tuple[int, int, int]:
+    """"WARPS/SPLIT/UNROLL" -> the three ints (ValueError unless positive, SPLIT 1 or WARPS)."""
+    values = setting.split("/")
+    if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values) or values[1] not in ("1", values[0]):
+        raise ValueError(f"a setting is WARPS/SPLIT/UNROLL with SPLIT 1 or WARPS, got {setting!r}")
+    warps, split, unroll = (int(v) for v in values)
+    return warps, split, unroll
+
+
+def apply(setting: str) -> None:
+    """rows_mma's K loop set to `setting` (read at each call: the template values and the grid)."""
+    rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = parse(setting)
+
+
 def one_setting(setting: str, *, repeats: int, inner: int) -> list[dict]:
-    # read at each call: the template values and the grid
-    rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = (int(v) for v in setting.split("/"))
+    apply(setting)
     records = []
     for name, (K, N) in EXPERTS.items():
         records += kb.bench_experts(name, 512, K, N, 10, use_kernel=True, repeats=repeats, inner=inner,
@@ -79,7 +92,7 @@ def ptxas(settings: list[str], workdir: Path) -> list[dict]:
              "GATHER_MXFP4": {**routed, "scales": "const uint8_t*", "biases": None}}
     rows = []
     for setting in settings:
-        warps, split, unroll = (int(v) for v in setting.split("/"))
+        warps, split, unroll = parse(setting)
         for form, inputs in forms.items():
             args = [f"{t} {n}" for n, t in inputs.items() if t] + ["__nv_bfloat16* out"]
             consts = ("using T = __nv_bfloat16; using TS = __nv_bfloat16; using TI = uint32_t; "
@@ -125,9 +138,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     settings = args.settings.split(",")
     for setting in settings:
-        values = setting.split("/")
-        if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values) or values[1] not in ("1", values[0]):
-            parser.error(f"a setting is WARPS/SPLIT/UNROLL with SPLIT 1 or WARPS, got {setting!r}")
+        try:
+            parse(setting)
+        except ValueError as e:
+            parser.error(str(e))
     if args.ptxas:
         with tempfile.TemporaryDirectory(prefix="strata-mma-loop-") as tmp:
             report = {"settings": settings, "ptxas": ptxas(settings, Path(tmp))}
@@ -144,7 +158,7 @@ def main(argv=None) -> dict:
                 records += one_setting(setting, repeats=args.repeats, inner=args.inner)
                 print(f"round {rnd + 1}: {setting} done", flush=True)
     finally:
-        rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = (int(v) for v in default.split("/"))
+        apply(default)
     rows = table(records, settings)
     head = f"{'shape':16s} {'R':>2s} " + " ".join(f"{s:>7s}" for s in settings) + f" {'fma':>7s} {'mlx':>7s} same"
     print(head)
