@@ -21,6 +21,7 @@ from metal_shaders import rows_matvec as kernels
 from metal_shaders.columns import ColumnLayout
 from scripts.bench.synthetic import randomized
 from strata_cli.model import gdn, layers
+from strata_cli.model.mamba2 import Mamba2Mixer
 from strata_cli.model.quant import quantize
 from test_glu_kernels import emulated_kernel
 
@@ -184,6 +185,30 @@ def test_a_gdn_head_through_the_mapped_kernel_gives_todays_bits(monkeypatch, emu
         got, calls = run_through(monkeypatch, emulator, layer.head, x, mapped=True)
         assert today_calls == [(plain, T)] and calls == [(f"{plain}_mapped", T)]
         assert same_bits(got, today)
+
+
+@pytest.mark.parametrize("dtype, bits", [(mx.float32, None), (mx.bfloat16, 4)])
+def test_a_mamba2_head_through_the_mapped_kernel_gives_the_plain_kernels_bits(monkeypatch, emulator, dtype, bits):
+    """in_proj's [z | xBC | dt] as three contiguous parts of one mapped launch (no map: each
+    column its own row), the bits of the plain kernel and a split; MLX's path (no kernel) splits."""
+    layer = Mamba2Mixer(hidden_size=64, num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4, eps=1e-5,
+                        time_step_limit=(0.0, float("inf")), use_bias=False, use_conv_bias=True)
+    randomized(layer, 64, scale=0.3)
+    layer.set_dtype(dtype)
+    if bits:
+        quantize(layer, group_size=32, bits=bits)
+    mx.eval(layer.parameters())
+    plain = "quantized" if bits else "dense"
+    for T in (1, 3):
+        x = mx.random.normal((1, T, 64), key=mx.random.key(T)).astype(dtype)
+        split, split_calls = run_through(monkeypatch, emulator, layer.head, x, mapped=False)
+        got, calls = run_through(monkeypatch, emulator, layer.head, x, mapped=True)
+        assert split_calls == [(plain, T)] and calls == [(f"{plain}_mapped", T)]
+        assert same_bits(got, split)
+    monkeypatch.setattr(layers.CpuShortCalls, "mode", "never")
+    I, C = layer.intermediate_size, layer.conv_dim
+    z, xBC, dt = mx.split(layer.in_proj(x), [I, I + C], axis=-1)
+    assert same_bits(layer.head(x), ((xBC, dt), (z,)))  # the CPU: no probe passes, a matmul and a split
 
 
 def test_a_gdn_head_whose_kernel_ignores_the_map_differs(monkeypatch, emulate, emulator, tmp_path):

@@ -282,9 +282,13 @@ class RowLinear(nn.Linear):
         launch that reads each column's weight row in place and writes each part contiguous, the
         same bits as the plain kernel's columns; elsewhere `self(x)`, one gather and views
         (`ColumnMap.take`)."""
-        if "bias" not in self and self.takes_kernel(x) and kernels.mapped_usable(x.dtype):
+        if self.takes_mapped(x):
             return kernels.rows_matvec_mapped(x, self.weight, columns.layout)
         return columns.take(self(x))
+
+    def takes_mapped(self, x: mx.array) -> bool:
+        """Whether `mapped` runs the column-mapped kernel on x (else it gathers self(x)'s columns)."""
+        return "bias" not in self and self.takes_kernel(x) and kernels.mapped_usable(x.dtype)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
                      quantize_input: bool = False) -> "RowQuantizedLinear":
@@ -346,10 +350,12 @@ class RowQuantizedLinear(nn.QuantizedLinear):
     def mapped(self, x: mx.array, columns: ColumnMap) -> list[mx.array]:
         """`RowLinear.mapped` for affine-quantized weights (each column's scales and biases read
         from its weight row's)."""
-        if "bias" not in self and self.takes_kernel(x) and kernels.mapped_usable(x.dtype):
+        if self.takes_mapped(x):
             return kernels.rows_qmatvec_mapped(x, self.weight, self.scales, self.biases, columns.layout,
                                                group_size=self.group_size, bits=self.bits)
         return columns.take(self(x))
+
+    takes_mapped = RowLinear.takes_mapped
 
 
 def _row_form(linear: nn.Module) -> tuple | None:

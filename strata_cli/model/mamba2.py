@@ -22,13 +22,15 @@ the MLX ops this layer runs; on a GPU where they passed their start-up probe, de
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from metal_shaders import gated_norm, mamba2_window
 
 from .layer_state import SSMRows, SSMState
-from .layers import RowLinear, RowSplit
+from .layers import ColumnMap, RowLinear, RowSplit
 
 CHUNK = 64  # rows per chunk of the SSD form
 MIN_CHUNKED_ROWS = 16  # shorter windows (every decode window: T <= 8) keep the per-row scan
@@ -99,6 +101,12 @@ def ssd_chunked_scan(rows: SSMRows, state: mx.array, *, chunk: int = CHUNK) -> t
     y = y + mx.exp(G)[..., None] * (Ch @ S0.swapaxes(-1, -2))
     y = mx.moveaxis(y, 1, 3).reshape(Bsz, n * L, H, P)
     return y[:, :T], S
+
+
+@lru_cache
+def in_proj_parts(intermediate: int, conv_dim: int, heads: int) -> ColumnMap:
+    """in_proj's columns as they are, in three parts: [z | xBC | dt] (`RowLinear.mapped`)."""
+    return ColumnMap(mx.arange(intermediate + conv_dim + heads), (intermediate, intermediate + conv_dim))
 
 
 class Mamba2Conv(nn.Module):
@@ -193,9 +201,15 @@ class Mamba2Mixer(nn.Module):
     # A layer call is head (pure), core (the state's part), tail (pure): the decoder layers
     # compile head and tail for decode windows.
     def head(self, x: mx.array) -> tuple[tuple, tuple]:
-        """x (B, T, hidden) -> the core's inputs (xBC, dt) and the tail's (z)."""
+        """x (B, T, hidden) -> the core's inputs (xBC, dt) and the tail's (z). Where the
+        column-mapped kernel takes the window, in_proj writes the three parts contiguous (the
+        plain kernel's bits): at T > 1 column slices of one output would each cost the kernels
+        that read them an MLX copy."""
         I = self.intermediate_size
-        z, xBC, dt = mx.split(self.in_proj(x), [I, I + self.conv_dim], axis=-1)
+        if self.in_proj.takes_mapped(x):
+            z, xBC, dt = self.in_proj.mapped(x, in_proj_parts(I, self.conv_dim, self.num_heads))
+        else:
+            z, xBC, dt = mx.split(self.in_proj(x), [I, I + self.conv_dim], axis=-1)
         return (xBC, dt), (z,)
 
     def core(self, xBC: mx.array, dt: mx.array, state: SSMState) -> mx.array:
