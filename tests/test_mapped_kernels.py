@@ -172,19 +172,24 @@ def same_bits(a, b) -> bool:
         for (_, x), (_, y) in zip(flat_a, flat_b))
 
 
+def assert_mapped_head_gives_plain_bits(monkeypatch, emulator, head, dtype, bits, windows):
+    """`head` of (1, T, 64) inputs: one mapped launch, the bits of the plain launch (and its split or gather)."""
+    plain = "quantized" if bits else "dense"
+    for T in windows:
+        x = mx.random.normal((1, T, 64), key=mx.random.key(T)).astype(dtype)
+        want, plain_calls = run_through(monkeypatch, emulator, head, x, mapped=False)
+        got, calls = run_through(monkeypatch, emulator, head, x, mapped=True)
+        assert plain_calls == [(plain, T)] and calls == [(f"{plain}_mapped", T)]
+        assert same_bits(got, want)
+
+
 @pytest.mark.parametrize("dtype, bits", [(mx.float32, None), (mx.bfloat16, None), (mx.bfloat16, 4),
                                          (mx.float32, 8)])
 def test_a_gdn_head_through_the_mapped_kernel_gives_todays_bits(monkeypatch, emulator, dtype, bits):
     """A decode window's head (T = 1 and 5): one launch of the column-mapped kernel, where today
     runs the plain kernel and one gather, and every output (conv inputs, b, a, z) the same bits."""
     layer = gdn_layer(dtype, bits)
-    plain = "quantized" if bits else "dense"
-    for T in (1, 5):
-        x = mx.random.normal((1, T, 64), key=mx.random.key(T)).astype(dtype)
-        today, today_calls = run_through(monkeypatch, emulator, layer.head, x, mapped=False)
-        got, calls = run_through(monkeypatch, emulator, layer.head, x, mapped=True)
-        assert today_calls == [(plain, T)] and calls == [(f"{plain}_mapped", T)]
-        assert same_bits(got, today)
+    assert_mapped_head_gives_plain_bits(monkeypatch, emulator, layer.head, dtype, bits, windows=(1, 5))
 
 
 @pytest.mark.parametrize("dtype, bits", [(mx.float32, None), (mx.bfloat16, 4)])
@@ -198,15 +203,10 @@ def test_a_mamba2_head_through_the_mapped_kernel_gives_the_plain_kernels_bits(mo
     if bits:
         quantize(layer, group_size=32, bits=bits)
     mx.eval(layer.parameters())
-    plain = "quantized" if bits else "dense"
-    for T in (1, 3):
-        x = mx.random.normal((1, T, 64), key=mx.random.key(T)).astype(dtype)
-        split, split_calls = run_through(monkeypatch, emulator, layer.head, x, mapped=False)
-        got, calls = run_through(monkeypatch, emulator, layer.head, x, mapped=True)
-        assert split_calls == [(plain, T)] and calls == [(f"{plain}_mapped", T)]
-        assert same_bits(got, split)
+    assert_mapped_head_gives_plain_bits(monkeypatch, emulator, layer.head, dtype, bits, windows=(1, 3))
     monkeypatch.setattr(layers.CpuShortCalls, "mode", "never")
     I, C = layer.intermediate_size, layer.conv_dim
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(3)).astype(dtype)
     z, xBC, dt = mx.split(layer.in_proj(x), [I, I + C], axis=-1)
     assert same_bits(layer.head(x), ((xBC, dt), (z,)))  # the CPU: no probe passes, a matmul and a split
 
