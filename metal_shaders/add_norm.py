@@ -35,7 +35,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .backends import block_reduce
-from .probe import Probe, cases_at, dims, gpu_kernel
+from .probe import Probe, cases_at, constant, dims, gpu_kernel
 
 WARPS = 8
 THREADS = WARPS * 32
@@ -72,8 +72,6 @@ SOURCE = """
 """
 HEADER = f"#define WARPS {WARPS}\n#define THREADS {THREADS}\n"
 
-_eps: dict[float, mx.array] = {}
-
 
 def supports(hidden: int) -> bool:
     """Hidden sizes the kernel takes: up to THREADS * MAX_PER (8192; every MoE family's so far)."""
@@ -97,12 +95,6 @@ def launch(rows: int) -> dict:
     return {"grid": (rows * THREADS, 1, 1), "threadgroup": (THREADS, 1, 1)}
 
 
-def _eps_array(eps: float) -> mx.array:
-    if eps not in _eps:
-        _eps[eps] = mx.array([eps], dtype=mx.float32)
-    return _eps[eps]
-
-
 def add_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
     """h = x + y and rms_norm(h) * weight of every row, on a GPU, one call.
 
@@ -118,8 +110,8 @@ def add_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx
     R = x.size // H
     kernel = gpu_kernel("strata_add_norm_v1", ["dims", "eps", "x", "y", "weight"], ["h", "normed"], SOURCE, HEADER)
     # The dtype is a template value too (MLX caches a compile by name and template alone).
-    h, normed = kernel(inputs=[dims(R, H), _eps_array(eps), x, y, weight], template=[("T", x.dtype),
-                                                                                       ("PER", per_thread(H))],
+    h, normed = kernel(inputs=[dims(R, H), constant(eps), x, y, weight], template=[("T", x.dtype),
+                                                                                   ("PER", per_thread(H))],
                        output_shapes=[x.shape] * 2, output_dtypes=[x.dtype] * 2, **launch(R))
     return h, normed
 

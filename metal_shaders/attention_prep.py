@@ -50,7 +50,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .backends import block_reduce
-from .probe import Probe, cases_at, dims, gpu_kernel
+from .probe import Probe, cases_at, constant, dims, gpu_kernel
 
 MAX_WARPS = 8
 MAX_PER = 4  # a thread keeps D / THREADS (<= 4) values in registers: D <= 1024
@@ -149,8 +149,6 @@ KERNELS = {
 SOURCE, SOURCE_PLAIN = KERNELS[True][2], KERNELS[False][2]
 INPUTS = ["dims", "eps", "offset", "qkv", "q_weight", "k_weight", "inv_freq"]
 
-_eps: dict[float, mx.array] = {}
-
 
 def supports(head_dim: int, rotary_dim: int) -> bool:
     """Head sizes the kernel takes (up to MAX_WARPS * 32 * MAX_PER: 1024) and an even rotary size
@@ -190,12 +188,6 @@ def inv_freq(rotary_dim: int, base: float) -> mx.array:
     return table
 
 
-def _eps_array(eps: float) -> mx.array:
-    if eps not in _eps:
-        _eps[eps] = mx.array([eps], dtype=mx.float32)
-    return _eps[eps]
-
-
 def attention_prep(qkv: mx.array, offset: int | mx.array, *, num_heads: int, num_kv_heads: int, head_dim: int,
                    rotary_dim: int, base: float, gate: bool, q_weight: mx.array | None = None,
                    k_weight: mx.array | None = None, eps: float = 0.0) -> tuple[mx.array, ...]:
@@ -223,7 +215,7 @@ def attention_prep(qkv: mx.array, offset: int | mx.array, *, num_heads: int, num
     shapes = [(B, num_heads, T, D), (B, num_kv_heads, T, D), (B, num_kv_heads, T, D)]
     shapes += [(B, T, num_heads * D)] if gate else []
     return tuple(kernel(
-        inputs=[dims(T, num_heads, num_kv_heads, D, rotary_dim), _eps_array(eps), offset, qkv,
+        inputs=[dims(T, num_heads, num_kv_heads, D, rotary_dim), constant(eps), offset, qkv,
                 q_weight if norm else unused, k_weight if norm else unused, inv_freq(rotary_dim, base)],
         template=[("T", dtype), ("PER", per_thread(D)), ("WARPS", warps(D)), ("NORM", norm)],
         output_shapes=shapes, output_dtypes=[dtype] * len(shapes), **launch(B * T, num_heads, num_kv_heads, D)))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .probe import Probe, cases_at, gpu_kernel, step_dims
+from .probe import Probe, cases_at, constant, gpu_kernel, step_dims
 
 MAX_HEAD_DIM = 256  # a lane keeps D/32 output dims in registers; the block's partials sit in shared memory
 WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 threads busy per row
@@ -117,8 +117,6 @@ SOURCE = """
 """
 HEADER = f"#define WARPS {WARPS}\n"
 
-_scales: dict[float, mx.array] = {}
-
 
 def supports(head_dim: int) -> bool:
     """Head dims the kernel takes: multiples of 32, at most 256 (the models': 64 and 256)."""
@@ -128,12 +126,6 @@ def supports(head_dim: int) -> bool:
 def launch(B: int, Hq: int, T: int) -> dict:
     """Grid (in threads, as MLX's custom kernels take it) and block: a block per (b, h, t)."""
     return {"grid": (B * Hq * T * WARPS * 32, 1, 1), "threadgroup": (WARPS * 32, 1, 1)}
-
-
-def _scale(scale: float) -> mx.array:
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], dtype=mx.float32)
-    return _scales[scale]
 
 
 def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
@@ -153,7 +145,7 @@ def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float
                         HEADER, ensure_row_contiguous=False)
     # The dtypes are template values too (MLX caches a compile by name and template alone).
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
-    (out,) = kernel(inputs=[step_dims(B, Hq, Hkv, T, L), _scale(scale), q, keys, values], template=template,
+    (out,) = kernel(inputs=[step_dims(B, Hq, Hkv, T, L), constant(scale), q, keys, values], template=template,
                     output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype], **launch(B, Hq, T))
     return out
 
@@ -299,9 +291,9 @@ def sink_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: 
     kernel = gpu_kernel("strata_attention_window_sinks_v1", ["dims", "scale", "q", "keys", "values", "sinks"], ["out"],
                         SINK_SOURCE, HEADER, ensure_row_contiguous=False)
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
-    (out,) = kernel(inputs=[step_dims(B, Hq, Hkv, T, L, ring_position(pos0, L, window), window), _scale(scale), q, keys,
-                            values, sinks], template=template, output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype],
-                    **launch(B, Hq, T))
+    sizes = step_dims(B, Hq, Hkv, T, L, ring_position(pos0, L, window), window)
+    (out,) = kernel(inputs=[sizes, constant(scale), q, keys, values, sinks], template=template,
+                    output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype], **launch(B, Hq, T))
     return out
 
 

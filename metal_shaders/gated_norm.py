@@ -44,7 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .backends import block_reduce
-from .probe import Probe, cases_at, dims, gpu_kernel
+from .probe import Probe, cases_at, constant, dims, gpu_kernel
 
 MAX_WARPS = 8
 MAX_PER = 32  # a thread keeps its D / THREADS (<= 32) values of x in registers: D <= 8192
@@ -94,8 +94,6 @@ SOURCE = """
 """
 INPUTS = ["dims", "eps", "y", "z", "weight"]
 
-_eps: dict[float, mx.array] = {}
-
 
 def supports(group_size: int) -> bool:
     """Group sizes the kernel takes: up to MAX_WARPS * 32 * MAX_PER (8192)."""
@@ -127,12 +125,6 @@ def takes(y: mx.array, z: mx.array, weight: mx.array, *, groups: int, group_size
             and weight.dtype == z.dtype and weight.shape in ((group_size,), (C,)) and supports(group_size))
 
 
-def _eps_array(eps: float) -> mx.array:
-    if eps not in _eps:
-        _eps[eps] = mx.array([eps], dtype=mx.float32)
-    return _eps[eps]
-
-
 def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float, *, groups: int, group_size: int,
                gate_first: bool = False) -> mx.array:
     """The gated norm of every row's groups, on a GPU, one call.
@@ -151,7 +143,7 @@ def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float, *, groups
     step = 0 if weight.size == group_size else group_size
     kernel = gpu_kernel("strata_gated_norm_v1", INPUTS, ["out"], SOURCE)
     # The dtype is a template value too (MLX caches a compile by name and template alone).
-    (out,) = kernel(inputs=[dims(R, groups, group_size, step), _eps_array(eps), y, z, weight],
+    (out,) = kernel(inputs=[dims(R, groups, group_size, step), constant(eps), y, z, weight],
                     template=[("T", z.dtype), ("PER", per_thread(group_size)), ("WARPS", warps(group_size)),
                               ("GATE_FIRST", gate_first)],
                     output_shapes=[z.shape], output_dtypes=[z.dtype], **launch(R, groups, group_size))

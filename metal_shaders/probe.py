@@ -23,6 +23,7 @@ from . import backends, kept, precompiled
 log = logging.getLogger("strata.kernels")
 
 _dims_cache: dict[tuple[int, ...], mx.array] = {}
+_constants: dict[float, mx.array] = {}
 _step_dims: list = [None, None]  # the last step's values and their array
 _kernels: dict[tuple[str, str], object] = {}
 VERDICTS = "verdicts"
@@ -52,9 +53,10 @@ def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, head
 # side touched them last. A kernel reading such a page after the host wrote any array on it waits
 # for a page fault: under ncu on an H100 (tree a2b63c9) a T = 8 window's embedding took 142 µs
 # against 5 at T = 1, and a T = 1 window's first MoE combine 200 µs against 6 in the other layers.
-# With STRATA_HOST_UPLOAD=1, host ints a window's kernels read go through the pool (`device_ints`)
-# and `dims` are copied to device memory once. Off by default until a GPU has timed it both ways
-# (gpu_owed.sh upload).
+# A pooled array is never faulted, but every read of it crosses the bus. With STRATA_HOST_UPLOAD=1,
+# host ints a window's kernels read once go through the pool (`device_ints`), and the inputs every
+# launch reads (`dims`, `constant`) are copied to device memory once, padded past the pool's 8 bytes.
+# Off by default until a GPU has timed it both ways (gpu_owed.sh upload).
 POOL_INTS = 2  # int32s in one of MLX's pooled 8-byte buffers (mlx/backend/cuda/allocator.cpp)
 MAX_UPLOAD_INTS = 16  # more (a prompt's ids) are made as one array: the fault is paid once for many rows
 
@@ -97,13 +99,30 @@ def _in_device_memory(array: mx.array) -> mx.array:
     return copy
 
 
+def _kept(values: tuple, dtype) -> mx.array:
+    """A kernel input made once and read by every launch: with uploads on, in device memory and,
+    where it would fit MLX's pool (8 bytes: read over the bus at every launch), padded past it with
+    zeros the bodies never read (they index the values, never the shape)."""
+    if not uploads():
+        return mx.array(values, dtype=dtype)
+    padded = values + (0,) * max(0, POOL_INTS + 1 - len(values))
+    return _in_device_memory(mx.array(padded, dtype=dtype))
+
+
 def dims(*values: int) -> mx.array:
     """Shapes as an int32 array: one compile serves every shape, so a new one never waits for NVRTC.
-    Kept per shape, on CUDA in device memory."""
+    Kept per shape (`_kept`)."""
     if values not in _dims_cache:
-        array = mx.array(values, dtype=mx.int32)
-        _dims_cache[values] = _in_device_memory(array) if uploads() and len(values) > POOL_INTS else array
+        _dims_cache[values] = _kept(values, mx.int32)
     return _dims_cache[values]
+
+
+def constant(value: float) -> mx.array:
+    """A float32 a body reads as its input's [0] (a norm's epsilon, a softmax scale), kept per value
+    (`_kept`)."""
+    if value not in _constants:
+        _constants[value] = _kept((value,), mx.float32)
+    return _constants[value]
 
 
 def step_dims(*values: int) -> mx.array:

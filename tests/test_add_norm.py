@@ -79,14 +79,14 @@ def emulated_kernel(emu, calls):
             add_norm.SOURCE, add_norm.HEADER, ["dims", "eps", "x", "y", "weight"], ["h", "normed"], True)
 
         def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            R, H = np.array(inputs[0]).tolist()
+            R, H = np.array(inputs[0]).tolist()[:2]  # as the body indexes them (uploads pad kept inputs)
             eps, x, y, weight = inputs[1:]
             values = dict(template)
             assert values == {"T": x.dtype, "PER": add_norm.per_thread(H)}
             assert (grid, threadgroup) == tuple(add_norm.launch(R).values())
             assert output_dtypes == [x.dtype] * 2 and output_shapes == [x.shape] * 2
             calls.append(R)
-            h, normed = emu.run(x.reshape(R, H), y.reshape(R, H), weight, eps.item())
+            h, normed = emu.run(x.reshape(R, H), y.reshape(R, H), weight, eps[0].item())
             return [h.reshape(x.shape), normed.reshape(x.shape)]
         return launch
     return make
@@ -138,6 +138,23 @@ def test_a_decoder_layers_tail_through_the_kernel_equals_mlx_ops_and_misses_no_o
         emu.source = broken
         monkeypatch.setattr(add_norm, "gpu_kernel", emulated_kernel(emu, calls))
         assert not mx.allclose(layer.tail(x, mixed, *tail_in), expected, rtol=1e-2, atol=1e-3).item()
+
+
+def test_the_tail_gives_the_same_bits_with_its_kept_inputs_uploaded(monkeypatch, emulator):
+    """With uploads on, dims (R, H) and the epsilon are padded past MLX's 8-byte pool and copied
+    to device memory: the kernel reads the same values, so the tail's bits do not move."""
+    layer = qwen3_next_layer()
+    x, mixed, tail_in = tail_inputs(layer, 3)
+    calls = []
+    monkeypatch.setattr(add_norm, "usable", lambda dtype=None: True)
+    monkeypatch.setattr(add_norm, "gpu_kernel", emulated_kernel(emulator, calls))
+    plain = layer.tail(x, mixed, *tail_in)
+    monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
+    monkeypatch.setattr(probe, "_dims_cache", {})
+    monkeypatch.setattr(probe, "_constants", {})
+    uploaded = layer.tail(x, mixed, *tail_in)
+    assert calls == [3, 3] and probe.dims(3, x.shape[-1]).size == 3
+    assert mx.array_equal(uploaded, plain).item()
 
 
 def test_a_bfloat16_layers_tail_through_the_kernel_stays_near_mlx_ops(monkeypatch, emulator):

@@ -16,6 +16,7 @@ def uploading(monkeypatch):
     """The CUDA path on this machine's CPU: pieces joined by concatenate, dims copied by an op."""
     monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
     monkeypatch.setattr(probe, "_dims_cache", {})
+    monkeypatch.setattr(probe, "_constants", {})
     monkeypatch.setattr(probe, "_step_dims", [None, None])
 
 
@@ -59,6 +60,25 @@ def test_dims_and_step_dims_keep_their_values_when_uploaded(uploading):
     assert kept.tolist() == [8, 2048, 512] and probe.dims(8, 2048, 512) is kept
     assert probe.step_dims(1, 16, 2, 8, 517).tolist() == [1, 16, 2, 8, 517]
     assert probe.step_dims(1, 16, 2, 8, 518).tolist() == [1, 16, 2, 8, 518]
+
+
+def test_kept_inputs_that_would_fit_the_pool_are_padded_past_it(uploading):
+    """MLX keeps arrays of up to 8 bytes in its mapped pool, read over the bus at every launch:
+    a kept input is padded with zeros past it (the bodies index their values)."""
+    kept = probe.dims(8, 2048)
+    assert kept.dtype == mx.int32 and kept.tolist() == [8, 2048, 0] and kept.nbytes > 8
+    assert probe.dims(8, 2048) is kept
+    eps = probe.constant(1e-6)
+    assert eps.dtype == mx.float32 and eps.nbytes > 8 and eps.tolist()[1:] == [0.0, 0.0]
+    assert eps[0].item() == np.float32(1e-6) and probe.constant(1e-6) is eps
+    assert probe.dims(1, 2, 3, 4).tolist() == [1, 2, 3, 4]  # past the pool already
+
+
+def test_off_cuda_kept_inputs_are_plain_arrays(monkeypatch):
+    monkeypatch.setattr(probe, "_dims_cache", {})
+    monkeypatch.setattr(probe, "_constants", {})
+    assert probe.dims(8, 2048).tolist() == [8, 2048]
+    assert probe.constant(0.5).tolist() == [0.5]
 
 
 def test_dims_left_as_made_where_they_cannot_be_evaluated(uploading, monkeypatch):

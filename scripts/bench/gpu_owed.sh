@@ -206,7 +206,7 @@ ncu)
     rm -f "$OUT/ncu_${card}_$tree"/*.ncu-rep  # the CSVs hold what the report read; the reports are large
     ;;
 upload)
-    # issue 37: host ints through MLX's pool and dims in device memory (STRATA_HOST_UPLOAD=1)
+    # issue 37: host ints through MLX's pool, dims and kept constants in device memory (STRATA_HOST_UPLOAD=1)
     # against plain managed arrays (0, the default until this stage has run): each kernel's device
     # time under ncu, then short compares alternating (ncu at a2b63c9: the T = 8 embedding 142 us,
     # a T = 1 combine 200 us)
