@@ -34,9 +34,13 @@ WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 th
 # layer makes keeps it). The scores are scaled in float32 (q·scale, rounded once per dim).
 # NEG_BIG (not -inf) starts the running max, so exp(m - m_new) is 0, never NaN, on a warp's first
 # chunk; a warp that gets no chunk enters the combine with weight exp(NEG_BIG - M) = 0.
-# dims: B, Hq, Hkv, T, L. Output (B, T, Hq, D): the layout o_proj reads.
+# A lane loads 32 of its cell's key values before it multiplies any, and the values of AHEAD cells
+# before it adds any in: its loads overlap (one wait on memory per group, not per load; each load
+# sits behind its own alignment branch, which the compiler does not move loads across), and every
+# sum keeps its order (the bits of one load at a time). dims: B, Hq, Hkv, T, L. Output (B, T, Hq, D): the layout o_proj reads.
 SOURCE = """
     constexpr int PER = DH / 32;
+    constexpr int AHEAD = PER > 4 ? 4 : 8;  // cells whose values a lane loads before it adds any in
     constexpr float NEG_BIG = -3.402823466e38f;
     const int Hq = dims[1], Hkv = dims[2], T = dims[3], L = dims[4];
     const int lane = thread_x & 31, warp = thread_x >> 5;
@@ -62,12 +66,15 @@ SOURCE = """
             auto kp = k0 + (j0 + lane) * keys_strides[2];
             const bool kvec = strata_aligned16(kp, 0);
             float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            #pragma unroll 4
-            for (int d0 = 0; d0 < DH; d0 += 8) {
-                float kv[8];
-                strata_load<TK, 8>(kp + d0, kvec, kv);
+            for (int d0 = 0; d0 < DH; d0 += 32) {
+                float kv[4][8];
                 #pragma unroll
-                for (int c = 0; c < 8; ++c) part[c & 3] = fmaf(q_s[d0 + c], kv[c], part[c & 3]);
+                for (int u = 0; u < 4; ++u) strata_load<TK, 8>(kp + d0 + 8 * u, kvec, kv[u]);
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    #pragma unroll
+                    for (int c = 0; c < 8; ++c) part[c & 3] = fmaf(q_s[d0 + 8 * u + c], kv[u][c], part[c & 3]);
+                }
             }
             s = (part[0] + part[1]) + (part[2] + part[3]);
         }
@@ -82,14 +89,24 @@ SOURCE = """
         #pragma unroll
         for (int e = 0; e < PER; ++e) acc[e] *= rescale;
         const int count = n - j0 < 32 ? n - j0 : 32;
-        for (int c = 0; c < count; ++c) {
-            const float p = p_s[warp][c];
-            float v[PER];
-            auto vp = v0 + (j0 + c) * values_strides[2] + lane * PER;
-            strata_load<TV, PER>(vp, strata_aligned16(vp, 0), v);
-            l += p;
+        for (int c0 = 0; c0 < count; c0 += AHEAD) {
+            float v[AHEAD][PER];
             #pragma unroll
-            for (int e = 0; e < PER; ++e) acc[e] = fmaf(p, v[e], acc[e]);
+            for (int u = 0; u < AHEAD; ++u) {
+                if (c0 + u < count) {
+                    auto vp = v0 + (j0 + c0 + u) * values_strides[2] + lane * PER;
+                    strata_load<TV, PER>(vp, strata_aligned16(vp, 0), v[u]);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < AHEAD; ++u) {
+                if (c0 + u < count) {
+                    const float p = p_s[warp][c0 + u];
+                    l += p;
+                    #pragma unroll
+                    for (int e = 0; e < PER; ++e) acc[e] = fmaf(p, v[u][e], acc[e]);
+                }
+            }
         }
         m = m_new;
         strata_sync_warp();
@@ -141,7 +158,7 @@ def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float
     """
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
-    kernel = gpu_kernel("strata_attention_window_v2", ["dims", "scale", "q", "keys", "values"], ["out"], SOURCE,
+    kernel = gpu_kernel("strata_attention_window_v3", ["dims", "scale", "q", "keys", "values"], ["out"], SOURCE,
                         HEADER, ensure_row_contiguous=False)
     # The dtypes are template values too (MLX caches a compile by name and template alone).
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
@@ -288,7 +305,7 @@ def sink_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: 
     """
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
-    kernel = gpu_kernel("strata_attention_window_sinks_v1", ["dims", "scale", "q", "keys", "values", "sinks"], ["out"],
+    kernel = gpu_kernel("strata_attention_window_sinks_v2", ["dims", "scale", "q", "keys", "values", "sinks"], ["out"],
                         SINK_SOURCE, HEADER, ensure_row_contiguous=False)
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
     sizes = step_dims(B, Hq, Hkv, T, L, ring_position(pos0, L, window), window)

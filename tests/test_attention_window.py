@@ -51,6 +51,59 @@ def test_emulated_kernel_is_row_invariant_and_matches_the_reference(emulate, emu
     assert emulate.check_attention(emulator, 2, 4, 2, 32, 300, rows=(1, 4))
 
 
+# The body's loads grouped (keys 32 values a lane, values AHEAD cells) and as they were, one load then its use
+LOADS_AHEAD = (
+    ("    constexpr int AHEAD = PER > 4 ? 4 : 8;", "    constexpr int AHEAD = 1;"),
+    ("""            for (int d0 = 0; d0 < DH; d0 += 32) {
+                float kv[4][8];
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) strata_load<TK, 8>(kp + d0 + 8 * u, kvec, kv[u]);
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    #pragma unroll
+                    for (int c = 0; c < 8; ++c) part[c & 3] = fmaf(q_s[d0 + 8 * u + c], kv[u][c], part[c & 3]);
+                }
+            }
+""", """            #pragma unroll 4
+            for (int d0 = 0; d0 < DH; d0 += 8) {
+                float kv[8];
+                strata_load<TK, 8>(kp + d0, kvec, kv);
+                #pragma unroll
+                for (int c = 0; c < 8; ++c) part[c & 3] = fmaf(q_s[d0 + c], kv[c], part[c & 3]);
+            }
+"""),
+)
+
+
+@pytest.mark.parametrize("D, cells", [(32, 300), (256, 45), (128, 37)])
+def test_loads_grouped_ahead_give_the_bits_of_one_load_at_a_time(emulate, emulator, tmp_path, D, cells):
+    """Key values loaded 32 at a time and AHEAD cells' values before any is added in: the same
+    sums in the same order as the body that loaded each and used it at once, at chunk tails that
+    AHEAD does not divide (300 and 45 cells, a window's rows seeing one more each), bit for bit,
+    sinks and a ring window included."""
+    source = attention_window.SOURCE
+    for grouped, one in LOADS_AHEAD:
+        assert source.count(grouped) == 1
+        source = source.replace(grouped, one)
+    one_at_a_time = emulate.AttentionEmulator(tmp_path / "one")
+    one_at_a_time.source = source
+    (tmp_path / "one").mkdir()
+    rng = np.random.default_rng(D)
+    q = rng.standard_normal((1, 5, 4, D), np.float32)
+    k, v = (rng.standard_normal((1, 2, cells + 9, D), np.float32) for _ in range(2))
+    for T in (1, 5):
+        got = emulator.run(q[:, :T], k, v, cells + T, D**-0.5)
+        assert np.array_equal(got, one_at_a_time.run(q[:, :T], k, v, cells + T, D**-0.5))
+    sinks_ahead = emulate.SinkAttentionEmulator(tmp_path / "sinks")
+    sinks_one = emulate.SinkAttentionEmulator(tmp_path / "sinks-one")
+    sinks_one.source = attention_window.with_sinks(one_at_a_time.source)
+    (tmp_path / "sinks").mkdir(), (tmp_path / "sinks-one").mkdir()
+    sinks = rng.standard_normal(4).astype(np.float32)
+    for window in (0, 16):
+        args = (q, k, v, cells, D**-0.5, sinks, 3, window)
+        assert np.array_equal(sinks_ahead.run_sinks(*args), sinks_one.run_sinks(*args))
+
+
 def test_the_emulator_notices_a_row_count_dependent_body(emulate, tmp_path):
     drifting = emulate.AttentionEmulator(tmp_path)
     drifting.source = attention_window.SOURCE.replace("float total = 0.0f", "float total = 1e-6f * T")
