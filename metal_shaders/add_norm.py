@@ -48,25 +48,38 @@ SOURCE = """
     const int r = block_x, lane = thread_x & 31, warp = thread_x >> 5;
     STRATA_SHARED float part_s[WARPS];
     const auto row = static_cast<size_t>(r) * H;
+    // every load before the first store: the outputs may alias the inputs as far as the compiler
+    // knows, so a load after a store waits for it, and PER loads would be PER trips to memory
+    float xv[PER], yv[PER], wv[PER];
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = thread_x + j * THREADS;
+        if (i < H) {
+            xv[j] = static_cast<float>(x[row + i]);
+            yv[j] = static_cast<float>(y[row + i]);
+            wv[j] = static_cast<float>(weight[i]);
+        }
+    }
+    const float epsilon = eps[0];
     float v[PER];
     float s = 0.0f;
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = thread_x + j * THREADS;
         if (i < H) {
-            const T rounded = static_cast<T>(static_cast<float>(x[row + i]) + static_cast<float>(y[row + i]));
+            const T rounded = static_cast<T>(xv[j] + yv[j]);
             h[row + i] = rounded;
             v[j] = static_cast<float>(rounded);
             s = fmaf(v[j], v[j], s);
         }
     }
-""" + block_reduce("s", "total") + """    const float inv = rsqrtf(total / static_cast<float>(H) + eps[0]);
+""" + block_reduce("s", "total") + """    const float inv = rsqrtf(total / static_cast<float>(H) + epsilon);
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = thread_x + j * THREADS;
         if (i < H) {
             const T n = static_cast<T>(v[j] * inv);
-            normed[row + i] = static_cast<T>(static_cast<float>(n) * static_cast<float>(weight[i]));
+            normed[row + i] = static_cast<T>(static_cast<float>(n) * wv[j]);
         }
     }
 """
@@ -108,7 +121,7 @@ def add_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx
     """
     H = x.shape[-1]
     R = x.size // H
-    kernel = gpu_kernel("strata_add_norm_v1", ["dims", "eps", "x", "y", "weight"], ["h", "normed"], SOURCE, HEADER)
+    kernel = gpu_kernel("strata_add_norm_v2", ["dims", "eps", "x", "y", "weight"], ["h", "normed"], SOURCE, HEADER)
     # The dtype is a template value too (MLX caches a compile by name and template alone).
     h, normed = kernel(inputs=[dims(R, H), constant(eps), x, y, weight], template=[("T", x.dtype),
                                                                                    ("PER", per_thread(H))],

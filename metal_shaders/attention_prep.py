@@ -84,25 +84,36 @@ _BODY = """
         return;
     }
 GATE_COPY
-    float x[PER];
-    float s = 0.0f;
+    // every load before the sum (the norm's weight, the frequencies, the position, the epsilon):
+    // one trip to memory, where loads after the sum and the barrier would each wait for their own
+    const int half = RD / 2;
+    const auto w = is_q ? q_weight : k_weight;
+    float x[PER], wv[PER], fv[PER];
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = thread_x + j * THREADS;
         if (i < D) {
             x[j] = static_cast<float>(qkv[in + i]);
-            s = fmaf(x[j], x[j], s);
+            if (NORM) wv[j] = static_cast<float>(w[i]);
+            if (i < RD) fv[j] = inv_freq[i < half ? i : i - half];
         }
     }
+    const float epsilon = eps[0];
+    const float p = static_cast<float>(offset[b] + t);
+    float s = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = thread_x + j * THREADS;
+        if (i < D) s = fmaf(x[j], x[j], s);
+    }
     if (NORM) {
-""" + block_reduce("s", "total") + """        const float inv = rsqrtf(total / static_cast<float>(D) + eps[0]);
-        const auto w = is_q ? q_weight : k_weight;
+""" + block_reduce("s", "total") + """        const float inv = rsqrtf(total / static_cast<float>(D) + epsilon);
         #pragma unroll
         for (int j = 0; j < PER; ++j) {
             const int i = thread_x + j * THREADS;
             if (i < D) {
                 const float n = static_cast<float>(static_cast<T>(x[j] * inv));
-                x[j] = static_cast<float>(static_cast<T>(n * static_cast<float>(w[i])));
+                x[j] = static_cast<float>(static_cast<T>(n * wv[j]));
             }
         }
     }
@@ -112,8 +123,6 @@ GATE_COPY
         if (i < D) n_s[i] = x[j];
     }
     strata_sync();
-    const int half = RD / 2;
-    const float p = static_cast<float>(offset[b] + t);
     const auto dst = is_q ? q : k;
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
@@ -121,8 +130,7 @@ GATE_COPY
         if (i < D) {
             float y = x[j];
             if (i < RD) {
-                const int f = i < half ? i : i - half;
-                const float theta = p * inv_freq[f];
+                const float theta = p * fv[j];
                 const float c = cosf(theta), sn = sinf(theta);
                 y = i < half ? fmaf(x[j], c, -(n_s[i + half] * sn)) : fmaf(x[j], c, n_s[i - half] * sn);
             }
@@ -141,9 +149,9 @@ _GATE_COPY = """    if (is_q) {
 """
 # gate (True: the output gate's form, four outputs) -> (kernel name, outputs, body)
 KERNELS = {
-    True: ("strata_attention_prep_gate_v1", ["q", "k", "v", "gate"],
+    True: ("strata_attention_prep_gate_v2", ["q", "k", "v", "gate"],
            "    constexpr bool GATE = true;" + _BODY.replace("GATE_COPY\n", _GATE_COPY)),
-    False: ("strata_attention_prep_v1", ["q", "k", "v"],
+    False: ("strata_attention_prep_v2", ["q", "k", "v"],
             "    constexpr bool GATE = false;" + _BODY.replace("GATE_COPY\n", "")),
 }
 SOURCE, SOURCE_PLAIN = KERNELS[True][2], KERNELS[False][2]

@@ -59,33 +59,44 @@ SOURCE = """
     STRATA_SHARED float part_s[WARPS];
     const auto base = static_cast<size_t>(block_x) * D;
     const auto wbase = static_cast<size_t>(block_x % G) * dims[3];
-    float v[PER];
+    // every load first (the epsilon too): one trip to memory before the sum, none after it
+    float v[PER], gv[PER], wv[PER];
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = thread_x + j * THREADS;
+        if (i < D) {
+            v[j] = y[base + i];
+            gv[j] = static_cast<float>(z[base + i]);
+            wv[j] = static_cast<float>(weight[wbase + i]);
+        }
+    }
+    const float epsilon = eps[0];
     float s = 0.0f;
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = thread_x + j * THREADS;
         if (i < D) {
             if (GATE_FIRST) {
-                const float g = static_cast<float>(z[base + i]);
+                const float g = gv[j];
                 const float e = 1.0f / (1.0f + expf(fabsf(g)));
-                v[j] = y[base + i] * (g * (g < 0.0f ? e : 1.0f - e));
+                v[j] = v[j] * (g * (g < 0.0f ? e : 1.0f - e));
             } else {
-                v[j] = static_cast<float>(static_cast<T>(y[base + i]));
+                v[j] = static_cast<float>(static_cast<T>(v[j]));
             }
             s = fmaf(v[j], v[j], s);
         }
     }
-""" + block_reduce("s", "total") + """    const float inv = rsqrtf(total / static_cast<float>(D) + eps[0]);
+""" + block_reduce("s", "total") + """    const float inv = rsqrtf(total / static_cast<float>(D) + epsilon);
     #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = thread_x + j * THREADS;
         if (i < D) {
-            const float w = static_cast<float>(weight[wbase + i]);
+            const float w = wv[j];
             if (GATE_FIRST) {
                 out[base + i] = static_cast<T>(w * (v[j] * inv));
             } else {
                 const T p = static_cast<T>(w * static_cast<float>(static_cast<T>(v[j] * inv)));
-                const float g = static_cast<float>(z[base + i]);
+                const float g = gv[j];
                 const float e = 1.0f / (1.0f + expf(fabsf(g)));
                 out[base + i] = static_cast<T>(static_cast<float>(p) * (g * (g < 0.0f ? e : 1.0f - e)));
             }
@@ -141,7 +152,7 @@ def gated_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float, *, groups
     """
     R = z.size // (groups * group_size)
     step = 0 if weight.size == group_size else group_size
-    kernel = gpu_kernel("strata_gated_norm_v1", INPUTS, ["out"], SOURCE)
+    kernel = gpu_kernel("strata_gated_norm_v2", INPUTS, ["out"], SOURCE)
     # The dtype is a template value too (MLX caches a compile by name and template alone).
     (out,) = kernel(inputs=[dims(R, groups, group_size, step), constant(eps), y, z, weight],
                     template=[("T", z.dtype), ("PER", per_thread(group_size)), ("WARPS", warps(group_size)),

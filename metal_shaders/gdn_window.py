@@ -83,10 +83,10 @@ SCAN = """
 # committed history (B, K-1, C) and the window's raw inputs (B, T, C) where they are, and the call
 # writes them joined (window_out, (B, K-1+T, C): the conv state's next history is a slice of it):
 # the lane of row t and channel c copies raw row t's channel c, and at t = 0 the history's.
-# dims: B, T, Hk, Hv, Dk, Dv, K.
+# dims: B, T, Hk, Hv, Dk, Dv, K; K is compiled in too (KS: a lane holds its taps, loaded ahead).
 PREPARE = """
-    const int B = dims[0], T = dims[1], Hk = dims[2], Hv = dims[3], Dk = dims[4], Dv = dims[5], K = dims[6];
-    const int C = 2 * Hk * Dk + Hv * Dv, H = K - 1, W = H + T;
+    const int B = dims[0], T = dims[1], Hk = dims[2], Hv = dims[3], Dk = dims[4], Dv = dims[5];
+    const int C = 2 * Hk * Dk + Hv * Dv, H = KS - 1, W = H + T;
     const int lane = thread_x & 31;
     const int warp = (block_x * block_dim + thread_x) >> 5;
     const int segments = 2 * Hk + Hv;
@@ -95,6 +95,33 @@ PREPARE = """
     const bool is_value = seg >= 2 * Hk;
     const int D = is_value ? Dv : Dk;
     const int c0 = is_value ? 2 * Hk * Dk + (seg - 2 * Hk) * Dv : seg * Dk;
+    const size_t bt = static_cast<size_t>(b) * T + t;
+    const int h = seg - 2 * Hk;
+    // every load before the first store: the outputs may alias the inputs as far as the compiler
+    // knows, so each load after a store would be its own trip to memory. Tap j of row t reads
+    // joined row t + j: the history's rows first, then the window's raw rows.
+    TX xin[PER][KS];
+    float wk[PER][KS];
+    #pragma unroll
+    for (int m = 0; m < PER; ++m) {
+        const int c = c0 + lane + 32 * m;
+        if (lane + 32 * m < D) {
+            #pragma unroll
+            for (int j = 0; j < KS; ++j) {
+                const int r = t + j;
+                xin[m][j] = r < H ? history[(static_cast<size_t>(b) * H + r) * C + c]
+                                  : raw[(static_cast<size_t>(b) * T + r - H) * C + c];
+                wk[m][j] = static_cast<float>(conv_weight[static_cast<size_t>(c) * KS + j]);
+            }
+        }
+    }
+    float a_in = 0.0f, bias = 0.0f, a_log = 0.0f, b_gate = 0.0f;
+    if (is_value && lane == 0) {
+        a_in = static_cast<float>(a[bt * Hv + h]);
+        bias = static_cast<float>(dt_bias[h]);
+        a_log = static_cast<float>(A_log[h]);
+        b_gate = static_cast<float>(b_in[bt * Hv + h]);
+    }
     float x[PER];
     float squares = 0.0f;
     #pragma unroll
@@ -102,35 +129,28 @@ PREPARE = """
         const int c = c0 + lane + 32 * m;
         float acc = 0.0f;
         if (lane + 32 * m < D) {
-            for (int j = 0; j < K; ++j) {
-                const int r = t + j;
-                const TX xin = r < H ? history[(static_cast<size_t>(b) * H + r) * C + c]
-                                    : raw[(static_cast<size_t>(b) * T + r - H) * C + c];
-                acc = fmaf(static_cast<float>(xin), static_cast<float>(conv_weight[static_cast<size_t>(c) * K + j]), acc);
-            }
+            #pragma unroll
+            for (int j = 0; j < KS; ++j) acc = fmaf(static_cast<float>(xin[m][j]), wk[m][j], acc);
             acc = acc / (1.0f + expf(-acc));
-            window_out[(static_cast<size_t>(b) * W + H + t) * C + c] = raw[(static_cast<size_t>(b) * T + t) * C + c];
+            window_out[(static_cast<size_t>(b) * W + H + t) * C + c] = xin[m][KS - 1];  // raw row t
             if (t == 0)
-                for (int r = 0; r < H; ++r)
-                    window_out[(static_cast<size_t>(b) * W + r) * C + c] = history[(static_cast<size_t>(b) * H + r) * C + c];
+                #pragma unroll
+                for (int r = 0; r < H; ++r) window_out[(static_cast<size_t>(b) * W + r) * C + c] = xin[m][r];
         }
         x[m] = acc;
         squares = fmaf(acc, acc, squares);
     }
-    const size_t bt = static_cast<size_t>(b) * T + t;
     if (is_value) {
-        const int h = seg - 2 * Hk;
         #pragma unroll
         for (int m = 0; m < PER; ++m)
             if (lane + 32 * m < D) v_out[(bt * Hv + h) * Dv + lane + 32 * m] = x[m];
         if (lane == 0) {
             // softplus as MLX's logaddexp(x, 0); sigmoid as MLX's (exp of -|x| only)
-            const float u = static_cast<float>(a[bt * Hv + h]) + static_cast<float>(dt_bias[h]);
+            const float u = a_in + bias;
             const float softplus = fmaxf(u, 0.0f) + log1pf(expf(-fabsf(u)));
-            g_out[bt * Hv + h] = -expf(static_cast<float>(A_log[h])) * softplus;
-            const float bb = static_cast<float>(b_in[bt * Hv + h]);
-            const float sig = 1.0f / (1.0f + expf(-fabsf(bb)));
-            beta_out[bt * Hv + h] = bb < 0.0f ? 1.0f - sig : sig;
+            g_out[bt * Hv + h] = -expf(a_log) * softplus;
+            const float sig = 1.0f / (1.0f + expf(-fabsf(b_gate)));
+            beta_out[bt * Hv + h] = b_gate < 0.0f ? 1.0f - sig : sig;
         }
         return;
     }
@@ -212,10 +232,10 @@ def gdn_prepare(history, raw, conv_weight, a, b, A_log, dt_bias, *, num_k_heads:
     if history.shape != (B, K - 1, C) or history.dtype != raw.dtype:
         raise ValueError(f"gdn_prepare: history {history.shape} {history.dtype} does not go with raw {raw.shape} "
                          f"{raw.dtype} and a {K}-tap conv")
-    kernel = gpu_kernel("strata_gdn_prepare_v3", PREPARE_INPUTS, PREPARE_OUTPUTS, PREPARE, HEADER)
+    kernel = gpu_kernel("strata_gdn_prepare_v4", PREPARE_INPUTS, PREPARE_OUTPUTS, PREPARE, HEADER)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
     template = [("TX", raw.dtype), ("TW", conv_weight.dtype), ("TA", a.dtype), ("TB", b.dtype),
-                ("TL", A_log.dtype), ("TD", dt_bias.dtype), ("PER", max(Dk, Dv) // 32)]
+                ("TL", A_log.dtype), ("TD", dt_bias.dtype), ("PER", max(Dk, Dv) // 32), ("KS", K)]
     outputs = kernel(inputs=[dims(B, T, Hk, Hv, Dk, Dv, K), history, raw, conv_weight, a, b, A_log, dt_bias],
                      template=template, output_dtypes=[mx.float32] * 5 + [raw.dtype],
                      output_shapes=[(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv),

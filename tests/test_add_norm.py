@@ -130,9 +130,9 @@ def test_a_decoder_layers_tail_through_the_kernel_equals_mlx_ops_and_misses_no_o
                             for t in range(5)], axis=1)
     assert calls == [5] + [1] * 5
     assert mx.array_equal(got, alone).item()
-    for broken in (add_norm.SOURCE.replace("static_cast<float>(x[row + i]) + ", ""),
-                   add_norm.SOURCE.replace(" + static_cast<float>(y[row + i])", ""),
-                   add_norm.SOURCE.replace(" * static_cast<float>(weight[i])", "")):
+    for broken in (add_norm.SOURCE.replace("xv[j] + ", ""),
+                   add_norm.SOURCE.replace(" + yv[j]", ""),
+                   add_norm.SOURCE.replace(" * wv[j]", "")):
         assert broken != add_norm.SOURCE
         emu = emulate.AddNormEmulator(tmp_path)
         emu.source = broken

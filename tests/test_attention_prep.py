@@ -166,8 +166,8 @@ def prefilled(layer, x, P):
 
 
 BROKEN = {  # bodies that drop one part of the head
-    "norm": ("rsqrtf(total / static_cast<float>(D) + eps[0])", "1.0f"),
-    "rope": ("const float theta = p * inv_freq[f];", "const float theta = 0.0f;"),
+    "norm": ("rsqrtf(total / static_cast<float>(D) + epsilon)", "1.0f"),
+    "rope": ("const float theta = p * fv[j];", "const float theta = 0.0f;"),
     "gate": ("gate[g + i] = qkv[in + D + i];", "gate[g + i] = static_cast<T>(0.0f);"),
 }
 

@@ -214,7 +214,7 @@ def test_the_start_up_probe_passes_row_invariant_kernels_and_refuses_others(monk
 
 def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
     """What the wrappers hand to the GPU backend's kernel maker: shapes in `dims`, every input dtype and
-    the compiled sizes (DK, PER) as template values, float32 outputs of the contract's shapes."""
+    the compiled sizes (DK, PER, the conv's taps KS) as template values, float32 outputs of the contract's shapes."""
     calls = []
 
     def fake(name, inputs, outputs, source, header):
@@ -238,7 +238,7 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
     assert prepare_source is gdn_window.PREPARE and scan_source is gdn_window.SCAN
     assert prepare["inputs"][0].tolist() == [B, T, Hk, Hv, Dk, Dv, K] and scan["inputs"][0].tolist() == [B, T, Hk, Hv, Dv]
     assert dict(prepare["template"]) == {"TX": mx.bfloat16, "TW": mx.bfloat16, "TA": mx.bfloat16, "TB": mx.bfloat16,
-                                         "TL": mx.float32, "TD": mx.float32, "PER": 2}
+                                         "TL": mx.float32, "TD": mx.float32, "PER": 2, "KS": K}
     assert dict(scan["template"])["DK"] == Dk and len(scan["template"]) == 7
     assert all(d == mx.float32 for d in prepare["output_dtypes"][:5] + scan["output_dtypes"])
     assert prepare["output_dtypes"][5] == mx.bfloat16  # the joined window keeps the rows' dtype

@@ -387,11 +387,14 @@ class GDNEmulator:
     def kinds(self) -> dict:
         return GDN_KINDS
 
-    def consts(self, kind: str, const: int) -> str:
-        """The template values MLX would define, for float32 inputs; `const` the compiled size."""
-        return (f"constexpr int DK = {const};" if kind == "scan" else
-                f"using TX = float; using TW = float; using TA = float; using TB = float; using TL = float; "
-                f"using TD = float; constexpr int PER = {const};")
+    def consts(self, kind: str, const) -> str:
+        """The template values MLX would define, for float32 inputs; `const` the compiled size
+        (prepare: PER and the conv's taps)."""
+        if kind == "scan":
+            return f"constexpr int DK = {const};"
+        per, taps = const
+        return (f"using TX = float; using TW = float; using TA = float; using TB = float; using TL = float; "
+                f"using TD = float; constexpr int PER = {per}; constexpr int KS = {taps};")
 
     def _binary(self, kind: str, const: int) -> Path:
         key = (kind, const)
@@ -403,7 +406,7 @@ class GDNEmulator:
             source = (program(SHIM, self.backend, self.header, params, self.consts(kind, const), body)
                       + MAIN_GDN.replace("NUM_INPUTS", str(len(inputs))).replace("NUM_OUTPUTS", str(len(outputs)))
                       .replace("CALL", f"kernel({', '.join(args)})"))
-            path = self.dir / f"{self.name}_{kind}_{const}"
+            path = self.dir / f"{self.name}_{kind}_{'_'.join(map(str, np.atleast_1d(const)))}"
             compile_program(path, source)
             self.built[key] = path
         return self.built[key]
@@ -432,7 +435,7 @@ class GDNEmulator:
         Hv = a.shape[2]
         Hk, Dk = num_k_heads, head_k_dim
         Dv = (C - 2 * Hk * Dk) // Hv
-        return self._run("prepare", max(Dk, Dv) // 32,
+        return self._run("prepare", (max(Dk, Dv) // 32, K),
                          [np.array([B, T, Hk, Hv, Dk, Dv, K], np.int32), history, raw, conv_weight, a, b, A_log,
                           dt_bias], gdn_window.prepare_launch(B, T, Hk, Hv),
                          [(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, T, Hv), (B, T, Hv), (B, K - 1 + T, C)])
@@ -1631,7 +1634,7 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
               f"const {t}* a", f"const {t}* b_in", "const float* A_log", "const float* dt_bias"]
              + [f"float* {n}" for n in GDN_KINDS["prepare"][1][:-1]] + [f"{t}* window_out"],
              f"using TX = {t}; using TW = {t}; using TA = {t}; using TB = {t}; using TL = float; using TD = float; "
-             "constexpr int PER = 4;", gdn_window.PREPARE),
+             "constexpr int PER = 4; constexpr int KS = 4;", gdn_window.PREPARE),
         ]
         kernels_out.append((f"mamba2_prepare_{tn}", "",
                             ["const int32_t* dims", f"const {t}* history", f"const {t}* raw", f"const {t}* conv_weight",
