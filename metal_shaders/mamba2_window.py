@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .gdn_window import reference_causal_conv
-from .probe import PROBE_DTYPES, Probe, dims, gpu_kernel
+from .probe import PROBE_DTYPES, Probe, constant, dims, gpu_kernel
 
 MAX_STATE = 256  # mamba2_scan keeps a state row of N floats in registers
 THREADS = 128
@@ -64,29 +64,37 @@ SCAN = """
 # g = dt·(-exp(A_log)). The conv reads the committed history (B, K-1, C) and the window's raw
 # rows (B, T, C) where they are, and the call writes them joined (window_out, (B, K-1+T, C)): the
 # thread of row t and channel c copies raw row t's channel c, and at t = 0 the history's.
-# dims: B, T, H, P, G, N, K; limits (lo, hi).
+# dims: B, T, H, P, G, N, K; limits (lo, hi). K is compiled in too (KS: a thread holds its taps).
 PREPARE = """
-    const int B = dims[0], T = dims[1], H = dims[2], P = dims[3], G = dims[4], N = dims[5], K = dims[6];
-    const int HP = H * P, C = HP + 2 * G * N, HIST = K - 1, W = HIST + T;
+    const int B = dims[0], T = dims[1], H = dims[2], P = dims[3], G = dims[4], N = dims[5];
+    const int HP = H * P, C = HP + 2 * G * N, HIST = KS - 1, W = HIST + T;
     const int gid = block_x * block_dim + thread_x;
     if (gid >= B * T * (C + H)) return;
     const int per_row = C + H;
     const int r = gid % per_row;
     const size_t bt = static_cast<size_t>(gid / per_row);
     const int t = static_cast<int>(bt % T), b = static_cast<int>(bt / T);
+    // every load before the first store (the outputs may alias the inputs as far as the compiler
+    // knows: a load after a store is its own trip to memory); tap j of row t reads joined row t + j
     if (r < C) {
-        float acc = 0.0f;
-        for (int j = 0; j < K; ++j) {
+        T0 xin[KS];
+        float wk[KS];
+        #pragma unroll
+        for (int j = 0; j < KS; ++j) {
             const int row = t + j;
-            const T0 xin = row < HIST ? history[(static_cast<size_t>(b) * HIST + row) * C + r]
-                                      : raw[(static_cast<size_t>(b) * T + row - HIST) * C + r];
-            acc = fmaf(static_cast<float>(xin), static_cast<float>(conv_weight[static_cast<size_t>(r) * K + j]), acc);
+            xin[j] = row < HIST ? history[(static_cast<size_t>(b) * HIST + row) * C + r]
+                                : raw[(static_cast<size_t>(b) * T + row - HIST) * C + r];
+            wk[j] = static_cast<float>(conv_weight[static_cast<size_t>(r) * KS + j]);
         }
-        window_out[(static_cast<size_t>(b) * W + HIST + t) * C + r] = raw[(static_cast<size_t>(b) * T + t) * C + r];
+        const float bias = static_cast<float>(conv_bias[r]);
+        float acc = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < KS; ++j) acc = fmaf(static_cast<float>(xin[j]), wk[j], acc);
+        window_out[(static_cast<size_t>(b) * W + HIST + t) * C + r] = xin[KS - 1];  // raw row t
         if (t == 0)
-            for (int row = 0; row < HIST; ++row)
-                window_out[(static_cast<size_t>(b) * W + row) * C + r] = history[(static_cast<size_t>(b) * HIST + row) * C + r];
-        acc = acc + static_cast<float>(conv_bias[r]);
+            #pragma unroll
+            for (int row = 0; row < HIST; ++row) window_out[(static_cast<size_t>(b) * W + row) * C + r] = xin[row];
+        acc = acc + bias;
         acc = acc / (1.0f + expf(-acc));
         if (r < HP) x_out[bt * HP + r] = acc;
         else if (r < HP + G * N) B_out[bt * G * N + (r - HP)] = acc;
@@ -94,13 +102,15 @@ PREPARE = """
         return;
     }
     const int h = r - C;
-    const float u = static_cast<float>(dt_in[bt * H + h]) + static_cast<float>(dt_bias[h]);
-    float step = fmaxf(u, 0.0f) + log1pf(expf(-fabsf(u)));
+    const float d_in = static_cast<float>(dt_in[bt * H + h]), d_bias = static_cast<float>(dt_bias[h]);
+    const float a_log = static_cast<float>(A_log[h]);
     const float lo = limits[0], hi = limits[1];
+    const float u = d_in + d_bias;
+    float step = fmaxf(u, 0.0f) + log1pf(expf(-fabsf(u)));
     step = step < lo ? lo : step;
     step = step > hi ? hi : step;
     dt_out[bt * H + h] = step;
-    g_out[bt * H + h] = step * -expf(static_cast<float>(A_log[h]));
+    g_out[bt * H + h] = step * -expf(a_log);
 """
 
 
@@ -169,10 +179,11 @@ def mamba2_prepare(history, raw, conv_weight, conv_bias, dt, dt_bias, A_log, *, 
                          f"{raw.dtype} and a {K}-tap conv")
     if conv_bias is None:
         conv_bias = _constant(("zeros", C), lambda: mx.zeros((C,), dtype=mx.float32))  # + 0 changes no value
-    limits = _constant(("limits", *dt_limits), lambda: mx.array(dt_limits, dtype=mx.float32))
-    kernel = gpu_kernel("strata_mamba2_prepare_v2", PREPARE_INPUTS, PREPARE_OUTPUTS, PREPARE)
+    limits = constant(*dt_limits)
+    kernel = gpu_kernel("strata_mamba2_prepare_v3", PREPARE_INPUTS, PREPARE_OUTPUTS, PREPARE)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
     template = [(f"T{i}", a.dtype) for i, a in enumerate((raw, conv_weight, conv_bias, dt, dt_bias, A_log))]
+    template += [("KS", K)]
     outputs = kernel(inputs=[dims(B, T, H, P, G, N, K), history, raw, conv_weight, conv_bias, dt, dt_bias, A_log,
                              limits],
                      template=template, output_dtypes=[mx.float32] * 5 + [raw.dtype],

@@ -23,7 +23,7 @@ from . import backends, kept, precompiled
 log = logging.getLogger("strata.kernels")
 
 _dims_cache: dict[tuple[int, ...], mx.array] = {}
-_constants: dict[float, mx.array] = {}
+_constants: dict[tuple[float, ...], mx.array] = {}
 _step_dims: list = [None, None]  # the last step's values and their array
 _kernels: dict[tuple[str, str], object] = {}
 VERDICTS = "verdicts"
@@ -117,12 +117,12 @@ def dims(*values: int) -> mx.array:
     return _dims_cache[values]
 
 
-def constant(value: float) -> mx.array:
-    """A float32 a body reads as its input's [0] (a norm's epsilon, a softmax scale), kept per value
-    (`_kept`)."""
-    if value not in _constants:
-        _constants[value] = _kept((value,), mx.float32)
-    return _constants[value]
+def constant(*values: float) -> mx.array:
+    """float32s a body reads by index (a norm's epsilon, a softmax scale, dt's limits), kept per
+    values (`_kept`)."""
+    if values not in _constants:
+        _constants[values] = _kept(values, mx.float32)
+    return _constants[values]
 
 
 def step_dims(*values: int) -> mx.array:

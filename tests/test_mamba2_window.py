@@ -199,7 +199,7 @@ def test_no_kernel_off_the_gpu():
 
 def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
     """What the wrappers hand to the GPU backend's kernel maker: shapes in `dims`, every input
-    dtype and the state size (NS) as template values, float32 outputs of the contract's shapes."""
+    dtype, the state size (NS) and the conv's taps (KS) as template values, float32 outputs of the contract's shapes."""
     calls = []
 
     def fake(name, inputs, outputs, source, header=""):
@@ -227,7 +227,7 @@ def test_calls_pass_shapes_as_data_and_dtypes_as_template_values(monkeypatch):
     bias = prepare["inputs"][prepare_inputs.index("conv_bias")]
     assert bias.shape == (C,) and not bias.any().item()  # no conv bias: zeros, which add nothing
     assert [d for _, d in prepare["template"]] == [mx.bfloat16, mx.bfloat16, mx.float32, mx.bfloat16, mx.float32,
-                                                   mx.float32]
+                                                   mx.float32, K]  # the dtypes, then the conv's taps (KS)
     assert dict(scan["template"])["NS"] == N and len(scan["template"]) == 7
     assert all(d == mx.float32 for d in prepare["output_dtypes"][:5] + scan["output_dtypes"])
     assert prepare["output_dtypes"][5] == mx.bfloat16  # the joined window keeps the rows' dtype

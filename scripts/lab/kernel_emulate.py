@@ -457,8 +457,9 @@ class Mamba2Emulator(GDNEmulator):
         return MAMBA2_KINDS
 
     def consts(self, kind: str, const: int) -> str:
+        """`const`: the scan's state size, or the prepare conv's taps."""
         types = " ".join(f"using T{i} = float;" for i in range(6))  # the input dtypes, template values
-        return f"constexpr int NS = {const}; {types}" if kind == "scan" else types
+        return f"constexpr int NS = {const}; {types}" if kind == "scan" else f"{types} constexpr int KS = {const};"
 
     def scan(self, x, Bm, Cm, dt, g, S) -> list[np.ndarray]:
         """mamba2_window.mamba2_scan's launch, emulated: numpy float32 in, [y, S_final] out."""
@@ -475,7 +476,7 @@ class Mamba2Emulator(GDNEmulator):
         H, P, G, N = num_heads, head_dim, n_groups, state_size
         if conv_bias is None:
             conv_bias = np.zeros(C, np.float32)
-        return self._run("prepare", 0, [np.array([B, T, H, P, G, N, K], np.int32), history, raw, conv_weight,
+        return self._run("prepare", K, [np.array([B, T, H, P, G, N, K], np.int32), history, raw, conv_weight,
                                         conv_bias, dt, dt_bias, A_log, np.array(dt_limits, np.float32)],
                          mamba2_window.prepare_launch(B, T, C, H),
                          [(B, T, H, P), (B, T, G, N), (B, T, G, N), (B, T, H), (B, T, H), (B, K - 1 + T, C)])
@@ -1641,8 +1642,8 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                              f"const {t}* conv_bias", f"const {t}* dt_in", "const float* dt_bias", "const float* A_log",
                              "const float* limits"] + [f"float* {n}" for n in MAMBA2_KINDS["prepare"][1][:-1]]
                             + [f"{t}* window_out"],
-                            " ".join(f"using T{i} = {u};" for i, u in enumerate((t, t, t, t, "float", "float"))),
-                            mamba2_window.PREPARE))
+                            " ".join(f"using T{i} = {u};" for i, u in enumerate((t, t, t, t, "float", "float")))
+                            + " constexpr int KS = 4;", mamba2_window.PREPARE))
         for D in (64, 256):  # inputs passed as views: each with its strides, as MLX declares them
             params = ["const int32_t* dims", "const float* scale"]
             for name in ("q", "keys", "values"):
