@@ -37,7 +37,8 @@ WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 th
 # A lane loads 32 of its cell's key values before it multiplies any, and the values of AHEAD cells
 # before it adds any in: its loads overlap (one wait on memory per group, not per load; each load
 # sits behind its own alignment branch, which the compiler does not move loads across), and every
-# sum keeps its order (the bits of one load at a time). dims: B, Hq, Hkv, T, L. Output (B, T, Hq, D): the layout o_proj reads.
+# sum keeps its order (the bits of one load at a time).
+# dims: B, Hq, Hkv, T, L. Output (B, T, Hq, D): the layout o_proj reads.
 SOURCE = """
     constexpr int PER = DH / 32;
     constexpr int AHEAD = PER > 4 ? 4 : 8;  // cells whose values a lane loads before it adds any in

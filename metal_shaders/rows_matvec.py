@@ -368,8 +368,8 @@ GATHER_QUANTIZED_GLU = _glu(GATHER_QUANTIZED.replace(_GATHER_POINTERS, _GATHER_P
 # order its consumers read them (GDN's [conv inputs | z | b | a] from the stacked [qkvz | ba]),
 # with no gather after it, each of its parts contiguous (columns.py says where a column lands).
 # Only which weight row a column reads and where its value lands change, never the arithmetic:
-# out's segment rows are the plain kernel's out[r, col_map[j]] bit for bit. The weight rows are read once per thread, before the reduction; N is the map's
-# column count.
+# out's segment rows are the plain kernel's out[r, col_map[j]] bit for bit. The weight rows are
+# read once per thread, before the reduction; N is the map's column count.
 _PLAIN_ROW = "const int n = n0 + c < N ? n0 + c : n0;"
 _MAPPED_ROWS = """    int mapped[COLS];  // the weight row of output column n0 + c (a missing column repeats a real one's)
     #pragma unroll

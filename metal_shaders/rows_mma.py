@@ -207,9 +207,10 @@ _COLUMNS_GLU = _TILE.replace("TILE_COLS", "8") + """    const int na = n0 + g < 
 """
 # Column-mapped: A row g reads weight row col_map[n0 + g] (columns.py; a missing column repeats
 # the tile's first)
-_COLUMNS_MAPPED = _TILE.replace("TILE_COLS", "16") + """    const int na = static_cast<int>(col_map[n0 + g < N ? n0 + g : n0]);
+_COLUMNS_MAPPED = (_TILE.replace("TILE_COLS", "16")
+                   + """    const int na = static_cast<int>(col_map[n0 + g < N ? n0 + g : n0]);
     const int nb = static_cast<int>(col_map[n0 + g + 8 < N ? n0 + g + 8 : n0]);
-"""
+""")
 # The K loop: a warp takes steps kw, kw + SPLIT, ... (a step: 4 chunks, lane q chunk q of it), in
 # that order, UNROLL steps at a time, loading all of them (at a real chunk: one past K reads chunk
 # 0, then counts zeros) before it converts and multiplies any. UNROLL changes when loads are
@@ -605,8 +606,8 @@ def probe_cases() -> list[tuple[str, object, object, mx.array, mx.array | None]]
         ("routed MXFP4", lambda a, e: rows_gather_mxfp4matvec(a, *fp4, e, share=MAX_ROWS),
          lambda a, e: reference(a, _dense(*fp4, None, group_size=32, mode="mxfp4"), e), picks, experts),
         ("plain GLU", lambda a, _: rows_glu_qmatvec(a, qw, qw_up, group_size=32, bits=4),
-         lambda a, _: reference_glu(reference(a, _dense(*qw, group_size=32)), reference(a, _dense(*qw_up, group_size=32))),
-         x, None),
+         lambda a, _: reference_glu(reference(a, _dense(*qw, group_size=32)),
+                                    reference(a, _dense(*qw_up, group_size=32))), x, None),
         ("mapped dense", lambda a, _: _joined(rows_matvec_mapped(a, w, layout), a, layout),
          lambda a, _: mx.take(reference(a, _dense(w)), layout.columns, axis=-1), x, None),
         ("mapped affine", lambda a, _: _joined(rows_qmatvec_mapped(a, *qw, layout, group_size=32, bits=4), a, layout),

@@ -441,7 +441,8 @@ def _record(families: dict) -> dict:
     common = {"device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.node(),
               "commit": git_commit(), "kernels": kernels.status(), "glu_kernels": kernels.glu_status(),
               "mapped_kernels": kernels.mapped_status(),
-              "tensor_cores": {**rows_mma.status(), "forms": sorted(rows_mma.forms_on())}, "gdn_kernels": gdn_window.status(),
+              "tensor_cores": {**rows_mma.status(), "forms": sorted(rows_mma.forms_on())},
+              "gdn_kernels": gdn_window.status(),
               "mamba2_kernels": {**mamba2_window.status(), "switched_on": mamba2.WINDOW_KERNELS},
               "attention_kernel": attention_window.status(), "sink_attention_kernel": attention_window.sinks_status()}
     if list(families) == ["qwen3_next"]:  # the record this script always wrote for the 80B shape

@@ -16,9 +16,10 @@ bit and stays within GLU_TOLERANCE of the reference, and each product, written a
 plain kernel's bits. The column-mapped forms (output column j from weight row map[j], each
 segment of columns written contiguous: dense and affine 4 and 8 bits, float32 and bfloat16)
 equal, for R = 1..8 and their segments side by side, each row's 1-row call and the plain
-kernel's call with its columns gathered by the map bit for bit (`--only mapped` runs these alone). The GDN window kernels (metal_shaders/gdn_window.py) run the same
-way: for T = 1..8, a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5
-(relative) of the reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
+kernel's call with its columns gathered by the map bit for bit (`--only mapped` runs these
+alone). The GDN window kernels (metal_shaders/gdn_window.py) run the same way: for T = 1..8,
+a T-row call equals T chained 1-row calls bit for bit and stays within 1e-5 (relative) of the
+reference, at the 80B model's heads (Hk 16, Hv 32, Dk = Dv = 128), the demo
 model's (2, 4, 64, 64) and a batch of 2; so do the Mamba-2 window kernels
 (metal_shaders/mamba2_window.py), at Nemotron-3-Nano's heads (H 64, P 64, G 8, N 128), a
 Granite-like single group without a conv bias, and a batch of 2. The attention window kernel
@@ -1468,6 +1469,7 @@ def check_mapped(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N:
                       float(np.abs(got - e).max() / np.abs(e).max()), MAPPED_TOLERANCE[dtype])
         print(f"{'':34s} == the plain {plain} kernel's columns, gathered: {gathered}", flush=True)
     return ok
+
 
 MAPPED_CASES = (("dense_mapped", mx.float32, 4, 64), ("dense_mapped", mx.bfloat16, 4, 64),
                 ("quantized_mapped", mx.float32, 4, 64), ("quantized_mapped", mx.bfloat16, 4, 64),
