@@ -248,6 +248,19 @@ def test_column_maps_index_windows_without_a_broadcast():
     assert [p.tolist() for p in split.take(y)] == [y[:, :, [2]].tolist(), y[:, :, [0, 1]].tolist()]
 
 
+def test_an_identity_column_map_splits_without_a_gather(monkeypatch):
+    """Mamba-2's in_proj parts off the kernel: the columns in place, cut at the bounds; a map of
+    the first columns only still gathers them."""
+    parts = layers.ColumnMap(mx.arange(3), (1,))
+    assert parts.identity and not layers.ColumnMap(mx.array([2, 0, 1])).identity
+    y = mx.arange(24).reshape(2, 4, 3)
+    monkeypatch.setattr(mx, "take_along_axis", lambda *a, **k: pytest.fail("an identity map gathered"))
+    assert [p.tolist() for p in parts.take(y)] == [y[:, :, :1].tolist(), y[:, :, 1:].tolist()]
+    monkeypatch.undo()
+    wider = mx.arange(32).reshape(2, 4, 4)
+    assert [p.tolist() for p in parts.take(wider)] == [wider[:, :, :1].tolist(), wider[:, :, 1:3].tolist()]
+
+
 # -- the start-up probe -------------------------------------------------------------------------
 
 def test_the_probe_passes_the_emulated_kernels_and_refuses_a_wrong_map(monkeypatch, emulator):

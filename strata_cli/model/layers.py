@@ -225,10 +225,11 @@ class ColumnMap:
     """Which of a linear's output columns a caller reads, in its order, split at `bounds` into
     the arrays it reads (`RowLinear.mapped`): `layout` for the column-mapped kernel (each part
     written contiguous), and for MLX's gather a contiguous (1, T, n) index per window size
-    T <= WINDOW_ROWS, made once, so that `take_along_axis` needs no broadcast op. A plain object,
-    kept by its maker (never a module's parameter)."""
+    T <= WINDOW_ROWS, made once, so that `take_along_axis` needs no broadcast op; an identity map
+    (every column in place: parts only) gathers nothing. A plain object, kept by its maker (never
+    a module's parameter)."""
 
-    __slots__ = ("flat", "layout", "by_rows")
+    __slots__ = ("flat", "layout", "by_rows", "identity")
 
     def __init__(self, columns: mx.array, bounds=()):
         self.flat = columns.reshape(-1).astype(mx.uint32)
@@ -236,10 +237,13 @@ class ColumnMap:
         n = self.flat.size
         self.by_rows = tuple(mx.contiguous(mx.broadcast_to(self.flat, (1, T, n))) for T in range(1, WINDOW_ROWS + 1))
         mx.eval(self.flat, self.by_rows)
+        self.identity = mx.array_equal(self.flat, mx.arange(n, dtype=mx.uint32)).item()
 
     def take(self, y: mx.array) -> list[mx.array]:
         """y[..., flat] split at the bounds: one gather (a (1, T) window's index made already;
-        others broadcast), then views."""
+        others broadcast; none where the map is the identity over all of y), then views."""
+        if self.identity and y.shape[-1] == self.flat.size:
+            return mx.split(y, list(self.layout.bounds), axis=-1) if self.layout.bounds else [y]
         lead = y.shape[:-1]
         if len(lead) == 2 and lead[0] == 1 and 1 <= lead[1] <= WINDOW_ROWS:
             index = self.by_rows[lead[1] - 1]

@@ -204,12 +204,9 @@ class Mamba2Mixer(nn.Module):
         """x (B, T, hidden) -> the core's inputs (xBC, dt) and the tail's (z). Where the
         column-mapped kernel takes the window, in_proj writes the three parts contiguous (the
         plain kernel's bits): at T > 1 column slices of one output would each cost the kernels
-        that read them an MLX copy."""
-        I = self.intermediate_size
-        if self.in_proj.takes_mapped(x):
-            z, xBC, dt = self.in_proj.mapped(x, in_proj_parts(I, self.conv_dim, self.num_heads))
-        else:
-            z, xBC, dt = mx.split(self.in_proj(x), [I, I + self.conv_dim], axis=-1)
+        that read them an MLX copy. Elsewhere in_proj's output is split (an identity map
+        gathers nothing)."""
+        z, xBC, dt = self.in_proj.mapped(x, in_proj_parts(self.intermediate_size, self.conv_dim, self.num_heads))
         return (xBC, dt), (z,)
 
     def core(self, xBC: mx.array, dt: mx.array, state: SSMState) -> mx.array:
