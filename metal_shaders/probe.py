@@ -53,23 +53,24 @@ def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, head
 # side touched them last. A kernel reading such a page after the host wrote any array on it waits
 # for a page fault: under ncu on an H100 (tree a2b63c9) a T = 8 window's embedding took 142 µs
 # against 5 at T = 1, and a T = 1 window's first MoE combine 200 µs against 6 in the other layers.
-# A pooled array is never faulted, but every read of it crosses the bus. With STRATA_HOST_UPLOAD=1,
-# host ints a window's kernels read once go through the pool (`device_ints`), and the inputs every
-# launch reads (`dims`, `constant`) are copied to device memory once, padded past the pool's 8 bytes.
-# Off by default until a GPU has timed it both ways (gpu_owed.sh upload).
+# A pooled array is never faulted, but every read of it crosses the bus. So host ints a window's
+# kernels read once go through the pool (`device_ints`), and the inputs every launch reads (`dims`,
+# `constant`) are copied to device memory once, padded past the pool's 8 bytes. On the H100 at
+# ba1cd33 (gpu_owed.sh upload, two rounds alternating) this took the T = 1 window from 2.62-2.66 to
+# 2.44-2.49 ms and T = 8 from 3.49-3.57 to 3.35-3.42; STRATA_HOST_UPLOAD=0 turns it off.
 POOL_INTS = 2  # int32s in one of MLX's pooled 8-byte buffers (mlx/backend/cuda/allocator.cpp)
 MAX_UPLOAD_INTS = 16  # more (a prompt's ids) are made as one array: the fault is paid once for many rows
 
 
 def upload_asked() -> bool:
-    return os.environ.get("STRATA_HOST_UPLOAD", "0") == "1"
+    return os.environ.get("STRATA_HOST_UPLOAD", "1") != "0"
 
 
 _upload = {"enabled": upload_asked(), "device": None, "on": False}
 
 
 def uploads() -> bool:
-    """Whether host ints go to kernels through MLX's pool (CUDA, with STRATA_HOST_UPLOAD=1)."""
+    """Whether host ints go to kernels through MLX's pool (CUDA, unless STRATA_HOST_UPLOAD=0)."""
     device = mx.default_device()
     if _upload["device"] is None or _upload["device"] != device:
         _upload["device"], _upload["on"] = device, _upload["enabled"] and backend() == backends.CUDA

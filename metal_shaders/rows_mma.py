@@ -30,6 +30,7 @@ sum's terms that is a function of K alone).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -43,9 +44,22 @@ ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a s
 FORMS = ("dense", "affine", "routed", "glu", "plain-glu", "mapped")
 MAX_ROWS = 8  # B's columns: a window's rows (or one expert's picks)
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
-WARPS = 4  # warps per block
-SPLIT = 4  # warps summing one tile's K (1 or WARPS): 4, one tile a block read in 4 streams
-UNROLL = 1  # K steps a warp loads before it multiplies (when loads are issued; never the sum)
+
+
+class Loop(NamedTuple):
+    """A form's K loop: warps a block; warps summing one tile's K (1, each warp its own tile, or
+    `warps`, one tile a block read in that many streams); K steps a warp loads before it
+    multiplies any (when loads are issued, never the sum)."""
+    warps: int
+    split: int
+    unroll: int
+
+
+# The K loop of each kind of form, the process's (never the window's). Routed experts: each warp
+# its own tile over all of K (mma_loop on the H100 at ba1cd33, 8 and 1 rows: the routed down
+# projection 0.054 and 0.025 ms against 4/4/1's 0.072 and 0.032; docs/benchmarks.md). The plain
+# forms keep 4/4/1, which 4/1/1 did not beat there (o_proj 0.021 against 0.020 at one row).
+LOOPS = {"plain": Loop(4, 4, 1), "routed": Loop(4, 1, 1)}
 PLAIN_COLS = 16  # output columns a tile: the MMA's 16 rows
 GLU_COLS = 8  # GLU forms: A rows 0-7 gate columns, 8-15 the same columns of up
 
@@ -343,18 +357,20 @@ def _kernel(name: str, inputs: list[str], body: str):
     return gpu_kernel(name, inputs, ["out"], body, header())
 
 
-def _grid(N: int, cols: int, picks: int = 1, picks_x: bool = False) -> tuple[tuple, tuple]:
-    if SPLIT not in (1, WARPS):
-        raise ValueError(f"rows_mma's SPLIT is 1 or WARPS ({WARPS}), got {SPLIT}")
-    blocks = -(-N // (cols * (WARPS // SPLIT)))  # WARPS / SPLIT tiles a block
-    threads = WARPS * 32
+def _grid(N: int, cols: int, picks: int = 1, picks_x: bool = False, *, kind: str = "plain") -> tuple[tuple, tuple]:
+    warps, split, _ = LOOPS[kind]
+    if split not in (1, warps):
+        raise ValueError(f"rows_mma's split is 1 or its warps ({warps}), got {split}")
+    blocks = -(-N // (cols * (warps // split)))  # warps / split tiles a block
+    threads = warps * 32
     grid = (picks * threads, blocks, 1) if picks_x else (blocks * threads, picks, 1)
     return grid, (threads, 1, 1)
 
 
-def _loop_template() -> list[tuple[str, int]]:
+def _loop_template(kind: str = "plain") -> list[tuple[str, int]]:
     """The K loop's template values (read at each call, so a study can set them: scripts.lab.mma_loop.py)."""
-    return [("WARPS", WARPS), ("SPLIT", SPLIT), ("UNROLL", UNROLL)]
+    warps, split, unroll = LOOPS[kind]
+    return [("WARPS", warps), ("SPLIT", split), ("UNROLL", unroll)]
 
 
 def rows(x: mx.array) -> tuple[int, int]:
@@ -483,11 +499,11 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     `share` picks of one expert at most in a block (1 to 8; default 1)."""
     M, K, per = _picks(x, experts, "rows_gather_qmatvec")
     N = w.shape[1]
-    grid, block = _grid(N, PLAIN_COLS, M)
+    grid, block = _grid(N, PLAIN_COLS, M, kind="routed")
     (out,) = _kernel("strata_mma_gather_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "idx"], GATHER_QUANTIZED)(
         inputs=[dims(M, K, N, per), x, w, scales, biases, experts],
         template=[("T", x.dtype), ("TS", scales.dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size),
-                  *_loop_template(), ("SHARE", share or 1), ("PICKS_X", False)],
+                  *_loop_template("routed"), ("SHARE", share or 1), ("PICKS_X", False)],
         grid=grid, threadgroup=block, output_shapes=[_gather_shape(x, per, N)], output_dtypes=[x.dtype])
     return out
 
@@ -498,12 +514,12 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
     """silu(gate) · up of routed experts (rows_matvec.rows_gather_glu_qmatvec) on tensor cores."""
     M, K, per = _picks(x, experts, "rows_gather_glu_qmatvec")
     N = gate[0].shape[1]
-    grid, block = _grid(N, GLU_COLS, M)
+    grid, block = _grid(N, GLU_COLS, M, kind="routed")
     (out,) = _kernel("strata_mma_gather_glu_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
                                                           "biases_up", "idx"], GATHER_QUANTIZED_GLU)(
         inputs=[dims(M, K, N, per), x, *gate, *up, experts],
         template=[("T", x.dtype), ("TS", gate[1].dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size),
-                  *_loop_template(), ("SHARE", share or 1), ("PICKS_X", False)],
+                  *_loop_template("routed"), ("SHARE", share or 1), ("PICKS_X", False)],
         grid=grid, threadgroup=block, output_shapes=[_gather_shape(x, per, N)], output_dtypes=[x.dtype])
     return out
 
@@ -516,10 +532,10 @@ def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts:
     if M != rows(x)[0]:
         raise ValueError(f"rows_gather_mxfp4matvec takes one row a pick, got {rows(x)[0]} rows for {M} picks")
     N = w.shape[1]
-    grid, block = _grid(N, PLAIN_COLS, M, picks_x)
+    grid, block = _grid(N, PLAIN_COLS, M, picks_x, kind="routed")
     (out,) = _kernel("strata_mma_gather_mxfp4matvec_v2", ["dims", "x", "w", "scales", "idx"], GATHER_MXFP4)(
         inputs=[dims(M, K, N, 1), x, w, scales, experts],
-        template=[("T", x.dtype), ("TI", experts.dtype), *_loop_template(), ("SHARE", share or 1),
+        template=[("T", x.dtype), ("TI", experts.dtype), *_loop_template("routed"), ("SHARE", share or 1),
                   ("PICKS_X", picks_x)],
         grid=grid, threadgroup=block, output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype])
     return out

@@ -76,9 +76,11 @@ def test_each_k_loop_setting_is_row_invariant_and_near_the_reference(emulated, m
     is multiplied) keep every row its 1-row call's bits; UNROLL never changes a bit."""
     (case,) = [c for c in rows_mma.probe_cases() if c[0] == what]
     _, kernel, ref, x, experts = case
-    monkeypatch.setattr(rows_mma, "SPLIT", split)
+    for kind in rows_mma.LOOPS:
+        monkeypatch.setitem(rows_mma.LOOPS, kind, rows_mma.Loop(4, split, 1))
     base = kernel(x, experts)
-    monkeypatch.setattr(rows_mma, "UNROLL", unroll)
+    for kind in rows_mma.LOOPS:
+        monkeypatch.setitem(rows_mma.LOOPS, kind, rows_mma.Loop(4, split, unroll))
     assert rows_mma.check_case(kernel, ref, x, experts) is None
     assert mx.array_equal(kernel(x, experts), base).item()
 
@@ -151,30 +153,47 @@ def test_rows_matvec_sends_bfloat16_windows_to_tensor_cores_unless_told(monkeypa
 
 
 def test_launch_shapes():
-    """16 output columns a block (8 for the GLU join), its 4 warps splitting K; routed picks on
-    the grid's second axis unless `picks_x`."""
+    """Plain forms: 16 output columns a block (8 for the GLU join), its 4 warps splitting K.
+    Routed experts: each of a block's 4 warps sums its own tile over all of K, so a block holds 4
+    tiles; picks on the grid's second axis unless `picks_x`."""
     assert rows_mma._grid(151936, rows_mma.PLAIN_COLS) == ((9496 * 128, 1, 1), (128, 1, 1))
-    assert rows_mma._grid(512, rows_mma.GLU_COLS, 80) == ((64 * 128, 80, 1), (128, 1, 1))
-    assert rows_mma._grid(2880, rows_mma.PLAIN_COLS, 12, True) == ((12 * 128, 180, 1), (128, 1, 1))
+    assert rows_mma._grid(512, rows_mma.GLU_COLS) == ((64 * 128, 1, 1), (128, 1, 1))
+    assert rows_mma._grid(2048, rows_mma.PLAIN_COLS, 80, kind="routed") == ((32 * 128, 80, 1), (128, 1, 1))
+    assert rows_mma._grid(512, rows_mma.GLU_COLS, 80, kind="routed") == ((16 * 128, 80, 1), (128, 1, 1))
+    assert rows_mma._grid(2880, rows_mma.PLAIN_COLS, 12, True, kind="routed") == ((12 * 128, 45, 1), (128, 1, 1))
 
 
-def test_a_block_of_warps_that_each_own_a_tile(monkeypatch):
-    """SPLIT 1: each of a block's 4 warps sums its own tile over all of K, so a block holds 4
-    tiles; a SPLIT between 1 and WARPS would leave warps waiting on others that returned."""
-    monkeypatch.setattr(rows_mma, "SPLIT", 1)
-    assert rows_mma._grid(2048, rows_mma.PLAIN_COLS, 80) == ((32 * 128, 80, 1), (128, 1, 1))
-    assert rows_mma._grid(512, rows_mma.GLU_COLS, 80) == ((16 * 128, 80, 1), (128, 1, 1))
-    monkeypatch.setattr(rows_mma, "SPLIT", 2)
-    with pytest.raises(ValueError, match="SPLIT is 1 or WARPS"):
-        rows_mma._grid(2048, rows_mma.PLAIN_COLS)
+def test_routed_calls_run_the_routed_loop(monkeypatch):
+    """The routed forms launch with LOOPS["routed"]'s grid and template, the plain ones with
+    LOOPS["plain"]'s, so a study can set one kind without the other."""
+    monkeypatch.setitem(rows_mma.LOOPS, "routed", rows_mma.Loop(4, 1, 2))
+    seen = {}
+
+    def recording(name, inputs, outputs, body, header=""):
+        def launch(*, template, grid, threadgroup, output_shapes, output_dtypes, **_):
+            seen[name] = (tuple(dict(template)[k] for k in ("WARPS", "SPLIT", "UNROLL")), grid)
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(rows_mma, "gpu_kernel", recording)
+    for _, kernel, _, x, experts in rows_mma.probe_cases():
+        kernel(x, experts)
+    routed = {n for n in seen if "gather" in n}
+    assert len(routed) == 3 and all(seen[n][0] == (4, 1, 2) for n in routed)
+    assert len(seen) > 3 and all(seen[n][0] == (4, 4, 1) for n in set(seen) - routed)
+    assert seen["strata_mma_gather_qmatvec_v2"][1][0] == -(-200 // 64) * 128  # N = 200: 4 tiles of 16 a block
+    monkeypatch.setitem(rows_mma.LOOPS, "routed", rows_mma.Loop(4, 2, 1))
+    with pytest.raises(ValueError, match="split is 1 or its warps"):
+        rows_mma._grid(2048, rows_mma.PLAIN_COLS, kind="routed")
 
 
 def test_a_k_loop_setting_is_read_and_set_as_written(monkeypatch):
     from scripts.lab import mma_loop
-    for name in ("WARPS", "SPLIT", "UNROLL"):
-        monkeypatch.setattr(rows_mma, name, getattr(rows_mma, name))
-    mma_loop.apply("8/1/2")
-    assert (rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL) == (8, 1, 2)
+    monkeypatch.setattr(rows_mma, "LOOPS", dict(rows_mma.LOOPS))
+    mma_loop.apply("8/1/2", "routed")
+    assert rows_mma.LOOPS == {"plain": (4, 4, 1), "routed": (8, 1, 2)}
+    mma_loop.apply("2/2/4")
+    assert rows_mma.LOOPS == {"plain": (2, 2, 4), "routed": (2, 2, 4)}
     for bad in ("4/2/1", "4/4", "4/4/0", "a/4/1"):
         with pytest.raises(ValueError, match="WARPS/SPLIT/UNROLL"):
             mma_loop.parse(bad)

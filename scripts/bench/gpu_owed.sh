@@ -19,6 +19,7 @@
 #   bash scripts/bench/gpu_owed.sh share     # each kernel's share of a T = 1 and a T = 8 window, launched twice in place
 #   bash scripts/bench/gpu_owed.sh ncu       # every kernel of a T = 1 and a T = 8 window timed by Nsight Compute (~4 min)
 #   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min; UPLOAD_ROUNDS=0: ncu only)
+#   bash scripts/bench/gpu_owed.sh routed-loop  # 80B compares with the routed forms' K loop at 4/4/1 and 4/1/1, alternating (~4 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
@@ -206,8 +207,8 @@ ncu)
     rm -f "$OUT/ncu_${card}_$tree"/*.ncu-rep  # the CSVs hold what the report read; the reports are large
     ;;
 upload)
-    # issue 37: host ints through MLX's pool, dims and kept constants in device memory (STRATA_HOST_UPLOAD=1)
-    # against plain managed arrays (0, the default until this stage has run): each kernel's device
+    # issue 37: host ints through MLX's pool, dims and kept constants in device memory (STRATA_HOST_UPLOAD=1,
+    # the default since this stage ran at ba1cd33) against plain managed arrays (0): each kernel's device
     # time under ncu, then short compares alternating (ncu at a2b63c9: the T = 8 embedding 142 us,
     # a T = 1 combine 200 us)
     for mode in 0 1; do
@@ -222,15 +223,22 @@ upload)
                 $short_compare --out "$OUT/upload_${round}_${mode}_$tree.json" 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
         done
     done
-    # and rows_mma's K loop at 4/1/1, mma-loop's winner on the H100 at a2b63c9 (other bits: its identity runs here)
-    [ "${UPLOAD_ROUNDS:-2}" -gt 0 ] || exit 0
-    echo "== STRATA_HOST_UPLOAD=1, rows_mma 4/1/1" | log upload
-    STRATA_HOST_UPLOAD=1 python - --family qwen3_next --layers 8 --bits 4 $short_compare --out "$OUT/upload_loop411_$tree.json" <<'EOF' 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log upload
+    ;;
+routed-loop)
+    # issue 37: the routed forms' K loop at 4/1/1 (the default since mma-loop at ba1cd33) against
+    # 4/4/1 (the plain forms' loop), short compares alternating
+    for round in 1 2; do
+        for setting in 4/4/1 4/1/1; do
+            echo "== round $round routed $setting" | log routed-loop
+            python - --family qwen3_next --layers 8 --bits 4 $short_compare \
+                --out "$OUT/routed_${round}_${setting//\//}_$tree.json" <<EOF 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log routed-loop
 import runpy
 from scripts.lab import mma_loop
-mma_loop.apply("4/1/1")
+mma_loop.apply("$setting", "routed")
 runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
 EOF
+        done
+    done
     ;;
 mma-loop)
     python -m scripts.lab.mma_loop --out "$OUT/mma_loop_${card}_$tree.json" 2>&1 | log mma-loop

@@ -3,12 +3,13 @@ and 8 (issue 37: the routed experts' down projection at 8 rows cost 0.104 ms aga
 on the H200).
 
 A setting is WARPS/SPLIT/UNROLL: warps a block; warps summing one 16-column tile's K (SPLIT = WARPS,
-today's 4/4: one tile a block, the warps' partial sums added in warp order; SPLIT = 1: each warp
-its own tile over all of K, no shared memory, a quarter of the blocks); steps a warp loads before
-it multiplies any (when loads are issued, never the sum). SPLIT sets the sum's order (a function
-of K and the setting), so each setting is checked row-invariant in every record. At K = 512 (the
-down projections) each of today's 4 warps does one step, and 80 picks make 10,240 blocks of 128
-threads, each reading 4 KB: the hypothesis is too few bytes in flight. Each setting runs
+the plain forms' 4/4: one tile a block, the warps' partial sums added in warp order; SPLIT = 1,
+the routed forms' since this study's run at ba1cd33: each warp its own tile over all of K, no
+shared memory, a quarter of the blocks); steps a warp loads before it multiplies any (when loads
+are issued, never the sum). SPLIT sets the sum's order (a function of K and the setting), so each
+setting is checked row-invariant in every record. At K = 512 (the down projections) 4/4/1 gave
+each warp one step, and 80 picks made 10,240 blocks of 128 threads, each reading 4 KB: too few
+bytes in flight. A study sets both kinds (rows_mma.LOOPS) to each setting in turn. Each setting runs
 kernel_bench's routed-expert and plain-shape timings (MLX's own calls beside them as the
 baseline), the settings alternating over `--rounds`; a table gives each setting's median ms per
 shape and R.
@@ -53,9 +54,14 @@ def parse(setting: str) -> tuple[int, int, int]:
     return warps, split, unroll
 
 
-def apply(setting: str) -> None:
-    """rows_mma's K loop set to `setting` (read at each call: the template values and the grid)."""
-    rows_mma.WARPS, rows_mma.SPLIT, rows_mma.UNROLL = parse(setting)
+def apply(setting: str, kind: str | None = None) -> None:
+    """rows_mma's K loop of `kind` ("plain", "routed"; None: both) set to `setting` (read at each
+    call: the template values and the grid)."""
+    loop = rows_mma.Loop(*parse(setting))
+    for k in [kind] if kind else list(rows_mma.LOOPS):
+        if k not in rows_mma.LOOPS:
+            raise ValueError(f"rows_mma's loops are {', '.join(rows_mma.LOOPS)}; got {k!r}")
+        rows_mma.LOOPS[k] = loop
 
 
 def one_setting(setting: str, *, repeats: int, inner: int) -> list[dict]:
@@ -151,14 +157,14 @@ def main(argv=None) -> dict:
     if not rows_mma.usable():
         raise SystemExit(f"mma_loop: the tensor-core kernels do not run here ({rows_mma.status()})")
     records = []
-    default = f"{rows_mma.WARPS}/{rows_mma.SPLIT}/{rows_mma.UNROLL}"
+    default = dict(rows_mma.LOOPS)
     try:
         for rnd in range(args.rounds):
             for setting in settings:
                 records += one_setting(setting, repeats=args.repeats, inner=args.inner)
                 print(f"round {rnd + 1}: {setting} done", flush=True)
     finally:
-        apply(default)
+        rows_mma.LOOPS.update(default)
     rows = table(records, settings)
     head = f"{'shape':16s} {'R':>2s} " + " ".join(f"{s:>7s}" for s in settings) + f" {'fma':>7s} {'mlx':>7s} same"
     print(head)
