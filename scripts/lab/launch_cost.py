@@ -8,7 +8,10 @@ spinning thread's count while the main thread dispatches, against its count idle
 backend, the Python a precompiled launch costs before MLX's own (`call_python_us`: a 5-input
 kernel whose binary is held, MLX's launch stood in); and what a small array made on the host
 costs the op that reads it (`host_array_us`: 2 int32 values, in MLX's mapped pool, against 8 in
-managed pages, each made anew and read by one add, evaluated; on an H100 27.9 against 32.0 µs).
+managed pages, each made anew and read by one add, evaluated; on an H100 27.9 against 32.0 µs);
+and whether an op whose output reuses a cached buffer the host wrote pays a page fault
+(`reused_output_us`, against one a GPU op wrote: the hypothesis for the one 80-240 µs launch of
+every window in ncu, docs/benchmarks.md "The H100 loan of 2026-12-06").
 
     OUT=. python -m scripts.lab.launch_cost                 # CUDA: about a minute, writes $OUT/launch_cost.json
     STRATA_KERNEL_KEYS=0 OUT=. python -m scripts.lab.launch_cost --tag whole    # the same with whole binaries
@@ -217,6 +220,36 @@ def gil_during_dispatch() -> dict:
             "dispatch_s": round(seconds, 4)}
 
 
+def reused_output_us(sizes=(32, 4096, 65536, 1 << 20), n: int = 100, repeats: int = 5) -> dict:
+    """µs of one evaluated add whose output is `size` bytes, right after an array of that size was
+    freed into MLX's buffer cache: made on the host (`host`, managed pages the host wrote) or by
+    a GPU op (`device`), alternating, medians. MLX's CUDA allocator hands a cached managed buffer
+    to a device op's output; if the GPU must migrate the host's pages to write it, `host` pays a
+    page fault that `device` does not (the 80-240 µs launch of every window in ncu)."""
+    out = {}
+    for size in sizes:
+        count = size // 4
+        base = mx.zeros((count,), dtype=mx.int32) + 0
+        mx.eval(base)
+        values = np.arange(count, dtype=np.int32)
+        times: dict[str, list[float]] = {"host": [], "device": []}
+        for _ in range(repeats):
+            sums = {"host": 0.0, "device": 0.0}
+            for i in range(n):
+                for form in ("host", "device") if i % 2 else ("device", "host"):
+                    freed = mx.array(values) if form == "host" else base * 2
+                    mx.eval(freed)
+                    del freed
+                    t0 = time.perf_counter()
+                    mx.eval(base + 1)
+                    sums[form] += time.perf_counter() - t0
+            for form in times:
+                times[form].append(sums[form] / n)
+        out[str(size)] = {form: round(1e6 * statistics.median(t), 2) for form, t in times.items()}
+    print("reused_output_us", out, flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-launch-cost")
@@ -225,6 +258,7 @@ def main(argv=None) -> dict:
     report = {"tree": git_commit(), "device": str(mx.default_device()), "mlx": mx.__version__}
     report["call_python_us"] = call_python_us()
     report["host_array_us"] = host_array_us()
+    report["reused_output_us"] = reused_output_us()
     report["chains_per_op"] = chains()
     report["window"] = window_split(args.dir)
     report["binary_bytes"] = binary_sizes()
