@@ -19,7 +19,7 @@
 #   bash scripts/bench/gpu_owed.sh share     # each kernel's share of a T = 1 and a T = 8 window, launched twice in place
 #   bash scripts/bench/gpu_owed.sh ncu       # every kernel of a T = 1 and a T = 8 window timed by Nsight Compute (~4 min)
 #   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min; UPLOAD_ROUNDS=0: ncu only)
-#   bash scripts/bench/gpu_owed.sh routed-loop  # 80B compares with the routed forms' K loop at 4/4/1 and 4/1/1, alternating (~4 min)
+#   bash scripts/bench/gpu_owed.sh routed-loop  # 80B compares, the routed forms' K loop at 4/4/1, 4/1/1, 4/1/1 with the GLU on FMA (~6 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
@@ -226,12 +226,15 @@ upload)
     ;;
 routed-loop)
     # issue 37: the routed forms' K loop at 4/1/1 (the default since mma-loop at ba1cd33) against
-    # 4/4/1 (the plain forms' loop), short compares alternating
+    # 4/4/1 (the plain forms' loop), and 4/1/1 with the routed GLU on its FMA form (glu off; the
+    # FMA form beat the tensor cores for the routed gate alone), short compares alternating
     for round in 1 2; do
-        for setting in 4/4/1 4/1/1; do
-            echo "== round $round routed $setting" | log routed-loop
-            python - --family qwen3_next --layers 8 --bits 4 $short_compare \
-                --out "$OUT/routed_${round}_${setting//\//}_$tree.json" <<EOF 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log routed-loop
+        for variant in 4/4/1 4/1/1 4/1/1:fma-glu; do
+            setting=${variant%%:*}
+            forms=1; [ "$variant" = "${variant%:fma-glu}" ] || forms=dense,affine,routed,plain-glu,mapped
+            echo "== round $round routed $variant" | log routed-loop
+            STRATA_TENSOR_CORES=$forms python - --family qwen3_next --layers 8 --bits 4 $short_compare \
+                --out "$OUT/routed_${round}_${variant//[\/:]/}_$tree.json" <<EOF 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log routed-loop
 import runpy
 from scripts.lab import mma_loop
 mma_loop.apply("$setting", "routed")

@@ -9,7 +9,10 @@ shared memory, a quarter of the blocks); steps a warp loads before it multiplies
 are issued, never the sum). SPLIT sets the sum's order (a function of K and the setting), so each
 setting is checked row-invariant in every record. At K = 512 (the down projections) 4/4/1 gave
 each warp one step, and 80 picks made 10,240 blocks of 128 threads, each reading 4 KB: too few
-bytes in flight. A study sets both kinds (rows_mma.LOOPS) to each setting in turn. Each setting runs
+bytes in flight. A study sets both kinds (rows_mma.LOOPS) to each setting in turn. Beside the
+routed single matrices, `experts_glu` times the routed gate and up joined as the 80B runs them
+(a row's 10 picks sharing its x), where the FMA form beat every setting for the gate alone at
+ba1cd33. Each setting runs
 kernel_bench's routed-expert and plain-shape timings (MLX's own calls beside them as the
 baseline), the settings alternating over `--rounds`; a table gives each setting's median ms per
 shape and R.
@@ -31,11 +34,12 @@ import json
 import statistics
 import tempfile
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 
-from metal_shaders import rows_mma
+from metal_shaders import rows_matvec, rows_mma
 from scripts.bench import kernel_bench as kb
 from scripts.lab.kernel_emulate import nvcc_compile
 from strata_cli.bench.runner import git_commit
@@ -64,12 +68,47 @@ def apply(setting: str, kind: str | None = None) -> None:
         rows_mma.LOOPS[k] = loop
 
 
+def bench_routed_glu(K: int = 2048, N: int = 512, *, E: int = 512, top_k: int = 10, repeats: int,
+                     inner: int) -> list[dict]:
+    """The routed experts' gate and up joined, as the 80B runs them (rows_gather_glu_qmatvec: a
+    row's top_k picks share its x) at R = 1 and 8: the kernel under the current setting, its FMA
+    form, and MLX's two gather_qmm with the GLU between (mlx-lm's SwitchGLU)."""
+    keys = mx.random.split(mx.random.key(5), 4)
+    gate, up = (mx.quantize((mx.random.normal((E, N, K), key=keys[i]) * K**-0.5).astype(mx.bfloat16), 64, 4)
+                for i in (0, 1))
+    picks = mx.argsort(mx.random.uniform(shape=(8, E), key=keys[2]), axis=-1)[:, :top_k].astype(mx.uint32)
+    x8 = mx.random.normal((8, K), key=keys[3]).astype(mx.bfloat16)
+    mx.eval(gate, up, picks, x8)
+
+    def ours(x, experts, tensor_cores=True):
+        return rows_matvec.rows_gather_glu_qmatvec(x, gate, up, experts.reshape(-1), group_size=64, bits=4,
+                                                   tensor_cores=tensor_cores)
+
+    def theirs(x, experts):
+        g, u = (mx.gather_qmm(x[:, None, None, :], *w, rhs_indices=experts, transpose=True, group_size=64, bits=4)
+                for w in (gate, up))
+        return g * mx.sigmoid(g) * u
+
+    alone = [ours(x8[r : r + 1], picks[r : r + 1]) for r in range(8)]
+    records = []
+    for R in (1, 8):
+        x, experts = x8[:R], picks[:R]
+        together = ours(x, experts)
+        identical = all(mx.array_equal(together[r], alone[r][0]).item() for r in range(R))
+        times = {name: kb._median_ms(lambda f=f: f(x, experts), repeats=repeats, inner=inner)
+                 for name, f in (("kernel", ours), ("mlx", theirs), ("fma", partial(ours, tensor_cores=False)))}
+        records.append({"shape": "experts_glu", "K": K, "N": N, "R": R, "picks": R * top_k,
+                        "identical_to_1_row": identical, "ms": times})
+    return records
+
+
 def one_setting(setting: str, *, repeats: int, inner: int) -> list[dict]:
     apply(setting)
     records = []
     for name, (K, N) in EXPERTS.items():
         records += kb.bench_experts(name, 512, K, N, 10, use_kernel=True, repeats=repeats, inner=inner,
                                     peak_gbs=4800.0)
+    records += bench_routed_glu(repeats=repeats, inner=inner)
     for name, (K, N) in SHAPES.items():
         records += kb.bench_shape(name, K, N, use_kernel=True, repeats=repeats, inner=inner, peak_gbs=4800.0, cols=())
     return [{**r, "setting": setting} for r in records if r["R"] in (1, 8) and "mlx" in r["ms"]]
