@@ -9,13 +9,11 @@ shared memory, a quarter of the blocks); steps a warp loads before it multiplies
 are issued, never the sum). SPLIT sets the sum's order (a function of K and the setting), so each
 setting is checked row-invariant in every record. At K = 512 (the down projections) 4/4/1 gave
 each warp one step, and 80 picks made 10,240 blocks of 128 threads, each reading 4 KB: too few
-bytes in flight. A study sets both kinds (rows_mma.LOOPS) to each setting in turn. Beside the
-routed single matrices, `experts_glu` times the routed gate and up joined as the 80B runs them
-(a row's 10 picks sharing its x), where the FMA form beat every setting for the gate alone at
-ba1cd33. Each setting runs
-kernel_bench's routed-expert and plain-shape timings (MLX's own calls beside them as the
-baseline), the settings alternating over `--rounds`; a table gives each setting's median ms per
-shape and R.
+bytes in flight. A study sets both kinds (rows_mma.LOOPS) to each setting in turn. Each setting
+runs kernel_bench's routed-expert and plain-shape timings (MLX's own calls beside them as the
+baseline) and `experts_glu`, the routed gate and up joined as the 80B runs them (a row's 10 picks
+sharing its x; the FMA form beat every setting for the gate alone at ba1cd33), the settings
+alternating over `--rounds`; a table gives each setting's median ms per shape and R.
 
     python -m scripts.lab.mma_loop --out mma_loop.json     # GPU, about 6 minutes
     python -m scripts.lab.mma_loop --ptxas                 # here, with nvcc: registers, spills, occupancy
