@@ -28,6 +28,7 @@ from .probe import Probe, cases_at, constant, gpu_kernel, step_dims
 
 MAX_HEAD_DIM = 256  # a lane keeps D/32 output dims in registers; the block's partials sit in shared memory
 WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 threads busy per row
+# (read at each call, and part of the kernels' names: scripts/lab/attention_warps.py times others)
 
 # One block per (b, h, t), WARPS warps. q, keys, values are read through their strides (views of
 # the KV buffer are passed without a copy; the head dim must be contiguous, as every view the
@@ -133,7 +134,11 @@ SOURCE = """
         out[((static_cast<size_t>(b) * T + t) * Hq + h) * DH + d] = static_cast<TQ>(o / total);
     }
 """
-HEADER = f"#define WARPS {WARPS}\n"
+
+
+def header() -> str:
+    """What precedes both bodies: WARPS, as the module holds it now."""
+    return f"#define WARPS {WARPS}\n"
 
 
 def supports(head_dim: int) -> bool:
@@ -159,8 +164,8 @@ def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float
     """
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
-    kernel = gpu_kernel("strata_attention_window_v3", ["dims", "scale", "q", "keys", "values"], ["out"], SOURCE,
-                        HEADER, ensure_row_contiguous=False)
+    kernel = gpu_kernel(f"strata_attention_window_v3_w{WARPS}", ["dims", "scale", "q", "keys", "values"], ["out"],
+                        SOURCE, header(), ensure_row_contiguous=False)
     # The dtypes are template values too (MLX caches a compile by name and template alone).
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
     (out,) = kernel(inputs=[step_dims(B, Hq, Hkv, T, L), constant(scale), q, keys, values], template=template,
@@ -306,8 +311,8 @@ def sink_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: 
     """
     B, Hq, T, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
-    kernel = gpu_kernel("strata_attention_window_sinks_v2", ["dims", "scale", "q", "keys", "values", "sinks"], ["out"],
-                        SINK_SOURCE, HEADER, ensure_row_contiguous=False)
+    kernel = gpu_kernel(f"strata_attention_window_sinks_v2_w{WARPS}", ["dims", "scale", "q", "keys", "values", "sinks"],
+                        ["out"], SINK_SOURCE, header(), ensure_row_contiguous=False)
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
     sizes = step_dims(B, Hq, Hkv, T, L, ring_position(pos0, L, window), window)
     (out,) = kernel(inputs=[sizes, constant(scale), q, keys, values, sinks], template=template,

@@ -333,3 +333,11 @@ def test_gpt_oss_decodes_identically_through_the_emulated_sink_kernel(emulate, s
     drafted = strata_tokens(model, prompt, SpecOptions(max_drafts=3))[0]
     assert calls and max(calls) > 1  # windows of several rows went through the kernel
     assert serial == drafted == reference
+
+
+def test_sixteen_warps_keep_each_row_its_one_row_bits(emulate, monkeypatch, tmp_path):
+    """WARPS is the process's (a study times 16): with twice the warps splitting the cells, each
+    row of a T-row call still equals its 1-row call and stays near the reference."""
+    monkeypatch.setattr(attention_window, "WARPS", 16)
+    assert "#define WARPS 16" in attention_window.header()
+    assert emulate.check_attention(emulate.AttentionEmulator(tmp_path), 2, 4, 2, 32, 300, rows=(1, 4))

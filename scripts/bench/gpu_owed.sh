@@ -20,6 +20,7 @@
 #   bash scripts/bench/gpu_owed.sh ncu       # every kernel of a T = 1 and a T = 8 window timed by Nsight Compute (~4 min)
 #   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min; UPLOAD_ROUNDS=0: ncu only)
 #   bash scripts/bench/gpu_owed.sh routed-loop  # 80B compares, the routed forms' K loop at 4/4/1, 4/1/1, 4/1/1 with the GLU on FMA (~6 min)
+#   bash scripts/bench/gpu_owed.sh attention-warps  # the attention window at 8 and 16 warps a block, 512 and 4,096 cells (~1 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
@@ -242,6 +243,10 @@ runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
 EOF
         done
     done
+    ;;
+attention-warps)
+    # issue 37: the attention window with 16 warps a block against 8 (54 us a layer at T = 1 in ncu at ba1cd33)
+    python -m scripts.lab.attention_warps --out "$OUT/attention_warps_${card}_$tree.json" 2>&1 | log attention-warps
     ;;
 mma-loop)
     python -m scripts.lab.mma_loop --out "$OUT/mma_loop_${card}_$tree.json" 2>&1 | log mma-loop

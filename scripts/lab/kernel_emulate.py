@@ -644,7 +644,7 @@ class AttentionEmulator:
         if D not in self.built:
             consts = f"using TQ = float; using TK = float; using TV = float; constexpr int DH = {D};"
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(self.params)] + ["out.data()"]
-            source = (program(SHIM_BLOCK, self.backend, attention_window.HEADER, [*self.params, "float* out"],
+            source = (program(SHIM_BLOCK, self.backend, attention_window.header(), [*self.params, "float* out"],
                               consts, self.source)
                       + MAIN_BLOCK.replace("NUM_INPUTS", str(len(self.params))).replace("NUM_OUTPUTS", "1")
                       .replace("CALL", f"kernel({', '.join(args)})"))
@@ -1650,7 +1650,7 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
             params = ["const int32_t* dims", "const float* scale"]
             for name in ("q", "keys", "values"):
                 params += [f"const {t}* {name}", f"const __grid_constant__ Strides {name}_strides"]
-            kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.HEADER,
+            kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.header(),
                                 params + [f"{t}* out"], f"using TQ = {t}; using TK = {t}; using TV = {t}; "
                                 f"constexpr int DH = {D};", attention_window.SOURCE))
         for E in (512, 48):  # Qwen3-Next-80B's router (PER 4) and the demo model's (PER 1)
