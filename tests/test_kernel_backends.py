@@ -101,7 +101,7 @@ def test_the_attention_kernel_keeps_its_own_header_and_views_on_metal(monkeypatc
     q, keys, values = attention_window.probe_inputs(1, 4, 2, 64, 20, capacity=40)
     attention_window.attention_window(q[:, :, :2], keys, values, 0.125)
     (kind, spec), = made
-    assert kind == backends.METAL and spec["header"].endswith(attention_window.HEADER)
+    assert kind == backends.METAL and spec["header"].endswith(attention_window.header())
     assert spec["ensure_row_contiguous"] is False
 
 
