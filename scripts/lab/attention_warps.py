@@ -12,16 +12,13 @@ checked row-invariant; a table of median ms per setting, cells and R.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
 
 from metal_shaders import attention_window
 from scripts.bench import kernel_bench as kb
-from strata_cli.bench.runner import git_commit
+from scripts.lab import mma_loop
 
 
 def main(argv=None) -> dict:
@@ -45,30 +42,16 @@ def main(argv=None) -> dict:
             for warps in settings:
                 attention_window.WARPS = warps
                 for cells in (int(c) for c in args.cells.split(",")):
-                    records += [{**r, "warps": warps} for r in kb.bench_attention(
+                    records += [{**r, "shape": f"{cells} cells", "setting": str(warps)} for r in kb.bench_attention(
                         "80b", 16, 2, 256, cells, use_kernel=True, repeats=args.repeats, inner=args.inner,
                         peak_gbs=4800.0)]
                 print(f"round {rnd + 1}: {warps} warps done", flush=True)
     finally:
         attention_window.WARPS = default
-    cells_ms = defaultdict(list)
-    for r in records:
-        cells_ms[r["K"], r["R"], r["warps"]].append(r["ms"]["kernel"])
-        cells_ms[r["K"], r["R"], "mlx"].append(r["ms"]["mlx"])
-    table = []
-    print(f"{'cells':>5s} {'R':>2s} " + " ".join(f"{w:>7d}" for w in settings) + f" {'mlx':>7s} same")
-    for K, R in dict.fromkeys((r["K"], r["R"]) for r in records):
-        row = {"cells": K, "R": R, **{str(w): statistics.median(cells_ms[K, R, w]) for w in settings},
-               "mlx": statistics.median(cells_ms[K, R, "mlx"]),
-               "identical_to_1_row": all(r["identical_to_1_row"] for r in records if (r["K"], r["R"]) == (K, R))}
-        table.append(row)
-        print(f"{K:5d} {R:2d} " + " ".join(f"{row[str(w)]:7.4f}" for w in settings)
-              + f" {row['mlx']:7.4f} {row['identical_to_1_row']}")
-    report = {"commit": git_commit(), "device": str(mx.default_device()), "mlx": mx.__version__, "warps": settings,
-              "rounds": args.rounds, "table": table, "records": records}
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-    return report
+    columns = [str(w) for w in settings]
+    rows = mma_loop.table(records, columns)
+    mma_loop.show(rows, [*columns, "mlx"])
+    return mma_loop.write_report(args.out, warps=settings, rounds=args.rounds, table=rows, records=records)
 
 
 if __name__ == "__main__":

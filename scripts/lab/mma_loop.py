@@ -154,19 +154,39 @@ def ptxas(settings: list[str], workdir: Path) -> list[dict]:
 
 
 def table(records: list[dict], settings: list[str]) -> list[dict]:
+    """Per (shape, R): the median ms of each setting's kernel, of MLX's call and (where timed) of
+    the FMA form, and whether every record kept each row its 1-row call's bits."""
     cells = defaultdict(list)
     for r in records:
         cells[r["shape"], r["R"], r["setting"]].append(r["ms"]["kernel"])
-        cells[r["shape"], r["R"], "mlx"].append(r["ms"]["mlx"])
-        cells[r["shape"], r["R"], "fma"].append(r["ms"].get("fma", float("nan")))
+        for other in ("mlx", "fma"):
+            if other in r["ms"]:
+                cells[r["shape"], r["R"], other].append(r["ms"][other])
     rows = []
     for shape, R in dict.fromkeys((r["shape"], r["R"]) for r in records):
         row = {"shape": shape, "R": R}
         for key in [*settings, "fma", "mlx"]:
-            row[key] = statistics.median(cells[shape, R, key])
+            if cells[shape, R, key]:
+                row[key] = statistics.median(cells[shape, R, key])
         row["identical_to_1_row"] = all(r["identical_to_1_row"] for r in records if (r["shape"], r["R"]) == (shape, R))
         rows.append(row)
     return rows
+
+
+def show(rows: list[dict], columns: list[str]) -> None:
+    """`table`'s rows as text: shape, R, each column's ms, whether rows kept their 1-row bits."""
+    print(f"{'shape':16s} {'R':>2s} " + " ".join(f"{c:>7s}" for c in columns) + " same")
+    for row in rows:
+        print(f"{row['shape']:16s} {row['R']:2d} " + " ".join(f"{row.get(c, float('nan')):7.4f}" for c in columns)
+              + f" {row['identical_to_1_row']}")
+
+
+def write_report(out: Path | None, **fields) -> dict:
+    """A study's record: the tree, device and MLX version, then `fields`; written to `out` as JSON."""
+    report = {"commit": git_commit(), "device": str(mx.default_device()), "mlx": mx.__version__, **fields}
+    if out:
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 def main(argv=None) -> dict:
@@ -203,16 +223,8 @@ def main(argv=None) -> dict:
     finally:
         rows_mma.LOOPS.update(default)
     rows = table(records, settings)
-    head = f"{'shape':16s} {'R':>2s} " + " ".join(f"{s:>7s}" for s in settings) + f" {'fma':>7s} {'mlx':>7s} same"
-    print(head)
-    for row in rows:
-        print(f"{row['shape']:16s} {row['R']:2d} " + " ".join(f"{row[s]:7.4f}" for s in [*settings, 'fma', 'mlx'])
-              + f" {row['identical_to_1_row']}")
-    report = {"commit": git_commit(), "device": str(mx.default_device()), "mlx": mx.__version__, "settings": settings,
-              "rounds": args.rounds, "table": rows, "records": records}
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-    return report
+    show(rows, [*settings, "fma", "mlx"])
+    return write_report(args.out, settings=settings, rounds=args.rounds, table=rows, records=records)
 
 
 if __name__ == "__main__":
