@@ -19,6 +19,8 @@ the kernels once on the running device.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -178,7 +180,7 @@ def mamba2_prepare(history, raw, conv_weight, conv_bias, dt, dt_bias, A_log, *, 
         raise ValueError(f"mamba2_prepare: history {history.shape} {history.dtype} does not go with raw {raw.shape} "
                          f"{raw.dtype} and a {K}-tap conv")
     if conv_bias is None:
-        conv_bias = _constant(("zeros", C), lambda: mx.zeros((C,), dtype=mx.float32))  # + 0 changes no value
+        conv_bias = _zero_bias(C)  # + 0 changes no value
     limits = constant(*dt_limits)
     kernel = gpu_kernel("strata_mamba2_prepare_v3", PREPARE_INPUTS, PREPARE_OUTPUTS, PREPARE)
     # Every input dtype is a template value: MLX names (and caches) a compile by these alone.
@@ -192,14 +194,11 @@ def mamba2_prepare(history, raw, conv_weight, conv_bias, dt, dt_bias, A_log, *, 
     return tuple(outputs)
 
 
-_constants: dict[tuple, mx.array] = {}
-
-
-def _constant(key: tuple, make) -> mx.array:
-    """A small constant input made once per process (a decode step makes no new array for it)."""
-    if key not in _constants:
-        _constants[key] = make()
-    return _constants[key]
+@lru_cache(maxsize=None)
+def _zero_bias(channels: int) -> mx.array:
+    """The conv's bias where the model has none, made once per width (a decode step makes no new
+    array for it)."""
+    return mx.zeros((channels,), dtype=mx.float32)
 
 
 def reference_prepare(window, conv_weight, conv_bias, dt, dt_bias, A_log, *, num_heads: int, head_dim: int,
