@@ -89,6 +89,18 @@ def device_ints(values, *, row: bool = False) -> mx.array:
     return mx.concatenate(pieces, axis=-1)
 
 
+def host_pieces(values: mx.array) -> list[mx.array]:
+    """A GPU op's 1-d int output that the host will read (a window's greedy tokens), as copies of at
+    most POOL_INTS values, each in MLX's mapped pool: reading a device buffer moves it to managed
+    memory the host then touched, and once freed MLX hands it to a later GPU op's output of its
+    size, which waits for a page fault (ncu on the H100 at 1c3c6e6: the next T = 8 window's ids,
+    80-95 us against 3.6). Elsewhere, or for at most POOL_INTS values: `[values]`."""
+    n = values.shape[0]
+    if n <= POOL_INTS or not uploads():
+        return [values]
+    return [values[i:i + POOL_INTS] + 0 for i in range(0, n, POOL_INTS)]  # + 0: a copy, not a view
+
+
 def _in_device_memory(array: mx.array) -> mx.array:
     """A copy of a host-made array that lives in device memory (a GPU op's output), where no host
     write ever moves its page; the array itself where it cannot be evaluated now (inside a trace)."""

@@ -56,6 +56,22 @@ def test_uploaded_ints_come_in_pool_sized_pieces(uploading, monkeypatch):
     assert made == [probe.MAX_UPLOAD_INTS + 1]
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_ints_the_host_reads_come_back_in_pool_sized_copies(uploading, n):
+    """A window's greedy tokens: each piece fits MLX's 8-byte pool, their values the argmax's in order."""
+    values = mx.array(np.random.default_rng(n).integers(0, 151_936, n).astype(np.uint32))
+    pieces = probe.host_pieces(values)
+    assert all(p.dtype == mx.uint32 and p.nbytes <= 8 for p in pieces)
+    assert [v for p in pieces for v in p.tolist()] == values.tolist()
+    assert (len(pieces) == 1 and pieces[0] is values) == (n <= probe.POOL_INTS)  # few enough: no op more
+
+
+def test_off_cuda_the_host_reads_the_array_itself():
+    values = mx.arange(8)
+    pieces = probe.host_pieces(values)
+    assert len(pieces) == 1 and pieces[0] is values
+
+
 def test_dims_and_step_dims_keep_their_values_when_uploaded(uploading):
     kept = probe.dims(8, 2048, 512)
     assert kept.tolist() == [8, 2048, 512] and probe.dims(8, 2048, 512) is kept
