@@ -38,10 +38,15 @@ from . import backends, probe
 from .columns import ColumnLayout, joined, probe_layout, segment_index
 from .probe import Probe, dims, gpu_kernel
 
-ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a suspect GPU); a list: those forms
-# rows_matvec's calls that take these kernels by default: plain dense and affine matrices, routed
-# experts, their GLU join, the GLU of one affine pair (shared experts, MLPs), column-mapped projections
+ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a suspect GPU); 1: every form; a list: those
+# rows_matvec's calls these kernels can take: plain dense and affine matrices, routed experts, their
+# GLU join, the GLU of one affine pair (shared experts, MLPs), column-mapped projections
 FORMS = ("dense", "affine", "routed", "glu", "plain-glu", "mapped")
+# All but the routed GLU join, whose FMA form was faster at both 1 and 8 rows on the H100 at 1c3c6e6
+# (mma_loop's experts_glu: 0.025 / 0.081 ms against 0.029 / 0.085; the 80B shape's T = 8 window
+# 3.10 / 3.16 ms against 3.29 / 3.22 in two alternating rounds; docs/benchmarks.md). Its picks
+# share no weights (one pick a block), so the MMA amortises nothing over a window's rows.
+DEFAULT_FORMS = tuple(f for f in FORMS if f != "glu")
 MAX_ROWS = 8  # B's columns: a window's rows (or one expert's picks)
 MAX_PICKS = 256  # routed-expert picks one call takes (a window's rows x top-k)
 
@@ -383,13 +388,14 @@ def rows(x: mx.array) -> tuple[int, int]:
 
 
 def forms_on() -> frozenset[str]:
-    """The forms STRATA_TENSOR_CORES leaves on: every one of FORMS (unset or 1), none (0), or those
-    a comma list names (`dense,affine`: a comparison of one form against the FMA kernels; a
-    process keeps its choice, so a row's bits never depend on the window)."""
-    value = os.environ.get(ENV, "1")
+    """The forms STRATA_TENSOR_CORES leaves on: DEFAULT_FORMS (unset or empty), every one of FORMS
+    (1), none (0), or those a comma list names (`dense,affine`: a comparison of one form against
+    the FMA kernels; a process keeps its choice, so a row's bits never depend on the window)."""
+    value = os.environ.get(ENV, "")
     if value not in _forms:
         text = value.strip()
-        names = set(FORMS) if text in ("", "1") else set() if text == "0" else {n.strip() for n in text.split(",")} - {""}
+        named = {n.strip() for n in text.split(",")} - {""}
+        names = set(DEFAULT_FORMS) if not text else set(FORMS) if text == "1" else set() if text == "0" else named
         if names - set(FORMS):
             raise ValueError(f"{ENV} is 0, 1 or a comma list of {', '.join(FORMS)}; got {value!r}")
         _forms[value] = frozenset(names)

@@ -110,12 +110,14 @@ def test_the_environment_names_the_forms_left_on(monkeypatch):
     monkeypatch.setattr(rows_mma.probe, "backend", lambda: backends.CUDA)
     monkeypatch.setattr(rows_mma, "usable", lambda dtype=mx.bfloat16: True)
     bf = mx.zeros((2, 128), dtype=mx.bfloat16)
-    for value, on in [("1", set(rows_mma.FORMS)), ("0", set()), ("dense, affine", {"dense", "affine"}),
-                      ("glu", {"glu"})]:
+    for value, on in [("", set(rows_mma.DEFAULT_FORMS)), ("1", set(rows_mma.FORMS)), ("0", set()),
+                      ("dense, affine", {"dense", "affine"}), ("glu", {"glu"})]:
         monkeypatch.setenv(rows_mma.ENV, value)
         assert rows_mma.forms_on() == on
         assert {f for f in rows_mma.FORMS if rows_mma.supports(bf, 128, form=f)} == on
         assert rows_mma.supports(bf, 128) == bool(on)  # a call that names no form: any form on
+    monkeypatch.delenv(rows_mma.ENV)
+    assert rows_mma.forms_on() == set(rows_mma.FORMS) - {"glu"}  # the routed GLU join: its FMA form
     monkeypatch.setenv(rows_mma.ENV, "dense,mxfp")
     with pytest.raises(ValueError, match="comma list of dense, affine, routed, glu, plain-glu, mapped; got 'dense,mxfp'"):
         rows_mma.supports(bf, 128, form="dense")

@@ -209,9 +209,10 @@ ncu)
     ;;
 upload)
     # issue 37: host ints through MLX's pool, dims and kept constants in device memory (STRATA_HOST_UPLOAD=1,
-    # the default since this stage ran at ba1cd33) against plain managed arrays (0): each kernel's device
-    # time under ncu, then short compares alternating (ncu at a2b63c9: the T = 8 embedding 142 us,
-    # a T = 1 combine 200 us)
+    # the default since this stage ran at ba1cd33; a window's greedy tokens read back through the pool
+    # too since 1c3c6e6) against plain managed arrays (0): each kernel's device time under ncu, then
+    # short compares alternating (ncu at a2b63c9: the T = 8 embedding 142 us, a T = 1 combine 200 us;
+    # at 1c3c6e6 the T = 8 window's first copy 80-95 us)
     for mode in 0 1; do
         STRATA_HOST_UPLOAD=$mode python -m scripts.lab.ncu_window --keep "$OUT/ncu_upload${mode}_${card}_$tree" \
             --out "$OUT/ncu_upload${mode}_${card}_$tree.json" 2>&1 | grep -v "==PROF==" | log upload
@@ -226,13 +227,13 @@ upload)
     done
     ;;
 routed-loop)
-    # issue 37: the routed forms' K loop at 4/1/1 (the default since mma-loop at ba1cd33) against
-    # 4/4/1 (the plain forms' loop), and 4/1/1 with the routed GLU on its FMA form (glu off; the
-    # FMA form beat the tensor cores for the routed gate alone), short compares alternating
+    # issue 37: the routed GLU join on its FMA form (the default after this stage at 1c3c6e6: STRATA_TENSOR_CORES
+    # unset) against its tensor-core form at 4/1/1 (=1, every form), short compares alternating;
+    # ROUTED_VARIANTS adds others (4/4/1: the plain forms' loop, no gain at 1c3c6e6)
     for round in 1 2; do
-        for variant in 4/4/1 4/1/1 4/1/1:fma-glu; do
+        for variant in ${ROUTED_VARIANTS:-4/1/1 4/1/1:fma-glu}; do
             setting=${variant%%:*}
-            forms=1; [ "$variant" = "${variant%:fma-glu}" ] || forms=dense,affine,routed,plain-glu,mapped
+            forms=1; [ "$variant" = "${variant%:fma-glu}" ] || forms=
             echo "== round $round routed $variant" | log routed-loop
             STRATA_TENSOR_CORES=$forms python - --family qwen3_next --layers 8 --bits 4 $short_compare \
                 --out "$OUT/routed_${round}_${variant//[\/:]/}_$tree.json" <<EOF 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log routed-loop
