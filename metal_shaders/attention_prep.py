@@ -50,7 +50,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .backends import block_reduce
-from .probe import Probe, cases_at, constant, dims, gpu_kernel
+from .probe import Probe, cases_at, constant, dims, gpu_kernel, step_dims
 
 MAX_WARPS = 8
 MAX_PER = 4  # a thread keeps D / THREADS (<= 4) values in registers: D <= 1024
@@ -216,7 +216,7 @@ def attention_prep(qkv: mx.array, offset: int | mx.array, *, num_heads: int, num
     D, dtype = head_dim, qkv.dtype
     norm = q_weight is not None
     if not isinstance(offset, mx.array):
-        offset = mx.array([offset] * B, dtype=mx.int32)  # from the host: no primitive to launch
+        offset = step_dims(*[offset] * B, kind="offset")  # from the host: no primitive to launch
     unused = mx.zeros((1,), dtype=dtype)
     name, outputs, body = KERNELS[gate]
     kernel = gpu_kernel(name, INPUTS, outputs, body)

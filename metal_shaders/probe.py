@@ -24,7 +24,7 @@ log = logging.getLogger("strata.kernels")
 
 _dims_cache: dict[tuple[int, ...], mx.array] = {}
 _constants: dict[tuple[float, ...], mx.array] = {}
-_step_dims: list = [None, None]  # the last step's values and their array
+_step_dims: dict[str, tuple] = {}  # per kind: the last step's values and their array
 _kernels: dict[tuple[str, str], object] = {}
 VERDICTS = "verdicts"
 PROBE_DTYPES = (mx.float32, mx.bfloat16)  # a caller that names no dtype gets both
@@ -138,13 +138,18 @@ def constant(*values: float) -> mx.array:
     return _constants[values]
 
 
-def step_dims(*values: int) -> mx.array:
-    """`dims` for sizes that change at every step (an attention kernel's cache length or ring
-    position), kept only until another step's (a window's attention layers share it; `dims`
-    would keep every cache length's for the life of the process)."""
-    if _step_dims[0] != values:
-        _step_dims[:] = [values, device_ints(values)]
-    return _step_dims[1]
+def step_dims(*values: int, kind: str = "sizes") -> mx.array:
+    """`dims` for values that change at every step (an attention kernel's cache length or ring
+    position, a window's rotary offset), kept per `kind` only until another step's (a window's
+    attention layers share them; `dims` would keep every cache length's for the life of the
+    process). With uploads on, in device memory (padded past the pool as `_kept` pads): every
+    thread of a launch may read them (ncu on the H100 at 4c4c4d5: the T = 8 attention prep, whose
+    threads read the offset from the pool, 18-22 us against 7-8 where the pool's page sat well)."""
+    last = _step_dims.get(kind)
+    if last is None or last[0] != values:
+        padded = values + (0,) * max(0, POOL_INTS + 1 - len(values)) if uploads() else values
+        _step_dims[kind] = (values, device_ints(padded))
+    return _step_dims[kind][1]
 
 
 def backend() -> str | None:

@@ -17,7 +17,7 @@ def uploading(monkeypatch):
     monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
     monkeypatch.setattr(probe, "_dims_cache", {})
     monkeypatch.setattr(probe, "_constants", {})
-    monkeypatch.setattr(probe, "_step_dims", [None, None])
+    monkeypatch.setattr(probe, "_step_dims", {})
 
 
 def test_uploads_are_asked_for_by_the_environment(monkeypatch):
@@ -77,6 +77,9 @@ def test_dims_and_step_dims_keep_their_values_when_uploaded(uploading):
     assert kept.tolist() == [8, 2048, 512] and probe.dims(8, 2048, 512) is kept
     assert probe.step_dims(1, 16, 2, 8, 517).tolist() == [1, 16, 2, 8, 517]
     assert probe.step_dims(1, 16, 2, 8, 518).tolist() == [1, 16, 2, 8, 518]
+    offset = probe.step_dims(517, kind="offset")  # one value: padded past the pool, the sizes kept apart
+    assert offset.tolist() == [517, 0, 0] and offset.nbytes > 8
+    assert probe.step_dims(517, kind="offset") is offset and probe.step_dims(1, 16, 2, 8, 518).tolist()[-1] == 518
 
 
 def test_kept_inputs_that_would_fit_the_pool_are_padded_past_it(uploading):
