@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from metal_shaders.probe import device_ints, host_lists
+
 from .options import MIN_SAMPLING_TEMPERATURE, GenerateOptions
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -93,15 +95,14 @@ class TokenChooser:
     def choose(self, logits: mx.array, pos0: int, inputs: Sequence[int]) -> Choice:
         """logits (T, V) of a window at pos0 with these inputs -> each row's token."""
         if not self.is_sampling:
-            return Choice(mx.argmax(logits, axis=-1).tolist(), None)
+            return Choice(host_lists(mx.argmax(logits, axis=-1))[0], None)
         o = self.options
         logp = filtered_logits(logits, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, min_p=o.min_p)
         first = pos0 + 1 - self.prompt_length
         draws = mx.stack([
             mx.random.categorical(logp[i], key=self.key(first + i)) for i in range(logits.shape[0])
         ])
-        drafts = mx.array(list(inputs[1:]), mx.int32)
+        drafts = device_ints(inputs[1:])
         probs = mx.exp(logp[mx.arange(len(inputs) - 1), drafts]) if len(inputs) > 1 else mx.zeros((0,))
-        mx.eval(draws, probs)
-        return Choice(draws.tolist(), probs.tolist())
+        return Choice(*host_lists(draws, probs))
 

@@ -66,6 +66,31 @@ def test_ints_the_host_reads_come_back_in_pool_sized_copies(uploading, n):
     assert (len(pieces) == 1 and pieces[0] is values) == (n <= probe.POOL_INTS)  # few enough: no op more
 
 
+def test_host_lists_read_ints_and_floats_back_with_their_values(uploading):
+    ids = mx.array([5, 151_935, 0, 7, 9], dtype=mx.uint32)
+    probs = mx.array([0.25, -0.0, 1e-30, float("inf")], dtype=mx.float32)  # * 1 keeps a negative zero's sign
+    kept = mx.zeros((3,))
+    assert probe.host_lists(ids, probs, alongside=(kept,)) == [ids.tolist(), probs.tolist()]
+    assert str(probe.host_lists(probs)[0][1]) == "-0.0"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_chooser_picks_the_same_tokens_with_uploads_on(monkeypatch, temperature):
+    """Sampled draws and the drafts' probabilities (and greedy argmaxes) read back through the pool."""
+    from strata_cli.options import GenerateOptions
+    from strata_cli.sampling import TokenChooser
+
+    logits = mx.random.normal((5, 64), key=mx.random.key(3))
+    inputs = [4, 17, 2, 60, 33]
+
+    def choose():
+        return TokenChooser(GenerateOptions(temperature=temperature, seed=7), prompt_length=2).choose(logits, 6, inputs)
+
+    plain = choose()
+    monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
+    assert choose() == plain
+
+
 def test_off_cuda_the_host_reads_the_array_itself():
     values = mx.arange(8)
     pieces = probe.host_pieces(values)

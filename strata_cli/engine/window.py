@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders.probe import device_ints, host_pieces
+from metal_shaders.probe import device_ints, host_lists
 
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
@@ -196,9 +196,7 @@ class WindowEngine:
             greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
         else:
             logits = logits.astype(mx.float32)
-            pieces = host_pieces(mx.argmax(logits, axis=-1))
-            mx.eval(logits, *pieces)
-            greedy = [token for piece in pieces for token in piece.tolist()]
+            (greedy,) = host_lists(mx.argmax(logits, axis=-1), alongside=(logits,))
         self.warm_rows.add(rows)
         self._open = (pos0, T, mode)
         if mode is Mode.PARTIAL:
