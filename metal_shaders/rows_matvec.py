@@ -360,8 +360,15 @@ assert QUANTIZED.count(_PLAIN_POINTERS) == GATHER_QUANTIZED.count(_GATHER_POINTE
 QUANTIZED_GLU = _glu(QUANTIZED.replace(_PLAIN_POINTERS, _PLAIN_POINTERS + "    auto wq_up = w_up;\n"
                                        "    auto sq_up = scales_up;\n    auto bq_up = biases_up;\n"),
                      _QUANTIZED_GLU_SWAPS)
+# The routed GLU's lane loop unrolls UNROLL iterations at ROWS <= 2 (a template value, the
+# process's: when loads are issued, never the sum). At the 80B shape (K 2,048: two iterations a
+# lane) nvcc gives 2 (all loads first) 128 registers a thread, 4 blocks an SM, and 4 (no
+# unrolling there) 64: twice the warps. ncu at 6958ed6 (H100): this kernel is 507 µs of a T = 8
+# window's 1,864, at 42% of DRAM's peak with 23% of warps active. scripts/lab/glu_unroll.py
+# times each setting; the default stays where it was measured.
+GLU_UNROLL = 2
 GATHER_QUANTIZED_GLU = _glu(GATHER_QUANTIZED.replace(_GATHER_POINTERS, _GATHER_POINTERS + _GATHER_UP_POINTERS),
-                            _QUANTIZED_GLU_SWAPS)
+                            {**_QUANTIZED_GLU_SWAPS, "#pragma unroll (ROWS > 2 ? 1 : 2)": "#pragma unroll (ROWS > 2 ? 1 : UNROLL)"})
 
 # Column-mapped forms: output column j is computed from weight row col_map[j] (for quantized
 # weights its scales' and biases' rows too), so one launch writes a projection's columns in the
@@ -582,7 +589,8 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
     N, per = gate[0].shape[1], M // R
     kernel = _kernel("strata_rows_gather_glu_qmatvec_v2", ["dims", "x", "w", "scales", "biases", "w_up", "scales_up",
                                                            "biases_up", "idx"], GATHER_QUANTIZED_GLU, GLU_HEADER)
-    template = [("T", x.dtype), ("TS", gate[1].dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size)]
+    template = [("T", x.dtype), ("TS", gate[1].dtype), ("TI", experts.dtype), ("BITS", bits), ("GS", group_size),
+                ("UNROLL", GLU_UNROLL)]
     shape = (*x.shape[:-1], N) if per == 1 else (*x.shape[:-1], per, N)
     return _glu_launch(kernel, [dims(M, K, N, per), x, *gate, *up, experts], template, shape, share or 1, N, x.dtype,
                        cols, grid_y=M)

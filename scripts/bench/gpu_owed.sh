@@ -19,7 +19,8 @@
 #   bash scripts/bench/gpu_owed.sh share     # each kernel's share of a T = 1 and a T = 8 window, launched twice in place
 #   bash scripts/bench/gpu_owed.sh ncu       # every kernel of a T = 1 and a T = 8 window timed by Nsight Compute (~4 min)
 #   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min; UPLOAD_ROUNDS=0: ncu only)
-#   bash scripts/bench/gpu_owed.sh routed-loop  # 80B compares, the routed forms' K loop at 4/4/1, 4/1/1, 4/1/1 with the GLU on FMA (~6 min)
+#   bash scripts/bench/gpu_owed.sh routed-loop  # 80B compares, the routed GLU on FMA (the default) against tensor cores at 4/1/1 (~4 min)
+#   bash scripts/bench/gpu_owed.sh glu-unroll   # the routed GLU's FMA lane loop unrolled 2, 4, 1: kernel medians, then compares (~4 min)
 #   bash scripts/bench/gpu_owed.sh attention-warps  # the attention window at 8 and 16 warps a block, 512 and 4,096 cells (~1 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
@@ -240,6 +241,24 @@ routed-loop)
 import runpy
 from scripts.lab import mma_loop
 mma_loop.apply("$setting", "routed")
+runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
+EOF
+        done
+    done
+    ;;
+glu-unroll)
+    # issue 37: the routed GLU's FMA lane loop unrolled 2 (the default; 128 registers) against 4
+    # (64: twice the warps an SM) and 1: kernel medians with a bits check, then short compares
+    # alternating 2 and 4 (ncu at 6958ed6: 507 us of a T = 8 window's 1,864 device us)
+    python -m scripts.lab.glu_unroll --out "$OUT/glu_unroll_${card}_$tree.json" 2>&1 | log glu-unroll
+    for round in 1 2; do
+        for unroll in 2 4; do
+            echo "== round $round GLU_UNROLL $unroll" | log glu-unroll
+            python - --family qwen3_next --layers 8 --bits 4 $short_compare \
+                --out "$OUT/glu_unroll_${round}_${unroll}_$tree.json" <<EOF 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log glu-unroll
+import runpy
+from metal_shaders import rows_matvec
+rows_matvec.GLU_UNROLL = $unroll
 runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
 EOF
         done

@@ -237,7 +237,8 @@ KINDS = {
                       kernels.QUANTIZED_GLU, "using TS = float;"),
     "gather_glu": (["const int32_t* dims", "const float* x", "const uint32_t* w", "const float* scales",
                     "const float* biases", "const uint32_t* w_up", "const float* scales_up", "const float* biases_up",
-                    "const uint32_t* idx"], kernels.GATHER_QUANTIZED_GLU, "using TS = float; using TI = uint32_t;"),
+                    "const uint32_t* idx"], kernels.GATHER_QUANTIZED_GLU,
+                   f"using TS = float; using TI = uint32_t; constexpr int UNROLL = {kernels.GLU_UNROLL};"),
 }
 KINDS.update({f"{plain}_mapped": ([*KINDS[plain][0], "const uint32_t* col_map"], body, KINDS[plain][2])
               for plain, body in (("dense", kernels.DENSE_MAPPED), ("quantized", kernels.QUANTIZED_MAPPED))})
