@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -48,22 +49,8 @@ def bench(settings: list[int], *, rounds: int, repeats: int, inner: int, K: int 
           top_k: int = 10) -> list[dict]:
     """Records of each setting at R = 1 and 8, alternating over `rounds`: ms of the FMA kernel and
     of MLX's calls, whether it kept each row's 1-row bits and the default setting's bits."""
-    keys = mx.random.split(mx.random.key(5), 4)
-    gate, up = (mx.quantize((mx.random.normal((E, N, K), key=keys[i]) * K**-0.5).astype(mx.bfloat16), 64, 4)
-                for i in (0, 1))
-    picks = mx.argsort(mx.random.uniform(shape=(8, E), key=keys[2]), axis=-1)[:, :top_k].astype(mx.uint32)
-    x8 = mx.random.normal((8, K), key=keys[3]).astype(mx.bfloat16)
-    mx.eval(gate, up, picks, x8)
-
-    def ours(x, experts):
-        return rows_matvec.rows_gather_glu_qmatvec(x, gate, up, experts.reshape(-1), group_size=64, bits=4,
-                                                   tensor_cores=False)
-
-    def theirs(x, experts):
-        g, u = (mx.gather_qmm(x[:, None, None, :], *w, rhs_indices=experts, transpose=True, group_size=64, bits=4)
-                for w in (gate, up))
-        return g * mx.sigmoid(g) * u
-
+    case, theirs, x8, picks = mma_loop.routed_glu_case(K, N, E=E, top_k=top_k)
+    ours = partial(case, tensor_cores=False)
     expected = ours(x8, picks)  # the default setting's bits
     mx.eval(expected)
     default, records = rows_matvec.GLU_UNROLL, []

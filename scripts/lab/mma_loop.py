@@ -66,11 +66,11 @@ def apply(setting: str, kind: str | None = None) -> None:
         rows_mma.LOOPS[k] = loop
 
 
-def bench_routed_glu(K: int = 2048, N: int = 512, *, E: int = 512, top_k: int = 10, repeats: int,
-                     inner: int) -> list[dict]:
-    """The routed experts' gate and up joined, as the 80B runs them (rows_gather_glu_qmatvec: a
-    row's top_k picks share its x) at R = 1 and 8: the kernel under the current setting, its FMA
-    form, and MLX's two gather_qmm with the GLU between (mlx-lm's SwitchGLU)."""
+def routed_glu_case(K: int = 2048, N: int = 512, *, E: int = 512, top_k: int = 10):
+    """The 80B's routed gate and up (4-bit, groups of 64), 8 rows of x and each row's top_k picks:
+    (ours, theirs, x8, picks), where ours(x, experts, tensor_cores=True) is rows_gather_glu_qmatvec
+    (a row's picks sharing its x) and theirs(x, experts) MLX's two gather_qmm with the GLU between
+    (mlx-lm's SwitchGLU)."""
     keys = mx.random.split(mx.random.key(5), 4)
     gate, up = (mx.quantize((mx.random.normal((E, N, K), key=keys[i]) * K**-0.5).astype(mx.bfloat16), 64, 4)
                 for i in (0, 1))
@@ -87,6 +87,14 @@ def bench_routed_glu(K: int = 2048, N: int = 512, *, E: int = 512, top_k: int = 
                 for w in (gate, up))
         return g * mx.sigmoid(g) * u
 
+    return ours, theirs, x8, picks
+
+
+def bench_routed_glu(K: int = 2048, N: int = 512, *, E: int = 512, top_k: int = 10, repeats: int,
+                     inner: int) -> list[dict]:
+    """`routed_glu_case` at R = 1 and 8: the kernel under the current setting, its FMA form, and
+    MLX's calls."""
+    ours, theirs, x8, picks = routed_glu_case(K, N, E=E, top_k=top_k)
     alone = [ours(x8[r : r + 1], picks[r : r + 1]) for r in range(8)]
     records = []
     for R in (1, 8):
