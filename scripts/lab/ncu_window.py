@@ -15,8 +15,10 @@ window's wall time holds beyond it is the host and the gaps between launches.
 The report, per T: each kernel (by name, in launch order) with its median duration over the
 windows, grid and block, registers a thread, and with `--detail` (a second ncu run, caches
 flushed before each kernel: the bytes a kernel reads when its inputs are not already in L2, at
-most what it reads in the window) DRAM bytes read, DRAM throughput against peak and active warps
-against peak; by name, the sums; and the change from the first T to the last, largest first.
+most what it reads in the window) DRAM bytes read, DRAM throughput against peak, active warps
+against peak, issue slots, FP32 and integer pipes and the SMs' busiest unit against peak, and
+warps' stalls on memory; by name, the sums (the percentages weighted by each launch's µs); and
+the change from the first T to the last, largest first.
 
     python -m scripts.lab.ncu_window --out ncu_window.json            # GPU with ncu (H100: ncu in /usr/local/cuda/bin)
     python -m scripts.lab.ncu_window --parse report.csv --markers m.json  # read an exported report again
@@ -44,7 +46,21 @@ MARK = "strata_ncu_mark"
 TIME_METRICS = ("gpu__time_duration.sum", "launch__registers_per_thread", "launch__grid_size", "launch__block_size",
                 "launch__occupancy_limit_registers")
 DETAIL_METRICS = ("dram__bytes_read.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-                  "sm__warps_active.avg.pct_of_peak_sustained_active")
+                  "sm__warps_active.avg.pct_of_peak_sustained_active",
+                  # what binds a kernel short of DRAM's peak: issue slots, the FP32 and integer pipes,
+                  # the SMs' busiest unit, warps waiting on memory (issue 37's routed experts)
+                  "smsp__issue_active.avg.pct_of_peak_sustained_active",
+                  "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+                  "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+                  "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+                  "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio")
+# the detail's percentages as `render` shows them, per kernel name (weighted by each launch's µs)
+SHOWN = {"dram": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+         "warps": "sm__warps_active.avg.pct_of_peak_sustained_active",
+         "issue": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+         "fma": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+         "alu": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+         "sm": "sm__throughput.avg.pct_of_peak_sustained_elapsed"}
 # a metric's value in the report's unit, scaled to µs (times) or bytes; ncu 2025 writes "ns",
 # older ones "nsecond". Counts, percentages and the like keep their value.
 UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6,
@@ -152,6 +168,11 @@ def merge_detail(summary: dict, detail: dict) -> None:
         mine.update({k: v for k, v in theirs.items() if k in DETAIL_METRICS})
     for name, entry in summary["by_name"].items():
         entry["dram_bytes"] = detail["by_name"].get(name, {}).get("dram_bytes", 0.0)
+        rows = [k for k in summary["kernels"] if k["kernel"] == name and k.get("gpu__time_duration.sum")]
+        for short, metric in SHOWN.items():
+            weighted = [(k["gpu__time_duration.sum"], k[metric]) for k in rows if metric in k]
+            if weighted:
+                entry[f"{short}_pct"] = sum(t * v for t, v in weighted) / sum(t for t, _ in weighted)
 
 
 def deltas(report: dict) -> list[dict]:
@@ -176,7 +197,9 @@ def render(report: dict) -> str:
                      + (f", window {wall:.3f} ms unprofiled" if wall else ""))
         for name, e in list(s["by_name"].items())[:25]:
             gb = e["dram_bytes"] / 1e9
-            lines.append(f"  {name[:60]:60s} x{e['launches']:3d} {e['us']:9.1f} us" + (f"  {gb:.4f} GB" if gb else ""))
+            pct = " ".join(f"{short} {e[f'{short}_pct']:.0f}%" for short in SHOWN if f"{short}_pct" in e)
+            lines.append(f"  {name[:60]:60s} x{e['launches']:3d} {e['us']:9.1f} us" + (f"  {gb:.4f} GB" if gb else "")
+                         + (f"  {pct}" if pct else ""))
     if len(Ts) > 1:
         lines.append(f"T = {Ts[-1]} less T = {Ts[0]}, by kernel (us):")
         for row in deltas(report)[:15]:
