@@ -85,6 +85,16 @@ def test_each_k_loop_setting_is_row_invariant_and_near_the_reference(emulated, m
     assert mx.array_equal(kernel(x, experts), base).item()
 
 
+@pytest.mark.parametrize("warps", [8, 16])
+def test_more_warps_summing_a_tile_keep_each_row_its_bits(emulated, monkeypatch, warps):
+    """The plain forms' deeper K splits (gpu_owed.sh plain-loop): at the probe's K = 544 (5 steps)
+    16 warps leave 11 without a step, and every row still keeps its 1-row call's bits near the
+    reference."""
+    (case,) = [c for c in rows_mma.probe_cases() if c[0] == "affine"]
+    monkeypatch.setitem(rows_mma.LOOPS, "plain", rows_mma.Loop(warps, warps, 1))
+    assert rows_mma.check_case(*case[1:]) is None
+
+
 def test_the_cpu_never_takes_the_tensor_core_forms():
     if mx.default_device() != mx.cpu:
         pytest.fail("this check is for the CPU test machine")

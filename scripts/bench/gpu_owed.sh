@@ -20,6 +20,7 @@
 #   bash scripts/bench/gpu_owed.sh ncu       # every kernel of a T = 1 and a T = 8 window timed by Nsight Compute (~4 min)
 #   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min; UPLOAD_ROUNDS=0: ncu only)
 #   bash scripts/bench/gpu_owed.sh routed-loop  # 80B compares, the routed GLU on FMA (the default) against tensor cores at 4/1/1 (~4 min)
+#   bash scripts/bench/gpu_owed.sh plain-loop   # the plain tensor-core forms' K loop at 4/4/1, 8/8/1, 16/16/1, 8/8/2, 4/4/4 under ncu (~4 min)
 #   bash scripts/bench/gpu_owed.sh glu-unroll   # the routed GLU's FMA lane loop unrolled 2, 4, 1: kernel medians, then compares (~4 min)
 #   bash scripts/bench/gpu_owed.sh attention-warps  # the attention window at 8 and 16 warps a block, 512 and 4,096 cells (~1 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
@@ -244,6 +245,18 @@ mma_loop.apply("$setting", "routed")
 runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
 EOF
         done
+    done
+    ;;
+plain-loop)
+    # issue 37: the plain tensor-core forms' K loop by the device's own clock: mma-loop's wall-clock
+    # medians of the small shapes are host time (ours ~20 us a call where ncu says 8-9 us), and at
+    # T = 8 the device's time is the window's. A 2,048-column projection is 128 blocks of 4 warps,
+    # each warp 4 steps of loads one after another; 8 and 16 warps a tile, or 4 steps loaded at
+    # once, cut the rounds to 2 or 1. ncu_window under each setting (time only)
+    for setting in ${PLAIN_LOOPS:-4/4/1 8/8/1 16/16/1 8/8/2 4/4/4}; do
+        echo "== plain $setting" | log plain-loop
+        python -m scripts.lab.ncu_window --loop "plain=$setting" --out "$OUT/ncu_plain_${setting//\//}_${card}_$tree.json" \
+            2>&1 | grep -v "==PROF==" | grep -E "^T = |qmatvec|glu_qmatvec" | log plain-loop
     done
     ;;
 glu-unroll)

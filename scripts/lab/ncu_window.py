@@ -40,6 +40,8 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from metal_shaders import rows_mma
+from scripts.lab import mma_loop
 from strata_cli.bench.runner import git_commit
 
 MARK = "strata_ncu_mark"
@@ -319,10 +321,25 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--parse", type=Path, default=None,
                         help="read an exported CSV (with --markers), or a --keep folder, instead of profiling")
     parser.add_argument("--markers", type=Path, default=None, help="with --parse: the child's JSON record")
+    parser.add_argument("--loop", action="append", default=[], metavar="KIND=W/S/U",
+                        help="rows_mma's K loop of a kind of form for this run (plain or routed; "
+                             "scripts/lab/mma_loop.py), e.g. plain=8/8/1; may repeat")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    loops = []
+    for item in args.loop:
+        kind, _, setting = item.partition("=")
+        try:
+            mma_loop.parse(setting)
+        except ValueError as e:
+            parser.error(f"--loop {item!r}: {e}")
+        if kind not in rows_mma.LOOPS:
+            parser.error(f"--loop {item!r}: the kinds are {', '.join(rows_mma.LOOPS)}")
+        loops.append((kind, setting))
     if args.child:
+        for kind, setting in loops:
+            mma_loop.apply(setting, kind)
         child(args)
         return None
     if args.parse and args.parse.is_dir():
@@ -336,11 +353,13 @@ def main(argv=None) -> dict | None:
         child_args = ["--windows", args.windows, "--each", str(args.each), "--repeats", str(args.repeats),
                       "--context", str(args.context), "--layers", str(args.layers), "--seed", str(args.seed),
                       "--dir", str(args.dir)] + (["--model", str(args.model)] if args.model else [])
+        child_args += [f"--loop={kind}={setting}" for kind, setting in loops]
         work = args.keep or Path(tempfile.mkdtemp(prefix="ncu-window-"))
         work.mkdir(parents=True, exist_ok=True)
         time_csv, record = profile_run(ncu, TIME_METRICS, child_args, work, "time")
         detail = profile_run(ncu, DETAIL_METRICS, child_args, work, "detail", "all") if args.detail else (None, None)
         report = build_report(time_csv, record, *detail)
+        report["loops"] = {**{kind: "/".join(map(str, loop)) for kind, loop in rows_mma.LOOPS.items()}, **dict(loops)}
     report["commit"] = git_commit()
     print(render(report), flush=True)
     if args.out:
