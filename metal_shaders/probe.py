@@ -91,14 +91,15 @@ def device_ints(values, *, row: bool = False) -> mx.array:
 
 def host_pieces(values: mx.array) -> list[mx.array]:
     """A GPU op's 1-d output of 4-byte values that the host will read (a window's greedy tokens,
-    a sampler's draws), as copies of at most POOL_INTS values, each in MLX's mapped pool: reading a device buffer moves it to managed
-    memory the host then touched, and once freed MLX hands it to a later GPU op's output of its
-    size, which waits for a page fault (ncu on the H100 at 1c3c6e6: the next T = 8 window's ids,
-    80-95 us against 3.6). Elsewhere, or for at most POOL_INTS values: `[values]`."""
+    a sampler's draws), as copies of at most POOL_INTS values, each in MLX's mapped pool: reading
+    a device buffer moves it to managed memory the host then touched, and once freed MLX hands it
+    to a later GPU op's output of its size, which waits for a page fault (ncu on the H100 at
+    1c3c6e6: the next T = 8 window's ids, 80-95 us against 3.6). Elsewhere, or for at most
+    POOL_INTS values: `[values]`."""
     n = values.shape[0]
     if n <= POOL_INTS or not uploads():
         return [values]
-    return [values[i:i + POOL_INTS] * 1 for i in range(0, n, POOL_INTS)]  # * 1: a copy (a view would share the buffer)
+    return [values[i:i + POOL_INTS] * 1 for i in range(0, n, POOL_INTS)]  # * 1: a copy; a view shares the buffer
 
 
 def host_lists(*arrays: mx.array, alongside: tuple = ()) -> list[list]:

@@ -368,7 +368,8 @@ QUANTIZED_GLU = _glu(QUANTIZED.replace(_PLAIN_POINTERS, _PLAIN_POINTERS + "    a
 # times each setting; the default stays where it was measured.
 GLU_UNROLL = 2
 GATHER_QUANTIZED_GLU = _glu(GATHER_QUANTIZED.replace(_GATHER_POINTERS, _GATHER_POINTERS + _GATHER_UP_POINTERS),
-                            {**_QUANTIZED_GLU_SWAPS, "#pragma unroll (ROWS > 2 ? 1 : 2)": "#pragma unroll (ROWS > 2 ? 1 : UNROLL)"})
+                            {**_QUANTIZED_GLU_SWAPS,
+                             "#pragma unroll (ROWS > 2 ? 1 : 2)": "#pragma unroll (ROWS > 2 ? 1 : UNROLL)"})
 
 # Column-mapped forms: output column j is computed from weight row col_map[j] (for quantized
 # weights its scales' and biases' rows too), so one launch writes a projection's columns in the

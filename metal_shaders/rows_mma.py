@@ -38,7 +38,7 @@ from . import backends, probe
 from .columns import ColumnLayout, joined, probe_layout, segment_index
 from .probe import Probe, dims, gpu_kernel
 
-ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, or a suspect GPU); 1: every form; a list: those
+ENV = "STRATA_TENSOR_CORES"  # 0: the FMA forms everywhere (a comparison, a suspect GPU); 1: every form; a list
 # rows_matvec's calls these kernels can take: plain dense and affine matrices, routed experts, their
 # GLU join, the GLU of one affine pair (shared experts, MLPs), column-mapped projections
 FORMS = ("dense", "affine", "routed", "glu", "plain-glu", "mapped")

@@ -90,7 +90,8 @@ def test_glu_calls_launch_half_the_columns_a_warp_with_two_accumulators_each(mon
             body is not kernels.GATHER_QUANTIZED_GLU)  # 3 rows: the 4-row compile; picks: one a block
         assert kw["grid"][0] == blocks * kernels.WARPS * 32
         # the routed GLU's lane loop unrolls by the process's GLU_UNROLL (scripts/lab/glu_unroll.py)
-        assert dict(kw["template"]).get("UNROLL") == (kernels.GLU_UNROLL if body is kernels.GATHER_QUANTIZED_GLU else None)
+        routed = body is kernels.GATHER_QUANTIZED_GLU
+        assert dict(kw["template"]).get("UNROLL") == (kernels.GLU_UNROLL if routed else None)
     assert "#pragma unroll (ROWS > 2 ? 1 : UNROLL)" in kernels.GATHER_QUANTIZED_GLU
     assert calls[2][4]["grid"][1] == 6 and calls[2][4]["inputs"][0].tolist() == [6, K, N, 2]
     assert calls[1][1] == ["dims", "x", "w", "scales", "biases", "w_up", "scales_up", "biases_up"]

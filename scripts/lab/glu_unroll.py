@@ -40,8 +40,9 @@ def ptxas(settings: list[int], workdir: Path) -> list[dict]:
         if run.returncode or not found:
             raise SystemExit(f"glu_unroll: UNROLL {unroll} does not compile:\n{run.stderr[-2000:]}")
         rows.append({"unroll": unroll, **found, **mma_loop.occupancy(found["registers"], rows_matvec.WARPS * 32)})
-        print(f"UNROLL {unroll}: {found['registers']} registers, spills {found['spill_stores']}/{found['spill_loads']} B, "
-              f"{rows[-1]['blocks_per_sm']} blocks / {rows[-1]['warps_per_sm']} warps an SM", flush=True)
+        print(f"UNROLL {unroll}: {found['registers']} registers, spills {found['spill_stores']}/"
+              f"{found['spill_loads']} B, {rows[-1]['blocks_per_sm']} blocks / {rows[-1]['warps_per_sm']} warps an SM",
+              flush=True)
     return rows
 
 
