@@ -357,8 +357,16 @@ def main(argv=None) -> dict | None:
         work = args.keep or Path(tempfile.mkdtemp(prefix="ncu-window-"))
         work.mkdir(parents=True, exist_ok=True)
         time_csv, record = profile_run(ncu, TIME_METRICS, child_args, work, "time")
-        detail = profile_run(ncu, DETAIL_METRICS, child_args, work, "detail", "all") if args.detail else (None, None)
+        detail, detail_error = (None, None), None
+        if args.detail:
+            try:  # a metric this ncu lacks costs the detail, never the times
+                detail = profile_run(ncu, DETAIL_METRICS, child_args, work, "detail", "all")
+            except SystemExit as e:
+                detail_error = str(e)
+                print(f"ncu_window: no detail: {detail_error}", file=sys.stderr, flush=True)
         report = build_report(time_csv, record, *detail)
+        if detail_error:
+            report["detail_error"] = detail_error
         report["loops"] = {**{kind: "/".join(map(str, loop)) for kind, loop in rows_mma.LOOPS.items()}, **dict(loops)}
     report["commit"] = git_commit()
     print(render(report), flush=True)
