@@ -148,3 +148,29 @@ def test_a_window_gives_the_same_logits_with_its_ids_uploaded(tiny_model, monkey
     monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
     uploaded_logits, uploaded_tokens = run()
     assert uploaded_tokens == plain_tokens and np.array_equal(uploaded_logits, plain_logits)
+
+
+def test_sampled_speculation_draws_the_same_tokens_with_uploads_on(monkeypatch):
+    """A seeded sampled run with drafts (the window's ids, the draws and the drafts' probabilities
+    through the pool) gives the tokens it gives with plain arrays."""
+    from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
+    from strata_cli.decode import DecodeStats, generate
+    from strata_cli.options import GenerateOptions, SpecOptions
+
+    model = random_model(tiny_qwen3_next_config(vocab_size=16), seed=0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6]
+    options = GenerateOptions(max_tokens=24, temperature=0.3, top_p=0.95, seed=1)
+
+    def run():
+        stats = DecodeStats()
+        tokens = [t for s in generate(WindowEngine(model, EngineOptions()), prompt, options=options,
+                                      spec=SpecOptions(max_drafts=3, min_match=3), eos_ids=(), stats=stats)
+                  for t in s.tokens]
+        return tokens, stats.summary()["drafts_offered"]
+
+    plain, offered = run()
+    monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
+    for cache in ("_dims_cache", "_constants", "_step_dims"):
+        monkeypatch.setattr(probe, cache, {})
+    assert run() == (plain, offered) and offered > 0
+
