@@ -11,13 +11,17 @@ from strata_cli.engine.window import WindowEngine
 from strata_cli.options import EngineOptions
 
 
-@pytest.fixture
-def uploading(monkeypatch):
+def turn_uploads_on(monkeypatch):
     """The CUDA path on this machine's CPU: pieces joined by concatenate, dims copied by an op."""
     monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
     monkeypatch.setattr(probe, "_dims_cache", {})
     monkeypatch.setattr(probe, "_constants", {})
     monkeypatch.setattr(probe, "_step_dims", {})
+
+
+@pytest.fixture
+def uploading(monkeypatch):
+    turn_uploads_on(monkeypatch)
 
 
 def test_uploads_are_asked_for_by_the_environment(monkeypatch):
@@ -87,7 +91,7 @@ def test_a_chooser_picks_the_same_tokens_with_uploads_on(monkeypatch, temperatur
         return TokenChooser(GenerateOptions(temperature=temperature, seed=7), prompt_length=2).choose(logits, 6, inputs)
 
     plain = choose()
-    monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
+    turn_uploads_on(monkeypatch)
     assert choose() == plain
 
 
@@ -145,7 +149,7 @@ def test_a_window_gives_the_same_logits_with_its_ids_uploaded(tiny_model, monkey
         return np.array(out.logits), out.tokens
 
     plain_logits, plain_tokens = run()
-    monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
+    turn_uploads_on(monkeypatch)
     uploaded_logits, uploaded_tokens = run()
     assert uploaded_tokens == plain_tokens and np.array_equal(uploaded_logits, plain_logits)
 
@@ -169,8 +173,6 @@ def test_sampled_speculation_draws_the_same_tokens_with_uploads_on(monkeypatch):
         return tokens, stats.summary()["drafts_offered"]
 
     plain, offered = run()
-    monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
-    for cache in ("_dims_cache", "_constants", "_step_dims"):
-        monkeypatch.setattr(probe, cache, {})
+    turn_uploads_on(monkeypatch)
     assert run() == (plain, offered) and offered > 0
 

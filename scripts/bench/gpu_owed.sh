@@ -51,6 +51,16 @@ card=${card:-gpu}
 log() { tee -a "$OUT/$1.log"; }
 # the tensor-core stages' short compares: bfloat16 identity, no prefill, the window rounds alternating
 short_compare="--repeats 2 --window-repeats 6 --window-rounds 3 --identity-tokens 16 --identity-dtypes bfloat16 --prefill-repeats 0 --no-demo-selftest"
+# a short 80B compare after a line of Python that sets a study's value in the process (its figures
+# to $OUT/$2, their lines to stage $3's log): compare_after SETUP OUT_NAME STAGE
+compare_after() {
+    python - --family qwen3_next --layers 8 --bits 4 $short_compare --out "$OUT/$2" <<EOF 2>&1 \
+        | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log "$3"
+import runpy
+$1
+runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
+EOF
+}
 
 case "${1:-}" in
 background)
@@ -237,13 +247,8 @@ routed-loop)
             setting=${variant%%:*}
             forms=1; [ "$variant" = "${variant%:fma-glu}" ] || forms=
             echo "== round $round routed $variant" | log routed-loop
-            STRATA_TENSOR_CORES=$forms python - --family qwen3_next --layers 8 --bits 4 $short_compare \
-                --out "$OUT/routed_${round}_${variant//[\/:]/}_$tree.json" <<EOF 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log routed-loop
-import runpy
-from scripts.lab import mma_loop
-mma_loop.apply("$setting", "routed")
-runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
-EOF
+            STRATA_TENSOR_CORES=$forms compare_after "from scripts.lab import mma_loop; mma_loop.apply('$setting', 'routed')" \
+                "routed_${round}_${variant//[\/:]/}_$tree.json" routed-loop
         done
     done
     ;;
@@ -267,13 +272,8 @@ glu-unroll)
     for round in 1 2; do
         for unroll in 2 4; do
             echo "== round $round GLU_UNROLL $unroll" | log glu-unroll
-            python - --family qwen3_next --layers 8 --bits 4 $short_compare \
-                --out "$OUT/glu_unroll_${round}_${unroll}_$tree.json" <<EOF 2>&1 | grep -E "serial decode|T=1:|T=8:|T8/T1|identity" | log glu-unroll
-import runpy
-from metal_shaders import rows_matvec
-rows_matvec.GLU_UNROLL = $unroll
-runpy.run_module("scripts.bench.compare_mlx_lm", run_name="__main__")
-EOF
+            compare_after "from metal_shaders import rows_matvec; rows_matvec.GLU_UNROLL = $unroll" \
+                "glu_unroll_${round}_${unroll}_$tree.json" glu-unroll
         done
     done
     ;;
