@@ -13,12 +13,13 @@ duration is its own device time, and the sum over a window is the device's busy 
 window's wall time holds beyond it is the host and the gaps between launches.
 
 The report, per T: each kernel (by name, in launch order) with its median duration over the
-windows, grid and block, registers a thread, and with `--detail` (a second ncu run, caches
-flushed before each kernel: the bytes a kernel reads when its inputs are not already in L2, at
-most what it reads in the window) DRAM bytes read, DRAM throughput against peak, active warps
-against peak, issue slots, FP32 and integer pipes and the SMs' busiest unit against peak, and
-warps' stalls on memory; by name, the sums (the percentages weighted by each launch's µs); and
-the change from the first T to the last, largest first.
+windows, grid and block, registers a thread, and with `--detail` (a second ncu run of strata's
+own kernels in one window of each T, caches flushed before each kernel: the bytes a kernel reads
+when its inputs are not already in L2, at most what it reads in the window) DRAM bytes read,
+DRAM throughput against peak, active warps against peak, issue slots, FP32 and integer pipes and
+the SMs' busiest unit against peak, and warps' stalls on memory; by name, the sums (the
+percentages weighted by each launch's µs); and the change from the first T to the last, largest
+first.
 
     python -m scripts.lab.ncu_window --out ncu_window.json            # GPU with ncu (H100: ncu in /usr/local/cuda/bin)
     python -m scripts.lab.ncu_window --parse report.csv --markers m.json  # read an exported report again
@@ -56,6 +57,10 @@ DETAIL_METRICS = ("dram__bytes_read.sum", "dram__throughput.avg.pct_of_peak_sust
                   "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
                   "sm__throughput.avg.pct_of_peak_sustained_elapsed",
                   "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio")
+# The kernels the detail profiles (ncu's --kernel-name; the markers' name matches): each launch
+# takes several passes with the caches flushed, and every launch of three windows a T (797) took
+# over 14 minutes on the H100 at 22ead51; strata's own kernels in one window a T are 210 of them.
+DETAIL_KERNELS = "regex:strata_"
 # the detail's percentages as `render` shows them, per kernel name (weighted by each launch's µs)
 SHOWN = {"dram": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
          "warps": "sm__warps_active.avg.pct_of_peak_sustained_active",
@@ -161,13 +166,21 @@ def summarize(windows: list[list[dict]]) -> dict:
 
 
 def merge_detail(summary: dict, detail: dict) -> None:
-    """The detail run's metrics joined to the timing run's kernels, position by position, where
-    both launched the same sequence."""
-    if [k["kernel"] for k in summary["kernels"]] != [k["kernel"] for k in detail["kernels"]]:
+    """The detail run's metrics joined to the timing run's kernels: a name's i-th launch in the
+    detail to its i-th in the timing run (the detail profiles only DETAIL_KERNELS), where every
+    name the detail holds was launched as often in both."""
+    mine: dict[str, list[dict]] = defaultdict(list)
+    theirs: dict[str, list[dict]] = defaultdict(list)
+    for k in summary["kernels"]:
+        mine[k["kernel"]].append(k)
+    for k in detail["kernels"]:
+        theirs[k["kernel"]].append(k)
+    if any(len(mine.get(name, [])) != len(rows) for name, rows in theirs.items()):
         summary["detail_mismatch"] = True
         return
-    for mine, theirs in zip(summary["kernels"], detail["kernels"]):
-        mine.update({k: v for k, v in theirs.items() if k in DETAIL_METRICS})
+    for name, rows in theirs.items():
+        for kernel, measured in zip(mine[name], rows):
+            kernel.update({k: v for k, v in measured.items() if k in DETAIL_METRICS})
     for name, entry in summary["by_name"].items():
         entry["dram_bytes"] = detail["by_name"].get(name, {}).get("dram_bytes", 0.0)
         rows = [k for k in summary["kernels"] if k["kernel"] == name and k.get("gpu__time_duration.sum")]
@@ -264,12 +277,14 @@ def ncu_path() -> str:
 
 
 def profile_run(ncu: str, metrics: tuple[str, ...], child_args: list[str], work: Path, tag: str,
-                cache: str = "none") -> tuple[str, dict]:
+                cache: str = "none", kernels: str | None = None) -> tuple[str, dict]:
     """One ncu run of the child: the exported CSV and the child's own record. `cache`: ncu's
     --cache-control (`all` flushes the caches before each pass, so a metric needing several
-    passes never reads what the pass before it left in L2)."""
+    passes never reads what the pass before it left in L2); `kernels`: ncu's --kernel-name, the
+    kernels it profiles (every one when None)."""
     report, record = work / f"{tag}", work / f"{tag}.json"
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", cache,
+           *(["--kernel-name", kernels] if kernels else []),
            "--metrics", ",".join(metrics), "-f", "-o", str(report),
            sys.executable, "-m", "scripts.lab.ncu_window", "--child", str(record), *child_args]
     print("$ " + " ".join(cmd), flush=True)
@@ -316,7 +331,8 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=None, help="a checkpoint (default: step_profile's 80B-A3B shape)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-step-profile")
-    parser.add_argument("--detail", action="store_true", help="a second ncu run for DRAM bytes, throughput and warps")
+    parser.add_argument("--detail", action="store_true",
+                        help="a second ncu run for DRAM bytes, throughput and warps (strata's kernels, one window a T)")
     parser.add_argument("--keep", type=Path, default=None, help="keep ncu's reports and CSVs in this folder")
     parser.add_argument("--parse", type=Path, default=None,
                         help="read an exported CSV (with --markers), or a --keep folder, instead of profiling")
@@ -350,17 +366,18 @@ def main(argv=None) -> dict | None:
         report = build_report(args.parse.read_text(), json.loads(args.markers.read_text()))
     else:
         ncu = ncu_path()
-        child_args = ["--windows", args.windows, "--each", str(args.each), "--repeats", str(args.repeats),
-                      "--context", str(args.context), "--layers", str(args.layers), "--seed", str(args.seed),
-                      "--dir", str(args.dir)] + (["--model", str(args.model)] if args.model else [])
-        child_args += [f"--loop={kind}={setting}" for kind, setting in loops]
+        def child_args(each: int) -> list[str]:
+            return (["--windows", args.windows, "--each", str(each), "--repeats", str(args.repeats),
+                     "--context", str(args.context), "--layers", str(args.layers), "--seed", str(args.seed),
+                     "--dir", str(args.dir)] + (["--model", str(args.model)] if args.model else [])
+                    + [f"--loop={kind}={setting}" for kind, setting in loops])
         work = args.keep or Path(tempfile.mkdtemp(prefix="ncu-window-"))
         work.mkdir(parents=True, exist_ok=True)
-        time_csv, record = profile_run(ncu, TIME_METRICS, child_args, work, "time")
+        time_csv, record = profile_run(ncu, TIME_METRICS, child_args(args.each), work, "time")
         detail, detail_error = (None, None), None
         if args.detail:
-            try:  # a metric this ncu lacks costs the detail, never the times
-                detail = profile_run(ncu, DETAIL_METRICS, child_args, work, "detail", "all")
+            try:  # a metric this ncu lacks costs the detail, never the times; one window of each T
+                detail = profile_run(ncu, DETAIL_METRICS, child_args(1), work, "detail", "all", DETAIL_KERNELS)
             except SystemExit as e:
                 detail_error = str(e)
                 print(f"ncu_window: no detail: {detail_error}", file=sys.stderr, flush=True)

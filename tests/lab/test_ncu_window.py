@@ -87,6 +87,25 @@ def test_a_keep_folder_is_read_again_detail_and_all(tmp_path, capsys):
         nw.main(["--parse", str(tmp_path)])
 
 
+def test_a_detail_of_some_kernels_joins_each_name_launch_by_launch():
+    """The detail profiles strata's kernels only (DETAIL_KERNELS): a name's i-th launch takes the
+    detail's i-th of that name, names it left out keep their times alone, and a name launched a
+    different number of times in the two runs marks the T's detail as mismatched."""
+    bytes_ = {"dram__bytes_read.sum": ("byte", "0")}
+    text, order = windows_csv({1: [[("strata_a", 10.0), ("mlx_copy", 2.0), ("strata_a", 11.0)]]})
+    found = nw.windows_of(nw.launches(text), order)
+    summary = nw.summarize(found[1])
+    detail = report([(nw.MARK, bytes_), ("strata_a", {"dram__bytes_read.sum": ("byte", "5")}),
+                     ("strata_a", {"dram__bytes_read.sum": ("byte", "7")})])
+    nw.merge_detail(summary, nw.summarize(nw.windows_of(nw.launches(detail), order)[1]))
+    assert [k.get("dram__bytes_read.sum") for k in summary["kernels"]] == [5.0, None, 7.0]
+    assert summary["by_name"]["strata_a"]["dram_bytes"] == 12.0 and summary["by_name"]["mlx_copy"]["dram_bytes"] == 0
+    assert "detail_mismatch" not in summary
+    once = report([(nw.MARK, bytes_), ("strata_a", {"dram__bytes_read.sum": ("byte", "5")})])
+    nw.merge_detail(summary, nw.summarize(nw.windows_of(nw.launches(once), order)[1]))
+    assert summary["detail_mismatch"] is True
+
+
 def test_windows_medians_sums_and_deltas():
     text, order = windows_csv({
         1: [[("gemv", 10.0), ("down", 20.0)], [("gemv", 12.0), ("down", 22.0)], [("gemv", 11.0), ("down", 90.0)]],
