@@ -363,10 +363,10 @@ QUANTIZED_GLU = _glu(QUANTIZED.replace(_PLAIN_POINTERS, _PLAIN_POINTERS + "    a
 # The routed GLU's lane loop unrolls UNROLL iterations at ROWS <= 2 (a template value, the
 # process's: when loads are issued, never the sum). At the 80B shape (K 2,048: two iterations a
 # lane) nvcc gives 2 (all loads first) 128 registers a thread, 4 blocks an SM, and 4 (no
-# unrolling there) 64: twice the warps. ncu at 6958ed6 (H100): this kernel is 507 µs of a T = 8
-# window's 1,864, at 42% of DRAM's peak with 23% of warps active. scripts/lab/glu_unroll.py
-# times each setting; the default stays where it was measured.
-GLU_UNROLL = 2
+# unrolling there) 64: twice the warps. scripts/lab/glu_unroll.py on the H100 at 22ead51, the
+# 80B shape's 10 picks a row, medians of 3 rounds: 4 0.029 / 0.093 ms at 1 / 8 rows against 2's
+# 0.036 / 0.105 and 1's 0.038 / 0.106, faster in every round, every setting the same bits.
+GLU_UNROLL = 4
 GATHER_QUANTIZED_GLU = _glu(GATHER_QUANTIZED.replace(_GATHER_POINTERS, _GATHER_POINTERS + _GATHER_UP_POINTERS),
                             {**_QUANTIZED_GLU_SWAPS,
                              "#pragma unroll (ROWS > 2 ? 1 : 2)": "#pragma unroll (ROWS > 2 ? 1 : UNROLL)"})

@@ -63,8 +63,10 @@ class Loop(NamedTuple):
 # The K loop of each kind of form, the process's (never the window's). Routed experts: each warp
 # its own tile over all of K (mma_loop on the H100 at ba1cd33, 8 and 1 rows: the routed down
 # projection 0.054 and 0.025 ms against 4/4/1's 0.072 and 0.032; docs/benchmarks.md). The plain
-# forms keep 4/4/1, which 4/1/1 did not beat there (o_proj 0.021 against 0.020 at one row).
-LOOPS = {"plain": Loop(4, 4, 1), "routed": Loop(4, 1, 1)}
+# forms: one tile a block of 8 warps, each a stream of K (ncu on the H100 at 22ead51, the 80B
+# shape's plain projections and shared GLU over 8 layers: 8/8/1 358 / 380 µs at T = 1 / T = 8
+# against 4/4/1's 403 / 422, the column-mapped ones alike; 16/16/1, 8/8/2 and 4/4/4 slower).
+LOOPS = {"plain": Loop(8, 8, 1), "routed": Loop(4, 1, 1)}
 PLAIN_COLS = 16  # output columns a tile: the MMA's 16 rows
 GLU_COLS = 8  # GLU forms: A rows 0-7 gate columns, 8-15 the same columns of up
 

@@ -164,10 +164,12 @@ def test_rows_matvec_sends_bfloat16_windows_to_tensor_cores_unless_told(monkeypa
     assert fma[1:] == ["strata_rows_qmatvec_mapped_v3", "strata_rows_matvec_mapped_v3"]
 
 
-def test_launch_shapes():
-    """Plain forms: 16 output columns a block (8 for the GLU join), its 4 warps splitting K.
+def test_launch_shapes(monkeypatch):
+    """Plain forms: 16 output columns a block (8 for the GLU join), its warps splitting K.
     Routed experts: each of a block's 4 warps sums its own tile over all of K, so a block holds 4
     tiles; picks on the grid's second axis unless `picks_x`."""
+    assert rows_mma._grid(151936, rows_mma.PLAIN_COLS) == ((9496 * 256, 1, 1), (256, 1, 1))  # the default 8/8/1
+    monkeypatch.setitem(rows_mma.LOOPS, "plain", rows_mma.Loop(4, 4, 1))
     assert rows_mma._grid(151936, rows_mma.PLAIN_COLS) == ((9496 * 128, 1, 1), (128, 1, 1))
     assert rows_mma._grid(512, rows_mma.GLU_COLS) == ((64 * 128, 1, 1), (128, 1, 1))
     assert rows_mma._grid(2048, rows_mma.PLAIN_COLS, 80, kind="routed") == ((32 * 128, 80, 1), (128, 1, 1))
@@ -192,7 +194,7 @@ def test_routed_calls_run_the_routed_loop(monkeypatch):
         kernel(x, experts)
     routed = {n for n in seen if "gather" in n}
     assert len(routed) == 3 and all(seen[n][0] == (4, 1, 2) for n in routed)
-    assert len(seen) > 3 and all(seen[n][0] == (4, 4, 1) for n in set(seen) - routed)
+    assert len(seen) > 3 and all(seen[n][0] == tuple(rows_mma.LOOPS["plain"]) for n in set(seen) - routed)
     assert seen["strata_mma_gather_qmatvec_v2"][1][0] == -(-200 // 64) * 128  # N = 200: 4 tiles of 16 a block
     monkeypatch.setitem(rows_mma.LOOPS, "routed", rows_mma.Loop(4, 2, 1))
     with pytest.raises(ValueError, match="split is 1 or its warps"):
@@ -203,7 +205,7 @@ def test_a_k_loop_setting_is_read_and_set_as_written(monkeypatch):
     from scripts.lab import mma_loop
     monkeypatch.setattr(rows_mma, "LOOPS", dict(rows_mma.LOOPS))
     mma_loop.apply("8/1/2", "routed")
-    assert rows_mma.LOOPS == {"plain": (4, 4, 1), "routed": (8, 1, 2)}
+    assert rows_mma.LOOPS == {"plain": (8, 8, 1), "routed": (8, 1, 2)}
     mma_loop.apply("2/2/4")
     assert rows_mma.LOOPS == {"plain": (2, 2, 4), "routed": (2, 2, 4)}
     for bad in ("4/2/1", "4/4", "4/4/0", "a/4/1"):
