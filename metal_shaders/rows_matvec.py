@@ -187,7 +187,8 @@ _QUANTIZED_BODY = _HEAD + """
             for (int c = 0; c < COLS; ++c) {
                 const unsigned int bits = word == 0 ? q[c].x : word == 1 ? q[c].y : word == 2 ? q[c].z : q[c].w;
                 #pragma unroll
-                for (int j = 0; j < VALS; ++j) wv[c][j] = fmaf(s[c], strata_u2f((bits >> (BITS * j)) & MASK), b[c]);
+                for (int j = 0; j < VALS; ++j)  // each 16-bit half's fields in place (one shift a word)
+                    wv[c][j] = fmaf(s[c], strata_field(2 * j < VALS ? bits : bits >> 16, BITS * (j % (VALS / 2)), MASK), b[c]);
             }
             #pragma unroll
             for (int r = 0; r < ROWS; ++r) {

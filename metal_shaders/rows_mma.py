@@ -132,10 +132,13 @@ struct strata_affine_chunk {
         }
     }
     __device__ __forceinline__ unsigned pair(int i) const {
+        return strata_bf16x2(fmaf(scale, value(2 * i), bias), fmaf(scale, value(2 * i + 1), bias));
+    }
+    // value j of the chunk, exact: each 16-bit half's fields read in place (strata_field)
+    __device__ __forceinline__ float value(int j) const {
         constexpr unsigned MASK = (1u << BITS) - 1u;
-        const unsigned lo = (q[(2 * i) / VALS] >> (BITS * ((2 * i) % VALS))) & MASK;
-        const unsigned hi = (q[(2 * i + 1) / VALS] >> (BITS * ((2 * i + 1) % VALS))) & MASK;
-        return strata_bf16x2(fmaf(scale, strata_u2f(lo), bias), fmaf(scale, strata_u2f(hi), bias));
+        const unsigned word = q[j / VALS], p = j % VALS;
+        return strata_field(2 * p < VALS ? word : word >> 16, BITS * (p % (VALS / 2)), MASK);
     }
 };
 // an e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as a float, exact

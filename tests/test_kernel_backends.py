@@ -7,6 +7,7 @@ scripts/lab/kernel_emulate.py (g++, with a shim for that backend's names): a T-r
 """
 
 import logging
+import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -334,3 +335,25 @@ def test_the_tail_check_fails_a_tail_that_keeps_the_wrong_half(emulate, tmp_path
     assert body.count(keep) == 20  # five steps in each of four row counts
     wrong.kinds = {**emulate.KINDS, "dense": (params, body.replace(keep, keep.replace("!=", "==")), extra)}
     assert not emulate.check_tail(wrong, emu, "dense", rows=(1,))
+
+
+@pytest.mark.parametrize("backend", backends.BACKENDS)
+def test_a_field_read_in_place_is_the_shifted_field(emulate, tmp_path, backend):
+    """strata_field(v, shift, mask) is strata_u2f((v >> shift) & mask), the same float, for every
+    16-bit half and each 4- and 8-bit field of it (the quantized bodies' reads; the result
+    depends on the field's bits alone)."""
+    body = """    int bad = 0;
+    for (unsigned int v = 0; v < 65536u; ++v)
+        for (int bits = 4; bits <= 8; bits += 4)
+            for (int p = 0; p < 16 / bits; ++p) {
+                const unsigned int mask = (1u << bits) - 1u;
+                bad += strata_field(v, bits * p, mask) != strata_u2f((v >> (bits * p)) & mask);
+            }
+    out[0] = static_cast<float>(bad);
+"""
+    source = emulate.program(emulate.SHIM_BLOCK, backend, "", ["float* out"], "", body)
+    source += "int main() { float bad = -1.0f; kernel(&bad); return bad == 0.0f ? 0 : 1; }\n"
+    path = tmp_path / f"field_{backend}"
+    emulate.compile_program(path, source)
+    assert subprocess.run([str(path)]).returncode == 0
+

@@ -29,18 +29,20 @@ SETTINGS = "2,4,1"
 
 def ptxas(settings: list[int], workdir: Path) -> list[dict]:
     """The bfloat16 body at ROWS = 1 (one pick a block, as the 80B runs it) under each setting,
-    compiled for sm_90: registers, spills, occupancy."""
+    compiled for sm_90: registers, machine instructions, spills, occupancy."""
     name, header, params, consts, body = next(w for w in kernel_emulate.cuda_wrappers() if w[0] == "gather_glu_r1_bf16")
     default = f"constexpr int UNROLL = {rows_matvec.GLU_UNROLL};"
     assert consts.count(default) == 1
     rows = []
     for unroll in settings:
         run, found = kernel_emulate.nvcc_compile(workdir / f"{name}_u{unroll}.cu", header, params,
-                                                 consts.replace(default, f"constexpr int UNROLL = {unroll};"), body)
+                                                 consts.replace(default, f"constexpr int UNROLL = {unroll};"), body,
+                                                 count=True)
         if run.returncode or not found:
             raise SystemExit(f"glu_unroll: UNROLL {unroll} does not compile:\n{run.stderr[-2000:]}")
         rows.append({"unroll": unroll, **found, **mma_loop.occupancy(found["registers"], rows_matvec.WARPS * 32)})
-        print(f"UNROLL {unroll}: {found['registers']} registers, spills {found['spill_stores']}/"
+        print(f"UNROLL {unroll}: {found['registers']} registers, {found['instructions']} instructions, "
+              f"spills {found['spill_stores']}/"
               f"{found['spill_loads']} B, {rows[-1]['blocks_per_sm']} blocks / {rows[-1]['warps_per_sm']} warps an SM",
               flush=True)
     return rows

@@ -83,6 +83,7 @@ import atexit
 import hashlib
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -1708,11 +1709,28 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
     return kernels_out
 
 
-def nvcc_compile(path: Path, header: str, params: list[str], consts: str,
-                 body: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+def sass_instructions(cubin: Path) -> int:
+    """The machine instructions of the one kernel in an sm_90 cubin, as placed (its .text
+    section's bytes / 16: every loop unrolled and every branch counted once, none repeated)."""
+    data = cubin.read_bytes()
+    if data[:5] != b"\x7fELF\x02":
+        raise ValueError(f"{cubin} is not a 64-bit ELF cubin")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    size, count, names = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * size) for i in range(count)]
+    table = sections[names][4]
+    texts = [sec[5] for sec in sections if data[table + sec[0]:].startswith(b".text.")]
+    if len(texts) != 1:
+        raise ValueError(f"{cubin} holds {len(texts)} kernels' code, not one")
+    return texts[0] // 16
+
+
+def nvcc_compile(path: Path, header: str, params: list[str], consts: str, body: str, *,
+                 count: bool = False) -> tuple[subprocess.CompletedProcess, dict | None]:
     """A kernel `body` as the CUDA backend wraps it (its header, `params`, the template values
     as `consts`), written to `path` (.cu) and compiled for sm_90 by nvcc: the run, and ptxas's
-    registers, stack and spill bytes a thread (None where it printed none)."""
+    registers, stack and spill bytes a thread (None where it printed none); `count`: its machine
+    instructions too (`sass_instructions`, a second compile to a cubin)."""
     path.write_text("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n"
                     + backends.header(backends.CUDA, header)
                     + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
@@ -1724,8 +1742,13 @@ def nvcc_compile(path: Path, header: str, params: list[str], consts: str,
     stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
     if not (registers and stack):
         return run, None
-    return run, {"registers": int(registers[-1]), "stack": int(stack[-1][0]), "spill_stores": int(stack[-1][1]),
-                 "spill_loads": int(stack[-1][2])}
+    found = {"registers": int(registers[-1]), "stack": int(stack[-1][0]), "spill_stores": int(stack[-1][1]),
+             "spill_loads": int(stack[-1][2])}
+    if count:
+        cubin = path.with_suffix(".cubin")
+        subprocess.run(["nvcc", "-arch=sm_90", "-cubin", str(path), "-o", str(cubin)], capture_output=True, check=True)
+        found["instructions"] = sass_instructions(cubin)
+    return run, found
 
 
 def nvcc_check(workdir: Path, *, butterfly: bool = False) -> bool:
