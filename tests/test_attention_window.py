@@ -111,6 +111,54 @@ def test_the_emulator_notices_a_row_count_dependent_body(emulate, tmp_path):
     assert not emulate.check_attention(drifting, 1, 2, 1, 32, 7, rows=(2,))
 
 
+@pytest.mark.parametrize("B, D, cells, rows", [(2, 32, 62, (1, 4, 8)), (1, 64, 300, (1, 8))])
+def test_splits_keep_each_row_its_bits_across_the_threshold(emulate, monkeypatch, tmp_path, B, D, cells, rows):
+    """Views past SPLIT_CELLS (64 here) attend in splits and their combine. At 62 cells a window's
+    rows see 62-69: its 8-row call takes the splits, while serial decoding's 1-row calls of rows
+    0-2 take the single kernel, and every row keeps the bits of its 1-row call; at 300 cells
+    every row has five splits and stays near the reference."""
+    monkeypatch.setattr(attention_window, "SPLIT_CELLS", 64)
+    assert attention_window.splits(64) == 1 and attention_window.splits(65) == 2
+    assert emulate.check_attention(emulate.AttentionEmulator(tmp_path), B, 4, 2, D, cells, rows=rows)
+
+
+def test_a_split_walked_in_another_order_is_noticed(emulate, monkeypatch, tmp_path):
+    """The threshold's check can fail: splits whose warps start one chunk over give a row of at
+    most SPLIT_CELLS cells other bits than the single kernel's, and its 1-row call shows it."""
+    monkeypatch.setattr(attention_window, "SPLIT_CELLS", 64)
+    turned = "for (int j0 = s * SPLIT + ((warp + 1) % WARPS) * 32; j0 < end; j0 += WARPS * 32)"
+    monkeypatch.setattr(attention_window, "SPLIT_SOURCE", attention_window.SPLIT_SOURCE.replace(
+        "for (int j0 = s * SPLIT + warp * 32; j0 < end; j0 += WARPS * 32)", turned))
+    assert turned in attention_window.SPLIT_SOURCE
+    assert not emulate.check_attention(emulate.AttentionEmulator(tmp_path), 1, 2, 1, 32, 62, rows=(8,))
+
+
+def test_a_long_view_launches_its_splits_then_their_combine(monkeypatch):
+    calls = []
+
+    def fake(name, inputs, outputs, source, header, *, ensure_row_contiguous=True):
+        def kernel(**kw):
+            calls.append((name, source, header, kw))
+            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return kernel
+
+    monkeypatch.setattr(attention_window, "gpu_kernel", fake)
+    monkeypatch.setattr(attention_window, "SPLIT_CELLS", 64)
+    q, keys, values = attention_window.probe_inputs(2, 4, 2, 32, 130, dtype=mx.bfloat16)
+    out = attention_window.attention_window(q[:, :, :3], keys, values, 0.125)
+    assert out.shape == (2, 3, 4, 32) and out.dtype == mx.bfloat16
+    (split, split_source, header, first), (combine, combine_source, _, second) = calls
+    assert split == "strata_attention_split_v1_w8_c64" and split_source is attention_window.SPLIT_SOURCE
+    assert "#define SPLIT 64" in header and combine_source is attention_window.COMBINE_SOURCE
+    threads = attention_window.WARPS * 32
+    assert first["grid"][0] == 2 * 4 * 3 * 3 * threads  # 130 cells: three splits a row
+    assert first["output_shapes"] == [(24, 3, 34)] and first["output_dtypes"] == [mx.float32]
+    assert second["inputs"][1].shape == (24, 3, 34) and second["grid"] == (2 * 4 * 3 * 32, 1, 1)
+    monkeypatch.setattr(attention_window, "SPLIT_CELLS", 48 + 1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        attention_window.attention_window(q[:, :, :3], keys, values, 0.125)
+
+
 def test_supported_head_dims_and_launch_shape():
     assert attention_window.supports(256) and attention_window.supports(64) and attention_window.supports(32)
     assert not attention_window.supports(16) and not attention_window.supports(80) and not attention_window.supports(512)

@@ -30,6 +30,8 @@ BODIES = {
     "mamba2_window.PREPARE": mamba2_window.PREPARE,
     "mamba2_window.SCAN": mamba2_window.SCAN,
     "attention_window.SOURCE": attention_window.SOURCE,
+    "attention_window.SPLIT_SOURCE": attention_window.SPLIT_SOURCE,
+    "attention_window.COMBINE_SOURCE": attention_window.COMBINE_SOURCE,
     "router_window.SOURCE": router_window.SOURCE,
     "add_norm.SOURCE": add_norm.SOURCE,
     "moe_combine.SOURCE": moe_combine.SOURCE,

@@ -23,6 +23,7 @@
 #   bash scripts/bench/gpu_owed.sh plain-loop   # the plain tensor-core forms' K loop at 4/4/1, 8/8/1, 16/16/1, 8/8/2, 4/4/4 under ncu (~4 min)
 #   bash scripts/bench/gpu_owed.sh glu-unroll   # the routed GLU's FMA lane loop unrolled 2, 4, 1: kernel medians, then compares (~4 min)
 #   bash scripts/bench/gpu_owed.sh attention-warps  # the attention window at 8 and 16 warps a block, 512 and 4,096 cells (~1 min)
+#   bash scripts/bench/gpu_owed.sh attention-split  # long views in splits of 1,024, 512, 256 cells against one kernel, to 16,384 cells (~3 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
@@ -280,6 +281,12 @@ glu-unroll)
 attention-warps)
     # issue 37: the attention window with 16 warps a block against 8 (54 us a layer at T = 1 in ncu at ba1cd33)
     python -m scripts.lab.attention_warps --out "$OUT/attention_warps_${card}_$tree.json" 2>&1 | log attention-warps
+    ;;
+attention-split)
+    # issue 37: at 4,096 cells and 8 rows MLX's sdpa took half the kernel's time (H100 at 1c3c6e6);
+    # views past SPLIT_CELLS now attend in splits and a combine (each row its bits at any T)
+    python -m scripts.lab.attention_warps --warps 8 --split-cells off,1024,512,256 --cells 512,4096,16384 \
+        --out "$OUT/attention_split_${card}_$tree.json" 2>&1 | log attention-split
     ;;
 mma-loop)
     python -m scripts.lab.mma_loop --out "$OUT/mma_loop_${card}_$tree.json" 2>&1 | log mma-loop

@@ -26,7 +26,9 @@ Granite-like single group without a conv bias, and a batch of 2. The attention w
 (metal_shaders/attention_window.py) runs a whole block at a time (its warps share memory): for
 T = 1..8 each row of a T-row call equals its 1-row call over the same cache buffer bit for bit
 and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
-L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2. The router window kernel
+L = 1, 7, 300, 1020 and 5000 cells (past SPLIT_CELLS, 1,024, in splits and their combine; at
+1020 a window's call takes the splits where some rows' 1-row calls do not), grouped query
+heads and a batch of 2. The router window kernel
 (metal_shaders/router_window.py) runs a block per row too: for R = 1..8 each row of an R-row call
 (plain, and as the router's columns of wider rows) equals its 1-row call bit for bit, picks the reference's experts
 (descending, ties to the lower index: the logits include exact ties) and weighs them within 1e-6
@@ -633,27 +635,37 @@ ATTENTION_PARAMS = ["const int32_t* dims", "const float* scale", "const float* q
 
 
 class AttentionEmulator:
-    """attention_window's kernel on the CPU (float32), a block at a time, through strides as MLX passes views."""
+    """attention_window's kernel on the CPU (float32), a block at a time, through strides as MLX
+    passes views; a view longer than attention_window.SPLIT_CELLS through the split kernel and
+    its combine, as `attention_window` calls them."""
 
     params = ATTENTION_PARAMS
+    splits = True  # whether long views take the split kernels (the sink kernel has none)
 
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         self.dir, self.backend = workdir, backend
-        self.built: dict[int, Path] = {}
+        self.built: dict[tuple, Path] = {}
         self.source = attention_window.SOURCE
 
-    def _binary(self, D: int) -> Path:
-        if D not in self.built:
+    def _binary(self, D: int, kind: str = "window") -> Path:
+        """The program of one kernel: "window" (self.source), "split" or "combine" (whose header
+        holds SPLIT_CELLS as it is now)."""
+        key = (D, kind, attention_window.SPLIT_CELLS if kind != "window" else 0)
+        if key not in self.built:
             consts = f"using TQ = float; using TK = float; using TV = float; constexpr int DH = {D};"
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(self.params)] + ["out.data()"]
-            source = (program(SHIM_BLOCK, self.backend, attention_window.header(), [*self.params, "float* out"],
-                              consts, self.source)
-                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(self.params))).replace("NUM_OUTPUTS", "1")
-                      .replace("CALL", f"kernel({', '.join(args)})"))
-            path = self.dir / f"attention_{D}_{len(self.built)}"
-            compile_program(path, source)
-            self.built[D] = path
-        return self.built[D]
+            params, source, header = {
+                "window": (self.params, self.source, attention_window.header()),
+                "split": (self.params, attention_window.SPLIT_SOURCE, attention_window.split_header()),
+                "combine": (["const int32_t* dims", "const float* parts"], attention_window.COMBINE_SOURCE,
+                            attention_window.split_header())}[kind]
+            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
+            text = (program(SHIM_BLOCK, self.backend, header, [*params, "float* out"], consts, source)
+                    + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", "1")
+                    .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"attention_{kind}_{D}_{len(self.built)}"
+            compile_program(path, text)
+            self.built[key] = path
+        return self.built[key]
 
     def run(self, q_rows: np.ndarray, keys: np.ndarray, values: np.ndarray, L: int, scale: float) -> np.ndarray:
         """q_rows (B, T, Hq, D), read as the (B, Hq, T, D) view the layer passes; keys, values
@@ -671,18 +683,29 @@ class AttentionEmulator:
         inputs = [np.array(shape, np.int32), np.array([scale], np.float32), q_rows,
                   strides(q_rows, (0, 2, 1, 3)), keys, strides(keys), values, strides(values), *more]
         names = write_inputs(self.dir, "ain", inputs)
-        config = attention_window.launch(B, Hq, T)
-        threads = config["threadgroup"][0]
         out = self.dir / "aout"
-        subprocess.run([str(self._binary(D)), *names, str(config["grid"][0] // threads), str(threads),
-                        str(B * T * Hq * D), str(out)], check=True)
+        S = attention_window.splits(shape[4]) if self.splits else 1
+        if S == 1:
+            self._run(self._binary(D), names, attention_window.launch(B, Hq, T), B * T * Hq * D, out)
+            return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
+        parts = self.dir / "aparts"
+        self._run(self._binary(D, "split"), names, attention_window.launch(B, Hq, T, S), B * Hq * T * S * (D + 2), parts)
+        self._run(self._binary(D, "combine"), [names[0], str(parts)], attention_window.combine_launch(B, Hq, T, D),
+                  B * T * Hq * D, out)
         return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
+
+    @staticmethod
+    def _run(binary: Path, names: list[str], config: dict, size: int, out: Path) -> None:
+        threads = config["threadgroup"][0]
+        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), str(threads), str(size), str(out)],
+                       check=True)
 
 
 class SinkAttentionEmulator(AttentionEmulator):
     """attention_window's sink kernel (`SINK_SOURCE`: sinks, and a ring window) on the CPU."""
 
     params = [*ATTENTION_PARAMS, "const float* sinks"]
+    splits = False
 
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         super().__init__(workdir, backend)
@@ -1867,8 +1890,8 @@ def main() -> int:
         results.append(check_mamba2(mamba2, B, H, P, G, N, bias=bias))
     attention = AttentionEmulator(emu.dir, args.backend)
     for B, Hq, Hkv, D, cells in ((1, 16, 2, 256, 1), (1, 16, 2, 256, 7), (1, 16, 2, 256, 300), (1, 4, 2, 64, 1),
-                                 (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000),
-                                 (2, 4, 1, 64, 40)):
+                                 (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 1020), (1, 4, 2, 64, 5000),
+                                 (1, 2, 1, 256, 5000), (2, 4, 1, 64, 40)):
         results.append(check_attention(attention, B, Hq, Hkv, D, cells))
     sinks = SinkAttentionEmulator(emu.dir, args.backend)
     for B, Hq, Hkv, D, cells, window, pos0 in ((1, 64, 8, 64, 135, 128, 3000), (1, 64, 8, 64, 135, 128, 4),
