@@ -247,27 +247,35 @@ def attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: float
     Returns:
         (B, T, Hq, D) in q's dtype; float32 throughout inside.
     """
-    B, Hq, T, D = q.shape
+    B, Hq, T, _ = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
+    inputs = [step_dims(B, Hq, Hkv, T, L), constant(scale), q, keys, values]
+    return _call(inputs, [], (f"strata_attention_window_v3_w{WARPS}", "strata_attention_split_v1",
+                              "strata_attention_combine_v1"), (SOURCE, SPLIT_SOURCE, COMBINE_SOURCE))
+
+
+def _call(inputs: list, extra: list[str], names: tuple[str, str, str], sources: tuple[str, str, str]) -> mx.array:
+    """The single kernel over `inputs` (dims, scale, q, keys, values, then the `extra` ones), or
+    past SPLIT_CELLS the split kernel and the combine (dims, the parts, the extra inputs):
+    `names` and `sources` of the three, in that order (the split ones' names gain WARPS and SPLIT)."""
+    q, keys, values = inputs[2:5]
+    B, Hq, T, D = q.shape
+    S = splits(keys.shape[2])
+    params = ["dims", "scale", "q", "keys", "values", *extra]
     # The dtypes are template values too (MLX caches a compile by name and template alone).
     template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
-    inputs = [step_dims(B, Hq, Hkv, T, L), constant(scale), q, keys, values]
-    S = splits(L)
     if S == 1:
-        kernel = gpu_kernel(f"strata_attention_window_v3_w{WARPS}", ["dims", "scale", "q", "keys", "values"], ["out"],
-                            SOURCE, header(), ensure_row_contiguous=False)
+        kernel = gpu_kernel(names[0], params, ["out"], sources[0], header(), ensure_row_contiguous=False)
         (out,) = kernel(inputs=inputs, template=template, output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype],
                         **launch(B, Hq, T))
         return out
-    name = f"w{WARPS}_c{SPLIT_CELLS}"
-    kernel = gpu_kernel(f"strata_attention_split_v1_{name}", ["dims", "scale", "q", "keys", "values"], ["out"],
-                        SPLIT_SOURCE, split_header(), ensure_row_contiguous=False)
+    tag = f"w{WARPS}_c{SPLIT_CELLS}"
+    kernel = gpu_kernel(f"{names[1]}_{tag}", params, ["out"], sources[1], split_header(), ensure_row_contiguous=False)
     (parts,) = kernel(inputs=inputs, template=template, output_shapes=[(B * Hq * T, S, D + 2)],
                       output_dtypes=[mx.float32], **launch(B, Hq, T, S))
-    combine = gpu_kernel(f"strata_attention_combine_v1_{name}", ["dims", "parts"], ["out"], COMBINE_SOURCE,
-                         split_header())
-    (out,) = combine(inputs=[inputs[0], parts], template=[("DH", D), ("TQ", q.dtype)], output_shapes=[(B, T, Hq, D)],
-                     output_dtypes=[q.dtype], **combine_launch(B, Hq, T, D))
+    combine = gpu_kernel(f"{names[2]}_{tag}", ["dims", "parts", *extra], ["out"], sources[2], split_header())
+    (out,) = combine(inputs=[inputs[0], parts, *inputs[5:]], template=[("DH", D), ("TQ", q.dtype)],
+                     output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype], **combine_launch(B, Hq, T, D))
     return out
 
 
@@ -378,6 +386,25 @@ def with_sinks(source: str) -> str:
 
 
 SINK_SOURCE = with_sinks(SOURCE)
+# Long views with sinks, in splits as above: a split's max takes the sink in (so a lone split's
+# weights are the single kernel's), its sum leaves the sink's weight out, and the combine adds
+# that weight once, last, as SINK_SOURCE adds it after the warps. A ring's rows walk all L cells.
+SINK_SPLIT_SOURCE = _edited(SINK_SOURCE, (
+    _SPLIT_EDITS[0],
+    ("    const int n = is_ring ? L : L - T + t + 1;\n",
+     "    const int n = is_ring ? L : L - T + t + 1;\n" + _SPLIT_EDITS[1][1].split("\n", 1)[1]),
+    *_SPLIT_EDITS[2:],
+    ("        total += expf(sink - M);\n", ""),
+))
+SINK_COMBINE_SOURCE = _edited(COMBINE_SOURCE, (
+    ("    const int n = L - T + t + 1, splits", "    const int n = dims[6] > 0 ? L : L - T + t + 1, splits"),
+    ("    for (int d = thread_x; d < DH; d += block_dim) {\n",
+     "    const float sink = static_cast<float>(sinks[h]);  // in every split's max already\n"
+     "    for (int d = thread_x; d < DH; d += block_dim) {\n"),
+    ("        out[((static_cast<size_t>(b) * T + t) * Hq + h) * DH + d] = static_cast<TQ>(o / total);\n",
+     "        total += expf(sink - M);\n"
+     "        out[((static_cast<size_t>(b) * T + t) * Hq + h) * DH + d] = static_cast<TQ>(o / total);\n"),
+))
 _zero_sinks: dict[tuple[int, mx.Dtype], mx.array] = {}
 
 
@@ -405,15 +432,12 @@ def sink_attention_window(q: mx.array, keys: mx.array, values: mx.array, scale: 
     Returns:
         (B, T, Hq, D) in q's dtype.
     """
-    B, Hq, T, D = q.shape
+    B, Hq, T, _ = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
-    kernel = gpu_kernel(f"strata_attention_window_sinks_v2_w{WARPS}", ["dims", "scale", "q", "keys", "values", "sinks"],
-                        ["out"], SINK_SOURCE, header(), ensure_row_contiguous=False)
-    template = [("DH", D), ("TQ", q.dtype), ("TK", keys.dtype), ("TV", values.dtype)]
     sizes = step_dims(B, Hq, Hkv, T, L, ring_position(pos0, L, window), window)
-    (out,) = kernel(inputs=[sizes, constant(scale), q, keys, values, sinks], template=template,
-                    output_shapes=[(B, T, Hq, D)], output_dtypes=[q.dtype], **launch(B, Hq, T))
-    return out
+    return _call([sizes, constant(scale), q, keys, values, sinks], ["sinks"],
+                 (f"strata_attention_window_sinks_v2_w{WARPS}", "strata_attention_split_sinks_v1",
+                  "strata_attention_combine_sinks_v1"), (SINK_SOURCE, SINK_SPLIT_SOURCE, SINK_COMBINE_SOURCE))
 
 
 def ring_mask(pos0: int, T: int, L: int, window: int) -> mx.array:
@@ -456,7 +480,9 @@ def sinks_status() -> dict:
     return _sink_probe.status()
 
 
-SINK_PROBE_CASES = ((64, mx.float32, 8, 300, 0), (64, mx.bfloat16, 8, 135, 128), (64, mx.float32, 4, 15, 8))
+# (D, dtype, Hq, L, W); the 1,028-cell case runs both paths and the threshold (as PROBE_CASES')
+SINK_PROBE_CASES = ((64, mx.float32, 8, 300, 0), (64, mx.bfloat16, 8, 135, 128), (64, mx.float32, 4, 15, 8),
+                    (64, mx.bfloat16, 8, 1028, 0))
 
 
 def check_sinks(cases=SINK_PROBE_CASES, dtypes=None) -> str | None:

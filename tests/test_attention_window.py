@@ -133,6 +133,29 @@ def test_a_split_walked_in_another_order_is_noticed(emulate, monkeypatch, tmp_pa
     assert not emulate.check_attention(emulate.AttentionEmulator(tmp_path), 1, 2, 1, 32, 62, rows=(8,))
 
 
+@pytest.mark.parametrize("cells, window, pos0, offset", [(62, 0, 0, 0.0), (62, 0, 0, 6.0), (300, 0, 0, 0.0),
+                                                         (135, 128, 3000, 0.0)])
+def test_sink_splits_keep_each_row_its_bits(emulate, monkeypatch, tmp_path, cells, window, pos0, offset):
+    """With sinks (GPT-OSS), in 64-cell splits: across the threshold (62 cells), with sinks above
+    every score (offset 6), over 300 cells, and over a 135-cell ring (every row walks all of it)."""
+    monkeypatch.setattr(attention_window, "SPLIT_CELLS", 64)
+    assert emulate.check_sink_attention(emulate.SinkAttentionEmulator(tmp_path), 1, 4, 2, 32, cells, window,
+                                        pos0=pos0, rows=(1, 4, 8), sink_offset=offset)
+
+
+def test_a_sink_left_out_of_a_splits_max_is_noticed(emulate, monkeypatch, tmp_path):
+    """A split's max takes the sink in, so a lone split is weighted exp(0): taken into the
+    combine's max instead, a row whose sink beats its scores gets other bits across the threshold."""
+    monkeypatch.setattr(attention_window, "SPLIT_CELLS", 64)
+    monkeypatch.setattr(attention_window, "SINK_SPLIT_SOURCE",
+                        attention_window.SINK_SPLIT_SOURCE.replace("    M = fmaxf(M, sink);\n", ""))
+    monkeypatch.setattr(attention_window, "SINK_COMBINE_SOURCE", attention_window.SINK_COMBINE_SOURCE.replace(
+        "  // in every split's max already\n", "\n    M = fmaxf(M, sink);\n"))
+    assert "M = fmaxf(M, sink)" not in attention_window.SINK_SPLIT_SOURCE
+    assert not emulate.check_sink_attention(emulate.SinkAttentionEmulator(tmp_path), 1, 4, 2, 32, 62, 0, pos0=0,
+                                            rows=(8,), sink_offset=6.0)
+
+
 def test_a_long_view_launches_its_splits_then_their_combine(monkeypatch):
     calls = []
 
@@ -154,6 +177,13 @@ def test_a_long_view_launches_its_splits_then_their_combine(monkeypatch):
     assert first["grid"][0] == 2 * 4 * 3 * 3 * threads  # 130 cells: three splits a row
     assert first["output_shapes"] == [(24, 3, 34)] and first["output_dtypes"] == [mx.float32]
     assert second["inputs"][1].shape == (24, 3, 34) and second["grid"] == (2 * 4 * 3 * 32, 1, 1)
+    calls.clear()
+    sinks = mx.zeros((4,), dtype=mx.bfloat16)
+    out = attention_window.sink_attention_window(q[:, :, :3], keys, values, 0.125, sinks)
+    assert [(c[0], c[1]) for c in calls] == [
+        ("strata_attention_split_sinks_v1_w8_c64", attention_window.SINK_SPLIT_SOURCE),
+        ("strata_attention_combine_sinks_v1_w8_c64", attention_window.SINK_COMBINE_SOURCE)]
+    assert calls[1][3]["inputs"][2] is sinks and out.shape == (2, 3, 4, 32)
     monkeypatch.setattr(attention_window, "SPLIT_CELLS", 48 + 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         attention_window.attention_window(q[:, :, :3], keys, values, 0.125)

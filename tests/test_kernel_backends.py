@@ -32,6 +32,8 @@ BODIES = {
     "attention_window.SOURCE": attention_window.SOURCE,
     "attention_window.SPLIT_SOURCE": attention_window.SPLIT_SOURCE,
     "attention_window.COMBINE_SOURCE": attention_window.COMBINE_SOURCE,
+    "attention_window.SINK_SPLIT_SOURCE": attention_window.SINK_SPLIT_SOURCE,
+    "attention_window.SINK_COMBINE_SOURCE": attention_window.SINK_COMBINE_SOURCE,
     "router_window.SOURCE": router_window.SOURCE,
     "add_norm.SOURCE": add_norm.SOURCE,
     "moe_combine.SOURCE": moe_combine.SOURCE,

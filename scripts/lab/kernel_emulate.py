@@ -28,7 +28,8 @@ T = 1..8 each row of a T-row call equals its 1-row call over the same cache buff
 and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
 L = 1, 7, 300, 1020 and 5000 cells (past SPLIT_CELLS, 1,024, in splits and their combine; at
 1020 a window's call takes the splits where some rows' 1-row calls do not), grouped query
-heads and a batch of 2. The router window kernel
+heads and a batch of 2; the sink kernel too, a ring window and 1020 cells with sinks above
+every score among its cases. The router window kernel
 (metal_shaders/router_window.py) runs a block per row too: for R = 1..8 each row of an R-row call
 (plain, and as the router's columns of wider rows) equals its 1-row call bit for bit, picks the reference's experts
 (descending, ties to the lower index: the logits include exact ties) and weighs them within 1e-6
@@ -640,12 +641,16 @@ class AttentionEmulator:
     its combine, as `attention_window` calls them."""
 
     params = ATTENTION_PARAMS
-    splits = True  # whether long views take the split kernels (the sink kernel has none)
+    combine_params = ["const int32_t* dims", "const float* parts"]
 
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         self.dir, self.backend = workdir, backend
         self.built: dict[tuple, Path] = {}
         self.source = attention_window.SOURCE
+
+    def split_sources(self) -> tuple[str, str]:
+        """The split kernel's and the combine's bodies (read at each build, so a test may swap one)."""
+        return attention_window.SPLIT_SOURCE, attention_window.COMBINE_SOURCE
 
     def _binary(self, D: int, kind: str = "window") -> Path:
         """The program of one kernel: "window" (self.source), "split" or "combine" (whose header
@@ -653,11 +658,11 @@ class AttentionEmulator:
         key = (D, kind, attention_window.SPLIT_CELLS if kind != "window" else 0)
         if key not in self.built:
             consts = f"using TQ = float; using TK = float; using TV = float; constexpr int DH = {D};"
+            split, combine = self.split_sources()
             params, source, header = {
                 "window": (self.params, self.source, attention_window.header()),
-                "split": (self.params, attention_window.SPLIT_SOURCE, attention_window.split_header()),
-                "combine": (["const int32_t* dims", "const float* parts"], attention_window.COMBINE_SOURCE,
-                            attention_window.split_header())}[kind]
+                "split": (self.params, split, attention_window.split_header()),
+                "combine": (self.combine_params, combine, attention_window.split_header())}[kind]
             args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
             text = (program(SHIM_BLOCK, self.backend, header, [*params, "float* out"], consts, source)
                     + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", "1")
@@ -684,14 +689,14 @@ class AttentionEmulator:
                   strides(q_rows, (0, 2, 1, 3)), keys, strides(keys), values, strides(values), *more]
         names = write_inputs(self.dir, "ain", inputs)
         out = self.dir / "aout"
-        S = attention_window.splits(shape[4]) if self.splits else 1
+        S = attention_window.splits(shape[4])
         if S == 1:
             self._run(self._binary(D), names, attention_window.launch(B, Hq, T), B * T * Hq * D, out)
             return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
         parts = self.dir / "aparts"
         self._run(self._binary(D, "split"), names, attention_window.launch(B, Hq, T, S), B * Hq * T * S * (D + 2), parts)
-        self._run(self._binary(D, "combine"), [names[0], str(parts)], attention_window.combine_launch(B, Hq, T, D),
-                  B * T * Hq * D, out)
+        self._run(self._binary(D, "combine"), [names[0], str(parts), *names[8:]],
+                  attention_window.combine_launch(B, Hq, T, D), B * T * Hq * D, out)
         return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
 
     @staticmethod
@@ -705,11 +710,14 @@ class SinkAttentionEmulator(AttentionEmulator):
     """attention_window's sink kernel (`SINK_SOURCE`: sinks, and a ring window) on the CPU."""
 
     params = [*ATTENTION_PARAMS, "const float* sinks"]
-    splits = False
+    combine_params = [*AttentionEmulator.combine_params, "const float* sinks"]
 
     def __init__(self, workdir: Path, backend: str = backends.CUDA):
         super().__init__(workdir, backend)
         self.source = attention_window.SINK_SOURCE
+
+    def split_sources(self) -> tuple[str, str]:
+        return attention_window.SINK_SPLIT_SOURCE, attention_window.SINK_COMBINE_SOURCE
 
     def run_sinks(self, q_rows, keys, values, L: int, scale: float, sinks: np.ndarray, pos0: int, window: int):
         """As `run`, with (Hq,) sinks; with `window` the view is a ring of L cells and the first
@@ -720,17 +728,18 @@ class SinkAttentionEmulator(AttentionEmulator):
 
 
 def check_sink_attention(emu: SinkAttentionEmulator, B: int, Hq: int, Hkv: int, D: int, cells: int, window: int, *,
-                         pos0: int, rows=range(1, 9), tol=1e-5, seed: int = 0) -> bool:
+                         pos0: int, rows=range(1, 9), tol=1e-5, seed: int = 0, sink_offset: float = 0.0) -> bool:
     """With `window`, a ring of `cells` cells whose first row sits at `pos0` (all rows see the
     whole ring buffer, masked by position); without, row t sees `cells` + t cells. For each T
     in `rows`: the T-row call equals each row's 1-row call bit for bit (serial decoding's step)
-    and stays within `tol` of `reference_sink_attention_window`."""
+    and stays within `tol` of `reference_sink_attention_window`. `sink_offset` is added to the
+    sinks (N(0, 4) otherwise): a large one makes the sink the softmax's largest logit."""
     T_max = max(rows)
     keys_ = mx.random.split(mx.random.key(seed), 4)
     L_full = cells if window else cells - 1 + T_max
     q = mx.random.normal((B, T_max, Hq, D), key=keys_[0])
     k, v = (mx.random.normal((B, Hkv, L_full + 5, D), key=key) for key in keys_[1:3])
-    sinks = mx.random.normal((Hq,), key=keys_[3]) * 2
+    sinks = mx.random.normal((Hq,), key=keys_[3]) * 2 + sink_offset
     q_np, k_np, v_np, s_np = _f32(q), _f32(k), _f32(v), _f32(sinks)
     scale = D**-0.5
 
@@ -1897,6 +1906,8 @@ def main() -> int:
     for B, Hq, Hkv, D, cells, window, pos0 in ((1, 64, 8, 64, 135, 128, 3000), (1, 64, 8, 64, 135, 128, 4),
                                                (1, 8, 2, 64, 300, 0, 0), (2, 4, 2, 64, 11, 4, 37)):
         results.append(check_sink_attention(sinks, B, Hq, Hkv, D, cells, window, pos0=pos0))
+    for offset in (0.0, 6.0):  # past SPLIT_CELLS in splits; 6: the sinks above every score
+        results.append(check_sink_attention(sinks, 1, 8, 2, 64, 1020, 0, pos0=0, sink_offset=offset))
     router = RouterEmulator(emu.dir, args.backend)
     for E, k, dtype in ((512, 10, mx.float32), (512, 10, mx.bfloat16), (48, 2, mx.float32), (48, 2, mx.bfloat16),
                         (1024, 16, mx.float32), (130, 8, mx.float32)):
