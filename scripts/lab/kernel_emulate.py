@@ -629,6 +629,17 @@ int main(int argc, char** argv) {
     }
 }
 """
+def block_program(shim: str, backend: str, header: str, params: list[str], outputs: list[tuple[str, str]],
+                  consts: str, body: str) -> str:
+    """A block-at-a-time kernel's whole program (MAIN_BLOCK): `params` its inputs (each read
+    from a file), `outputs` its (element type, name) pairs (written as 4-byte words)."""
+    args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
+    args += [f"({t}*)outs[{i}].data()" for i, (t, _) in enumerate(outputs)]
+    return (program(shim, backend, header, [*params, *(f"{t}* {name}" for t, name in outputs)], consts, body)
+            + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", str(len(outputs)))
+            .replace("CALL", f"kernel({', '.join(args)})"))
+
+
 # (parameter, file) pairs as MLX passes them with ensure_row_contiguous=False: an input, then its strides
 ATTENTION_PARAMS = ["const int32_t* dims", "const float* scale", "const float* q", "const int64_t* q_strides",
                     "const float* keys", "const int64_t* keys_strides", "const float* values",
@@ -663,10 +674,7 @@ class AttentionEmulator:
                 "window": (self.params, self.source, attention_window.header()),
                 "split": (self.params, split, attention_window.split_header()),
                 "combine": (self.combine_params, combine, attention_window.split_header())}[kind]
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + ["out.data()"]
-            text = (program(SHIM_BLOCK, self.backend, header, [*params, "float* out"], consts, source)
-                    + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", "1")
-                    .replace("CALL", f"kernel({', '.join(args)})"))
+            text = block_program(SHIM_BLOCK, self.backend, header, params, [("float", "out")], consts, source)
             path = self.dir / f"attention_{kind}_{D}_{len(self.built)}"
             compile_program(path, text)
             self.built[key] = path
@@ -798,12 +806,8 @@ class RouterEmulator:
     def _binary(self, per: int) -> Path:
         if per not in self.built:
             consts = f"using T_IN = float; constexpr int PER = {per};"
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(ROUTER_PARAMS)]
-            args += ["(uint32_t*)outs[0].data()", "outs[1].data()"]
-            source = (program(SHIM_BLOCK, self.backend, router_window.HEADER,
-                              [*ROUTER_PARAMS, "uint32_t* inds", "float* weights"], consts, self.source)
-                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(ROUTER_PARAMS))).replace("NUM_OUTPUTS", "2")
-                      .replace("CALL", f"kernel({', '.join(args)})"))
+            source = block_program(SHIM_BLOCK, self.backend, router_window.HEADER, ROUTER_PARAMS,
+                                   [("uint32_t", "inds"), ("float", "weights")], consts, self.source)
             path = self.dir / f"router_{per}_{len(self.built)}"
             compile_program(path, source)
             self.built[per] = path
@@ -891,12 +895,8 @@ class AddNormEmulator:
         if (per, dtype) not in self.built:
             t = EMULATED_TYPES[dtype][0]
             params = ["const int32_t* dims", "const float* eps", f"const {t}* x", f"const {t}* y", f"const {t}* weight"]
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
-            args += [f"({t}*)outs[0].data()", f"({t}*)outs[1].data()"]
-            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, add_norm.HEADER, [*params, f"{t}* h", f"{t}* normed"],
-                              f"using T = {t}; constexpr int PER = {per};", self.source)
-                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", "2")
-                      .replace("CALL", f"kernel({', '.join(args)})"))
+            source = block_program(SHIM_BLOCK + BF16_SHIM, self.backend, add_norm.HEADER, params,
+                                   [(t, "h"), (t, "normed")], f"using T = {t}; constexpr int PER = {per};", self.source)
             path = self.dir / f"add_norm_{per}_{t}_{len(self.built)}"
             compile_program(path, source)
             self.built[per, dtype] = path
@@ -962,13 +962,10 @@ class GatedNormEmulator:
         if key not in self.built:
             t = EMULATED_TYPES[dtype][0]
             params = ["const int32_t* dims", "const float* eps", "const float* y", f"const {t}* z", f"const {t}* weight"]
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)] + [f"({t}*)outs[0].data()"]
             consts = (f"using T = {t}; constexpr int PER = {gated_norm.per_thread(group_size)}; "
                       f"constexpr int WARPS = {gated_norm.warps(group_size)}; "
                       f"constexpr bool GATE_FIRST = {str(gate_first).lower()};")
-            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, f"{t}* out"], consts, self.source)
-                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", "1")
-                      .replace("CALL", f"kernel({', '.join(args)})"))
+            source = block_program(SHIM_BLOCK + BF16_SHIM, self.backend, "", params, [(t, "out")], consts, self.source)
             path = self.dir / f"gated_norm_{group_size}_{t}_{int(gate_first)}_{len(self.built)}"
             compile_program(path, source)
             self.built[key] = path
@@ -1531,15 +1528,11 @@ class AttentionPrepEmulator:
             params = ["const int32_t* dims", "const float* eps", "const int32_t* offset", f"const {t}* qkv",
                       f"const {t}* q_weight", f"const {t}* k_weight", "const float* inv_freq"]
             outputs = attention_prep.KERNELS[gate][1]
-            args = [f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
-            args += [f"({t}*)outs[{i}].data()" for i in range(len(outputs))]
             consts = (f"using T = {t}; constexpr int PER = {attention_prep.per_thread(head_dim)}; "
                       f"constexpr int WARPS = {attention_prep.warps(head_dim)}; "
                       f"constexpr bool NORM = {str(norm).lower()};")
-            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, *(f"{t}* {o}" for o in outputs)],
-                              consts, self.sources[gate])
-                      + MAIN_BLOCK.replace("NUM_INPUTS", str(len(params))).replace("NUM_OUTPUTS", str(len(outputs)))
-                      .replace("CALL", f"kernel({', '.join(args)})"))
+            source = block_program(SHIM_BLOCK + BF16_SHIM, self.backend, "", params, [(t, o) for o in outputs], consts,
+                                   self.sources[gate])
             path = self.dir / f"attention_prep_{head_dim}_{t}_{int(gate)}{int(norm)}_{len(self.built)}"
             compile_program(path, source)
             self.built[key] = path
