@@ -1677,9 +1677,19 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
             params = ["const int32_t* dims", "const float* scale"]
             for name in ("q", "keys", "values"):
                 params += [f"const {t}* {name}", f"const __grid_constant__ Strides {name}_strides"]
+            consts = f"using TQ = {t}; using TK = {t}; using TV = {t}; constexpr int DH = {D};"
             kernels_out.append((f"attention_window_{D}_{tn}", ATTENTION_NVCC_HEADER + attention_window.header(),
-                                params + [f"{t}* out"], f"using TQ = {t}; using TK = {t}; using TV = {t}; "
-                                f"constexpr int DH = {D};", attention_window.SOURCE))
+                                params + [f"{t}* out"], consts, attention_window.SOURCE))
+            # long views: the splits (float32 parts out) and their combine, with sinks and without
+            for kind, split, combine, extra in (
+                    ("", attention_window.SPLIT_SOURCE, attention_window.COMBINE_SOURCE, []),
+                    ("_sinks", attention_window.SINK_SPLIT_SOURCE, attention_window.SINK_COMBINE_SOURCE,
+                     [f"const {t}* sinks"])):
+                header = ATTENTION_NVCC_HEADER + attention_window.split_header()
+                kernels_out.append((f"attention_split{kind}_{D}_{tn}", header, params + extra + ["float* out"], consts,
+                                    split))
+                kernels_out.append((f"attention_combine{kind}_{D}_{tn}", header,
+                                    ["const int32_t* dims", "const float* parts", *extra, f"{t}* out"], consts, combine))
         for E in (512, 48):  # Qwen3-Next-80B's router (PER 4) and the demo model's (PER 1)
             per = router_window.per_thread(E)
             kernels_out.append((f"router_window_{E}_{tn}", router_window.HEADER,
