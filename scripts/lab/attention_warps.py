@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
     columns = [label[s] for s in settings]
     rows = mma_loop.table(records, columns)
     mma_loop.show(rows, [*columns, "mlx"])
-    return mma_loop.write_report(args.out, warps=warps, split_cells=[label[s].split("/")[1] for s in settings[:len(splits)]],
+    return mma_loop.write_report(args.out, warps=warps, split_cells=["off" if c == OFF else c for c in splits],
                                  rounds=args.rounds, table=rows, records=records)
 
 
