@@ -15,8 +15,8 @@ derived pointers, templates on pointer types), and names only what every prelude
 - loads: `strata_load<V, N>(p, vec, out)` (N values as floats), `strata_words(p, vec)` (4 packed
   words), `strata_aligned16(p, row_bytes)` (whether 16-byte loads may be used: only CUDA uses
   them; the values and the arithmetic are the same either way), `strata_u2f` (a small unsigned
-  int as an exact float), `strata_field(bits, shift, mask)` (`(bits >> shift) & mask` as an exact
-  float, for mask << shift below 2^23), `strata_exp2i(e)` (2^e as a float, exact), `strata_e8m0(s)` (an MX
+  int as an exact float), `strata_quant<BITS>(word, j)` (field j of a word of BITS-bit fields,
+  low first, as an exact float; BITS 4 or 8), `strata_exp2i(e)` (2^e as a float, exact), `strata_e8m0(s)` (an MX
   scale byte, 2^(s - 127)), `strata_f16lo(h)` / `strata_f16hi(h)` (the fp16 in h's low / high
   half as a float, exact);
 - the float math of CUDA's spelling (`expf`, `fmaf`, `fmaxf`, `fabsf`, `sqrtf`, `rsqrtf`,
@@ -39,12 +39,15 @@ __device__ __forceinline__ void strata_sync_warp() { __syncwarp(); }
 __device__ __forceinline__ float strata_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
 // 2^23 + q has q in its mantissa: exact, without the slow integer-to-float instruction
 __device__ __forceinline__ float strata_u2f(unsigned int q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
-// the same for a field left in place (mask << shift below 2^23): it is the mantissa of
-// 2^(23 - shift) + field, and that power is taken off; with the shift known when it compiles,
-// one logic op and a subtraction, no shift
-__device__ __forceinline__ float strata_field(unsigned int bits, int shift, unsigned int mask) {
+// field j of a word of BITS-bit fields, read in place from its 16-bit half: the field is the
+// mantissa of 2^(23 - shift) + field, and that power is taken off (with j known when it
+// compiles, one logic op and a subtraction where a shift, a logic op and a subtraction were)
+template <int BITS>
+__device__ __forceinline__ float strata_quant(unsigned int word, int j) {
+    constexpr int HALF = 16 / BITS;  // fields a half
+    const unsigned int bits = j < HALF ? word : word >> 16, shift = BITS * (j % HALF);
     const unsigned int power = (150u - shift) << 23;  // 2^(23 - shift)
-    return __uint_as_float(power | (bits & (mask << shift))) - __uint_as_float(power);
+    return __uint_as_float(power | (bits & (((1u << BITS) - 1u) << shift))) - __uint_as_float(power);
 }
 __device__ __forceinline__ float strata_exp2i(int e) { return ldexpf(1.0f, e); }
 // an e8m0 scale byte: 2^(s - 127) (s = 0: the subnormal 2^-127), without ldexpf's special cases
@@ -89,7 +92,10 @@ inline void strata_sync() { metal::threadgroup_barrier(metal::mem_flags::mem_thr
 inline void strata_sync_warp() { metal::simdgroup_barrier(metal::mem_flags::mem_threadgroup); }
 inline float strata_xor(float v, int offset) { return metal::simd_shuffle_xor(v, static_cast<ushort>(offset)); }
 inline float strata_u2f(unsigned int q) { return static_cast<float>(q); }
-inline float strata_field(unsigned int bits, int shift, unsigned int mask) { return static_cast<float>((bits >> shift) & mask); }
+template <int BITS>
+inline float strata_quant(unsigned int word, int j) {
+    return static_cast<float>((word >> (BITS * j)) & ((1u << BITS) - 1u));
+}
 inline float strata_exp2i(int e) { return metal::ldexp(1.0f, e); }
 inline float strata_e8m0(unsigned int s) { return as_type<float>(s ? s << 23 : 0x00400000u); }
 inline float strata_f16lo(unsigned int h) { return static_cast<float>(as_type<half>(static_cast<ushort>(h))); }

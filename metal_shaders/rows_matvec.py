@@ -165,7 +165,6 @@ DENSE = """
 # (GS is a multiple of the chunk); value = scale · q + bias, as one fused multiply-add.
 _QUANTIZED_BODY = _HEAD + """
     constexpr int VALS = 32 / BITS, CHUNK = 4 * VALS;
-    constexpr unsigned int MASK = (1u << BITS) - 1u;
     const int KW = K / VALS, KC = K / CHUNK, KG = K / GS;
     const bool wvec = strata_aligned16(wq, static_cast<size_t>(KW) * 4);
     #pragma unroll (ROWS > 2 ? 1 : 2)
@@ -187,8 +186,7 @@ _QUANTIZED_BODY = _HEAD + """
             for (int c = 0; c < COLS; ++c) {
                 const unsigned int bits = word == 0 ? q[c].x : word == 1 ? q[c].y : word == 2 ? q[c].z : q[c].w;
                 #pragma unroll
-                for (int j = 0; j < VALS; ++j)  // each 16-bit half's fields in place (one shift a word)
-                    wv[c][j] = fmaf(s[c], strata_field(2 * j < VALS ? bits : bits >> 16, BITS * (j % (VALS / 2)), MASK), b[c]);
+                for (int j = 0; j < VALS; ++j) wv[c][j] = fmaf(s[c], strata_quant<BITS>(bits, j), b[c]);
             }
             #pragma unroll
             for (int r = 0; r < ROWS; ++r) {

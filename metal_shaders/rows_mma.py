@@ -132,13 +132,8 @@ struct strata_affine_chunk {
         }
     }
     __device__ __forceinline__ unsigned pair(int i) const {
-        return strata_bf16x2(fmaf(scale, value(2 * i), bias), fmaf(scale, value(2 * i + 1), bias));
-    }
-    // value j of the chunk, exact: each 16-bit half's fields read in place (strata_field)
-    __device__ __forceinline__ float value(int j) const {
-        constexpr unsigned MASK = (1u << BITS) - 1u;
-        const unsigned word = q[j / VALS], p = j % VALS;
-        return strata_field(2 * p < VALS ? word : word >> 16, BITS * (p % (VALS / 2)), MASK);
+        return strata_bf16x2(fmaf(scale, strata_quant<BITS>(q[(2 * i) / VALS], (2 * i) % VALS), bias),
+                             fmaf(scale, strata_quant<BITS>(q[(2 * i + 1) / VALS], (2 * i + 1) % VALS), bias));
     }
 };
 // an e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as a float, exact

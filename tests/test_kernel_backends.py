@@ -342,22 +342,23 @@ def test_the_tail_check_fails_a_tail_that_keeps_the_wrong_half(emulate, tmp_path
 
 
 @pytest.mark.parametrize("backend", backends.BACKENDS)
-def test_a_field_read_in_place_is_the_shifted_field(emulate, tmp_path, backend):
-    """strata_field(v, shift, mask) is strata_u2f((v >> shift) & mask), the same float, for every
-    16-bit half and each 4- and 8-bit field of it (the quantized bodies' reads; the result
-    depends on the field's bits alone)."""
+def test_a_quantized_field_is_the_shifted_field(emulate, tmp_path, backend):
+    """strata_quant<BITS>(word, j) is strata_u2f((word >> (BITS * j)) & mask), the same float, for
+    every 4- and 8-bit field j of every 16-bit pattern in either half of the word (a field's value
+    depends on its own bits alone; the CUDA prelude reads it in place)."""
     body = """    int bad = 0;
     for (unsigned int v = 0; v < 65536u; ++v)
-        for (int bits = 4; bits <= 8; bits += 4)
-            for (int p = 0; p < 16 / bits; ++p) {
-                const unsigned int mask = (1u << bits) - 1u;
-                bad += strata_field(v, bits * p, mask) != strata_u2f((v >> (bits * p)) & mask);
-            }
+        for (int half = 0; half < 2; ++half) {
+            const unsigned int word = half ? v << 16 : v;
+            for (int j = 0; j < 8; ++j)
+                bad += strata_quant<4>(word, j) != strata_u2f((word >> (4 * j)) & 15u);
+            for (int j = 0; j < 4; ++j)
+                bad += strata_quant<8>(word, j) != strata_u2f((word >> (8 * j)) & 255u);
+        }
     out[0] = static_cast<float>(bad);
 """
     source = emulate.program(emulate.SHIM_BLOCK, backend, "", ["float* out"], "", body)
     source += "int main() { float bad = -1.0f; kernel(&bad); return bad == 0.0f ? 0 : 1; }\n"
-    path = tmp_path / f"field_{backend}"
+    path = tmp_path / f"quant_{backend}"
     emulate.compile_program(path, source)
     assert subprocess.run([str(path)]).returncode == 0
-
