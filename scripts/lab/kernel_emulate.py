@@ -703,7 +703,7 @@ class AttentionEmulator:
             return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
         parts = self.dir / "aparts"
         self._run(self._binary(D, "split"), names, attention_window.launch(B, Hq, T, S), B * Hq * T * S * (D + 2), parts)
-        self._run(self._binary(D, "combine"), [names[0], str(parts), *names[8:]],
+        self._run(self._binary(D, "combine"), [names[0], str(parts), *names[len(ATTENTION_PARAMS):]],
                   attention_window.combine_launch(B, Hq, T, D), B * T * Hq * D, out)
         return np.fromfile(out, np.float32).reshape(B, T, Hq, D)
 
@@ -1754,7 +1754,7 @@ def sass_instructions(cubin: Path) -> int:
     size, count, names = struct.unpack_from("<HHH", data, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * size) for i in range(count)]
     table = sections[names][4]
-    texts = [sec[5] for sec in sections if data[table + sec[0]:].startswith(b".text.")]
+    texts = [sec[5] for sec in sections if data.startswith(b".text.", table + sec[0])]
     if len(texts) != 1:
         raise ValueError(f"{cubin} holds {len(texts)} kernels' code, not one")
     return texts[0] // 16
