@@ -23,7 +23,7 @@
 #   bash scripts/bench/gpu_owed.sh plain-loop   # the plain tensor-core forms' K loop at 4/4/1, 8/8/1, 16/16/1, 8/8/2, 4/4/4 under ncu (~4 min)
 #   bash scripts/bench/gpu_owed.sh glu-unroll   # the routed GLU's FMA lane loop unrolled 2, 4, 1: kernel medians, then compares (~4 min)
 #   bash scripts/bench/gpu_owed.sh attention-warps  # the attention window at 8 and 16 warps a block, 512 and 4,096 cells (~1 min)
-#   bash scripts/bench/gpu_owed.sh attention-split  # long views in splits of 1,024, 512, 256 cells against one kernel, to 16,384 cells (~3 min)
+#   bash scripts/bench/gpu_owed.sh attention-split  # long views in splits of 1,024, 512, 256 cells against one kernel, to 16,384 cells; ncu at 4,096 (~5 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
@@ -287,6 +287,9 @@ attention-split)
     # views past SPLIT_CELLS now attend in splits and a combine (each row its bits at any T)
     python -m scripts.lab.attention_warps --warps 8 --split-cells off,1024,512,256 --cells 512,4096,16384 \
         --out "$OUT/attention_split_${card}_$tree.json" 2>&1 | log attention-split
+    # then a whole window at 4,096 cells by the device's clock (time only), beside ncu's at 512
+    python -m scripts.lab.ncu_window --context 4096 --out "$OUT/ncu_window_4096_${card}_$tree.json" 2>&1 \
+        | grep -v "==PROF==" | log attention-split
     ;;
 mma-loop)
     python -m scripts.lab.mma_loop --out "$OUT/mma_loop_${card}_$tree.json" 2>&1 | log mma-loop
