@@ -153,8 +153,10 @@ def header() -> str:
 # own cell count and SPLIT alone; a row of at most SPLIT cells has one split, weighted
 # exp(0) = 1 exactly, so its bits are SOURCE's, and which path a call takes (by its view's
 # length) never changes a row's bits: serial decoding takes SOURCE for a row that a window
-# past SPLIT cells takes in splits.
-SPLIT_CELLS = 1024  # a multiple of 32 (read at each call, and part of the kernels' names)
+# past SPLIT cells takes in splits. Off (0) until a GPU has timed it: a split call is one more
+# launch, and a T = 1 window on CUDA is host time (gpu_owed.sh attention-split times 1,024, 512
+# and 256 cells against one kernel).
+SPLIT_CELLS = 0  # cells a split, a multiple of 32; 0: one kernel at every length (read at each call)
 _SPLIT_EDITS = (
     ("    const int t = block_x % T, h = (block_x / T) % Hq, b = block_x / (T * Hq);\n",
      "    const int S = (L + SPLIT - 1) / SPLIT, s = block_x % S, row_block = block_x / S;\n"
@@ -216,7 +218,7 @@ def split_header() -> str:
 
 def splits(L: int) -> int:
     """The splits a view of L cells takes (1: SOURCE's single kernel)."""
-    return 1 if L <= SPLIT_CELLS else -(-L // SPLIT_CELLS)
+    return 1 if not SPLIT_CELLS or L <= SPLIT_CELLS else -(-L // SPLIT_CELLS)
 
 
 def supports(head_dim: int) -> bool:
@@ -316,8 +318,9 @@ def probe_inputs(B: int, Hq: int, Hkv: int, D: int, L: int, *, capacity: int = 0
     return q, k[:, :, :L], v[:, :, :L]
 
 
-# (D, dtype, Hq, L); Hkv 2. At L = 1,028 the 1-row calls of rows 0-3 see at most SPLIT_CELLS
-# cells (one kernel) and those of rows 4-7 more (splits), as does the 8-row call.
+# (D, dtype, Hq, L); Hkv 2. With SPLIT_CELLS at 1,024, the 1-row calls of rows 0-3 at L = 1,028
+# see at most SPLIT_CELLS cells (one kernel) and those of rows 4-7 more (splits), as does the
+# 8-row call.
 PROBE_CASES = ((64, mx.float32, 4, 300), (256, mx.bfloat16, 16, 1028))
 
 
@@ -480,7 +483,8 @@ def sinks_status() -> dict:
     return _sink_probe.status()
 
 
-# (D, dtype, Hq, L, W); the 1,028-cell case runs both paths and the threshold (as PROBE_CASES')
+# (D, dtype, Hq, L, W); the 1,028-cell case runs both paths and the threshold with splits of
+# 1,024 (as PROBE_CASES')
 SINK_PROBE_CASES = ((64, mx.float32, 8, 300, 0), (64, mx.bfloat16, 8, 135, 128), (64, mx.float32, 4, 15, 8),
                     (64, mx.bfloat16, 8, 1028, 0))
 

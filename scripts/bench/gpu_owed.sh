@@ -284,12 +284,14 @@ attention-warps)
     ;;
 attention-split)
     # issue 37: at 4,096 cells and 8 rows MLX's sdpa took half the kernel's time (H100 at 1c3c6e6);
-    # views past SPLIT_CELLS now attend in splits and a combine (each row its bits at any T)
+    # views past SPLIT_CELLS may attend in splits and a combine (off by default until this stage ran)
     python -m scripts.lab.attention_warps --warps 8 --split-cells off,1024,512,256 --cells 512,4096,16384 \
         --out "$OUT/attention_split_${card}_$tree.json" 2>&1 | log attention-split
-    # then a whole window at 4,096 cells by the device's clock (time only), beside ncu's at 512
-    python -m scripts.lab.ncu_window --context 4096 --out "$OUT/ncu_window_4096_${card}_$tree.json" 2>&1 \
-        | grep -v "==PROF==" | log attention-split
+    # then a whole window at 4,096 cells by the device's clock (time only), one kernel and 1,024-cell splits
+    for split in 0 1024; do
+        python -m scripts.lab.ncu_window --context 4096 --split-cells $split \
+            --out "$OUT/ncu_window_4096_c${split}_${card}_$tree.json" 2>&1 | grep -v "==PROF==" | log attention-split
+    done
     ;;
 mma-loop)
     python -m scripts.lab.mma_loop --out "$OUT/mma_loop_${card}_$tree.json" 2>&1 | log mma-loop

@@ -26,10 +26,10 @@ Granite-like single group without a conv bias, and a batch of 2. The attention w
 (metal_shaders/attention_window.py) runs a whole block at a time (its warps share memory): for
 T = 1..8 each row of a T-row call equals its 1-row call over the same cache buffer bit for bit
 and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
-L = 1, 7, 300, 1020 and 5000 cells (past SPLIT_CELLS, 1,024, in splits and their combine; at
-1020 a window's call takes the splits where some rows' 1-row calls do not), grouped query
-heads and a batch of 2; the sink kernel too, a ring window and 1020 cells with sinks above
-every score among its cases. The router window kernel
+L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2, and the sink kernel with a
+ring window among its cases; then, with splits of SPLIT_CELLS = 1,024 (off by default), L = 1020
+(a window's call takes the splits where some rows' 1-row calls do not) and 5000, and the sink
+kernel at 1020 with sinks above every score. The router window kernel
 (metal_shaders/router_window.py) runs a block per row too: for R = 1..8 each row of an R-row call
 (plain, and as the router's columns of wider rows) equals its 1-row call bit for bit, picks the reference's experts
 (descending, ties to the lower index: the logits include exact ties) and weighs them within 1e-6
@@ -669,11 +669,12 @@ class AttentionEmulator:
         key = (D, kind, attention_window.SPLIT_CELLS if kind != "window" else 0)
         if key not in self.built:
             consts = f"using TQ = float; using TK = float; using TV = float; constexpr int DH = {D};"
-            split, combine = self.split_sources()
-            params, source, header = {
-                "window": (self.params, self.source, attention_window.header()),
-                "split": (self.params, split, attention_window.split_header()),
-                "combine": (self.combine_params, combine, attention_window.split_header())}[kind]
+            if kind == "window":
+                params, source, header = self.params, self.source, attention_window.header()
+            else:
+                split, combine = self.split_sources()
+                params, source = (self.params, split) if kind == "split" else (self.combine_params, combine)
+                header = attention_window.split_header()
             text = block_program(SHIM_BLOCK, self.backend, header, params, [("float", "out")], consts, source)
             path = self.dir / f"attention_{kind}_{D}_{len(self.built)}"
             compile_program(path, text)
@@ -1620,6 +1621,7 @@ def check(name: str, run, rows: int, expected: np.ndarray, alone_rows) -> bool:
 
 
 CUDA_TYPES = {"float": "float", "bf16": "__nv_bfloat16"}
+SPLITS_EMULATED = 1024  # attention_window.SPLIT_CELLS for the split checks and the nvcc compiles
 ATTENTION_NVCC_HEADER = "#include <cuda/std/array>\nusing Strides = cuda::std::array<int64_t, 8>;\n"  # MLX's type
 
 
@@ -1685,7 +1687,7 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                     ("", attention_window.SPLIT_SOURCE, attention_window.COMBINE_SOURCE, []),
                     ("_sinks", attention_window.SINK_SPLIT_SOURCE, attention_window.SINK_COMBINE_SOURCE,
                      [f"const {t}* sinks"])):
-                header = ATTENTION_NVCC_HEADER + attention_window.split_header()
+                header = ATTENTION_NVCC_HEADER + attention_window.header() + f"#define SPLIT {SPLITS_EMULATED}\n"
                 kernels_out.append((f"attention_split{kind}_{D}_{tn}", header, params + extra + ["float* out"], consts,
                                     split))
                 kernels_out.append((f"attention_combine{kind}_{D}_{tn}", header,
@@ -1902,15 +1904,21 @@ def main() -> int:
         results.append(check_mamba2(mamba2, B, H, P, G, N, bias=bias))
     attention = AttentionEmulator(emu.dir, args.backend)
     for B, Hq, Hkv, D, cells in ((1, 16, 2, 256, 1), (1, 16, 2, 256, 7), (1, 16, 2, 256, 300), (1, 4, 2, 64, 1),
-                                 (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 1020), (1, 4, 2, 64, 5000),
-                                 (1, 2, 1, 256, 5000), (2, 4, 1, 64, 40)):
+                                 (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000),
+                                 (2, 4, 1, 64, 40)):
         results.append(check_attention(attention, B, Hq, Hkv, D, cells))
     sinks = SinkAttentionEmulator(emu.dir, args.backend)
     for B, Hq, Hkv, D, cells, window, pos0 in ((1, 64, 8, 64, 135, 128, 3000), (1, 64, 8, 64, 135, 128, 4),
                                                (1, 8, 2, 64, 300, 0, 0), (2, 4, 2, 64, 11, 4, 37)):
         results.append(check_sink_attention(sinks, B, Hq, Hkv, D, cells, window, pos0=pos0))
-    for offset in (0.0, 6.0):  # past SPLIT_CELLS in splits; 6: the sinks above every score
-        results.append(check_sink_attention(sinks, 1, 8, 2, 64, 1020, 0, pos0=0, sink_offset=offset))
+    default_split, attention_window.SPLIT_CELLS = attention_window.SPLIT_CELLS, SPLITS_EMULATED
+    try:  # long views in splits of 1,024 cells (off by default): across the threshold, and far past it
+        for B, Hq, Hkv, D, cells in ((1, 4, 2, 64, 1020), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000)):
+            results.append(check_attention(attention, B, Hq, Hkv, D, cells))
+        for offset in (0.0, 6.0):  # 6: the sinks above every score
+            results.append(check_sink_attention(sinks, 1, 8, 2, 64, 1020, 0, pos0=0, sink_offset=offset))
+    finally:
+        attention_window.SPLIT_CELLS = default_split
     router = RouterEmulator(emu.dir, args.backend)
     for E, k, dtype in ((512, 10, mx.float32), (512, 10, mx.bfloat16), (48, 2, mx.float32), (48, 2, mx.bfloat16),
                         (1024, 16, mx.float32), (130, 8, mx.float32)):

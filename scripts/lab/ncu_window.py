@@ -41,7 +41,7 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from metal_shaders import rows_mma
+from metal_shaders import attention_window, rows_mma
 from scripts.lab import mma_loop
 from strata_cli.bench.runner import git_commit
 
@@ -340,6 +340,8 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--loop", action="append", default=[], metavar="KIND=W/S/U",
                         help="rows_mma's K loop of a kind of form for this run (plain or routed; "
                              "scripts/lab/mma_loop.py), e.g. plain=8/8/1; may repeat")
+    parser.add_argument("--split-cells", type=int, default=None, metavar="N",
+                        help="attention_window.SPLIT_CELLS for this run (cells a split; 0: one kernel)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -353,9 +355,13 @@ def main(argv=None) -> dict | None:
         if kind not in rows_mma.LOOPS:
             parser.error(f"--loop {item!r}: the kinds are {', '.join(rows_mma.LOOPS)}")
         loops.append((kind, setting))
+    if args.split_cells is not None and (args.split_cells < 0 or args.split_cells % 32):
+        parser.error(f"--split-cells takes 0 or a positive multiple of 32, got {args.split_cells}")
     if args.child:
         for kind, setting in loops:
             mma_loop.apply(setting, kind)
+        if args.split_cells is not None:
+            attention_window.SPLIT_CELLS = args.split_cells
         child(args)
         return None
     if args.parse and args.parse.is_dir():
@@ -370,7 +376,8 @@ def main(argv=None) -> dict | None:
             return (["--windows", args.windows, "--each", str(each), "--repeats", str(args.repeats),
                      "--context", str(args.context), "--layers", str(args.layers), "--seed", str(args.seed),
                      "--dir", str(args.dir)] + (["--model", str(args.model)] if args.model else [])
-                    + [f"--loop={kind}={setting}" for kind, setting in loops])
+                    + [f"--loop={kind}={setting}" for kind, setting in loops]
+                    + ([f"--split-cells={args.split_cells}"] if args.split_cells is not None else []))
         work = args.keep or Path(tempfile.mkdtemp(prefix="ncu-window-"))
         work.mkdir(parents=True, exist_ok=True)
         time_csv, record = profile_run(ncu, TIME_METRICS, child_args(args.each), work, "time")
@@ -385,6 +392,7 @@ def main(argv=None) -> dict | None:
         if detail_error:
             report["detail_error"] = detail_error
         report["loops"] = {**{kind: "/".join(map(str, loop)) for kind, loop in rows_mma.LOOPS.items()}, **dict(loops)}
+        report["split_cells"] = attention_window.SPLIT_CELLS if args.split_cells is None else args.split_cells
     report["commit"] = git_commit()
     print(render(report), flush=True)
     if args.out:

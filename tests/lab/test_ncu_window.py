@@ -135,3 +135,10 @@ def test_windows_of_a_different_length_are_left_out_of_the_medians():
     assert summary["windows_alike"] == 2 and summary["launch_counts"] == [1, 2]
     assert [k["kernel"] for k in summary["kernels"]] == ["a"]
     assert summary["busy_us"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("bad", ["100", "-32"])
+def test_split_cells_are_zero_or_whole_chunks(bad, capsys):
+    with pytest.raises(SystemExit) as exited:
+        nw.main(["--split-cells", bad, "--parse", "unused"])
+    assert exited.value.code == 2 and "--split-cells takes 0 or a positive multiple of 32" in capsys.readouterr().err
