@@ -209,11 +209,13 @@ COMBINE_SOURCE = """
 """
 
 
-def split_header() -> str:
-    """What precedes the split kernels: WARPS and SPLIT, as the module holds them now."""
-    if SPLIT_CELLS <= 0 or SPLIT_CELLS % 32:
-        raise ValueError(f"attention_window.SPLIT_CELLS is a positive multiple of 32, got {SPLIT_CELLS}")
-    return header() + f"#define SPLIT {SPLIT_CELLS}\n"
+def split_header(cells: int | None = None) -> str:
+    """What precedes the split kernels: WARPS as the module holds it now, and SPLIT (`cells`, by
+    default SPLIT_CELLS as the module holds it now)."""
+    cells = SPLIT_CELLS if cells is None else cells
+    if cells <= 0 or cells % 32:
+        raise ValueError(f"attention_window.SPLIT_CELLS is a positive multiple of 32, got {cells}")
+    return header() + f"#define SPLIT {cells}\n"
 
 
 def splits(L: int) -> int:

@@ -1687,7 +1687,7 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                     ("", attention_window.SPLIT_SOURCE, attention_window.COMBINE_SOURCE, []),
                     ("_sinks", attention_window.SINK_SPLIT_SOURCE, attention_window.SINK_COMBINE_SOURCE,
                      [f"const {t}* sinks"])):
-                header = ATTENTION_NVCC_HEADER + attention_window.header() + f"#define SPLIT {SPLITS_EMULATED}\n"
+                header = ATTENTION_NVCC_HEADER + attention_window.split_header(SPLITS_EMULATED)
                 kernels_out.append((f"attention_split{kind}_{D}_{tn}", header, params + extra + ["float* out"], consts,
                                     split))
                 kernels_out.append((f"attention_combine{kind}_{D}_{tn}", header,
