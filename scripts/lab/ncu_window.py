@@ -14,12 +14,12 @@ window's wall time holds beyond it is the host and the gaps between launches.
 
 The report, per T: each kernel (by name, in launch order) with its median duration over the
 windows, grid and block, registers a thread, and with `--detail` (a second ncu run of strata's
-own kernels in one window of each T, caches flushed before each kernel: the bytes a kernel reads
-when its inputs are not already in L2, at most what it reads in the window) DRAM bytes read,
-DRAM throughput against peak, active warps against peak, issue slots, FP32 and integer pipes and
-the SMs' busiest unit against peak, and warps' stalls on memory; by name, the sums (the
-percentages weighted by each launch's µs); and the change from the first T to the last, largest
-first.
+own kernels in one window of each T, the child run again for each pass, caches flushed before
+each kernel: the bytes a kernel reads when its inputs are not already in L2, at most what it
+reads in the window; stopped after `--detail-timeout` s) DRAM bytes read, DRAM throughput
+against peak, active warps against peak, issue slots, FP32 and integer pipes against peak, and
+warps' stalls on memory; by name, the sums (the percentages weighted by each launch's µs); and
+the change from the first T to the last, largest first.
 
     python -m scripts.lab.ncu_window --out ncu_window.json            # GPU with ncu (H100: ncu in /usr/local/cuda/bin)
     python -m scripts.lab.ncu_window --parse report.csv --markers m.json  # read an exported report again
@@ -34,6 +34,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,19 +56,22 @@ DETAIL_METRICS = ("dram__bytes_read.sum", "dram__throughput.avg.pct_of_peak_sust
                   "smsp__issue_active.avg.pct_of_peak_sustained_active",
                   "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
                   "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
-                  "sm__throughput.avg.pct_of_peak_sustained_elapsed",
                   "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio")
-# The kernels the detail profiles (ncu's --kernel-name; the markers' name matches): each launch
-# takes several passes with the caches flushed, and every launch of three windows a T (797) took
-# over 14 minutes on the H100 at 22ead51; strata's own kernels in one window a T are 210 of them.
+# The kernels the detail profiles (ncu's --kernel-name; the markers' name matches). Replayed
+# kernel by kernel, each launch's passes save and restore the device memory it may touch (MLX's
+# whole heap): every launch of three windows a T (797) ran past 14 minutes on the H100 at
+# 22ead51, and strata's 210 launches of one window a T got through 21 in 16 minutes at 97e7ee1.
+# So the detail replays the application (the child again for each pass: it is deterministic)
+# and stops at DETAIL_TIMEOUT_S, leaving the times whole.
 DETAIL_KERNELS = "regex:strata_"
+DETAIL_REPLAY = "application"
+DETAIL_TIMEOUT_S = 420
 # the detail's percentages as `render` shows them, per kernel name (weighted by each launch's µs)
 SHOWN = {"dram": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
          "warps": "sm__warps_active.avg.pct_of_peak_sustained_active",
          "issue": "smsp__issue_active.avg.pct_of_peak_sustained_active",
          "fma": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
-         "alu": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
-         "sm": "sm__throughput.avg.pct_of_peak_sustained_elapsed"}
+         "alu": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active"}
 # a metric's value in the report's unit, scaled to µs (times) or bytes; ncu 2025 writes "ns",
 # older ones "nsecond". Counts, percentages and the like keep their value.
 UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6,
@@ -276,19 +280,41 @@ def ncu_path() -> str:
     return found
 
 
+def profile_command(ncu: str, metrics: tuple[str, ...], child_args: list[str], report: Path, record: Path,
+                    cache: str = "none", kernels: str | None = None, replay: str = "kernel") -> list[str]:
+    """ncu's command line for one run of the child. `cache`: ncu's --cache-control (`all`
+    flushes the caches before each pass, so a metric needing several passes never reads what the
+    pass before it left in L2); `kernels`: ncu's --kernel-name, the kernels it profiles (every one
+    when None); `replay`: ncu's --replay-mode (`application` runs the child once a pass)."""
+    return [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", cache,
+            "--replay-mode", replay, *(["--kernel-name", kernels] if kernels else []),
+            "--metrics", ",".join(metrics), "-f", "-o", str(report),
+            sys.executable, "-m", "scripts.lab.ncu_window", "--child", str(record), *child_args]
+
+
+def run_bounded(cmd: list[str], timeout: float | None) -> subprocess.CompletedProcess:
+    """`cmd` to its end, or killed with everything it started (ncu's child holds the GPU) once
+    `timeout` seconds have passed (SystemExit then)."""
+    with subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise SystemExit(f"ncu_window: the profiled run passed its {timeout:.0f} s and was stopped") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def profile_run(ncu: str, metrics: tuple[str, ...], child_args: list[str], work: Path, tag: str,
-                cache: str = "none", kernels: str | None = None) -> tuple[str, dict]:
-    """One ncu run of the child: the exported CSV and the child's own record. `cache`: ncu's
-    --cache-control (`all` flushes the caches before each pass, so a metric needing several
-    passes never reads what the pass before it left in L2); `kernels`: ncu's --kernel-name, the
-    kernels it profiles (every one when None)."""
+                cache: str = "none", kernels: str | None = None, replay: str = "kernel",
+                timeout: float | None = None) -> tuple[str, dict]:
+    """One ncu run of the child (profile_command's options; stopped after `timeout` s): the
+    exported CSV and the child's own record."""
     report, record = work / f"{tag}", work / f"{tag}.json"
-    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", cache,
-           *(["--kernel-name", kernels] if kernels else []),
-           "--metrics", ",".join(metrics), "-f", "-o", str(report),
-           sys.executable, "-m", "scripts.lab.ncu_window", "--child", str(record), *child_args]
+    cmd = profile_command(ncu, metrics, child_args, report, record, cache, kernels, replay)
     print("$ " + " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, text=True, capture_output=True)
+    done = run_bounded(cmd, timeout)
     sys.stdout.write(done.stdout[-3000:])
     if done.returncode or not record.exists():
         sys.stderr.write(done.stderr[-3000:])
@@ -333,6 +359,10 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "strata-step-profile")
     parser.add_argument("--detail", action="store_true",
                         help="a second ncu run for DRAM bytes, throughput and warps (strata's kernels, one window a T)")
+    parser.add_argument("--detail-kernels", default=DETAIL_KERNELS,
+                        help="ncu's --kernel-name for the detail run (default %(default)s)")
+    parser.add_argument("--detail-timeout", type=float, default=DETAIL_TIMEOUT_S,
+                        help="seconds the detail run may take before it is stopped (the times are kept)")
     parser.add_argument("--keep", type=Path, default=None, help="keep ncu's reports and CSVs in this folder")
     parser.add_argument("--parse", type=Path, default=None,
                         help="read an exported CSV (with --markers), or a --keep folder, instead of profiling")
@@ -384,7 +414,8 @@ def main(argv=None) -> dict | None:
         detail, detail_error = (None, None), None
         if args.detail:
             try:  # a metric this ncu lacks costs the detail, never the times; one window of each T
-                detail = profile_run(ncu, DETAIL_METRICS, child_args(1), work, "detail", "all", DETAIL_KERNELS)
+                detail = profile_run(ncu, DETAIL_METRICS, child_args(1), work, "detail", "all", args.detail_kernels,
+                                     DETAIL_REPLAY, args.detail_timeout)
             except SystemExit as e:
                 detail_error = str(e)
                 print(f"ncu_window: no detail: {detail_error}", file=sys.stderr, flush=True)

@@ -3,6 +3,8 @@
 
 import csv
 import io
+import sys
+import time
 
 import pytest
 
@@ -142,3 +144,31 @@ def test_split_cells_are_zero_or_whole_chunks(bad, capsys):
     with pytest.raises(SystemExit) as exited:
         nw.main(["--split-cells", bad, "--parse", "unused"])
     assert exited.value.code == 2 and "--split-cells takes 0 or a positive multiple of 32" in capsys.readouterr().err
+
+
+def test_the_detail_replays_the_application_and_the_times_replay_nothing(tmp_path):
+    detail = nw.profile_command("ncu", nw.DETAIL_METRICS, ["--windows", "1"], tmp_path / "d", tmp_path / "d.json",
+                                "all", nw.DETAIL_KERNELS, nw.DETAIL_REPLAY)
+    assert detail[detail.index("--replay-mode") + 1] == "application"
+    assert detail[detail.index("--kernel-name") + 1] == "regex:strata_"
+    assert detail[detail.index("--cache-control") + 1] == "all"
+    timed_ = nw.profile_command("ncu", nw.TIME_METRICS, [], tmp_path / "t", tmp_path / "t.json")
+    assert "--kernel-name" not in timed_ and timed_[timed_.index("--replay-mode") + 1] == "kernel"
+    assert timed_[timed_.index("--child") + 1] == str(tmp_path / "t.json")
+
+
+def test_a_run_past_its_time_is_stopped_with_what_it_started(tmp_path):
+    marker = tmp_path / "grandchild"
+    late = tmp_path / "late.py"  # would write the marker 3 s after it starts
+    late.write_text(f"import time\ntime.sleep(3)\nopen({str(marker)!r}, 'w')\n")
+    parent = tmp_path / "parent.py"  # starts it, then outlives the timeout
+    parent.write_text(f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, {str(late)!r}])\n"
+                      "time.sleep(30)\n")
+    cmd = [sys.executable, str(parent)]
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match="passed its 1 s and was stopped"):
+        nw.run_bounded(cmd, 1.0)
+    assert time.monotonic() - start < 10
+    time.sleep(3.5)
+    assert not marker.exists()
+    assert nw.run_bounded([sys.executable, "-c", "print('ok')"], 10).stdout == "ok\n"
