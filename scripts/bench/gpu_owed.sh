@@ -23,7 +23,7 @@
 #   bash scripts/bench/gpu_owed.sh plain-loop   # the plain tensor-core forms' K loop at 4/4/1, 8/8/1, 16/16/1, 8/8/2, 4/4/4 under ncu (~4 min)
 #   bash scripts/bench/gpu_owed.sh glu-unroll   # the routed GLU's FMA lane loop unrolled 2, 4, 1: kernel medians, then compares (~4 min)
 #   bash scripts/bench/gpu_owed.sh attention-warps  # the attention window at 8 and 16 warps a block, 512 and 4,096 cells (~1 min)
-#   bash scripts/bench/gpu_owed.sh attention-split  # long views in splits of 1,024, 512, 256 cells against one kernel, to 16,384 cells; ncu at 4,096 (~5 min)
+#   bash scripts/bench/gpu_owed.sh attention-split  # splits of 1,024, 512, 256 cells against one kernel to 16,384 cells; windows under ncu at 512 and 4,096 (~6 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
 #   bash scripts/bench/gpu_owed.sh stream    # the 48-layer streamed checkpoint: build, disk, cold rows (~15 min)
 #   bash scripts/bench/gpu_owed.sh stream-auto      # then auto against serial at 5%, 10% and 100%, 3 rounds alternating
@@ -283,14 +283,15 @@ attention-warps)
     python -m scripts.lab.attention_warps --out "$OUT/attention_warps_${card}_$tree.json" 2>&1 | log attention-warps
     ;;
 attention-split)
-    # issue 37: at 4,096 cells and 8 rows MLX's sdpa took half the kernel's time (H100 at 1c3c6e6);
-    # views past SPLIT_CELLS may attend in splits and a combine (off by default until this stage ran)
+    # issue 37: in a window the cells come from DRAM and one block a row leaves most SMs idle; 1,024-cell
+    # splits took a 4,096-cell window's two attention layers from 744 to 181 us at T = 1 under ncu (H100
+    # at 97e7ee1) and are the default since. Kernel medians first, then windows by the device's clock
+    # (time only): smaller splits, and splits at the compare's 512 cells (CONTEXT:SPLIT_CELLS, 0 one kernel)
     python -m scripts.lab.attention_warps --warps 8 --split-cells off,1024,512,256 --cells 512,4096,16384 \
         --out "$OUT/attention_split_${card}_$tree.json" 2>&1 | log attention-split
-    # then a whole window at 4,096 cells by the device's clock (time only), one kernel and 1,024-cell splits
-    for split in 0 1024; do
-        python -m scripts.lab.ncu_window --context 4096 --split-cells $split \
-            --out "$OUT/ncu_window_4096_c${split}_${card}_$tree.json" 2>&1 | grep -v "==PROF==" | log attention-split
+    for case in ${SPLIT_CASES:-512:0 512:256 512:128 4096:1024 4096:512 4096:256}; do
+        python -m scripts.lab.ncu_window --context "${case%%:*}" --split-cells "${case##*:}" \
+            --out "$OUT/ncu_window_${case%%:*}_c${case##*:}_${card}_$tree.json" 2>&1 | grep -v "==PROF==" | log attention-split
     done
     ;;
 mma-loop)
