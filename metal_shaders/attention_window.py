@@ -153,10 +153,11 @@ def header() -> str:
 # own cell count and SPLIT alone; a row of at most SPLIT cells has one split, weighted
 # exp(0) = 1 exactly, so its bits are SOURCE's, and which path a call takes (by its view's
 # length) never changes a row's bits: serial decoding takes SOURCE for a row that a window
-# past SPLIT cells takes in splits. Off (0) until a GPU has timed it: a split call is one more
-# launch, and a T = 1 window on CUDA is host time (gpu_owed.sh attention-split times 1,024, 512
-# and 256 cells against one kernel).
-SPLIT_CELLS = 0  # cells a split, a multiple of 32; 0: one kernel at every length (read at each call)
+# past SPLIT cells takes in splits. In a window the cells come from DRAM and one block a row
+# leaves most SMs idle (16 blocks at T = 1 on the 80B shape), each warp waiting on its chunks in
+# turn: on the H100 at 97e7ee1 (ncu_window --context 4096, a window's two attention layers) one
+# kernel took 744 / 696 µs at T = 1 / 8, 1,024-cell splits 181 / 373 and their combines 8.
+SPLIT_CELLS = 1024  # cells a split, a multiple of 32; 0: one kernel at every length (read at each call)
 _SPLIT_EDITS = (
     ("    const int t = block_x % T, h = (block_x / T) % Hq, b = block_x / (T * Hq);\n",
      "    const int S = (L + SPLIT - 1) / SPLIT, s = block_x % S, row_block = block_x / S;\n"

@@ -166,7 +166,7 @@ def test_a_long_view_launches_its_splits_then_their_combine(monkeypatch):
         return kernel
 
     monkeypatch.setattr(attention_window, "gpu_kernel", fake)
-    assert attention_window.splits(1 << 20) == 1  # off by default: one kernel at every length
+    assert attention_window.splits(1024) == 1 and attention_window.splits(1025) == 2  # the default: 1,024
     monkeypatch.setattr(attention_window, "SPLIT_CELLS", 64)
     q, keys, values = attention_window.probe_inputs(2, 4, 2, 32, 130, dtype=mx.bfloat16)
     out = attention_window.attention_window(q[:, :, :3], keys, values, 0.125)

@@ -26,8 +26,8 @@ Granite-like single group without a conv bias, and a batch of 2. The attention w
 (metal_shaders/attention_window.py) runs a whole block at a time (its warps share memory): for
 T = 1..8 each row of a T-row call equals its 1-row call over the same cache buffer bit for bit
 and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
-L = 1, 7, 300 and 5000 cells, grouped query heads and a batch of 2, and the sink kernel with a
-ring window among its cases; then, with splits of SPLIT_CELLS = 1,024 (off by default), L = 1020
+L = 1, 7, 300 and 5000 cells (one kernel at every length), grouped query heads and a batch of 2,
+and the sink kernel with a ring window among its cases; then, with splits of SPLIT_CELLS = 1,024 (the default), L = 1020
 (a window's call takes the splits where some rows' 1-row calls do not) and 5000, and the sink
 kernel at 1020 with sinks above every score. The router window kernel
 (metal_shaders/router_window.py) runs a block per row too: for R = 1..8 each row of an R-row call
@@ -90,6 +90,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -1622,6 +1623,16 @@ def check(name: str, run, rows: int, expected: np.ndarray, alone_rows) -> bool:
 
 CUDA_TYPES = {"float": "float", "bf16": "__nv_bfloat16"}
 SPLITS_EMULATED = 1024  # attention_window.SPLIT_CELLS for the split checks and the nvcc compiles
+
+
+@contextmanager
+def split_cells(cells: int):
+    """attention_window.SPLIT_CELLS set to `cells` inside (0: one kernel at every length)."""
+    default, attention_window.SPLIT_CELLS = attention_window.SPLIT_CELLS, cells
+    try:
+        yield
+    finally:
+        attention_window.SPLIT_CELLS = default
 ATTENTION_NVCC_HEADER = "#include <cuda/std/array>\nusing Strides = cuda::std::array<int64_t, 8>;\n"  # MLX's type
 
 
@@ -1903,22 +1914,20 @@ def main() -> int:
     for B, H, P, G, N, bias in ((1, 64, 64, 8, 128, True), (1, 4, 32, 1, 16, False), (2, 4, 16, 2, 64, True)):
         results.append(check_mamba2(mamba2, B, H, P, G, N, bias=bias))
     attention = AttentionEmulator(emu.dir, args.backend)
-    for B, Hq, Hkv, D, cells in ((1, 16, 2, 256, 1), (1, 16, 2, 256, 7), (1, 16, 2, 256, 300), (1, 4, 2, 64, 1),
-                                 (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000),
-                                 (2, 4, 1, 64, 40)):
-        results.append(check_attention(attention, B, Hq, Hkv, D, cells))
     sinks = SinkAttentionEmulator(emu.dir, args.backend)
-    for B, Hq, Hkv, D, cells, window, pos0 in ((1, 64, 8, 64, 135, 128, 3000), (1, 64, 8, 64, 135, 128, 4),
-                                               (1, 8, 2, 64, 300, 0, 0), (2, 4, 2, 64, 11, 4, 37)):
-        results.append(check_sink_attention(sinks, B, Hq, Hkv, D, cells, window, pos0=pos0))
-    default_split, attention_window.SPLIT_CELLS = attention_window.SPLIT_CELLS, SPLITS_EMULATED
-    try:  # long views in splits of 1,024 cells (off by default): across the threshold, and far past it
+    with split_cells(0):  # one kernel at every length, 5,000 cells included
+        for B, Hq, Hkv, D, cells in ((1, 16, 2, 256, 1), (1, 16, 2, 256, 7), (1, 16, 2, 256, 300), (1, 4, 2, 64, 1),
+                                     (1, 4, 2, 64, 7), (1, 4, 2, 64, 300), (1, 4, 2, 64, 5000),
+                                     (1, 2, 1, 256, 5000), (2, 4, 1, 64, 40)):
+            results.append(check_attention(attention, B, Hq, Hkv, D, cells))
+        for B, Hq, Hkv, D, cells, window, pos0 in ((1, 64, 8, 64, 135, 128, 3000), (1, 64, 8, 64, 135, 128, 4),
+                                                   (1, 8, 2, 64, 300, 0, 0), (2, 4, 2, 64, 11, 4, 37)):
+            results.append(check_sink_attention(sinks, B, Hq, Hkv, D, cells, window, pos0=pos0))
+    with split_cells(SPLITS_EMULATED):  # long views in splits: across the threshold, and far past it
         for B, Hq, Hkv, D, cells in ((1, 4, 2, 64, 1020), (1, 4, 2, 64, 5000), (1, 2, 1, 256, 5000)):
             results.append(check_attention(attention, B, Hq, Hkv, D, cells))
         for offset in (0.0, 6.0):  # 6: the sinks above every score
             results.append(check_sink_attention(sinks, 1, 8, 2, 64, 1020, 0, pos0=0, sink_offset=offset))
-    finally:
-        attention_window.SPLIT_CELLS = default_split
     router = RouterEmulator(emu.dir, args.backend)
     for E, k, dtype in ((512, 10, mx.float32), (512, 10, mx.bfloat16), (48, 2, mx.float32), (48, 2, mx.bfloat16),
                         (1024, 16, mx.float32), (130, 8, mx.float32)):
