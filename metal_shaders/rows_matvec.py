@@ -575,11 +575,13 @@ def rows_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array], up:
 
 def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array],
                             up: tuple[mx.array, mx.array, mx.array], experts: mx.array, *, group_size: int, bits: int,
-                            share: int | None = None, cols: int = GLU_COLS, tensor_cores: bool = True) -> mx.array:
+                            share: int | None = None, cols: int | None = None,
+                            tensor_cores: bool = True) -> mx.array:
     """`rows_gather_qmatvec`'s routed experts, gate and up (each (weight (E, N, K·bits/32),
     scales, biases) of one quantization) in one launch: -> silu(gate) · up, each product the
     bits of `rows_gather_qmatvec`'s, picks that share rows as there (`tensor_cores`: rows_mma's
-    form, as `rows_matvec`'s)."""
+    form, as `rows_matvec`'s; `cols`: output columns a warp, by default GLU_COLS as the module
+    holds it at the call: it moves no sum, so scripts/lab/glu_unroll.py times others)."""
     if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits, form="glu"):
         return rows_mma.rows_gather_glu_qmatvec(x, gate, up, experts, group_size=group_size, bits=bits, share=share)
     R, K = rows(x)
@@ -593,7 +595,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
                 ("UNROLL", GLU_UNROLL)]
     shape = (*x.shape[:-1], N) if per == 1 else (*x.shape[:-1], per, N)
     return _glu_launch(kernel, [dims(M, K, N, per), x, *gate, *up, experts], template, shape, share or 1, N, x.dtype,
-                       cols, grid_y=M)
+                       cols or GLU_COLS, grid_y=M)
 
 
 def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts: mx.array, *,

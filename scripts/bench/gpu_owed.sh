@@ -21,7 +21,7 @@
 #   bash scripts/bench/gpu_owed.sh upload    # host ints through MLX's pool against plain arrays: ncu, then compares (~5 min; UPLOAD_ROUNDS=0: ncu only)
 #   bash scripts/bench/gpu_owed.sh routed-loop  # 80B compares, the routed GLU on FMA (the default) against tensor cores at 4/1/1 (~4 min)
 #   bash scripts/bench/gpu_owed.sh plain-loop   # the plain tensor-core forms' K loop at 4/4/1, 8/8/1, 16/16/1, 8/8/2, 4/4/4 under ncu (~4 min)
-#   bash scripts/bench/gpu_owed.sh glu-unroll   # the routed GLU's FMA lane loop unrolled 2, 4, 1: kernel medians, then compares (~4 min)
+#   bash scripts/bench/gpu_owed.sh glu-unroll   # the routed GLU's lane loop unrolled and its columns a warp: kernel medians, then ncu windows (~4 min)
 #   bash scripts/bench/gpu_owed.sh attention-warps  # the attention window at 8 and 16 warps a block, 512 and 4,096 cells (~1 min)
 #   bash scripts/bench/gpu_owed.sh attention-split  # splits of 1,024, 512, 256 cells against one kernel to 16,384 cells; windows under ncu at 512 and 4,096 (~6 min)
 #   bash scripts/bench/gpu_owed.sh mma-loop  # rows_mma's K loop settings (tiles a block, steps in flight), kernel by kernel (~6 min)
@@ -266,16 +266,15 @@ plain-loop)
     done
     ;;
 glu-unroll)
-    # issue 37: the routed GLU's FMA lane loop unrolled 2 (the default; 128 registers) against 4
-    # (64: twice the warps an SM) and 1: kernel medians with a bits check, then short compares
-    # alternating 2 and 4 (ncu at 6958ed6: 507 us of a T = 8 window's 1,864 device us)
-    python -m scripts.lab.glu_unroll --out "$OUT/glu_unroll_${card}_$tree.json" 2>&1 | log glu-unroll
-    for round in 1 2; do
-        for unroll in 2 4; do
-            echo "== round $round GLU_UNROLL $unroll" | log glu-unroll
-            compare_after "from metal_shaders import rows_matvec; rows_matvec.GLU_UNROLL = $unroll" \
-                "glu_unroll_${round}_${unroll}_$tree.json" glu-unroll
-        done
+    # issue 37: the routed GLU's lane loop unrolled (UNROLL) and its output columns a warp (COLS), as
+    # UNROLL/COLS; 4/2 the default. At one row (ncu at 97e7ee1) it reads at 29% of DRAM's peak with 27%
+    # of warps active: 640 blocks of 4 warps, one thin wave; 1 column a warp doubles the blocks (56
+    # registers by nvcc). Kernel medians with a bits check, then whole windows under ncu (time only)
+    python -m scripts.lab.glu_unroll --settings 4/2,4/1,8/1,2/1,1/4 \
+        --out "$OUT/glu_unroll_${card}_$tree.json" 2>&1 | log glu-unroll
+    for cols in 2 1; do
+        python -m scripts.lab.ncu_window --glu-cols $cols \
+            --out "$OUT/ncu_glu_cols${cols}_${card}_$tree.json" 2>&1 | grep -v "==PROF==" | log glu-unroll
     done
     ;;
 attention-warps)

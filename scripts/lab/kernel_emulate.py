@@ -1321,6 +1321,27 @@ def check_glu(emu: Emulator, kind: str, *, dtype=mx.float32, K: int = 512, N: in
     return ok
 
 
+def check_glu_cols(emu: Emulator, *, cols=(1, 4), K: int = 2048, N: int = 37) -> list[bool]:
+    """The routed GLU with other counts of output columns a warp (scripts/lab/glu_unroll.py's
+    COLS): at each dtype every pick of an 8-pick call equals the default count's bits, at the
+    80B's K (two chunks a lane, the loop unrolled by GLU_UNROLL)."""
+    results = []
+    for dtype in (mx.float32, mx.bfloat16):
+        inputs, _, _, _ = glu_case("gather_glu", dtype, K=K, N=N)
+
+        def run(c: int | None) -> np.ndarray:
+            return emu.launch("gather_glu", inputs(0, 8, "glu"), rows=kernels.MAX_ROWS, blocks_y=8, N=N, out_rows=8,
+                              bits=4, gs=64, cols=c, dtype=dtype)
+
+        default = run(None)
+        for c in cols:
+            same = np.array_equal(run(c), default)
+            print(f"gather_glu K={K} N={N} {str(dtype).split('.')[-1]:8s} {c} column(s) a warp == "
+                  f"{kernels.GLU_COLS}'s bits: {same}  {'ok' if same else 'MISMATCH'}", flush=True)
+            results.append(same)
+    return results
+
+
 # The tails the matrix kernels had before their reduce-scatter (rows_matvec._scatter_tail): each
 # (row, column) value summed over the 32 lanes by the xor butterfly, five shuffles a value. The
 # reduce-scatter must give their bits (`--only tails`).
@@ -1827,6 +1848,7 @@ ONLY = {
     "mapped": lambda emu, backend: check_mappeds(emu),
     "embed": lambda emu, backend: check_embeds(EmbedRowsEmulator(emu.dir, backend)),
     "tails": lambda emu, backend: check_tails(emu),
+    "glu-cols": lambda emu, backend: check_glu_cols(emu),
 }
 
 
@@ -1841,8 +1863,9 @@ def main() -> int:
     parser.add_argument("--only", choices=ONLY,
                         help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes), "
                              "mapped (rows_matvec's column-mapped forms, about a minute), embed "
-                             "(metal_shaders/embed_rows.py, seconds) or tails (rows_matvec's reduce-scatter "
-                             "against the butterfly, every matrix kind, a few minutes)")
+                             "(metal_shaders/embed_rows.py, seconds), tails (rows_matvec's reduce-scatter "
+                             "against the butterfly, every matrix kind, a few minutes) or glu-cols (the routed "
+                             "GLU at other columns a warp)")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
@@ -1905,6 +1928,7 @@ def main() -> int:
                                   ("quantized_glu", mx.float32, 8, 32), ("gather_glu", mx.float32, 4, 64),
                                   ("gather_glu", mx.bfloat16, 4, 64)):
         results.append(check_glu(emu, kind, dtype=dtype, bits=bits, gs=gs))
+    results += check_glu_cols(emu)
     results += check_mappeds(emu)
     results += check_tails(emu)
     gdn = GDNEmulator(emu.dir, args.backend)

@@ -68,8 +68,8 @@ def apply(setting: str, kind: str | None = None) -> None:
 
 def routed_glu_case(K: int = 2048, N: int = 512, *, E: int = 512, top_k: int = 10):
     """The 80B's routed gate and up (4-bit, groups of 64), 8 rows of x and each row's top_k picks:
-    (ours, theirs, x8, picks), where ours(x, experts, tensor_cores=True) is rows_gather_glu_qmatvec
-    (a row's picks sharing its x) and theirs(x, experts) MLX's two gather_qmm with the GLU between
+    (ours, theirs, x8, picks), where ours(x, experts, tensor_cores=True, **options) is
+    rows_gather_glu_qmatvec (a row's picks sharing its x; options such as `cols` passed on) and theirs(x, experts) MLX's two gather_qmm with the GLU between
     (mlx-lm's SwitchGLU)."""
     keys = mx.random.split(mx.random.key(5), 4)
     gate, up = (mx.quantize((mx.random.normal((E, N, K), key=keys[i]) * K**-0.5).astype(mx.bfloat16), 64, 4)
@@ -78,9 +78,9 @@ def routed_glu_case(K: int = 2048, N: int = 512, *, E: int = 512, top_k: int = 1
     x8 = mx.random.normal((8, K), key=keys[3]).astype(mx.bfloat16)
     mx.eval(gate, up, picks, x8)
 
-    def ours(x, experts, tensor_cores=True):
+    def ours(x, experts, tensor_cores=True, **options):
         return rows_matvec.rows_gather_glu_qmatvec(x, gate, up, experts.reshape(-1), group_size=64, bits=4,
-                                                   tensor_cores=tensor_cores)
+                                                   tensor_cores=tensor_cores, **options)
 
     def theirs(x, experts):
         g, u = (mx.gather_qmm(x[:, None, None, :], *w, rhs_indices=experts, transpose=True, group_size=64, bits=4)

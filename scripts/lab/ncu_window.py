@@ -42,7 +42,7 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from metal_shaders import attention_window, rows_mma
+from metal_shaders import attention_window, rows_matvec, rows_mma
 from scripts.lab import mma_loop
 from strata_cli.bench.runner import git_commit
 
@@ -372,6 +372,8 @@ def main(argv=None) -> dict | None:
                              "scripts/lab/mma_loop.py), e.g. plain=8/8/1; may repeat")
     parser.add_argument("--split-cells", type=int, default=None, metavar="N",
                         help="attention_window.SPLIT_CELLS for this run (cells a split; 0: one kernel)")
+    parser.add_argument("--glu-cols", type=int, default=None, metavar="N",
+                        help="rows_matvec.GLU_COLS for this run (the routed GLU's output columns a warp)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -387,11 +389,15 @@ def main(argv=None) -> dict | None:
         loops.append((kind, setting))
     if args.split_cells is not None and (args.split_cells < 0 or args.split_cells % 32):
         parser.error(f"--split-cells takes 0 or a positive multiple of 32, got {args.split_cells}")
+    if args.glu_cols is not None and (args.glu_cols < 1 or args.glu_cols & (args.glu_cols - 1)):
+        parser.error(f"--glu-cols takes a power of two, got {args.glu_cols}")
     if args.child:
         for kind, setting in loops:
             mma_loop.apply(setting, kind)
         if args.split_cells is not None:
             attention_window.SPLIT_CELLS = args.split_cells
+        if args.glu_cols is not None:
+            rows_matvec.GLU_COLS = args.glu_cols
         child(args)
         return None
     if args.parse and args.parse.is_dir():
@@ -407,7 +413,8 @@ def main(argv=None) -> dict | None:
                      "--context", str(args.context), "--layers", str(args.layers), "--seed", str(args.seed),
                      "--dir", str(args.dir)] + (["--model", str(args.model)] if args.model else [])
                     + [f"--loop={kind}={setting}" for kind, setting in loops]
-                    + ([f"--split-cells={args.split_cells}"] if args.split_cells is not None else []))
+                    + ([f"--split-cells={args.split_cells}"] if args.split_cells is not None else [])
+                    + ([f"--glu-cols={args.glu_cols}"] if args.glu_cols is not None else []))
         work = args.keep or Path(tempfile.mkdtemp(prefix="ncu-window-"))
         work.mkdir(parents=True, exist_ok=True)
         time_csv, record = profile_run(ncu, TIME_METRICS, child_args(args.each), work, "time")
@@ -424,6 +431,7 @@ def main(argv=None) -> dict | None:
             report["detail_error"] = detail_error
         report["loops"] = {**{kind: "/".join(map(str, loop)) for kind, loop in rows_mma.LOOPS.items()}, **dict(loops)}
         report["split_cells"] = attention_window.SPLIT_CELLS if args.split_cells is None else args.split_cells
+        report["glu_cols"] = rows_matvec.GLU_COLS if args.glu_cols is None else args.glu_cols
     report["commit"] = git_commit()
     print(render(report), flush=True)
     if args.out:

@@ -172,3 +172,10 @@ def test_a_run_past_its_time_is_stopped_with_what_it_started(tmp_path):
     time.sleep(3.5)
     assert not marker.exists()
     assert nw.run_bounded([sys.executable, "-c", "print('ok')"], 10).stdout == "ok\n"
+
+
+@pytest.mark.parametrize("flag", ["--glu-cols=3", "--glu-cols=0", "--split-cells=100"])
+def test_study_settings_are_checked_before_ncu_is_looked_for(flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        nw.main([flag])
+    assert exited.value.code == 2 and flag.split("=")[0] in capsys.readouterr().err
