@@ -71,8 +71,8 @@ def ptxas(settings: list[tuple[str, int, int]], workdir: Path) -> list[dict]:
     return rows
 
 
-def bench(settings: list[tuple[str, int, int]], *, rounds: int, repeats: int, inner: int, K: int = 2048, N: int = 512, E: int = 512,
-          top_k: int = 10) -> list[dict]:
+def bench(settings: list[tuple[str, int, int]], *, rounds: int, repeats: int, inner: int, K: int = 2048,
+          N: int = 512, E: int = 512, top_k: int = 10) -> list[dict]:
     """Records of each setting at R = 1 and 8, alternating over `rounds`: ms of the FMA kernel and
     of MLX's calls, whether it kept each row's 1-row bits and the default setting's bits."""
     case, theirs, x8, picks = mma_loop.routed_glu_case(K, N, E=E, top_k=top_k)
