@@ -69,8 +69,8 @@ def apply(setting: str, kind: str | None = None) -> None:
 def routed_glu_case(K: int = 2048, N: int = 512, *, E: int = 512, top_k: int = 10):
     """The 80B's routed gate and up (4-bit, groups of 64), 8 rows of x and each row's top_k picks:
     (ours, theirs, x8, picks), where ours(x, experts, tensor_cores=True, **options) is
-    rows_gather_glu_qmatvec (a row's picks sharing its x; options such as `cols` passed on) and theirs(x, experts) MLX's two gather_qmm with the GLU between
-    (mlx-lm's SwitchGLU)."""
+    rows_gather_glu_qmatvec (a row's picks sharing its x; options such as `cols` passed on) and
+    theirs(x, experts) MLX's two gather_qmm with the GLU between (mlx-lm's SwitchGLU)."""
     keys = mx.random.split(mx.random.key(5), 4)
     gate, up = (mx.quantize((mx.random.normal((E, N, K), key=keys[i]) * K**-0.5).astype(mx.bfloat16), 64, 4)
                 for i in (0, 1))
