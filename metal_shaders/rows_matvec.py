@@ -310,7 +310,9 @@ MXFP4_HEADER = f"#define E2M1_BITS(C) {_E2M1_BITS}\n"
 # c then rounds both sums to T, as the plain kernels' outputs are, and writes
 # T(STRATA_GLU(gate, up)): silu(gate) · up in float32, rounded once (today's compiled `swiglu`
 # rounds its sigmoid, product and result to T on their own; MLX's sigmoid differs by backend).
-GLU_COLS = 2  # output columns per warp: HALF, so a warp holds as many accumulators as the plain forms
+# Output columns a warp (HALF), read at each call: it moves no sum, so scripts/lab/glu_unroll.py
+# times others; 2 holds as many accumulators as the plain forms.
+GLU_COLS = 2
 GLU_HEADER = rows_mma.GLU_HEADER
 # Each gate sum and its up sum (flat indices i and i + HALF) end in lanes PAIR apart: one more
 # shuffle gives a lane both.
@@ -533,13 +535,15 @@ def rows_gather_qmatvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.a
     return out
 
 
-def glu_launch_config(rows: int, N: int, *, cols: int = GLU_COLS) -> dict:
-    """`launch_config` of a GLU form: `cols` output columns a warp, two accumulators each (COLS)."""
+def glu_launch_config(rows: int, N: int, *, cols: int | None = None) -> dict:
+    """`launch_config` of a GLU form: `cols` output columns a warp (None: GLU_COLS as the module
+    holds it at the call), two accumulators each (COLS)."""
+    cols = cols or GLU_COLS
     config = launch_config(rows, N, cols=cols)
     return {**config, "template": [("ROWS", row_capacity(rows)), ("COLS", 2 * cols)]}
 
 
-def _glu_launch(kernel, inputs, template, shape: tuple[int, ...], rows: int, N: int, dtype, cols: int, *,
+def _glu_launch(kernel, inputs, template, shape: tuple[int, ...], rows: int, N: int, dtype, cols: int | None, *,
                 grid_y: int = 1):
     config = glu_launch_config(rows, N, cols=cols)
     (out,) = kernel(inputs=inputs, template=template + config["template"], grid=(config["grid"][0], grid_y, 1),
@@ -547,7 +551,7 @@ def _glu_launch(kernel, inputs, template, shape: tuple[int, ...], rows: int, N: 
     return out
 
 
-def rows_glu_matvec(x: mx.array, w_gate: mx.array, w_up: mx.array, *, cols: int = GLU_COLS) -> mx.array:
+def rows_glu_matvec(x: mx.array, w_gate: mx.array, w_up: mx.array, *, cols: int | None = None) -> mx.array:
     """silu(x @ w_gateᵀ) · (x @ w_upᵀ), w_gate and w_up (N, K) of one dtype, -> (..., N) in x's
     dtype, at most 8 rows, on a GPU, in one launch: each product the bits of `rows_matvec`'s,
     joined as GLU_HEADER says."""
@@ -559,7 +563,7 @@ def rows_glu_matvec(x: mx.array, w_gate: mx.array, w_up: mx.array, *, cols: int 
 
 
 def rows_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.array], up: tuple[mx.array, mx.array, mx.array],
-                     *, group_size: int, bits: int, cols: int = GLU_COLS, tensor_cores: bool = True) -> mx.array:
+                     *, group_size: int, bits: int, cols: int | None = None, tensor_cores: bool = True) -> mx.array:
     """`rows_glu_matvec` over affine-quantized gate and up, each (weight, scales, biases) of
     one quantization: each product the bits of `rows_qmatvec`'s (`tensor_cores`: rows_mma's
     form, as `rows_matvec`'s)."""
@@ -580,8 +584,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
     """`rows_gather_qmatvec`'s routed experts, gate and up (each (weight (E, N, K·bits/32),
     scales, biases) of one quantization) in one launch: -> silu(gate) · up, each product the
     bits of `rows_gather_qmatvec`'s, picks that share rows as there (`tensor_cores`: rows_mma's
-    form, as `rows_matvec`'s; `cols`: output columns a warp, by default GLU_COLS as the module
-    holds it at the call: it moves no sum, so scripts/lab/glu_unroll.py times others)."""
+    form, as `rows_matvec`'s)."""
     if tensor_cores and rows_mma.supports(x, x.shape[-1], group_size=group_size, bits=bits, form="glu"):
         return rows_mma.rows_gather_glu_qmatvec(x, gate, up, experts, group_size=group_size, bits=bits, share=share)
     R, K = rows(x)
@@ -595,7 +598,7 @@ def rows_gather_glu_qmatvec(x: mx.array, gate: tuple[mx.array, mx.array, mx.arra
                 ("UNROLL", GLU_UNROLL)]
     shape = (*x.shape[:-1], N) if per == 1 else (*x.shape[:-1], per, N)
     return _glu_launch(kernel, [dims(M, K, N, per), x, *gate, *up, experts], template, shape, share or 1, N, x.dtype,
-                       cols or GLU_COLS, grid_y=M)
+                       cols, grid_y=M)
 
 
 def rows_gather_mxfp4matvec(x: mx.array, w: mx.array, scales: mx.array, experts: mx.array, *,

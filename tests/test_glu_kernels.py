@@ -264,3 +264,12 @@ def test_a_failing_glu_probe_turns_only_the_glu_forms_off(monkeypatch, caplog):
     count = len(made)
     assert layers.gate_up_kernel(mx.zeros((2, 64)), mlp.gate_proj, mlp.up_proj) is None
     assert len(made) == count  # decided once per process
+
+
+def test_columns_a_warp_are_read_at_each_call(monkeypatch):
+    """GLU_COLS (a launch setting: it moves no sum) is the module's at the call, so a study may set it."""
+    two = kernels.glu_launch_config(1, 512)
+    monkeypatch.setattr(kernels, "GLU_COLS", 1)
+    one = kernels.glu_launch_config(1, 512)
+    assert dict(two["template"])["COLS"] == 4 and dict(one["template"])["COLS"] == 2
+    assert one["grid"][0] == 2 * two["grid"][0] and kernels.glu_launch_config(1, 512, cols=2) == two

@@ -335,7 +335,7 @@ class Emulator:
         output columns a warp (default kernels.COLS, the GLU kinds' kernels.GLU_COLS). At
         bfloat16 the inputs are raw bits (`raw_bits`); the output comes widened to float32 (exact)."""
         if kind in GLU_KINDS:
-            config = kernels.glu_launch_config(rows, N, cols=cols or kernels.GLU_COLS)
+            config = kernels.glu_launch_config(rows, N, cols=cols)
         else:
             config = kernels.launch_config(rows, N, cols=cols or kernels.COLS)
         compiled = dict(config["template"])
