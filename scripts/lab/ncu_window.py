@@ -391,13 +391,14 @@ def main(argv=None) -> dict | None:
         parser.error(f"--split-cells takes 0 or a positive multiple of 32, got {args.split_cells}")
     if args.glu_cols is not None and (args.glu_cols < 1 or args.glu_cols & (args.glu_cols - 1)):
         parser.error(f"--glu-cols takes a power of two, got {args.glu_cols}")
+    # the run's settings, in the child that runs them and in the parent whose report names them
+    for kind, setting in loops:
+        mma_loop.apply(setting, kind)
+    if args.split_cells is not None:
+        attention_window.SPLIT_CELLS = args.split_cells
+    if args.glu_cols is not None:
+        rows_matvec.GLU_COLS = args.glu_cols
     if args.child:
-        for kind, setting in loops:
-            mma_loop.apply(setting, kind)
-        if args.split_cells is not None:
-            attention_window.SPLIT_CELLS = args.split_cells
-        if args.glu_cols is not None:
-            rows_matvec.GLU_COLS = args.glu_cols
         child(args)
         return None
     if args.parse and args.parse.is_dir():
@@ -429,9 +430,8 @@ def main(argv=None) -> dict | None:
         report = build_report(time_csv, record, *detail)
         if detail_error:
             report["detail_error"] = detail_error
-        report["loops"] = {**{kind: "/".join(map(str, loop)) for kind, loop in rows_mma.LOOPS.items()}, **dict(loops)}
-        report["split_cells"] = attention_window.SPLIT_CELLS if args.split_cells is None else args.split_cells
-        report["glu_cols"] = rows_matvec.GLU_COLS if args.glu_cols is None else args.glu_cols
+        report["loops"] = {kind: "/".join(map(str, loop)) for kind, loop in rows_mma.LOOPS.items()}
+        report["split_cells"], report["glu_cols"] = attention_window.SPLIT_CELLS, rows_matvec.GLU_COLS
     report["commit"] = git_commit()
     print(render(report), flush=True)
     if args.out:
