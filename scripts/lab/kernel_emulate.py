@@ -27,9 +27,9 @@ Granite-like single group without a conv bias, and a batch of 2. The attention w
 T = 1..8 each row of a T-row call equals its 1-row call over the same cache buffer bit for bit
 and stays within 1e-5 (relative) of the reference, with D = 256 and 64, rows whose first sees
 L = 1, 7, 300 and 5000 cells (one kernel at every length), grouped query heads and a batch of 2,
-and the sink kernel with a ring window among its cases; then, with splits of SPLIT_CELLS = 1,024 (the default), L = 1020
-(a window's call takes the splits where some rows' 1-row calls do not) and 5000, and the sink
-kernel at 1020 with sinks above every score. The router window kernel
+and the sink kernel with a ring window among its cases; then, with splits of SPLIT_CELLS =
+1,024 (the default), L = 1020 (a window's call takes the splits where some rows' 1-row calls
+do not) and 5000, and the sink kernel at 1020 with sinks above every score. The router window kernel
 (metal_shaders/router_window.py) runs a block per row too: for R = 1..8 each row of an R-row call
 (plain, and as the router's columns of wider rows) equals its 1-row call bit for bit, picks the reference's experts
 (descending, ties to the lower index: the logits include exact ties) and weighs them within 1e-6
