@@ -26,7 +26,9 @@ CODE = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fi
 
 def launch(ranks: int = 2) -> list[str]:
     """`mlx.launch ...`: mlx's launcher, less its busy loops (mlx_launch_quiet.py says why)."""
-    port = random.randrange(20000, 60000, 16)  # tests may run beside other launches
+    # beside other launches, and below Linux's ephemeral ports (32768-60999): a ring's own client
+    # sockets take those, and one landed on a rank's port here (bind: error 98)
+    port = random.randrange(20000, 32768 - 16, 16)
     return [sys.executable, str(Path(__file__).with_name("mlx_launch_quiet.py")), "--hosts", "127.0.0.1",
             "-n", str(ranks), "--backend", "ring", "--starting-port", str(port), "--"]
 
