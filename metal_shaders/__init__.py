@@ -16,4 +16,6 @@ groups) in one kernel, a block per row's group. `attention_prep`: an attention h
 stacked projection (the gate taken from q, q/k norms, rotary at the row's position, the heads-first
 layouts) in one kernel, a block per row's head. `embed_rows`: an affine-quantized embedding's
 lookup (the rows gathered and dequantized, MLX's bits) in one kernel, a thread per packed word.
+`pooled`: a window's ids joined from MLX's pooled pieces, and what the host reads back split into
+them, each in one launch (CUDA).
 """

@@ -50,7 +50,8 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .backends import block_reduce
-from .probe import Probe, cases_at, constant, dims, gpu_kernel, step_dims
+from .pooled import step_dims
+from .probe import Probe, cases_at, constant, dims, gpu_kernel
 
 MAX_WARPS = 8
 MAX_PER = 4  # a thread keeps D / THREADS (<= 4) values in registers: D <= 1024

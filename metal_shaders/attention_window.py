@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .probe import Probe, cases_at, constant, gpu_kernel, step_dims
+from .pooled import step_dims
+from .probe import Probe, cases_at, constant, gpu_kernel
 
 MAX_HEAD_DIM = 256  # a lane keeps D/32 output dims in registers; the block's partials sit in shared memory
 WARPS = 8  # warps per block: they split the cells, so long contexts keep 256 threads busy per row

@@ -24,7 +24,6 @@ log = logging.getLogger("strata.kernels")
 
 _dims_cache: dict[tuple[int, ...], mx.array] = {}
 _constants: dict[tuple[float, ...], mx.array] = {}
-_step_dims: dict[str, tuple] = {}  # per kind: the last step's values and their array
 _kernels: dict[tuple[str, str], object] = {}
 VERDICTS = "verdicts"
 PROBE_DTYPES = (mx.float32, mx.bfloat16)  # a caller that names no dtype gets both
@@ -50,14 +49,9 @@ def gpu_kernel(name: str, inputs: list[str], outputs: list[str], body: str, head
 
 # On CUDA, MLX keeps an array made from host values in managed memory: up to 8 bytes in a pool it
 # maps for the GPU, anything larger in pages that small arrays share and that migrate to whichever
-# side touched them last. A kernel reading such a page after the host wrote any array on it waits
-# for a page fault: under ncu on an H100 (tree a2b63c9) a T = 8 window's embedding took 142 µs
-# against 5 at T = 1, and a T = 1 window's first MoE combine 200 µs against 6 in the other layers.
-# A pooled array is never faulted, but every read of it crosses the bus. So host ints a window's
-# kernels read once go through the pool (`device_ints`), and the inputs every launch reads (`dims`,
-# `constant`) are copied to device memory once, padded past the pool's 8 bytes. On the H100 at
-# ba1cd33 (gpu_owed.sh upload, two rounds alternating) this took the T = 1 window from 2.62-2.66 to
-# 2.44-2.49 ms and T = 8 from 3.49-3.57 to 3.35-3.42; STRATA_HOST_UPLOAD=0 turns it off.
+# side touched them last (pooled.py says how a window's ids and tokens cross). The inputs every
+# launch reads (`dims`, `constant`) are copied to device memory once, padded past the pool's 8
+# bytes, since every read of a pooled array crosses the bus. STRATA_HOST_UPLOAD=0 turns both off.
 POOL_INTS = 2  # int32s in one of MLX's pooled 8-byte buffers (mlx/backend/cuda/allocator.cpp)
 MAX_UPLOAD_INTS = 16  # more (a prompt's ids) are made as one array: the fault is paid once for many rows
 
@@ -75,39 +69,6 @@ def uploads() -> bool:
     if _upload["device"] is None or _upload["device"] != device:
         _upload["device"], _upload["on"] = device, _upload["enabled"] and backend() == backends.CUDA
     return _upload["on"]
-
-
-def device_ints(values, *, row: bool = False) -> mx.array:
-    """`values` as an int32 array, (n,) or with `row` (1, n), that a CUDA kernel reads without a
-    page fault: made from 8-byte pieces in MLX's mapped pool and joined on the GPU into device
-    memory. Elsewhere (or for more than MAX_UPLOAD_INTS values) `mx.array`: no op more."""
-    values = list(values)
-    shaped = (lambda v: [v]) if row else (lambda v: v)  # noqa: E731
-    if len(values) <= POOL_INTS or len(values) > MAX_UPLOAD_INTS or not uploads():
-        return mx.array(shaped(values), dtype=mx.int32)
-    pieces = [mx.array(shaped(values[i:i + POOL_INTS]), dtype=mx.int32) for i in range(0, len(values), POOL_INTS)]
-    return mx.concatenate(pieces, axis=-1)
-
-
-def host_pieces(values: mx.array) -> list[mx.array]:
-    """A GPU op's 1-d output of 4-byte values that the host will read (a window's greedy tokens,
-    a sampler's draws), as copies of at most POOL_INTS values, each in MLX's mapped pool: reading
-    a device buffer moves it to managed memory the host then touched, and once freed MLX hands it
-    to a later GPU op's output of its size, which waits for a page fault (ncu on the H100 at
-    1c3c6e6: the next T = 8 window's ids, 80-95 us against 3.6). Elsewhere, or for at most
-    POOL_INTS values: `[values]`."""
-    n = values.shape[0]
-    if n <= POOL_INTS or not uploads():
-        return [values]
-    return [values[i:i + POOL_INTS] * 1 for i in range(0, n, POOL_INTS)]  # * 1: a copy; a view shares the buffer
-
-
-def host_lists(*arrays: mx.array, alongside: tuple = ()) -> list[list]:
-    """Each 1-d array (a GPU op's output the host reads) as a list, through `host_pieces`, all
-    evaluated in one eval with `alongside` (arrays the caller keeps on the device)."""
-    pieces = [host_pieces(a) for a in arrays]
-    mx.eval(*alongside, *[p for ps in pieces for p in ps])
-    return [[v for p in ps for v in p.tolist()] for ps in pieces]
 
 
 def _in_device_memory(array: mx.array) -> mx.array:
@@ -145,20 +106,6 @@ def constant(*values: float) -> mx.array:
     if values not in _constants:
         _constants[values] = _kept(values, mx.float32)
     return _constants[values]
-
-
-def step_dims(*values: int, kind: str = "sizes") -> mx.array:
-    """`dims` for values that change at every step (an attention kernel's cache length or ring
-    position, a window's rotary offset), kept per `kind` only until another step's (a window's
-    attention layers share them; `dims` would keep every cache length's for the life of the
-    process). With uploads on, in device memory (padded past the pool as `_kept` pads): every
-    thread of a launch may read them (ncu on the H100 at 4c4c4d5: the T = 8 attention prep, whose
-    threads read the offset from the pool, 18-22 us against 7-8 where the pool's page sat well)."""
-    last = _step_dims.get(kind)
-    if last is None or last[0] != values:
-        padded = values + (0,) * max(0, POOL_INTS + 1 - len(values)) if uploads() else values
-        _step_dims[kind] = (values, device_ints(padded))
-    return _step_dims[kind][1]
 
 
 def backend() -> str | None:

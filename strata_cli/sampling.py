@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from metal_shaders.probe import device_ints, host_lists
+from metal_shaders.pooled import device_ints, host_lists
 
 from .options import MIN_SAMPLING_TEMPERATURE, GenerateOptions
 

@@ -140,7 +140,7 @@ def emulated_kernel(emu, calls, base):
                               "NORM": values["NORM"]}
             assert (grid, threadgroup) == tuple(attention_prep.launch(qkv.shape[0] * T, Hq, Hkv, D).values())
             assert mx.array_equal(inv_freq, attention_prep.inv_freq(RD, base)).item()
-            rows = qkv.shape[0]  # the offset's values past B are padding (probe.step_dims, with uploads on)
+            rows = qkv.shape[0]  # the offset's values past B are padding (pooled.step_dims, with uploads on)
             assert offset.dtype == mx.int32 and len(set(np.array(offset).tolist()[:rows])) == 1
             calls.append((T, int(offset[0].item())))
             norms = {"q_weight": q_weight, "k_weight": k_weight, "eps": eps.item()} if values["NORM"] else {}
@@ -237,14 +237,14 @@ def test_a_plain_bfloat16_layer_through_the_kernel_stays_near_mlx_ops(monkeypatc
 def test_speculation_through_the_kernel_is_token_identical_to_serial(monkeypatch, mlx_forms, emulator, uploads):
     """The tiny Qwen3-Next model decoding with the (emulated) prep kernel: speculative windows
     (drafts kept and rejected) give serial decoding's tokens, and both take the kernel; with
-    uploads on (CUDA's path) too, where the offset comes padded from probe.step_dims."""
-    from metal_shaders import probe
+    uploads on (CUDA's path) too, where the offset comes padded from pooled.step_dims."""
+    from metal_shaders import pooled
     from scripts.bench.synthetic import random_model, tiny_qwen3_next_config
     from strata_cli.engine.window import WindowEngine
     from strata_cli.options import EngineOptions
 
     monkeypatch.setattr(probe, "_upload", {"enabled": uploads, "device": mx.default_device(), "on": uploads})
-    monkeypatch.setattr(probe, "_step_dims", {})
+    monkeypatch.setattr(pooled, "_step_dims", {})
     model = random_model(tiny_qwen3_next_config(head_dim=32), seed=2)
     layer = next(m for _, m in model.named_modules() if type(m) is GatedAttention)
     calls = []

@@ -1,12 +1,12 @@
 """Host ints a window's kernels read (token ids, per-step sizes) and the kept shape arrays: on CUDA
-they reach the GPU through MLX's pool and device memory (probe.device_ints, probe.dims), never with
+they reach the GPU through MLX's pool and device memory (pooled.device_ints, probe.dims), never with
 other values, another dtype or another shape than `mx.array` gives."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_shaders import probe
+from metal_shaders import pooled, probe
 from strata_cli.engine.window import WindowEngine
 from strata_cli.options import EngineOptions
 
@@ -16,7 +16,7 @@ def turn_uploads_on(monkeypatch):
     monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
     monkeypatch.setattr(probe, "_dims_cache", {})
     monkeypatch.setattr(probe, "_constants", {})
-    monkeypatch.setattr(probe, "_step_dims", {})
+    monkeypatch.setattr(pooled, "_step_dims", {})
 
 
 @pytest.fixture
@@ -35,17 +35,17 @@ def test_uploads_are_asked_for_by_the_environment(monkeypatch):
 
 def test_off_cuda_host_ints_are_plain_arrays():
     assert not probe.uploads()
-    ids = probe.device_ints([5, 6, 7])
+    ids = pooled.device_ints([5, 6, 7])
     assert ids.dtype == mx.int32 and ids.tolist() == [5, 6, 7]
-    assert probe.device_ints([5, 6, 7], row=True).tolist() == [[5, 6, 7]]
+    assert pooled.device_ints([5, 6, 7], row=True).tolist() == [[5, 6, 7]]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 16, 17, 40])
 def test_uploaded_ints_keep_values_dtype_and_shape(uploading, n):
     values = [int(v) for v in np.random.default_rng(n).integers(0, 151_936, n)]
-    ids = probe.device_ints(values)
+    ids = pooled.device_ints(values)
     assert ids.dtype == mx.int32 and ids.shape == (n,) and ids.tolist() == values
-    ids = probe.device_ints(values, row=True)  # a window's ids, (1, T) as the model takes them
+    ids = pooled.device_ints(values, row=True)  # a window's ids, (1, T) as the model takes them
     assert ids.dtype == mx.int32 and ids.shape == (1, n) and ids.tolist() == [values]
 
 
@@ -53,10 +53,10 @@ def test_uploaded_ints_come_in_pool_sized_pieces(uploading, monkeypatch):
     made = []
     real = mx.array
     monkeypatch.setattr(mx, "array", lambda values, *a, **k: made.append(len(values)) or real(values, *a, **k))
-    probe.device_ints(range(7))
+    pooled.device_ints(range(7))
     assert made == [2, 2, 2, 1]  # each an 8-byte pooled buffer at most
     made.clear()
-    probe.device_ints(range(probe.MAX_UPLOAD_INTS + 1))  # a prompt's ids: one array
+    pooled.device_ints(range(probe.MAX_UPLOAD_INTS + 1))  # a prompt's ids: one array
     assert made == [probe.MAX_UPLOAD_INTS + 1]
 
 
@@ -64,7 +64,7 @@ def test_uploaded_ints_come_in_pool_sized_pieces(uploading, monkeypatch):
 def test_ints_the_host_reads_come_back_in_pool_sized_copies(uploading, n):
     """A window's greedy tokens: each piece fits MLX's 8-byte pool, their values the argmax's in order."""
     values = mx.array(np.random.default_rng(n).integers(0, 151_936, n).astype(np.uint32))
-    pieces = probe.host_pieces(values)
+    pieces = pooled.host_pieces(values)
     assert all(p.dtype == mx.uint32 and p.nbytes <= 8 for p in pieces)
     assert [v for p in pieces for v in p.tolist()] == values.tolist()
     assert (len(pieces) == 1 and pieces[0] is values) == (n <= probe.POOL_INTS)  # few enough: no op more
@@ -74,8 +74,8 @@ def test_host_lists_read_ints_and_floats_back_with_their_values(uploading):
     ids = mx.array([5, 151_935, 0, 7, 9], dtype=mx.uint32)
     probs = mx.array([0.25, -0.0, 1e-30, float("inf")], dtype=mx.float32)  # * 1 keeps a negative zero's sign
     kept = mx.zeros((3,))
-    assert probe.host_lists(ids, probs, alongside=(kept,)) == [ids.tolist(), probs.tolist()]
-    assert str(probe.host_lists(probs)[0][1]) == "-0.0"
+    assert pooled.host_lists(ids, probs, alongside=(kept,)) == [ids.tolist(), probs.tolist()]
+    assert str(pooled.host_lists(probs)[0][1]) == "-0.0"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -97,18 +97,18 @@ def test_a_chooser_picks_the_same_tokens_with_uploads_on(monkeypatch, temperatur
 
 def test_off_cuda_the_host_reads_the_array_itself():
     values = mx.arange(8)
-    pieces = probe.host_pieces(values)
+    pieces = pooled.host_pieces(values)
     assert len(pieces) == 1 and pieces[0] is values
 
 
 def test_dims_and_step_dims_keep_their_values_when_uploaded(uploading):
     kept = probe.dims(8, 2048, 512)
     assert kept.tolist() == [8, 2048, 512] and probe.dims(8, 2048, 512) is kept
-    assert probe.step_dims(1, 16, 2, 8, 517).tolist() == [1, 16, 2, 8, 517]
-    assert probe.step_dims(1, 16, 2, 8, 518).tolist() == [1, 16, 2, 8, 518]
-    offset = probe.step_dims(517, kind="offset")  # one value: padded past the pool, the sizes kept apart
+    assert pooled.step_dims(1, 16, 2, 8, 517).tolist() == [1, 16, 2, 8, 517]
+    assert pooled.step_dims(1, 16, 2, 8, 518).tolist() == [1, 16, 2, 8, 518]
+    offset = pooled.step_dims(517, kind="offset")  # one value: padded past the pool, the sizes kept apart
     assert offset.tolist() == [517, 0, 0] and offset.nbytes > 8
-    assert probe.step_dims(517, kind="offset") is offset and probe.step_dims(1, 16, 2, 8, 518).tolist()[-1] == 518
+    assert pooled.step_dims(517, kind="offset") is offset and pooled.step_dims(1, 16, 2, 8, 518).tolist()[-1] == 518
 
 
 def test_kept_inputs_that_would_fit_the_pool_are_padded_past_it(uploading):

@@ -62,7 +62,10 @@ software), for R = 1..8 each row of an R-token call equals its 1-token call and 
 out-of-range ids (int32, uint32 and int64) give zero rows (`--only embed` runs these alone).
 The matrix kernels' tail (a reduce-scatter over the warp) gives, for every kind, R = 1..8,
 float32 and bfloat16, and 2, 4 and 8 columns a warp, the bits of the per-value xor butterfly it
-replaced (`BUTTERFLY_TAIL`; `--only tails` runs these alone).
+replaced (`BUTTERFLY_TAIL`; `--only tails` runs these alone). The pool's copies
+(metal_shaders/pooled.py) run a thread at a time: for 3 to 16 values, `join` of int32 pieces gives
+the values and `split` of int32, uint32 and float32 values gives pieces of their bits (negative
+ints, -0.0, infinities, NaN; `--only pooled`).
 Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
@@ -77,6 +80,7 @@ bodies with their old tail, for comparison).
     python -m scripts.lab.kernel_emulate --only mapped
     python -m scripts.lab.kernel_emulate --only embed
     python -m scripts.lab.kernel_emulate --only tails
+    python -m scripts.lab.kernel_emulate --only pooled
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_shaders import (add_norm, attention_prep, attention_window, backends, embed_rows, gated_norm, gdn_window,
-                           mamba2_window, moe_combine, router_window)
+                           mamba2_window, moe_combine, pooled, router_window)
 from metal_shaders import columns as columns_
 from metal_shaders import rows_matvec as kernels
 
@@ -1134,6 +1138,77 @@ def check_embeds(emu: EmbedRowsEmulator) -> list[bool]:
             + [check_embed_rows(emu, 4, 64, dtype=mx.bfloat16, token_dtype=t) for t in (mx.uint32, mx.int64)])
 
 
+class PooledEmulator:
+    """pooled's `join` and `split` on the CPU, a thread at a time (their threads never meet), with
+    pooled's launch: int32 pieces joined, 4-byte values (int32, uint32, float32) split."""
+
+    TYPES = {mx.int32: ("int32_t", np.int32), mx.uint32: ("uint32_t", np.uint32), mx.float32: ("float", np.float32)}
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+        self.sources = {"join": pooled.join_source, "split": pooled.split_source}  # a check may swap one
+
+    def _binary(self, kind: str, n: int, dtype) -> Path:
+        key = (kind, n, dtype)
+        if key not in self.built:
+            t, k = self.TYPES[dtype][0], -(-n // pooled.POOL_INTS)
+            if kind == "join":
+                params, outputs = [f"const {t}* p{j}" for j in range(k)], ["out"]
+            else:
+                params, outputs = [f"const {t}* values"], [f"o{j}" for j in range(k)]
+            # every output a piece of the one buffer MAIN_SERIAL writes, POOL_INTS values apart
+            args = ([f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
+                    + [f"out.data() + {pooled.POOL_INTS * j}" for j in range(len(outputs))])
+            source = (program(SHIM_BLOCK, self.backend, "", [*params, *(f"{t}* {o}" for o in outputs)],
+                              f"constexpr int N = {n};", self.sources[kind](k))
+                      + MAIN_SERIAL.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", t)
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"pooled_{kind}_{n}_{t}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[key] = path
+        return self.built[key]
+
+    def _run(self, kind: str, inputs: list[np.ndarray], n: int, dtype) -> np.ndarray:
+        names = write_inputs(self.dir, "pin", inputs)
+        config = pooled.launch(n)
+        threads = config["threadgroup"][0]
+        out = self.dir / "pout"
+        subprocess.run([str(self._binary(kind, n, dtype)), *names, str(config["grid"][0] // threads), "1",
+                        str(threads), str(n), str(out)], check=True)
+        return np.fromfile(out, self.TYPES[dtype][1])
+
+    def join(self, pieces: list[np.ndarray]) -> np.ndarray:
+        """`join`'s call, emulated: int32 pieces of POOL_INTS values (the last maybe fewer)."""
+        return self._run("join", pieces, sum(p.size for p in pieces), mx.int32)
+
+    def split(self, values: np.ndarray, dtype) -> list[np.ndarray]:
+        """`split`'s call, emulated: the pieces' values (the buffers MLX would pool)."""
+        out = self._run("split", [values], values.size, dtype)
+        return [out[i : i + pooled.POOL_INTS] for i in range(0, values.size, pooled.POOL_INTS)]
+
+
+def check_pooled(emu: PooledEmulator, counts=range(3, pooled.MAX_UPLOAD_INTS + 1)) -> list[bool]:
+    """For every value count a window sends or reads back through the pool: `join` of int32 pieces
+    gives the values in order, and `split` of int32, uint32 and float32 values gives pieces whose
+    bits are the values' (negative ints, -0.0, infinities and NaN among them)."""
+    results = []
+    for n in counts:
+        values = np.array(pooled.PROBE_INTS[:n], np.int32)
+        joined = emu.join([values[i : i + pooled.POOL_INTS] for i in range(0, n, pooled.POOL_INTS)])
+        results.append(("join int32", n, np.array_equal(joined, values)))
+        for dtype, (_, np_type) in PooledEmulator.TYPES.items():
+            source = pooled.PROBE_FLOATS if dtype == mx.float32 else pooled.PROBE_INTS
+            values = np.array(source[:n], np.float32 if dtype == mx.float32 else np.int64).astype(np_type)
+            pieces = emu.split(values, dtype)
+            exact = (all(p.nbytes <= 8 for p in pieces)
+                     and np.array_equal(np.concatenate(pieces).view(np.uint32), values.view(np.uint32)))
+            results.append((f"split {np.dtype(np_type).name}", n, exact))
+    for name, n, exact in results:
+        print(f"pooled {name:27s} values {n:2d}  expected bits: {exact!s:5s}  {'ok' if exact else 'FAIL'}", flush=True)
+    return [exact for *_, exact in results]
+
+
 class CombineEmulator:
     """moe_combine's kernels on the CPU, float32 or bfloat16 picks (each element rounded as the
     GPU rounds it), with moe_combine's launch: a thread at a time (its threads never meet)."""
@@ -1763,6 +1838,12 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
             kernels_out.append((f"moe_combine{variant}_{tn}", "",
                                 [f"{types.get(name, f'const {t}*')} {name}" for name in inputs] + [f"{t}* out"],
                                 f"using T_P = {t};", body))
+    for n in (3, 8, pooled.MAX_UPLOAD_INTS):  # the pool's copies: 2, 4 and 8 pieces
+        k = -(-n // pooled.POOL_INTS)
+        kernels_out.append((f"pooled_join_{n}", "", [f"const int* p{j}" for j in range(k)] + ["int* out"],
+                            f"constexpr int N = {n};", pooled.join_source(k)))
+        kernels_out.append((f"pooled_split_{n}", "", ["const float* values"] + [f"float* o{j}" for j in range(k)],
+                            f"constexpr int N = {n};", pooled.split_source(k)))
     for dk in (64, 128, 256):
         kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
                             ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
@@ -1849,6 +1930,7 @@ ONLY = {
     "embed": lambda emu, backend: check_embeds(EmbedRowsEmulator(emu.dir, backend)),
     "tails": lambda emu, backend: check_tails(emu),
     "glu-cols": lambda emu, backend: check_glu_cols(emu),
+    "pooled": lambda emu, backend: check_pooled(PooledEmulator(emu.dir, backend)),
 }
 
 
@@ -1864,8 +1946,8 @@ def main() -> int:
                         help="run one kernel's checks alone: combine (metal_shaders/moe_combine.py, a few minutes), "
                              "mapped (rows_matvec's column-mapped forms, about a minute), embed "
                              "(metal_shaders/embed_rows.py, seconds), tails (rows_matvec's reduce-scatter "
-                             "against the butterfly, every matrix kind, a few minutes) or glu-cols (the routed "
-                             "GLU at other columns a warp)")
+                             "against the butterfly, every matrix kind, a few minutes), glu-cols (the routed "
+                             "GLU at other columns a warp) or pooled (metal_shaders/pooled.py's copies, seconds)")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
@@ -1975,6 +2057,7 @@ def main() -> int:
         results.append(check_attention_prep(preps, Hq, Hkv, D, RD, gate=gate, norm=norm, dtype=dtype))
     results += check_combines(CombineEmulator(emu.dir, args.backend))
     results += check_embeds(EmbedRowsEmulator(emu.dir, args.backend))
+    results += check_pooled(PooledEmulator(emu.dir, args.backend))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 

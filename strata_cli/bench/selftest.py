@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 
 from metal_shaders import (add_norm, attention_prep, attention_window, embed_rows, gated_norm, gdn_window, mamba2_window,
-                           moe_combine, router_window, rows_mma)
+                           moe_combine, pooled, router_window, rows_mma)
 from metal_shaders import rows_matvec as kernels
 
 from ..calibrate import measure_curve
@@ -58,6 +58,7 @@ KERNEL_PROBES = (
     ("combine_kernel", moe_combine.usable, moe_combine.status),
     ("gated_norm_kernel", gated_norm.usable, gated_norm.status),
     ("embed_kernel", embed_rows.usable, embed_rows.status),
+    ("pool_copies", pooled.usable, pooled.status),
 )
 
 

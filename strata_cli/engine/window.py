@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders.probe import device_ints, host_lists
+from metal_shaders.pooled import device_ints, host_lists
 
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
