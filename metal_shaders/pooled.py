@@ -166,9 +166,9 @@ def host_pieces(values: mx.array) -> list[mx.array]:
     return [values[i:i + POOL_INTS] * 1 for i in range(0, n, POOL_INTS)]  # * 1: a copy; a view shares the buffer
 
 
-def host_lists(*arrays: mx.array, alongside: tuple = ()) -> list[list]:
+def host_lists(*arrays: mx.array) -> list[list]:
     """Each 1-d array (a GPU op's output the host reads) as a list, through `host_pieces`, all
-    evaluated in one eval with `alongside` (arrays the caller keeps on the device)."""
+    evaluated in one eval."""
     pieces = [host_pieces(a) for a in arrays]
-    mx.eval(*alongside, *[p for ps in pieces for p in ps])
+    mx.eval(*[p for ps in pieces for p in ps])
     return [[v for p in ps for v in p.tolist()] for ps in pieces]

@@ -78,7 +78,7 @@ class SnapshotError(ValueError):
 
 @dataclass(frozen=True)
 class WindowOutput:
-    logits: mx.array  # (T, V) float32
+    logits: mx.array  # (T, V) float32 (lazy: a greedy caller never pays for the cast)
     tokens: list[int]  # greedy out[i] for each row
 
 
@@ -194,9 +194,9 @@ class WindowEngine:
         logits = self._forward(device_ints(ids, row=True), pos0, mode).squeeze(0)  # [0] would be 2 ops
         if logits.dtype == mx.float32 and self._host_logits(rows):
             greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
-        else:
-            logits = logits.astype(mx.float32)
-            (greedy,) = host_lists(mx.argmax(logits, axis=-1), alongside=(logits,))
+        else:  # the argmax of the logits' own dtype: their float32 cast is exact, keeps every order and tie
+            (greedy,) = host_lists(mx.argmax(logits, axis=-1))
+            logits = logits.astype(mx.float32)  # made only where a caller reads it (sampling, processors)
         self.warm_rows.add(rows)
         self._open = (pos0, T, mode)
         if mode is Mode.PARTIAL:
@@ -238,7 +238,7 @@ class WindowEngine:
         if logits.dtype == mx.float32 and self._host_logits(1):
             greedy = mx.array(np.argmax(np.asarray(logits)[0], axis=-1, keepdims=True).astype(np.uint32))
         else:
-            greedy = mx.argmax(logits.squeeze(0).astype(mx.float32), axis=-1, keepdims=True)  # [0] would be 2 ops
+            greedy = mx.argmax(logits.squeeze(0), axis=-1, keepdims=True)  # [0] would be 2 ops; as run()'s argmax
             mx.async_eval(greedy)
         self.warm_rows.add(1)
         self._open = (pos0, 1, Mode.WINDOW)
