@@ -7,6 +7,7 @@ import random
 import mlx.core as mx
 
 from strata_cli.engine.window import WindowEngine
+from strata_cli.options import EngineOptions
 
 # Where the forced-rejection windows start, for states with neither a ring nor blocks (KV, latent
 # KV, GDN, KDA, Mamba-2): none of them branches on pos0. A window writes at pos0 into one buffer
@@ -15,6 +16,16 @@ from strata_cli.engine.window import WindowEngine
 # the two ends are kept. Ring and block states (sliding_state, compressed_state) branch on
 # pos0 % capacity or % rate, and their tests keep every offset.
 REJECTION_OFFSETS = (8, 11)
+
+
+def one_window(model, prompt=(3, 14, 15, 92, 65, 35), window=(89, 79, 32, 38, 46)):
+    """A fresh engine's window after `prompt`: its logits (numpy) and greedy tokens."""
+    import numpy as np
+
+    engine = WindowEngine(model, EngineOptions())
+    engine.prefill(list(prompt))
+    out = engine.run(list(window), engine.length)
+    return np.array(out.logits), out.tokens
 
 
 def max_state_diff(a: list[dict], b: list[dict]) -> float:

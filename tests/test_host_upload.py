@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from metal_shaders import pooled, probe
+from state_checks import one_window
 from strata_cli.engine.window import WindowEngine
 from strata_cli.options import EngineOptions
 
@@ -138,18 +139,9 @@ def test_dims_left_as_made_where_they_cannot_be_evaluated(uploading, monkeypatch
 
 
 def test_a_window_gives_the_same_logits_with_its_ids_uploaded(tiny_model, monkeypatch):
-    prompt = [3, 14, 15, 92, 65, 35]
-    window = [89, 79, 32, 38, 46]
-
-    def run():
-        engine = WindowEngine(tiny_model, EngineOptions())
-        engine.prefill(prompt)
-        out = engine.run(window, engine.length)
-        return np.array(out.logits), out.tokens
-
-    plain_logits, plain_tokens = run()
+    plain_logits, plain_tokens = one_window(tiny_model)
     turn_uploads_on(monkeypatch)
-    uploaded_logits, uploaded_tokens = run()
+    uploaded_logits, uploaded_tokens = one_window(tiny_model)
     assert uploaded_tokens == plain_tokens and np.array_equal(uploaded_logits, plain_logits)
 
 

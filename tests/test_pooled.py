@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from metal_shaders import pooled, probe
+from state_checks import one_window
 from strata_cli.engine.window import WindowEngine
-from strata_cli.options import EngineOptions
 
 
 @pytest.fixture(scope="module")
@@ -132,21 +132,12 @@ def test_off_the_gpu_the_copies_are_mlxs():
 def test_a_window_gives_the_same_logits_and_tokens_through_the_kernels(tiny_model, monkeypatch, emulator):
     """A 5-row window: its ids joined, its greedy tokens (MLX's argmax, as on a GPU) split."""
     monkeypatch.setattr(WindowEngine, "_host_logits", lambda self, rows: False)
-    prompt = [3, 14, 15, 92, 65, 35]
-    window = [89, 79, 32, 38, 46]
-
-    def run():
-        engine = WindowEngine(tiny_model, EngineOptions())
-        engine.prefill(prompt)
-        out = engine.run(window, engine.length)
-        return np.array(out.logits), out.tokens
-
-    plain_logits, plain_tokens = run()
+    plain_logits, plain_tokens = one_window(tiny_model)
     calls = []
     monkeypatch.setattr(probe, "_upload", {"enabled": True, "device": mx.default_device(), "on": True})
     monkeypatch.setattr(pooled, "_step_dims", {})
     monkeypatch.setattr(pooled, "usable", lambda dtype=None: True)
     monkeypatch.setattr(pooled, "gpu_kernel", emulated_kernel(emulator, calls))
-    logits, tokens = run()
+    logits, tokens = one_window(tiny_model)
     assert tokens == plain_tokens and np.array_equal(logits, plain_logits)
     assert calls == [("join", 5), ("split", 5)]
