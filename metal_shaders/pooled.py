@@ -25,6 +25,7 @@ can round. They run once their probe read back what it wrote (every value's bits
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .probe import MAX_UPLOAD_INTS, POOL_INTS, Probe, gpu_kernel, uploads
 
@@ -40,17 +41,17 @@ def _cases(pieces: int, statement: str) -> str:
     return f"    switch (i >> 1) {{\n{cases}\n    }}\n"
 
 
-# A thread per value, one block of N threads; N (the values) compiled in, the pieces in the name.
+# A thread per value, one block of exactly as many threads as values (`launch`): no count is
+# compiled in, so a piece count is one compile (the name's), whichever the last piece's length.
 def join_source(pieces: int) -> str:
     """The body of `join` for `pieces` inputs p0.. (each POOL_INTS values, the last one or more)."""
-    return ("    const int i = block_x * block_dim + thread_x;\n    if (i >= N) return;\n"
-            + _cases(pieces, "out[i] = p{j}[i & 1];"))
+    return "    const int i = block_x * block_dim + thread_x;\n" + _cases(pieces, "out[i] = p{j}[i & 1];")
 
 
 def split_source(pieces: int) -> str:
     """The body of `split` for `pieces` outputs o0.. (each POOL_INTS values, the last one or more)."""
-    return ("    const int i = block_x * block_dim + thread_x;\n    if (i >= N) return;\n"
-            "    const auto v = values[i];\n" + _cases(pieces, "o{j}[i & 1] = v;"))
+    return ("    const int i = block_x * block_dim + thread_x;\n    const auto v = values[i];\n"
+            + _cases(pieces, "o{j}[i & 1] = v;"))
 
 
 def _count(n: int) -> int:
@@ -58,7 +59,8 @@ def _count(n: int) -> int:
 
 
 def launch(n: int) -> dict:
-    """A thread per value, one block (n <= MAX_UPLOAD_INTS)."""
+    """A thread per value, one block of n threads (n <= MAX_UPLOAD_INTS): the bodies never check
+    a bound."""
     return {"grid": (n, 1, 1), "threadgroup": (n, 1, 1)}
 
 
@@ -68,8 +70,7 @@ def join(pieces: list[mx.array]) -> mx.array:
     k = len(pieces)
     n = sum(p.shape[-1] for p in pieces)
     kernel = gpu_kernel(f"strata_pool_join_{k}_v1", [f"p{j}" for j in range(k)], ["out"], join_source(k))
-    (out,) = kernel(inputs=pieces, template=[("N", n)], output_shapes=[(*pieces[0].shape[:-1], n)],
-                    output_dtypes=[mx.int32], **launch(n))
+    (out,) = kernel(inputs=pieces, output_shapes=[(*pieces[0].shape[:-1], n)], output_dtypes=[mx.int32], **launch(n))
     return out
 
 
@@ -80,8 +81,7 @@ def split(values: mx.array) -> list[mx.array]:
     k = _count(n)
     kernel = gpu_kernel(f"strata_pool_split_{k}_v1", ["values"], [f"o{j}" for j in range(k)], split_source(k))
     shapes = [(min(POOL_INTS, n - POOL_INTS * j),) for j in range(k)]
-    return kernel(inputs=[values], template=[("N", n)], output_shapes=shapes, output_dtypes=[values.dtype] * k,
-                  **launch(n))
+    return kernel(inputs=[values], output_shapes=shapes, output_dtypes=[values.dtype] * k, **launch(n))
 
 
 _probe = Probe("pool copies", "a window's ids and tokens cross in MLX's copies, a launch a piece")
@@ -118,7 +118,8 @@ def check(dtypes=None) -> str | None:
                 return f"join of {n} ints{' as a row' if row else ''} gave other values"
         for dtype in SPLIT_DTYPES:
             source = PROBE_FLOATS if dtype == mx.float32 else PROBE_INTS
-            array = mx.array(source[:n], dtype=mx.float32 if dtype == mx.float32 else mx.int64).astype(dtype)
+            array = mx.array(np.array(source[:n], np.float32 if dtype == mx.float32 else np.int64)
+                             .astype(np.dtype(str(dtype).split(".")[-1])))  # int32, uint32: the int64's low bits
             parts = split(array)
             mx.eval(array, *parts)
             if any(p.nbytes > 8 or p.dtype != dtype for p in parts):

@@ -37,8 +37,8 @@ def emulated_kernel(emu, calls):
         assert (inputs, outputs) == (([f"p{j}" for j in range(k)], ["out"]) if kind == "join"
                                      else (["values"], [f"o{j}" for j in range(k)]))
 
-        def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            n = dict(template)["N"]
+        def launch(*, inputs, grid, threadgroup, output_shapes, output_dtypes):
+            n = sum(p.size for p in inputs) if kind == "join" else inputs[0].size
             assert (grid, threadgroup) == tuple(pooled.launch(n).values())
             calls.append((kind, n))
             if kind == "join":

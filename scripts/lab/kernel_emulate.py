@@ -1160,8 +1160,8 @@ class PooledEmulator:
             # every output a piece of the one buffer MAIN_SERIAL writes, POOL_INTS values apart
             args = ([f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
                     + [f"out.data() + {pooled.POOL_INTS * j}" for j in range(len(outputs))])
-            source = (program(SHIM_BLOCK, self.backend, "", [*params, *(f"{t}* {o}" for o in outputs)],
-                              f"constexpr int N = {n};", self.sources[kind](k))
+            source = (program(SHIM_BLOCK, self.backend, "", [*params, *(f"{t}* {o}" for o in outputs)], "",
+                              self.sources[kind](k))
                       + MAIN_SERIAL.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", t)
                       .replace("CALL", f"kernel({', '.join(args)})"))
             path = self.dir / f"pooled_{kind}_{n}_{t}_{len(self.built)}"
@@ -1840,10 +1840,10 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                                 f"using T_P = {t};", body))
     for n in (3, 8, pooled.MAX_UPLOAD_INTS):  # the pool's copies: 2, 4 and 8 pieces
         k = -(-n // pooled.POOL_INTS)
-        kernels_out.append((f"pooled_join_{n}", "", [f"const int* p{j}" for j in range(k)] + ["int* out"],
-                            f"constexpr int N = {n};", pooled.join_source(k)))
-        kernels_out.append((f"pooled_split_{n}", "", ["const float* values"] + [f"float* o{j}" for j in range(k)],
-                            f"constexpr int N = {n};", pooled.split_source(k)))
+        kernels_out.append((f"pooled_join_{n}", "", [f"const int* p{j}" for j in range(k)] + ["int* out"], "",
+                            pooled.join_source(k)))
+        kernels_out.append((f"pooled_split_{n}", "", ["const float* values"] + [f"float* o{j}" for j in range(k)], "",
+                            pooled.split_source(k)))
     for dk in (64, 128, 256):
         kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
                             ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
