@@ -217,8 +217,9 @@ profile)
     ;;
 ncu)
     # issue 37: the device's own time per kernel, T = 1 against T = 8 (no host in it), with DRAM bytes and occupancy
-    # (DETAIL_KERNELS: ncu's --kernel-name for the detail, e.g. the routed experts alone)
+    # (DETAIL_KERNELS: ncu's --kernel-name for the detail, e.g. the routed experts alone; DETAIL_TIMEOUT its bound, s)
     python -m scripts.lab.ncu_window --detail --detail-kernels "${DETAIL_KERNELS:-regex:strata_}" \
+        --detail-timeout "${DETAIL_TIMEOUT:-420}" \
         --keep "$OUT/ncu_${card}_$tree" --out "$OUT/ncu_window_${card}_$tree.json" 2>&1 | log ncu
     rm -f "$OUT/ncu_${card}_$tree"/*.ncu-rep  # the CSVs hold what the report read; the reports are large
     ;;
