@@ -17,5 +17,6 @@ stacked projection (the gate taken from q, q/k norms, rotary at the row's positi
 layouts) in one kernel, a block per row's head. `embed_rows`: an affine-quantized embedding's
 lookup (the rows gathered and dequantized, MLX's bits) in one kernel, a thread per packed word.
 `pooled`: a window's ids joined from MLX's pooled pieces, and what the host reads back split into
-them, each in one launch (CUDA).
+them, each in one launch (CUDA). `argmax_rows`: a window's greedy tokens, a warp a chunk of a row
+then a warp a row, written into the pool (CUDA).
 """

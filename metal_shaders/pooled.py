@@ -33,7 +33,7 @@ _step_dims: dict[str, tuple] = {}  # per kind: the last step's values and their 
 SPLIT_DTYPES = (mx.int32, mx.uint32, mx.float32)  # 4-byte values: POOL_INTS of them fill a pooled buffer
 
 
-def _cases(pieces: int, statement: str) -> str:
+def piece_cases(pieces: int, statement: str) -> str:
     """A switch over which piece value i falls in (POOL_INTS = 2 values a piece), `statement` for
     piece j (its `{j}`) at place i & 1."""
     assert POOL_INTS == 2, "the bodies place value i at i >> 1, i & 1"
@@ -45,13 +45,13 @@ def _cases(pieces: int, statement: str) -> str:
 # compiled in, so a piece count is one compile (the name's), whichever the last piece's length.
 def join_source(pieces: int) -> str:
     """The body of `join` for `pieces` inputs p0.. (each POOL_INTS values, the last one or more)."""
-    return "    const int i = block_x * block_dim + thread_x;\n" + _cases(pieces, "out[i] = p{j}[i & 1];")
+    return "    const int i = block_x * block_dim + thread_x;\n" + piece_cases(pieces, "out[i] = p{j}[i & 1];")
 
 
 def split_source(pieces: int) -> str:
     """The body of `split` for `pieces` outputs o0.. (each POOL_INTS values, the last one or more)."""
     return ("    const int i = block_x * block_dim + thread_x;\n    const auto v = values[i];\n"
-            + _cases(pieces, "o{j}[i & 1] = v;"))
+            + piece_cases(pieces, "o{j}[i & 1] = v;"))
 
 
 def _count(n: int) -> int:

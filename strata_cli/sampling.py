@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from metal_shaders.argmax_rows import host_argmax
 from metal_shaders.pooled import device_ints, host_lists
 
 from .options import MIN_SAMPLING_TEMPERATURE, GenerateOptions
@@ -95,7 +96,7 @@ class TokenChooser:
     def choose(self, logits: mx.array, pos0: int, inputs: Sequence[int]) -> Choice:
         """logits (T, V) of a window at pos0 with these inputs -> each row's token."""
         if not self.is_sampling:
-            return Choice(host_lists(mx.argmax(logits, axis=-1))[0], None)
+            return Choice(host_argmax(logits), None)
         o = self.options
         logp = filtered_logits(logits, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, min_p=o.min_p)
         first = pos0 + 1 - self.prompt_length

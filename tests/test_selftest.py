@@ -32,8 +32,8 @@ def test_selftest_reports_identity_and_window_costs():
     embed = report["embed_kernel"]  # likewise: the CPU keeps the demo's embedding dense, so nothing asks
     assert embed["usable"] is False and embed["error"] is None
     assert report["mamba2_kernels"] == {"usable": False, "probed": True, "error": None}  # asked by the hybrid's layers
-    pool = report["pool_copies"]  # only CUDA pools a window's ids and tokens: the CPU never asks
-    assert pool["usable"] is False and pool["error"] is None
+    for key in ("pool_copies", "argmax_kernels"):  # CUDA's alone: the CPU never asks
+        assert report[key]["usable"] is False and report[key]["error"] is None
     assert {(r["model"], r["mode"], r["dtype"]) for r in report["results"]} == {
         (model, mode, "float32") for model in ("demo", "mamba2-hybrid") for mode in ("3", "auto")}
     demo = [r for r in report["results"] if r["model"] == "demo"]

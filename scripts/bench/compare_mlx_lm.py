@@ -56,7 +56,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import attention_window, gdn_window, mamba2_window, pooled, rows_mma
+from metal_shaders import argmax_rows, attention_window, gdn_window, mamba2_window, pooled, rows_mma
 from metal_shaders import rows_matvec as kernels
 
 from scripts.bench.window_cost import QWEN3_NEXT_80B_A3B
@@ -445,7 +445,7 @@ def _record(families: dict) -> dict:
               "gdn_kernels": gdn_window.status(),
               "mamba2_kernels": {**mamba2_window.status(), "switched_on": mamba2.WINDOW_KERNELS},
               "attention_kernel": attention_window.status(), "sink_attention_kernel": attention_window.sinks_status(),
-              "pool_copies": pooled.status()}
+              "pool_copies": pooled.status(), "argmax_kernels": argmax_rows.status()}
     if list(families) == ["qwen3_next"]:  # the record this script always wrote for the 80B shape
         only = families["qwen3_next"]
         return {**common, **{k: v for k, v in only.items() if k != "identity"}, "identity_80b_shape": only["identity"]}

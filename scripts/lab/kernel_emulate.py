@@ -65,7 +65,10 @@ float32 and bfloat16, and 2, 4 and 8 columns a warp, the bits of the per-value x
 replaced (`BUTTERFLY_TAIL`; `--only tails` runs these alone). The pool's copies
 (metal_shaders/pooled.py) run a thread at a time: for 3 to 16 values, `join` of int32 pieces gives
 the values and `split` of int32, uint32 and float32 values gives pieces of their bits (negative
-ints, -0.0, infinities, NaN; `--only pooled`).
+ints, -0.0, infinities, NaN; `--only pooled`). The argmax kernels (metal_shaders/argmax_rows.py)
+run a block at a time: in float32 and bfloat16, at a width with a short last chunk and at
+151,936, the tokens of 8 rows (ties across lanes and chunks, -inf, NaN, the largest first and
+last), of 3 and of each row alone are MLX's CUDA argmax's (`--only argmax`).
 Not a speed figure; needs g++ with C++20. Takes about 15-20 minutes on a 2-core machine (most of it the attention checks).
 
 `--nvcc` instead compiles every body for sm_90 with nvcc, wrapped as mx.fast.cuda_kernel wraps
@@ -81,6 +84,7 @@ bodies with their old tail, for comparison).
     python -m scripts.lab.kernel_emulate --only embed
     python -m scripts.lab.kernel_emulate --only tails
     python -m scripts.lab.kernel_emulate --only pooled
+    python -m scripts.lab.kernel_emulate --only argmax
 """
 
 from __future__ import annotations
@@ -100,8 +104,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders import (add_norm, attention_prep, attention_window, backends, embed_rows, gated_norm, gdn_window,
-                           mamba2_window, moe_combine, pooled, router_window)
+from metal_shaders import (add_norm, argmax_rows, attention_prep, attention_window, backends, embed_rows, gated_norm,
+                           gdn_window, mamba2_window, moe_combine, pooled, router_window)
 from metal_shaders import columns as columns_
 from metal_shaders import rows_matvec as kernels
 
@@ -1209,6 +1213,86 @@ def check_pooled(emu: PooledEmulator, counts=range(3, pooled.MAX_UPLOAD_INTS + 1
     return [exact for *_, exact in results]
 
 
+class ArgmaxEmulator:
+    """argmax_rows' two kernels on the CPU, a block at a time (a warp's lanes at once: they
+    shuffle), float32 or bfloat16 logits, with argmax_rows' launches."""
+
+    def __init__(self, workdir: Path, backend: str = backends.CUDA):
+        self.dir, self.backend = workdir, backend
+        self.built: dict[tuple, Path] = {}
+        self.sources = {"chunks": lambda: argmax_rows.CHUNKS, "rows": argmax_rows.rows_source}  # a check may swap one
+
+    def _binary(self, kind: str, dtype, pieces: int = 0) -> Path:
+        key = (kind, dtype, pieces)
+        if key not in self.built:
+            t = EMULATED_TYPES[dtype][0]
+            common = ["const int32_t* dims", "const float* neg_inf"]
+            if kind == "chunks":
+                params, outputs, out_t = [*common, f"const {t}* logits"], ["part"], "float"
+                consts = (f"using T = {t}; constexpr int CHUNK = {argmax_rows.CHUNK}; "
+                          f"constexpr int LANE_VALUES = {argmax_rows.LANE_VALUES};")
+                body = self.sources["chunks"]()
+            else:
+                params, outputs, out_t, consts = [*common, "const float* part"], [f"o{j}" for j in range(pieces)], "uint32_t", ""
+                body = self.sources["rows"](pieces)
+            # every output a piece of the one buffer MAIN writes, POOL_INTS values apart
+            args = ([f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
+                    + [f"out.data() + {pooled.POOL_INTS * j}" for j in range(len(outputs))])
+            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, *(f"{out_t}* {o}" for o in outputs)],
+                              consts, body)
+                      + MAIN.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", out_t)
+                      .replace("CALL", f"kernel({', '.join(args)})"))
+            path = self.dir / f"argmax_{kind}_{pieces}_{t}_{len(self.built)}"
+            compile_program(path, source)
+            self.built[key] = path
+        return self.built[key]
+
+    def chunks(self, logits: mx.array) -> np.ndarray:
+        """The first kernel, emulated: logits (R, V) float32 or bfloat16 -> part (R, C, 2) float32."""
+        R, V = logits.shape
+        C, chunks, _ = argmax_rows.launches(R, V)
+        names = write_inputs(self.dir, "ain", [np.array([R, V, C], np.int32), np.array([-np.inf], np.float32),
+                                               raw_bits(logits)])
+        part = self.dir / "apart"
+        threads = chunks["threadgroup"][0]
+        subprocess.run([str(self._binary("chunks", logits.dtype)), *names, str(chunks["grid"][0] // threads), str(R),
+                        str(threads), str(R * C * 2), str(part)], check=True)
+        return np.fromfile(part, np.float32).reshape(R, C, 2)
+
+    def rows(self, part: np.ndarray, V: int) -> list[int]:
+        """The second kernel, emulated: the chunks' part -> each row's token (4294967295 where the
+        kernel left one unwritten), the pieces' values in order."""
+        R, C, _ = part.shape
+        _, _, rows = argmax_rows.launches(R, V)
+        names = write_inputs(self.dir, "arin", [np.array([R, V, C], np.int32), np.array([-np.inf], np.float32), part])
+        out = self.dir / "aout"
+        subprocess.run([str(self._binary("rows", mx.float32, -(-R // pooled.POOL_INTS))), *names, "1", str(R),
+                        str(rows["threadgroup"][0]), str(R), str(out)], check=True)
+        return np.fromfile(out, np.uint32).tolist()
+
+    def run(self, logits: mx.array) -> list[int]:
+        """`argmax_pieces`' two launches, emulated: each row's token."""
+        return self.rows(self.chunks(logits), logits.shape[1])
+
+
+def check_argmax(emu: ArgmaxEmulator) -> list[bool]:
+    """For each probe width (a short last chunk; Qwen3-Next's 151,936), float32 and bfloat16:
+    the tokens of the probe's 8 rows (ties across lanes and chunks, -inf, NaN, the largest first
+    and last), of rows 5-7 and of each row alone are MLX's CUDA argmax's (`reference_argmax`)."""
+    results = []
+    for dtype in (mx.float32, mx.bfloat16):
+        for V in argmax_rows.PROBE_COLUMNS:
+            rows = argmax_rows.probe_rows(V, dtype)
+            expected = argmax_rows.reference_argmax(rows)
+            together = emu.run(rows)
+            alone = [t for r in range(8) for t in emu.run(rows[r : r + 1])]
+            ok = together == expected and alone == expected and emu.run(rows[5:]) == expected[5:]
+            print(f"argmax_rows V={V:6d} {str(dtype).split('.')[-1]:8s} rows 8, 3, 1: {together}  "
+                  f"{'ok' if ok else f'FAIL (expected {expected}, alone {alone})'}", flush=True)
+            results.append(ok)
+    return results
+
+
 class CombineEmulator:
     """moe_combine's kernels on the CPU, float32 or bfloat16 picks (each element rounded as the
     GPU rounds it), with moe_combine's launch: a thread at a time (its threads never meet)."""
@@ -1844,6 +1928,13 @@ def cuda_wrappers() -> list[tuple[str, str, list[str], str, str]]:
                             pooled.join_source(k)))
         kernels_out.append((f"pooled_split_{n}", "", ["const float* values"] + [f"float* o{j}" for j in range(k)], "",
                             pooled.split_source(k)))
+    for tn, t in (("f32", "float"), ("bf16", "__nv_bfloat16")):
+        kernels_out.append((f"argmax_chunks_{tn}", "", ["const int32_t* dims", "const float* neg_inf",
+                                                        f"const {t}* logits", "float* part"],
+                            f"using T = {t}; constexpr int CHUNK = {argmax_rows.CHUNK}; "
+                            f"constexpr int LANE_VALUES = {argmax_rows.LANE_VALUES};", argmax_rows.CHUNKS))
+    kernels_out.append(("argmax_rows_4", "", ["const int32_t* dims", "const float* neg_inf", "const float* part"]
+                        + [f"unsigned int* o{j}" for j in range(4)], "", argmax_rows.rows_source(4)))
     for dk in (64, 128, 256):
         kernels_out.append((f"gdn_scan_{dk}", gdn_window.HEADER,
                             ["const int32_t* dims"] + [f"const float* {n}" for n in GDN_KINDS["scan"][0][1:]]
@@ -1931,6 +2022,7 @@ ONLY = {
     "tails": lambda emu, backend: check_tails(emu),
     "glu-cols": lambda emu, backend: check_glu_cols(emu),
     "pooled": lambda emu, backend: check_pooled(PooledEmulator(emu.dir, backend)),
+    "argmax": lambda emu, backend: check_argmax(ArgmaxEmulator(emu.dir, backend)),
 }
 
 
@@ -1947,7 +2039,8 @@ def main() -> int:
                              "mapped (rows_matvec's column-mapped forms, about a minute), embed "
                              "(metal_shaders/embed_rows.py, seconds), tails (rows_matvec's reduce-scatter "
                              "against the butterfly, every matrix kind, a few minutes), glu-cols (the routed "
-                             "GLU at other columns a warp) or pooled (metal_shaders/pooled.py's copies, seconds)")
+                             "GLU at other columns a warp), pooled (metal_shaders/pooled.py's copies, seconds) or "
+                             "argmax (metal_shaders/argmax_rows.py, seconds)")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     emu = Emulator(Path(tempfile.mkdtemp(prefix="strata-kernel-emulate-")), args.backend)
@@ -2058,6 +2151,7 @@ def main() -> int:
     results += check_combines(CombineEmulator(emu.dir, args.backend))
     results += check_embeds(EmbedRowsEmulator(emu.dir, args.backend))
     results += check_pooled(PooledEmulator(emu.dir, args.backend))
+    results += check_argmax(ArgmaxEmulator(emu.dir, args.backend))
     print("all kernels match" if all(results) else "MISMATCH", flush=True)
     return 0 if all(results) else 1
 

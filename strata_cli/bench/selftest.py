@@ -15,8 +15,8 @@ import time
 
 import mlx.core as mx
 
-from metal_shaders import (add_norm, attention_prep, attention_window, embed_rows, gated_norm, gdn_window, mamba2_window,
-                           moe_combine, pooled, router_window, rows_mma)
+from metal_shaders import (add_norm, argmax_rows, attention_prep, attention_window, embed_rows, gated_norm, gdn_window,
+                           mamba2_window, moe_combine, pooled, router_window, rows_mma)
 from metal_shaders import rows_matvec as kernels
 
 from ..calibrate import measure_curve
@@ -59,6 +59,7 @@ KERNEL_PROBES = (
     ("gated_norm_kernel", gated_norm.usable, gated_norm.status),
     ("embed_kernel", embed_rows.usable, embed_rows.status),
     ("pool_copies", pooled.usable, pooled.status),
+    ("argmax_kernels", argmax_rows.usable, argmax_rows.status),
 )
 
 

@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from metal_shaders.pooled import device_ints, host_lists
+from metal_shaders.argmax_rows import device_argmax, host_argmax
+from metal_shaders.pooled import device_ints
 
 from ..options import PREFILL_CHUNK, ConfigError, EngineOptions
 from .sliding_state import SlidingKVState
@@ -195,7 +196,7 @@ class WindowEngine:
         if logits.dtype == mx.float32 and self._host_logits(rows):
             greedy = np.argmax(np.asarray(logits), axis=-1).tolist()  # np.argmax breaks ties as mx.argmax does
         else:  # the argmax of the logits' own dtype: their float32 cast is exact, keeps every order and tie
-            (greedy,) = host_lists(mx.argmax(logits, axis=-1))
+            greedy = host_argmax(logits)
             logits = logits.astype(mx.float32)  # made only where a caller reads it (sampling, processors)
         self.warm_rows.add(rows)
         self._open = (pos0, T, mode)
@@ -238,7 +239,7 @@ class WindowEngine:
         if logits.dtype == mx.float32 and self._host_logits(1):
             greedy = mx.array(np.argmax(np.asarray(logits)[0], axis=-1, keepdims=True).astype(np.uint32))
         else:
-            greedy = mx.argmax(logits.squeeze(0), axis=-1, keepdims=True)  # [0] would be 2 ops; as run()'s argmax
+            greedy = device_argmax(logits.squeeze(0))  # [0] would be 2 ops; run()'s argmax
             mx.async_eval(greedy)
         self.warm_rows.add(1)
         self._open = (pos0, 1, Mode.WINDOW)
