@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import backends
-from .pooled import MAX_UPLOAD_INTS, POOL_INTS, host_lists, piece_cases
+from .pooled import MAX_UPLOAD_INTS, host_lists, piece_cases, piece_shapes
 from .probe import Probe, backend, constant, dims, gpu_kernel
 
 LANE_VALUES = 8  # a lane's consecutive values: one 16-byte load at bfloat16, two at float32
@@ -96,14 +96,14 @@ def argmax_pieces(logits: mx.array) -> list[mx.array]:
     fewer), each 8 bytes at most and so in MLX's pool: two launches. See `takes`."""
     R, V = logits.shape
     C, chunks, rows = launches(R, V)
-    k = -(-R // POOL_INTS)
+    shapes = piece_shapes(R)
+    k = len(shapes)
     first = gpu_kernel("strata_argmax_chunks_v1", ["dims", "neg_inf", "logits"], ["part"], CHUNKS)
     (part,) = first(inputs=[dims(R, V, C), constant(float("-inf")), logits],
                     template=[("T", logits.dtype), ("CHUNK", CHUNK), ("LANE_VALUES", LANE_VALUES)],
                     output_shapes=[(R, C, 2)], output_dtypes=[mx.float32], **chunks)
     second = gpu_kernel(f"strata_argmax_rows_{k}_v1", ["dims", "neg_inf", "part"], [f"o{j}" for j in range(k)],
                         rows_source(k))
-    shapes = [(min(POOL_INTS, R - POOL_INTS * j),) for j in range(k)]
     return second(inputs=[dims(R, V, C), constant(float("-inf")), part], output_shapes=shapes,
                   output_dtypes=[mx.uint32] * k, **rows)
 

@@ -54,8 +54,9 @@ def split_source(pieces: int) -> str:
             + piece_cases(pieces, "o{j}[i & 1] = v;"))
 
 
-def _count(n: int) -> int:
-    return -(-n // POOL_INTS)
+def piece_shapes(n: int) -> list[tuple[int]]:
+    """The shapes of n values' pooled pieces: POOL_INTS values each, the last maybe fewer."""
+    return [(min(POOL_INTS, n - i),) for i in range(0, n, POOL_INTS)]
 
 
 def launch(n: int) -> dict:
@@ -78,9 +79,9 @@ def split(values: mx.array) -> list[mx.array]:
     """A 1-d array of 4-byte values as pieces of POOL_INTS values (the last maybe shorter), each
     8 bytes at most and so in MLX's pool, in one launch."""
     n = values.shape[0]
-    k = _count(n)
+    shapes = piece_shapes(n)
+    k = len(shapes)
     kernel = gpu_kernel(f"strata_pool_split_{k}_v1", ["values"], [f"o{j}" for j in range(k)], split_source(k))
-    shapes = [(min(POOL_INTS, n - POOL_INTS * j),) for j in range(k)]
     return kernel(inputs=[values], output_shapes=shapes, output_dtypes=[values.dtype] * k, **launch(n))
 
 
