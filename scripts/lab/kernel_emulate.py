@@ -1142,6 +1142,19 @@ def check_embeds(emu: EmbedRowsEmulator) -> list[bool]:
             + [check_embed_rows(emu, 4, 64, dtype=mx.bfloat16, token_dtype=t) for t in (mx.uint32, mx.int64)])
 
 
+def pieces_program(shim: str, backend: str, params: list[str], outputs: list[str], out_t: str, consts: str, body: str,
+                   main: str) -> str:
+    """A kernel whose outputs (of type `out_t`) are pooled pieces, behind `backend`'s prelude over
+    `shim`, run by `main` (MAIN: a block's threads at once; MAIN_SERIAL: a thread at a time): every
+    output a piece of the one buffer `main` writes, POOL_INTS values apart; inputs in `params`
+    order from files."""
+    args = ([f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
+            + [f"out.data() + {pooled.POOL_INTS * j}" for j in range(len(outputs))])
+    return (program(shim, backend, "", [*params, *(f"{out_t}* {o}" for o in outputs)], consts, body)
+            + main.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", out_t)
+            .replace("CALL", f"kernel({', '.join(args)})"))
+
+
 class PooledEmulator:
     """pooled's `join` and `split` on the CPU, a thread at a time (their threads never meet), with
     pooled's launch: int32 pieces joined, 4-byte values (int32, uint32, float32) split."""
@@ -1161,13 +1174,7 @@ class PooledEmulator:
                 params, outputs = [f"const {t}* p{j}" for j in range(k)], ["out"]
             else:
                 params, outputs = [f"const {t}* values"], [f"o{j}" for j in range(k)]
-            # every output a piece of the one buffer MAIN_SERIAL writes, POOL_INTS values apart
-            args = ([f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
-                    + [f"out.data() + {pooled.POOL_INTS * j}" for j in range(len(outputs))])
-            source = (program(SHIM_BLOCK, self.backend, "", [*params, *(f"{t}* {o}" for o in outputs)], "",
-                              self.sources[kind](k))
-                      + MAIN_SERIAL.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", t)
-                      .replace("CALL", f"kernel({', '.join(args)})"))
+            source = pieces_program(SHIM_BLOCK, self.backend, params, outputs, t, "", self.sources[kind](k), MAIN_SERIAL)
             path = self.dir / f"pooled_{kind}_{n}_{t}_{len(self.built)}"
             compile_program(path, source)
             self.built[key] = path
@@ -1235,13 +1242,7 @@ class ArgmaxEmulator:
             else:
                 params, outputs, out_t, consts = [*common, "const float* part"], [f"o{j}" for j in range(pieces)], "uint32_t", ""
                 body = self.sources["rows"](pieces)
-            # every output a piece of the one buffer MAIN writes, POOL_INTS values apart
-            args = ([f"({p.rsplit(' ', 1)[0]})in[{i}].data()" for i, p in enumerate(params)]
-                    + [f"out.data() + {pooled.POOL_INTS * j}" for j in range(len(outputs))])
-            source = (program(SHIM_BLOCK + BF16_SHIM, self.backend, "", [*params, *(f"{out_t}* {o}" for o in outputs)],
-                              consts, body)
-                      + MAIN.replace("NUM_INPUTS", str(len(params))).replace("OUT_T", out_t)
-                      .replace("CALL", f"kernel({', '.join(args)})"))
+            source = pieces_program(SHIM_BLOCK + BF16_SHIM, self.backend, params, outputs, out_t, consts, body, MAIN)
             path = self.dir / f"argmax_{kind}_{pieces}_{t}_{len(self.built)}"
             compile_program(path, source)
             self.built[key] = path
