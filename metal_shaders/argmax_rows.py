@@ -14,9 +14,10 @@ chosen (every comparison with it is false, as in MLX's reduction), and a row wit
 lanes, warps and chunks combine by (larger, or equal with the lower index), which neither the
 order nor the grouping changes, so the token of a row never depends on the other rows. Indices
 travel as floats, exact below 2^24 (`takes` asks for fewer columns). The probe holds the tokens
-to `mx.argmax` on rows with planted ties across lanes and chunks, -inf, NaN, the largest value
-first and last, in bfloat16, float16 and float32; until it passes, and off CUDA, MLX's argmax
-runs (and `pooled.host_pieces` copies its tokens into the pool).
+to `reference_argmax` (which must agree with `mx.argmax` on every row without NaN) on rows with
+planted ties across lanes and chunks, -inf, NaN, the largest value first and last, at the dtype
+asked (bfloat16, float16 or float32); until it passes, and off CUDA, MLX's argmax runs (and
+`pooled.host_pieces` copies its tokens into the pool).
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ WARPS = 4  # chunks a block
 MAX_COLUMNS = 1 << 24  # indices travel as floats: exact below 2^24
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
+# A warp's lanes combined: every lane ends with the warp's (best, at).
+COMBINE = """    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ob = strata_xor(best, off), oa = strata_xor(at, off);
+        if (ob > best || (ob == best && oa < at)) { best = ob; at = oa; }
+    }
+"""
 # dims: R, V, C (chunks a row). Block (x, y): chunks x·WARPS.. of row y; part[r, c] = (best, index).
 CHUNKS = """
     const int V = dims[1], C = dims[2];
@@ -53,20 +61,11 @@ CHUNKS = """
     #pragma unroll
     for (int j = 0; j < LANE_VALUES; ++j)
         if (v[j] > best) { best = v[j]; at = static_cast<float>(i0 + j); }
-""" + "COMBINE" + """
-    if (lane == 0) {
+""" + COMBINE + """    if (lane == 0) {
         part[(static_cast<size_t>(block_y) * C + chunk) * 2] = best;
         part[(static_cast<size_t>(block_y) * C + chunk) * 2 + 1] = at;
     }
 """
-# the warp's lanes combined: every lane ends with the warp's (best, at)
-COMBINE = """    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ob = strata_xor(best, off), oa = strata_xor(at, off);
-        if (ob > best || (ob == best && oa < at)) { best = ob; at = oa; }
-    }
-"""
-CHUNKS = CHUNKS.replace("COMBINE", COMBINE)
 
 
 def rows_source(pieces: int) -> str:
