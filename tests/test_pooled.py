@@ -22,8 +22,9 @@ def emulator(emulate, tmp_path_factory):
 
 
 def test_the_emulated_copies_give_every_values_bits(emulate, emulator):
-    """(kernel_emulate.py: 3 to 16 values, int32 joined, int32 / uint32 / float32 split.)"""
-    assert all(emulate.check_pooled(emulator))
+    """(kernel_emulate.py, at the probe's counts: 2, 4 and 8 pieces, the last full or not; int32
+    joined, int32 / uint32 / float32 split. `--only pooled` runs every count from 3 to 16.)"""
+    assert all(emulate.check_pooled(emulator, counts=pooled.PROBE_COUNTS))
 
 
 def emulated_kernel(emu, calls):

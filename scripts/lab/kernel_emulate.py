@@ -1166,16 +1166,17 @@ class PooledEmulator:
         self.built: dict[tuple, Path] = {}
         self.sources = {"join": pooled.join_source, "split": pooled.split_source}  # a check may swap one
 
-    def _binary(self, kind: str, n: int, dtype) -> Path:
-        key = (kind, n, dtype)
+    def _binary(self, kind: str, k: int, dtype) -> Path:
+        """The body for k pieces (as on a GPU, one compile serves either length of the last)."""
+        key = (kind, k, dtype)
         if key not in self.built:
-            t, k = self.TYPES[dtype][0], -(-n // pooled.POOL_INTS)
+            t = self.TYPES[dtype][0]
             if kind == "join":
                 params, outputs = [f"const {t}* p{j}" for j in range(k)], ["out"]
             else:
                 params, outputs = [f"const {t}* values"], [f"o{j}" for j in range(k)]
             source = pieces_program(SHIM_BLOCK, self.backend, params, outputs, t, "", self.sources[kind](k), MAIN_SERIAL)
-            path = self.dir / f"pooled_{kind}_{n}_{t}_{len(self.built)}"
+            path = self.dir / f"pooled_{kind}_{k}_{t}_{len(self.built)}"
             compile_program(path, source)
             self.built[key] = path
         return self.built[key]
@@ -1185,7 +1186,7 @@ class PooledEmulator:
         config = pooled.launch(n)
         threads = config["threadgroup"][0]
         out = self.dir / "pout"
-        subprocess.run([str(self._binary(kind, n, dtype)), *names, str(config["grid"][0] // threads), "1",
+        subprocess.run([str(self._binary(kind, len(pooled.piece_shapes(n)), dtype)), *names, str(config["grid"][0] // threads), "1",
                         str(threads), str(n), str(out)], check=True)
         return np.fromfile(out, self.TYPES[dtype][1])
 
