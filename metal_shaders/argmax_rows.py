@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import backends
-from .pooled import MAX_UPLOAD_INTS, host_lists, piece_cases, piece_shapes
+from .pooled import MAX_UPLOAD_INTS, host_lists, piece_cases, piece_shapes, read_pieces
 from .probe import Probe, backend, constant, dims, gpu_kernel
 
 LANE_VALUES = 8  # a lane's consecutive values: one 16-byte load at bfloat16, two at float32
@@ -113,7 +113,7 @@ def host_argmax(logits: mx.array) -> list[int]:
     if takes(logits):
         pieces = argmax_pieces(logits)
         mx.eval(*pieces)
-        return [v for p in pieces for v in p.tolist()]
+        return read_pieces(pieces)
     return host_lists(mx.argmax(logits, axis=-1))[0]
 
 
@@ -190,7 +190,7 @@ def check(dtypes=None) -> str | None:
                 return f"mx.argmax differs from the reference ({dtype}, V = {V})"
             for lo, hi in ((0, 8), (5, 8), *((r, r + 1) for r in range(8))):
                 pieces = argmax_pieces(rows[lo:hi])
-                got = [v for p in pieces for v in p.tolist()]
+                got = read_pieces(pieces)
                 if any(p.dtype != mx.uint32 or p.nbytes > 8 for p in pieces):
                     return f"argmax pieces of another dtype or over 8 bytes ({dtype}, V = {V})"
                 if got != expected[lo:hi]:

@@ -59,6 +59,18 @@ def piece_shapes(n: int) -> list[tuple[int]]:
     return [(min(POOL_INTS, n - i),) for i in range(0, n, POOL_INTS)]
 
 
+def int_pieces(values: list[int], *, row: bool = False) -> list[mx.array]:
+    """int32 arrays of POOL_INTS values each (the last maybe fewer), (k,) or with `row` (1, k):
+    8 bytes at most, so MLX makes each in its pool."""
+    return [mx.array([values[i:i + POOL_INTS]] if row else values[i:i + POOL_INTS], dtype=mx.int32)
+            for i in range(0, len(values), POOL_INTS)]
+
+
+def read_pieces(pieces: list[mx.array]) -> list:
+    """The values of evaluated pieces, in order, as one list."""
+    return [v for p in pieces for v in p.tolist()]
+
+
 def launch(n: int) -> dict:
     """A thread per value, one block of n threads (n <= MAX_UPLOAD_INTS): the bodies never check
     a bound."""
@@ -113,9 +125,7 @@ def check(dtypes=None) -> str | None:
     for n in PROBE_COUNTS:
         values = list(PROBE_INTS[:n])
         for row in (False, True):
-            shaped = (lambda v: [v]) if row else (lambda v: v)  # noqa: E731
-            pieces = [mx.array(shaped(values[i:i + POOL_INTS]), dtype=mx.int32) for i in range(0, n, POOL_INTS)]
-            if join(pieces).tolist() != shaped(values):
+            if join(int_pieces(values, row=row)).tolist() != ([values] if row else values):
                 return f"join of {n} ints{' as a row' if row else ''} gave other values"
         for dtype in SPLIT_DTYPES:
             source = PROBE_FLOATS if dtype == mx.float32 else PROBE_INTS
@@ -135,10 +145,9 @@ def device_ints(values, *, row: bool = False) -> mx.array:
     page fault: made from 8-byte pieces in MLX's mapped pool and joined on the GPU into device
     memory. Elsewhere (or for more than MAX_UPLOAD_INTS values) `mx.array`: no op more."""
     values = list(values)
-    shaped = (lambda v: [v]) if row else (lambda v: v)  # noqa: E731
     if len(values) <= POOL_INTS or len(values) > MAX_UPLOAD_INTS or not uploads():
-        return mx.array(shaped(values), dtype=mx.int32)
-    pieces = [mx.array(shaped(values[i:i + POOL_INTS]), dtype=mx.int32) for i in range(0, len(values), POOL_INTS)]
+        return mx.array([values] if row else values, dtype=mx.int32)
+    pieces = int_pieces(values, row=row)
     return join(pieces) if usable() else mx.concatenate(pieces, axis=-1)
 
 
@@ -173,4 +182,4 @@ def host_lists(*arrays: mx.array) -> list[list]:
     evaluated in one eval."""
     pieces = [host_pieces(a) for a in arrays]
     mx.eval(*[p for ps in pieces for p in ps])
-    return [[v for p in ps for v in p.tolist()] for ps in pieces]
+    return [read_pieces(ps) for ps in pieces]
