@@ -1186,8 +1186,9 @@ class PooledEmulator:
         config = pooled.launch(n)
         threads = config["threadgroup"][0]
         out = self.dir / "pout"
-        subprocess.run([str(self._binary(kind, len(pooled.piece_shapes(n)), dtype)), *names, str(config["grid"][0] // threads), "1",
-                        str(threads), str(n), str(out)], check=True)
+        binary = self._binary(kind, len(pooled.piece_shapes(n)), dtype)
+        subprocess.run([str(binary), *names, str(config["grid"][0] // threads), "1", str(threads), str(n), str(out)],
+                       check=True)
         return np.fromfile(out, self.TYPES[dtype][1])
 
     def join(self, pieces: list[np.ndarray]) -> np.ndarray:
@@ -1268,7 +1269,7 @@ class ArgmaxEmulator:
         _, _, rows = argmax_rows.launches(R, V)
         names = write_inputs(self.dir, "arin", [np.array([R, V, C], np.int32), np.array([-np.inf], np.float32), part])
         out = self.dir / "aout"
-        subprocess.run([str(self._binary("rows", mx.float32, -(-R // pooled.POOL_INTS))), *names, "1", str(R),
+        subprocess.run([str(self._binary("rows", mx.float32, len(pooled.piece_shapes(R)))), *names, "1", str(R),
                         str(rows["threadgroup"][0]), str(R), str(out)], check=True)
         return np.fromfile(out, np.uint32).tolist()
 
