@@ -63,3 +63,19 @@ def test_a_folder_without_the_package_is_refused_in_one_line(tmp_path, capsys):
 def test_unknown_settings_are_refused():
     with pytest.raises(SystemExit):
         versus_tree.main(["--settings", "greedy,fast"])
+
+
+def test_warm_prompt_prefills_and_the_launch_to_first_token(tmp_path):
+    out = tmp_path / "versus.json"
+    code = versus_tree.main(["--base-dir", str(versus_tree.ROOT), "--settings", "prompts,first-token",
+                             "--workloads", "prose", "--rounds", "1", "--repeats", "2",
+                             "--dir", str(tmp_path / "work"), "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    prompts = [r for r in result["runs"] if r["setting"] == "prompts"]
+    # each tree prefilled the prompt three times and kept the last two (the first warmed its shape)
+    assert sorted(r["tree"] for r in prompts) == ["new", "new", "old", "old"]
+    assert all(r["mode"].startswith("prefill of ") and r["tokens_per_s"] > 0 for r in prompts)
+    (launch_old, launch_new) = sorted((r for r in result["runs"] if r["setting"] == "first-token"),
+                                      key=lambda r: r["tree"], reverse=True)
+    assert launch_old["tree"] == "old" and 0 < launch_new["seconds"] < 120

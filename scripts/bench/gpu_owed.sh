@@ -30,7 +30,7 @@
 #   bash scripts/bench/gpu_owed.sh stream-depth     # then demand-first reads at 10% and 25% (--readahead-depth 8)
 #   bash scripts/bench/gpu_owed.sh stream-prob      # read-ahead of likely picks only (p >= 0.3) at 10% and 25%
 #   VERSUS_BASE=DIR bash scripts/bench/gpu_owed.sh versus  # d8d28df's files in DIR against this tree, alternating:
-#                                   # the demo sampled and streamed, the 80B shape's prefill and sampling (~12 min)
+#                                   # the demo sampled, streamed, warm prompts, launch to first token; the 80B shape's (~20 min)
 #   bash scripts/bench/gpu_owed.sh selftest  # `strata selftest` as a fresh machine runs it (empty caches), then again
 #   STAGES="installs small-ops profile" bash scripts/bench/gpu_owed.sh sequence  # those stages in turn
 #   bash scripts/bench/gpu_owed.sh background STAGE [WAIT]  # STAGE in the background (unless one runs), wait
@@ -308,7 +308,8 @@ versus)
     # issue 37's "nothing slower than today anywhere": the tree it was filed at (d8d28df, unpacked by
     # `git archive d8d28df | tar -x -C DIR` and carried: a loan's copy has no history) against this one
     base=${VERSUS_BASE:?VERSUS_BASE names the folder the old tree was unpacked into}
-    python -m scripts.bench.versus_tree --base-dir "$base" --settings sampled,streamed --dtype bfloat16 --rounds 2 \
+    python -m scripts.bench.versus_tree --base-dir "$base" --settings sampled,streamed,prompts,streamed-prompts,first-token \
+        --dtype bfloat16 --rounds 2 \
         --out "$OUT/versus_${card}_demo_$tree.json" 2>&1 | log versus
     python -m scripts.bench.versus_tree --base-dir "$base" --settings prefill --prefill-args "--synthetic 80b" --rounds 2 \
         --out "$OUT/versus_${card}_prefill_80b_$tree.json" 2>&1 | log versus
@@ -321,8 +322,8 @@ from pathlib import Path
 from scripts.bench.compare_mlx_lm import build_checkpoint, tiny_tokenizer
 tiny_tokenizer(build_checkpoint(Path(sys.argv[1]), layers=8, tiny=False, bits=4, seed=0), vocab_size=512)
 EOF
-    python -m scripts.bench.versus_tree --base-dir "$base" --settings sampled --model "$model" --workloads copy_edit \
-        --modes serial,3 --rounds 1 --out "$OUT/versus_${card}_80b_$tree.json" 2>&1 | log versus
+    python -m scripts.bench.versus_tree --base-dir "$base" --settings sampled,prompts,first-token --model "$model" \
+        --workloads copy_edit --modes serial,3 --rounds 1 --out "$OUT/versus_${card}_80b_$tree.json" 2>&1 | log versus
     ;;
 stream)
     # the 47.2 GB checkpoint wants the disk to itself: the H100 of 2026-12-05 had 48.2 GB left after

@@ -7,7 +7,14 @@ order alternating so a machine's drift hits both:
 - `greedy` and `sampled` (`--temperature`, one `--seed`): `strata bench` in `--modes`;
 - `streamed`: the checkpoint converted by each tree's `strata convert --stream`, decoded with
   `--resident-experts` a `--cache-fraction` of each MoE layer's experts;
-- `prefill`: each tree's `prefill_bench` (strata alone, `--prefill-args` passed on).
+- `prefill`: each tree's `prefill_bench` (strata alone, `--prefill-args` passed on);
+- `prompts` and `streamed-prompts`: one `strata generate --each-line --max-tokens 1` process
+  prefilling each workload's prompt (its lines joined) `--repeats` + 1 times, the first of each
+  apart as its shape's warm-up: prefill tokens/s as a user's later prompts get it, of the
+  checkpoint and of the streamed conversion;
+- `first-token`: `strata generate --max-tokens 1` of each workload's prompt, a process each, timed
+  from its start to its exit (load, any warm-up, the prompt's prefill, one token: what a user
+  waits), as prompt tokens a second of that wall time.
 
 The report gives every (setting, workload, mode)'s median tokens/s of each tree over all runs of
 all rounds and their ratio (new / old), and whether the two trees wrote the same texts (bench's
@@ -37,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BASE = "d8d28df"  # the tree issue 37 was filed at: its "nothing slower than today"
-SETTINGS = ("greedy", "sampled", "streamed", "prefill")
+SETTINGS = ("greedy", "sampled", "streamed", "prefill", "prompts", "streamed-prompts", "first-token")
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
@@ -65,15 +72,16 @@ class Tree:
         path = os.pathsep.join(filter(None, [str(self.path), os.environ.get("PYTHONPATH")]))  # MLX's own may be there
         self.env = {**os.environ, "PYTHONPATH": path, "XDG_CACHE_HOME": str(self.cache)}
 
-    def run(self, argv: list[str], what: str) -> str:
-        done = subprocess.run([sys.executable, *argv], cwd=self.path, env=self.env, capture_output=True, text=True)
+    def run(self, argv: list[str], what: str, stdin: str | None = None) -> str:
+        done = subprocess.run([sys.executable, *argv], cwd=self.path, env=self.env, capture_output=True, text=True,
+                              input=stdin)
         if done.returncode:
             tail = (done.stderr or done.stdout).strip().splitlines()[-8:]
             raise TreeError(f"{self.label}: {what} failed (exit {done.returncode}):\n  " + "\n  ".join(tail))
         return done.stdout
 
-    def cli(self, args: list[str], what: str) -> str:
-        return self.run(["-m", "strata_cli.cli", *args], what)
+    def cli(self, args: list[str], what: str, stdin: str | None = None) -> str:
+        return self.run(["-m", "strata_cli.cli", *args], what, stdin)
 
     def module_file(self) -> str:
         return self.run(["-c", "import strata_cli; print(strata_cli.__file__)"], "import").strip()
@@ -98,12 +106,13 @@ def expert_count(model_dir: Path) -> int:
 
 def bench_runs(path: Path) -> list[dict]:
     """(workload, mode, tokens/s, output digest) of every measured run in a bench JSON, and each
-    workload's prefill tokens/s as mode 'prefill'."""
+    workload's one prefill before its modes (on a GPU the process's first of that prompt's shape,
+    kernel builds and all: `prompts` gives the warm figure)."""
     result = json.loads(path.read_text())
     rows = []
     for workload in result["workloads"]:
         if workload.get("prefill_tokens_per_s"):
-            rows.append(dict(workload=workload["name"], mode="prefill (bench)",
+            rows.append(dict(workload=workload["name"], mode="one-shot prefill (bench)",
                              tokens_per_s=workload["prefill_tokens_per_s"], digest=None))
         for mode in workload["modes"]:
             for run in mode["runs"]:
@@ -160,8 +169,42 @@ class Study:
                 argv += ["--model", str(self.args.model)]
             tree.run(argv, "prefill_bench")
             return prefill_runs(out)
+        if setting == "first-token":
+            return [self.first_token(tree, name) for name in self.args.workloads]
+        if setting in ("prompts", "streamed-prompts"):
+            return self.prompt_prefills(tree, streamed=setting == "streamed-prompts")
         tree.cli(self.bench_args(setting, tree, out), f"bench ({setting})")
         return bench_runs(out)
+
+    def prompt(self, workload: str) -> str:
+        return (self.args.workloads_dir / f"{workload}.txt").read_text().split("\n---\n", 1)[1]
+
+    def generate_args(self, model) -> list[str]:
+        return ["generate", "--model", str(model), "--max-tokens", "1", "--json",
+                *(["--dtype", self.args.dtype] if self.args.dtype else [])]
+
+    def prompt_prefills(self, tree: Tree, streamed: bool) -> list[dict]:
+        times = self.args.repeats + 1
+        names = [name for name in self.args.workloads for _ in range(times)]
+        lines = [" ".join(self.prompt(name).split("\n")) for name in names]
+        argv = [*self.generate_args(self.streamed[tree.label] if streamed else self.args.model), "--each-line"]
+        if streamed:
+            argv += ["--resident-experts", str(self.resident)]
+        out = tree.cli(argv, "generate --each-line", stdin="\n".join(lines) + "\n")
+        answers = [json.loads(line) for line in out.splitlines() if line.strip()]
+        if len(answers) != len(lines):
+            raise TreeError(f"{tree.label}: generate --each-line answered {len(answers)} of {len(lines)} prompts")
+        return [dict(workload=name, mode=f"prefill of {answer['stats']['prefill_tokens']} tokens",
+                     tokens_per_s=answer["stats"]["prefill_tokens_per_s"], digest=None)
+                for i, (name, answer) in enumerate(zip(names, answers)) if i % times]  # each first one: warm-up
+
+    def first_token(self, tree: Tree, workload: str) -> dict:
+        argv = [*self.generate_args(self.args.model), self.prompt(workload)]
+        started = time.perf_counter()
+        stats = json.loads(tree.cli(argv, f"generate ({workload})"))["stats"]
+        seconds = time.perf_counter() - started
+        return dict(workload=workload, mode="launch to first token", tokens_per_s=stats["prompt_tokens"] / seconds,
+                    seconds=seconds, digest=None)
 
 
 def summarize(runs: list[dict], labels: list[str]) -> list[dict]:
@@ -239,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             if not where.startswith(str(tree.path)):
                 raise TreeError(f"{tree.label}: imports strata_cli from {where}, not from {tree.path}")
         study = Study(args, trees, work)
-        if "streamed" in settings:
+        if {"streamed", "streamed-prompts"} & set(settings):
             study.prepare_streamed()
         runs = []
         for round_ in range(args.rounds):
