@@ -69,8 +69,8 @@ class Tree:
     def __init__(self, label: str, path: Path, work: Path):
         self.label, self.path = label, path.resolve()
         self.cache = work / f"cache-{label}"  # calibrations and digests apart: the trees' formats may differ
-        path = os.pathsep.join(filter(None, [str(self.path), os.environ.get("PYTHONPATH")]))  # MLX's own may be there
-        self.env = {**os.environ, "PYTHONPATH": path, "XDG_CACHE_HOME": str(self.cache)}
+        search = os.pathsep.join(filter(None, [str(self.path), os.environ.get("PYTHONPATH")]))  # MLX's own may be there
+        self.env = {**os.environ, "PYTHONPATH": search, "XDG_CACHE_HOME": str(self.cache)}
 
     def run(self, argv: list[str], what: str, stdin: str | None = None) -> str:
         done = subprocess.run([sys.executable, *argv], cwd=self.path, env=self.env, capture_output=True, text=True,
@@ -83,8 +83,11 @@ class Tree:
     def cli(self, args: list[str], what: str, stdin: str | None = None) -> str:
         return self.run(["-m", "strata_cli.cli", *args], what, stdin)
 
-    def module_file(self) -> str:
-        return self.run(["-c", "import strata_cli; print(strata_cli.__file__)"], "import").strip()
+    def check_imports(self) -> None:
+        """Its children import this tree's `strata_cli`, not an installed one."""
+        where = Path(self.run(["-c", "import strata_cli; print(strata_cli.__file__)"], "import").strip())
+        if not where.resolve().is_relative_to(self.path):
+            raise TreeError(f"{self.label}: imports strata_cli from {where}, not from {self.path}")
 
     def prefill_script(self) -> list[str]:
         """The tree's prefill_bench, wherever that tree keeps it (scripts/bench/ now, scripts/ once)."""
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dir", type=Path, default=ROOT, help="the new tree (default: this checkout)")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     parser.add_argument("--model", default="demo", help="checkpoint directory or 'demo' (default demo)")
-    parser.add_argument("--workloads", nargs="*", default=["copy_edit", "prose"], help="bench workloads")
+    parser.add_argument("--workloads", nargs="+", default=["copy_edit", "prose"], help="bench workloads")
     parser.add_argument("--workloads-dir", type=Path, default=ROOT / "strata_cli/assets/workloads",
                         help="one set of workload files for both trees (default: this checkout's)")
     parser.add_argument("--modes", default="serial,3,auto", help="bench modes of greedy and sampled")
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-fraction", type=float, default=0.25, help="streamed: resident experts a layer")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampled: temperature")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--dtype", default=None, help="bench --dtype (default: each backend's)")
+    parser.add_argument("--dtype", default=None, help="bench's and generate's --dtype (default: each backend's)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="measured runs a process")
     parser.add_argument("--warmup", type=int, default=1, help="bench warm-up runs a process")
@@ -278,9 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         base_path = args.base_dir or unpack(args.base, work / f"tree-{args.base}")
         trees = [Tree("old", base_path, work), Tree("new", args.head_dir, work)]
         for tree in trees:
-            where = tree.module_file()
-            if not where.startswith(str(tree.path)):
-                raise TreeError(f"{tree.label}: imports strata_cli from {where}, not from {tree.path}")
+            tree.check_imports()
         study = Study(args, trees, work)
         if {"streamed", "streamed-prompts"} & set(settings):
             study.prepare_streamed()
