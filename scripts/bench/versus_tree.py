@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         import mlx.core as mx
 
-        meta = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), base=args.base,
+        from strata_cli.bench.runner import git_commit
+
+        meta = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(), base=args.base,
                     base_dir=str(base_path), head_dir=str(args.head_dir), node=platform.node(),
                     cpu_count=os.cpu_count(), mlx=mx.__version__, device=str(mx.default_device()),
                     argv=sys.argv[1:], resident_experts=study.resident)
