@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from strata_cli.bench.workloads import WorkloadError, parse_workload
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BASE = "d8d28df"  # the tree issue 37 was filed at: its "nothing slower than today"
 SETTINGS = ("greedy", "sampled", "streamed", "prefill", "prompts", "streamed-prompts", "first-token")
@@ -180,7 +182,11 @@ class Study:
         return bench_runs(out)
 
     def prompt(self, workload: str) -> str:
-        return (self.args.workloads_dir / f"{workload}.txt").read_text().split("\n---\n", 1)[1]
+        """The workload's (first) prompt, read as bench reads it."""
+        try:
+            return parse_workload(self.args.workloads_dir / f"{workload}.txt").prompts[0]
+        except WorkloadError as e:
+            raise TreeError(str(e)) from None
 
     def generate_args(self, model) -> list[str]:
         return ["generate", "--model", str(model), "--max-tokens", "1", "--json",
